@@ -1,0 +1,220 @@
+"""traceml_agent: the code that runs inside every rank of a training job.
+
+`traceml run` bootstraps it before the user's script, so an unmodified DDP/FSDP
+script is timed with no change. For scripts started another way, or loops the
+automatic hooks cannot see, the explicit API is::
+
+    import traceml_agent
+
+    traceml_agent.init()                 # reads TRACEML_ENDPOINT, or endpoint="tcp://..."
+    for batch in loader:
+        with traceml_agent.step():       # one optimizer update
+            with traceml_agent.phase("forward"):
+                loss = model(batch)
+            ...
+
+Rules the agent keeps, because it lives inside someone's expensive job:
+it never blocks the training thread, never synchronizes the GPU from it, never
+raises into user code (an internal error is printed once and the agent turns
+itself off), and importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+from collections import deque
+from typing import Any
+
+from . import env, protocol
+from .recorder import MEASURED, NO_PHASE
+
+__all__ = ["init", "step", "phase", "shutdown", "enabled"]
+
+# Records waiting for the sender thread. At ~10 drains a second this holds
+# minutes of steps even for very fast loops; beyond it, the oldest are dropped.
+RECORD_QUEUE = 50_000
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"rec": None, "sender": None, "error_reported": False}
+
+
+def enabled() -> bool:
+    """True while the agent is timing this process."""
+    return _state["rec"] is not None
+
+
+def init(
+    endpoint: str | None = None,
+    *,
+    run_name: str | None = None,
+    auto: bool = True,
+) -> bool:
+    """Start the agent in this process. Returns True when it is running.
+
+    endpoint: the collector's ingest address; default $TRACEML_ENDPOINT.
+    auto: install the zero-code hooks (DataLoader, forward, backward, optimizer).
+    Calling init() again is harmless. Failure to start only prints a warning.
+    """
+    with _lock:
+        if _state["rec"] is not None:
+            return True
+        if os.environ.get(env.DISABLE) == "1":
+            return False
+        endpoint = endpoint or os.environ.get(env.ENDPOINT)
+        if not endpoint:
+            _warn("no collector endpoint (set TRACEML_ENDPOINT or use `traceml run`); not timing")
+            return False
+        try:
+            _start(endpoint, run_name or os.environ.get(env.RUN_NAME, ""), auto)
+            return True
+        except Exception as exc:
+            _warn(f"could not start ({exc!r}); training continues without it")
+            _teardown()
+            return False
+
+
+def _start(endpoint: str, run_name: str, auto: bool) -> None:
+    import torch
+
+    from . import hooks
+    from .recorder import CudaRecorder, Recorder
+    from .transport import Sender
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    ident = protocol.Identity(
+        rank=int(os.environ.get("RANK", "0")),
+        local_rank=local_rank,
+        node=int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))),
+        host=socket.gethostname()[: protocol.MAX_STR],
+        pid=os.getpid(),
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+    )
+    out: deque = deque(maxlen=RECORD_QUEUE)
+    cuda_index = None
+    if torch.cuda.is_available():
+        cuda_index = local_rank % max(1, torch.cuda.device_count())
+        rec: Recorder = CudaRecorder(out, torch)
+    else:
+        rec = Recorder(out)
+    hello = {
+        "run": run_name[: protocol.MAX_STR],
+        "device": f"cuda:{cuda_index}" if cuda_index is not None else "cpu",
+        "env": _distributed_env(),
+    }
+    sender = Sender(endpoint, ident, rec, out, hello, cuda_index)
+    _state["rec"], _state["sender"] = rec, sender
+    if auto:
+        hooks.install(rec, torch, _on_internal_error)
+    sender.start()
+    if os.environ.get(env.DEBUG) == "1":
+        print(f"[traceml] agent rank {ident.rank} reporting to {endpoint}", file=sys.stderr)
+
+
+def _distributed_env() -> dict[str, str]:
+    keep = ("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_DEBUG", "CUDA_VISIBLE_DEVICES", "OMP_")
+    found = {k: v[:1024] for k, v in os.environ.items() if k.startswith(keep)}
+    return dict(sorted(found.items())[: protocol.MAX_ENV_ENTRIES])
+
+
+def shutdown(exit_code: int | None = None, error: str | None = None) -> None:
+    """Flush what was measured and say goodbye to the collector. Safe to call twice."""
+    with _lock:
+        rec, sender = _state["rec"], _state["sender"]
+        _teardown()
+    if rec is not None:
+        rec.flush()
+    if sender is not None:
+        sender.stop(exit_code, error)
+
+
+def _teardown() -> None:
+    from . import hooks
+
+    hooks.uninstall()
+    _state["rec"] = None
+    _state["sender"] = None
+
+
+def _on_internal_error(exc: BaseException) -> None:
+    _warn(f"internal error, timing turned off for this run: {exc!r}")
+    _state["rec"] = None
+
+
+def _warn(message: str) -> None:
+    if not _state["error_reported"]:
+        _state["error_reported"] = True
+        print(f"[traceml] agent: {message}", file=sys.stderr)
+
+
+# --- explicit API ---------------------------------------------------------------------
+
+
+class _Step:
+    """`with step():` one optimizer update, for loops the hooks cannot see."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        rec = _state["rec"]
+        if rec is not None:
+            rec.explicit_steps = True
+            rec.open_step()
+
+    def __exit__(self, *exc: Any) -> bool:
+        rec = _state["rec"]
+        if rec is not None and rec.explicit_steps:
+            try:
+                rec.close_step()
+            except Exception as err:
+                _on_internal_error(err)
+        return False
+
+
+class _Phase:
+    __slots__ = ("name", "idx", "started")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.idx = -1
+        self.started = False
+
+    def __enter__(self) -> None:
+        rec = _state["rec"]
+        if rec is None:
+            return
+        if self.name == "wait":
+            _warn('"wait" is derived (step time minus the other phases); phase("wait") ignored')
+            return
+        idx = rec.phase_index(self.name)
+        if idx is None:
+            _warn(f"too many custom phases; phase({self.name!r}) ignored")
+            return
+        self.started = rec.begin(idx, self)
+
+    def __exit__(self, *exc: Any) -> bool:
+        rec = _state["rec"]
+        if self.started and rec is not None and rec.active != NO_PHASE:
+            rec.end(self)
+        self.started = False
+        return False
+
+
+_STEP = _Step()
+
+
+def step() -> _Step:
+    """Context manager around one optimizer update. Using it turns off the automatic
+    step boundary (optimizer.step), so each `with step()` is exactly one step."""
+    return _STEP
+
+
+def phase(name: str) -> _Phase:
+    """Context manager timing a phase: one of the standard names or a custom one.
+    Phases do not nest: inside an open phase, another phase is not timed."""
+    return _Phase(name)
+
+
+PHASES = (*MEASURED, "wait")

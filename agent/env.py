@@ -1,0 +1,11 @@
+"""Environment variables through which `traceml run` hands the agent its run identity.
+
+Shared by the launcher (which sets them) and the agent (which reads them), so the
+names live in one place.
+"""
+
+ENDPOINT = "TRACEML_ENDPOINT"  # tcp://host:port of the collector's ingest socket
+RUN_NAME = "TRACEML_RUN_NAME"
+RUN_DIR = "TRACEML_RUN_DIR"
+DISABLE = "TRACEML_DISABLE"  # "1": the agent does nothing (an escape hatch for users)
+DEBUG = "TRACEML_DEBUG"  # "1": the agent prints what it installs

@@ -1,0 +1,256 @@
+"""Zero-code instrumentation: the patches and hooks that time an unmodified script.
+
+What is hooked, and why there:
+  dataloader  `_BaseDataLoaderIter.__next__`: every DataLoader iterator, any worker count.
+  h2d         `Tensor.to` / `Tensor.cuda` in the training loop, only when CUDA exists
+              (on a CPU job there is no host-to-device copy to time, so nothing is patched).
+  forward     the outermost module call. Global module hooks find the root modules
+              during the first step, then are swapped for hooks on those roots only,
+              so later steps pay two hook calls, not two per submodule.
+  backward    `torch.autograd.backward` (Tensor.backward goes through it). A hook on the
+              root tensor queues an autograd final callback, which runs once every
+              gradient is computed and before DDP's reducer waits for its allreduces:
+              backward = start..ready (local compute), sync = ready..return (the
+              collective wait that is exposed, often waiting for another rank).
+  optimizer   global optimizer step pre/post hooks; the first optimizer that steps
+              closes each step, so gradient accumulation counts once.
+
+Every hook guards the agent's own work: an exception there is reported once and
+the agent uninstalls itself. The user's call always runs, and its exceptions
+propagate untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .recorder import DATALOADER, FORWARD, H2D, OPTIMIZER, Recorder
+
+_rec: Recorder | None = None
+_on_error: Callable[[BaseException], None] = lambda exc: None
+_undo: list[Callable[[], None]] = []
+_learning = False
+_roots: list[Any] = []
+_global_forward: list[Any] = []
+_step_optimizer: Any = None
+
+
+def install(rec: Recorder, torch: Any, on_error: Callable[[BaseException], None]) -> None:
+    global _rec, _on_error, _learning, _step_optimizer
+    _rec, _on_error = rec, on_error
+    _learning, _step_optimizer = True, None
+    _roots.clear()
+    _global_forward.clear()
+    _patch_dataloader(torch)
+    _hook_forward_global(torch)
+    _patch_backward(torch)
+    _hook_optimizer(torch)
+    if torch.cuda.is_available():
+        _patch_h2d(torch)
+
+
+def uninstall() -> None:
+    """Restore everything. Safe to call twice and from inside a hook."""
+    global _rec
+    while _undo:
+        undo = _undo.pop()
+        try:
+            undo()
+        except Exception:
+            pass
+    _rec = None
+
+
+def _fail(exc: BaseException) -> None:
+    uninstall()
+    _on_error(exc)
+
+
+def _setattr(owner: Any, name: str, value: Any) -> None:
+    original = owner.__dict__.get(name)
+    setattr(owner, name, value)
+    if original is None:
+        _undo.append(lambda: delattr(owner, name))
+    else:
+        _undo.append(lambda: setattr(owner, name, original))
+
+
+# --- dataloader ---------------------------------------------------------------------
+
+
+def _patch_dataloader(torch: Any) -> None:
+    from torch.utils.data import dataloader as dl
+
+    cls = dl._BaseDataLoaderIter
+    original = cls.__next__
+
+    def __next__(self: Any) -> Any:
+        rec = _rec
+        started = rec is not None and rec.begin(DATALOADER, self)
+        try:
+            return original(self)
+        finally:
+            if started:
+                try:
+                    rec.end(self)
+                except Exception as exc:
+                    _fail(exc)
+
+    _setattr(cls, "__next__", __next__)
+
+
+# --- forward ------------------------------------------------------------------------
+
+
+def _forward_pre(module: Any, args: Any) -> None:
+    rec = _rec
+    if rec is None:
+        return
+    try:
+        if rec.begin(FORWARD, module) and _learning and module not in _roots:
+            _roots.append(module)
+    except Exception as exc:
+        _fail(exc)
+
+
+def _forward_post(module: Any, args: Any, output: Any) -> None:
+    rec = _rec
+    if rec is None:
+        return
+    try:
+        rec.end(module)
+    except Exception as exc:
+        _fail(exc)
+
+
+def _hook_forward_global(torch: Any) -> None:
+    from torch.nn.modules import module as mod
+
+    _global_forward.append(mod.register_module_forward_pre_hook(_forward_pre))
+    _global_forward.append(mod.register_module_forward_hook(_forward_post, always_call=True))
+    _undo.extend(handle.remove for handle in _global_forward)
+
+
+def _finish_learning() -> None:
+    """After the first step: hook only the root modules, drop the global hooks."""
+    global _learning
+    _learning = False
+    while _global_forward:
+        _global_forward.pop().remove()  # removing twice (again in uninstall) is harmless
+    for root in _roots:
+        pre = root.register_forward_pre_hook(_forward_pre)
+        post = root.register_forward_hook(_forward_post, always_call=True)
+        _undo.append(pre.remove)
+        _undo.append(post.remove)
+
+
+# --- backward -----------------------------------------------------------------------
+
+
+def _grads_ready() -> None:
+    rec = _rec
+    if rec is not None:
+        rec.grads_ready()
+
+
+def _patch_backward(torch: Any) -> None:
+    import torch.autograd as autograd
+
+    original = autograd.backward
+    queue_callback = autograd.Variable._execution_engine.queue_callback
+
+    def _on_root_grad(grad: Any) -> None:
+        queue_callback(_grads_ready)
+
+    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        rec = _rec
+        if rec is None or not rec.begin_backward():
+            return original(tensors, *args, **kwargs)
+        handle = None
+        try:
+            root = tensors if isinstance(tensors, torch.Tensor) else tensors[0]
+            if root.grad_fn is not None:
+                handle = root.register_hook(_on_root_grad)
+        except Exception:
+            handle = None  # the sync split is lost for this step, nothing else
+        try:
+            return original(tensors, *args, **kwargs)
+        finally:
+            try:
+                if handle is not None:
+                    handle.remove()
+                rec.end_backward()
+            except Exception as exc:
+                _fail(exc)
+
+    backward.__wrapped__ = original  # type: ignore[attr-defined]
+    _setattr(autograd, "backward", backward)
+
+
+# --- optimizer ----------------------------------------------------------------------
+
+
+def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+    rec = _rec
+    if rec is None:
+        return
+    try:
+        rec.begin(OPTIMIZER, optimizer)
+    except Exception as exc:
+        _fail(exc)
+
+
+def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
+    global _step_optimizer
+    rec = _rec
+    if rec is None:
+        return
+    try:
+        rec.end(optimizer)
+        if _step_optimizer is None:
+            _step_optimizer = optimizer
+        if optimizer is _step_optimizer and not rec.explicit_steps:
+            rec.close_step()
+            if _learning:
+                _finish_learning()
+    except Exception as exc:
+        _fail(exc)
+
+
+def _hook_optimizer(torch: Any) -> None:
+    from torch.optim import optimizer as opt
+
+    pre = opt.register_optimizer_step_pre_hook(_optimizer_pre)
+    post = opt.register_optimizer_step_post_hook(_optimizer_post)
+    _undo.append(pre.remove)
+    _undo.append(post.remove)
+
+
+# --- host-to-device -----------------------------------------------------------------
+
+
+def _patch_h2d(torch: Any) -> None:
+    cls = torch.Tensor
+    for name in ("to", "cuda"):
+        original = getattr(cls, name)
+
+        def wrapper(self: Any, *args: Any, __original: Any = original, **kwargs: Any) -> Any:
+            rec = _rec
+            if rec is None or rec.active != -1 or self.is_cuda:
+                return __original(self, *args, **kwargs)
+            started = rec.begin(H2D, self)
+            try:
+                out = __original(self, *args, **kwargs)
+            except BaseException:
+                if started:
+                    rec.cancel()
+                raise
+            if started:
+                if out is not self and getattr(out, "is_cuda", False):
+                    rec.end(self)
+                else:  # a dtype cast or a CPU copy: not a host-to-device transfer
+                    rec.cancel()
+            return out
+
+        _setattr(cls, name, wrapper)

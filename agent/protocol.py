@@ -1,0 +1,271 @@
+"""The wire protocol between the per-rank agents and the collector.
+
+This is the only module that knows how messages look on the wire. Both sides
+import it: the agent to encode, the collector to decode and validate. Messages
+are msgpack maps (never pickle: a collector must be safe to expose to a socket)
+and every field is checked on receipt, so a malformed or hostile message is
+rejected with a `ProtocolError` instead of reaching the collector's state.
+
+Every message carries the protocol version ``v``, its ``kind``, the sender's
+identity ``id`` (rank, local rank, node, host, pid, world size), a per-sender
+sequence number ``seq`` and the sender's wall clock ``t`` (epoch seconds).
+Carrying the identity in every message (a few dozen bytes) means a collector
+that starts late, or restarts, can place any message without having seen the
+sender's hello.
+
+Kinds:
+  hello      once at start: run name, device, phase names, distributed env
+  steps      a batch of per-step records (an agent sends at most ~10 a second)
+  sys        a system sample: CPU %, RSS, GPU utilisation and memory
+  heartbeat  liveness and progress, from a thread that does not need training
+  goodbye    at exit: exit code and the tail of a traceback, if any
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+# The phases of one optimizer step, in display order. "sync" is the exposed
+# collective wait measured inside backward; "wait" is the residual.
+PHASES: tuple[str, ...] = ("dataloader", "h2d", "forward", "backward", "sync", "optimizer", "wait")
+
+KINDS = frozenset({"hello", "steps", "sys", "heartbeat", "goodbye"})
+
+# Bounds that keep one message from costing the collector more than a sane
+# agent ever sends. They are generous: a real agent sends ~10 batches a second.
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_RECORDS_PER_BATCH = 20_000
+MAX_PHASES = 24
+MAX_STR = 256
+MAX_WORLD_SIZE = 1 << 20
+MAX_ENV_ENTRIES = 64
+MAX_ERROR_CHARS = 8_000
+# One step longer than a day is not a measurement, it is corruption.
+MAX_STEP_MS = 86_400_000.0
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow this protocol. The collector counts and drops it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    rank: int
+    local_rank: int
+    node: int
+    host: str
+    pid: int
+    world_size: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "node": self.node,
+            "host": self.host,
+            "pid": self.pid,
+            "world_size": self.world_size,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One optimizer step of one rank. ``phase_ms`` aligns with the batch's phase names;
+    None means the phase was not measured on this step (never a made-up 0)."""
+
+    step: int
+    t_end: float
+    step_ms: float
+    phase_ms: tuple[float | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    kind: str
+    ident: Identity
+    seq: int
+    t: float
+    body: dict[str, Any] = field(default_factory=dict)
+    # Only for kind == "steps": validated records and their phase names.
+    phases: tuple[str, ...] = ()
+    records: tuple[StepRecord, ...] = ()
+
+
+# --- encoding (agent side) -------------------------------------------------------------
+
+
+def encode(kind: str, ident: Identity, seq: int, t: float, **body: Any) -> bytes:
+    """Encode one message. The caller passes plain ints, floats, strings, lists and dicts."""
+    msg = {"v": PROTOCOL_VERSION, "kind": kind, "id": ident.to_wire(), "seq": seq, "t": t}
+    msg.update(body)
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+# --- decoding and validation (collector side) ------------------------------------------
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack extension type {code} is not allowed")
+
+
+def decode(payload: bytes) -> Message:
+    """Decode and validate one message, or raise ProtocolError. Never raises anything else."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise ProtocolError("payload is not bytes")
+    if len(payload) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        raw = msgpack.unpackb(
+            payload,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_reject_ext,
+            max_str_len=MAX_ERROR_CHARS * 4,
+            max_bin_len=0,
+            max_array_len=MAX_RECORDS_PER_BATCH,
+            max_map_len=MAX_ENV_ENTRIES * 2,
+        )
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises many types for bad input
+        raise ProtocolError(f"not valid msgpack: {type(exc).__name__}") from None
+    try:
+        return _validate(raw)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # a shape we did not anticipate is still just a bad message
+        raise ProtocolError(f"invalid message: {type(exc).__name__}: {exc}") from None
+
+
+def _validate(raw: Any) -> Message:
+    if not isinstance(raw, dict):
+        raise ProtocolError("message is not a map")
+    version = raw.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version!r}")
+    kind = raw.get("kind")
+    if kind not in KINDS:
+        raise ProtocolError(f"unknown kind {kind!r}")
+    ident = _identity(raw.get("id"))
+    seq = _int(raw.get("seq"), "seq", 0, 1 << 62)
+    t = _float(raw.get("t"), "t", 0.0, 1e11)
+    if kind == "steps":
+        phases = _phases(raw.get("phases"))
+        records = _records(raw.get("records"), len(phases))
+        dropped = _int(raw.get("dropped", 0), "dropped", 0, 1 << 62)
+        return Message(kind, ident, seq, t, {"dropped": dropped}, phases, records)
+    return Message(kind, ident, seq, t, _BODY_VALIDATORS[kind](raw))
+
+
+def _int(value: Any, name: str, lo: int, hi: int) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise ProtocolError(f"{name} must be an int in [{lo}, {hi}], got {value!r:.40}")
+    return value
+
+
+def _float(value: Any, name: str, lo: float, hi: float) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value) or not lo <= value <= hi:
+        raise ProtocolError(f"{name} must be a finite number in [{lo}, {hi}], got {value!r:.40}")
+    return float(value)
+
+
+def _opt_float(value: Any, name: str, lo: float, hi: float) -> float | None:
+    return None if value is None else _float(value, name, lo, hi)
+
+
+def _str(value: Any, name: str, limit: int = MAX_STR) -> str:
+    if not isinstance(value, str) or len(value) > limit:
+        raise ProtocolError(f"{name} must be a string of at most {limit} characters")
+    return value
+
+
+def _identity(raw: Any) -> Identity:
+    if not isinstance(raw, dict):
+        raise ProtocolError("id must be a map")
+    world = _int(raw.get("world_size"), "id.world_size", 1, MAX_WORLD_SIZE)
+    return Identity(
+        rank=_int(raw.get("rank"), "id.rank", 0, world - 1),
+        local_rank=_int(raw.get("local_rank"), "id.local_rank", 0, MAX_WORLD_SIZE),
+        node=_int(raw.get("node"), "id.node", 0, MAX_WORLD_SIZE),
+        host=_str(raw.get("host"), "id.host"),
+        pid=_int(raw.get("pid"), "id.pid", 0, 1 << 31),
+        world_size=world,
+    )
+
+
+def _phases(raw: Any) -> tuple[str, ...]:
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_PHASES:
+        raise ProtocolError(f"phases must be a list of 1..{MAX_PHASES} names")
+    names = tuple(_str(p, "phase name", 64) for p in raw)
+    if len(set(names)) != len(names):
+        raise ProtocolError("phase names repeat")
+    return names
+
+
+def _records(raw: Any, n_phases: int) -> tuple[StepRecord, ...]:
+    if not isinstance(raw, list):
+        raise ProtocolError("records must be a list")
+    out = []
+    for rec in raw:
+        if not isinstance(rec, list) or len(rec) != 3 + n_phases:
+            raise ProtocolError("a record must be [step, t_end, step_ms, *phase_ms]")
+        values = tuple(_opt_float(v, "phase_ms", 0.0, MAX_STEP_MS) for v in rec[3:])
+        out.append(
+            StepRecord(
+                step=_int(rec[0], "step", 0, 1 << 62),
+                t_end=_float(rec[1], "t_end", 0.0, 1e11),
+                step_ms=_float(rec[2], "step_ms", 0.0, MAX_STEP_MS),
+                phase_ms=values,
+            )
+        )
+    return tuple(out)
+
+
+def _hello(raw: dict) -> dict[str, Any]:
+    env = raw.get("env", {})
+    if not isinstance(env, dict) or len(env) > MAX_ENV_ENTRIES:
+        raise ProtocolError("env must be a map of at most 64 entries")
+    return {
+        "run": _str(raw.get("run", ""), "run"),
+        "device": _str(raw.get("device", "cpu"), "device", 64),
+        "backend": _str(raw.get("backend", ""), "backend", 64),
+        "env": {_str(k, "env key"): _str(v, "env value", 1024) for k, v in env.items()},
+    }
+
+
+def _sys(raw: dict) -> dict[str, Any]:
+    return {
+        "cpu_pct": _opt_float(raw.get("cpu_pct"), "cpu_pct", 0.0, 1e5),
+        "rss_mb": _opt_float(raw.get("rss_mb"), "rss_mb", 0.0, 1e9),
+        "gpu_util": _opt_float(raw.get("gpu_util"), "gpu_util", 0.0, 100.0),
+        "gpu_mem_mb": _opt_float(raw.get("gpu_mem_mb"), "gpu_mem_mb", 0.0, 1e9),
+        "gpu_mem_total_mb": _opt_float(raw.get("gpu_mem_total_mb"), "gpu_mem_total_mb", 0.0, 1e9),
+    }
+
+
+def _heartbeat(raw: dict) -> dict[str, Any]:
+    phase = raw.get("phase")
+    return {
+        "step": _int(raw.get("step", 0), "step", 0, 1 << 62),
+        "phase": None if phase is None else _str(phase, "phase", 64),
+        "in_phase_s": _opt_float(raw.get("in_phase_s"), "in_phase_s", 0.0, 1e9),
+    }
+
+
+def _goodbye(raw: dict) -> dict[str, Any]:
+    code = raw.get("exit_code")
+    error = raw.get("error")
+    return {
+        "exit_code": None if code is None else _int(code, "exit_code", -(1 << 31), 1 << 31),
+        "error": None if error is None else _str(error, "error", MAX_ERROR_CHARS),
+        "steps": _int(raw.get("steps", 0), "steps", 0, 1 << 62),
+    }
+
+
+_BODY_VALIDATORS = {"hello": _hello, "sys": _sys, "heartbeat": _heartbeat, "goodbye": _goodbye}

@@ -1,0 +1,154 @@
+"""The agent's sender thread: batches step records and ships them to the collector.
+
+The training thread only appends tuples to a bounded deque. Everything else
+happens here, about ten times a second: converting nanoseconds to milliseconds,
+deriving the residual "wait", encoding msgpack and a non-blocking ZeroMQ send.
+When the collector is slow, missing or dead, messages queue up to the socket's
+high-water mark and are then dropped and counted; training never waits.
+
+The socket is a DEALER (the collector's is a ROUTER), so a later version can
+send requests back to a rank over the same connection.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import deque
+from time import perf_counter_ns
+from typing import Any
+
+from . import protocol
+from .recorder import MEASURED, Recorder
+from .sysmetrics import SystemSampler
+
+SEND_INTERVAL_S = 0.1  # at most ~10 step batches a second per rank
+SYS_INTERVAL_S = 1.0  # system samples and heartbeats
+SEND_HWM = 2_000  # messages queued in ZeroMQ before sends drop (~3 min of batches)
+GOODBYE_LINGER_MS = 1_000  # at exit, how long queued messages may take to leave
+
+
+class Sender(threading.Thread):
+    def __init__(
+        self,
+        endpoint: str,
+        ident: protocol.Identity,
+        rec: Recorder,
+        out: deque,
+        hello: dict[str, Any],
+        cuda_index: int | None,
+    ) -> None:
+        super().__init__(name="traceml-sender", daemon=True)
+        self.endpoint = endpoint
+        self.identity = ident
+        self.rec = rec
+        self.out = out
+        self.hello = hello
+        self.cuda_index = cuda_index
+        self.stop_event = threading.Event()
+        self.exit_code: int | None = None
+        self.error: str | None = None
+        self.seq = 0
+        self.dropped = 0  # records lost: deque overflow, device backlog, full socket
+        self.sent_records = 0
+        self.last_step = -1
+        # Wall clock of perf_counter_ns()'s zero, to stamp records in epoch seconds.
+        self._epoch0 = time.time() - perf_counter_ns() / 1e9
+
+    # --- thread -------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            import zmq
+        except Exception as exc:  # pragma: no cover - pyzmq is a dependency
+            print(f"[traceml] agent: pyzmq unavailable ({exc}); not reporting", file=sys.stderr)
+            return
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        self._zmq_again = zmq.Again
+        self._sock = sock
+        sampler = SystemSampler(self.cuda_index)
+        try:
+            self._send("hello", **self.hello)
+            next_sys = 0.0
+            while not self.stop_event.wait(SEND_INTERVAL_S):
+                self._send_steps()
+                now = time.monotonic()
+                if now >= next_sys:
+                    next_sys = now + SYS_INTERVAL_S
+                    self._send("sys", **sampler.sample())
+                    self._heartbeat()
+            self._send_steps()
+            self._send(
+                "goodbye", exit_code=self.exit_code, error=self.error, steps=self.rec.step
+            )
+            sock.setsockopt(zmq.LINGER, GOODBYE_LINGER_MS)
+        except Exception as exc:
+            print(f"[traceml] agent sender stopped: {exc!r}", file=sys.stderr)
+        finally:
+            sampler.close()
+            sock.close()
+
+    def stop(self, exit_code: int | None, error: str | None, timeout: float = 3.0) -> None:
+        self.exit_code, self.error = exit_code, error
+        self.stop_event.set()
+        if self.is_alive():
+            self.join(timeout)
+
+    # --- messages -----------------------------------------------------------------
+
+    def _send(self, kind: str, **body: Any) -> bool:
+        payload = protocol.encode(kind, self.identity, self.seq, time.time(), **body)
+        self.seq += 1
+        try:
+            self._sock.send(payload, flags=1)  # zmq.NOBLOCK
+            return True
+        except self._zmq_again:
+            return False
+
+    def _heartbeat(self) -> None:
+        phase, in_phase = self.rec.in_phase()
+        self._send("heartbeat", step=self.rec.step, phase=phase, in_phase_s=in_phase)
+
+    def _send_steps(self) -> None:
+        out = self.out
+        if not out:
+            return
+        names = list(self.rec.names)
+        records = []
+        while out:
+            records.append(self._wire_record(out.popleft(), len(names)))
+        ok = self._send(
+            "steps",
+            phases=[*MEASURED, "wait", *names[len(MEASURED) :]],
+            records=records,
+            dropped=self.dropped,
+        )
+        if ok:
+            self.sent_records += len(records)
+        else:
+            self.dropped += len(records)
+
+    def _wire_record(self, rec: tuple, n_names: int) -> list:
+        step, t_end_ns, wall_ns, acc = rec
+        if step > self.last_step + 1:
+            self.dropped += step - self.last_step - 1
+        self.last_step = step
+        phase_ms = [None if v is None else v / 1e6 for v in acc]
+        phase_ms.extend([None] * (n_names - len(phase_ms)))
+        wall_ms = wall_ns / 1e6
+        measured = sum(v for v in phase_ms if v is not None)
+        wait_ms = max(0.0, wall_ms - measured)
+        std = len(MEASURED)
+        return [
+            step,
+            self._epoch0 + t_end_ns / 1e9,
+            wall_ms,
+            *phase_ms[:std],
+            wait_ms,
+            *phase_ms[std:],
+        ]

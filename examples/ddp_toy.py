@@ -1,0 +1,130 @@
+"""A small, ordinary DDP training script (CPU, gloo) with injectable problems.
+
+It knows nothing about traceml: run it under `traceml run` and the agent times it.
+
+    traceml run examples/ddp_toy.py --nproc-per-node 4 -- --scenario input --rank 2
+
+Scenarios (each adds --delay-ms of time where a real job would lose it):
+  balanced    nothing injected
+  input       one rank's batches take longer to load (slow storage, heavy collate)
+  forward     one rank does extra forward work (a rank-local branch)
+  optimizer   one rank does extra work in optimizer.step (a hook on one rank)
+  batch       one rank gets 4x larger batches (uneven shapes)
+  input-all   every rank's input is slow (an input-bound job)
+  stall       every rank stalls after each step (synchronous logging/checkpoint)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+SCENARIOS = ("balanced", "input", "forward", "optimizer", "batch", "input-all", "stall")
+
+
+class RandomData(Dataset):
+    def __init__(self, n: int, dim: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = torch.randint(0, 10, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+class SlowCollate:
+    """Collates a batch and then sleeps: the time a slow input pipeline costs."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __call__(self, items):
+        x = torch.stack([i[0] for i in items])
+        y = torch.stack([i[1] for i in items])
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return x, y
+
+
+class Net(nn.Module):
+    def __init__(self, dim: int, extra_forward_s: float = 0.0) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(dim, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                                  nn.Linear(512, 10))
+        self.extra_forward_s = extra_forward_s
+
+    def forward(self, x):
+        if self.extra_forward_s:
+            time.sleep(self.extra_forward_s)  # a rank-local branch doing extra work
+        return self.body(x)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--scenario", choices=SCENARIOS, default="balanced")
+    p.add_argument("--rank", type=int, default=1, help="the rank the problem is injected on")
+    p.add_argument("--delay-ms", type=float, default=25.0)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--fail-rank", type=int, default=None, help="this rank exits with code 3")
+    p.add_argument("--fail-at-step", type=int, default=10)
+    args = p.parse_args()
+
+    torch.set_num_threads(1)  # several ranks share a few cores
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    me = rank == args.rank
+    delay = args.delay_ms / 1000.0
+
+    batch = args.batch * (4 if args.scenario == "batch" and me else 1)
+    slow_input = (args.scenario == "input" and me) or args.scenario == "input-all"
+    data = RandomData(batch * world * 64, args.dim)
+    loader = DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, seed=0),
+                        collate_fn=SlowCollate(delay if slow_input else 0.0), drop_last=True)
+    torch.manual_seed(0)
+    model = DDP(Net(args.dim, delay if args.scenario == "forward" and me else 0.0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if args.scenario == "optimizer" and me:
+        opt.register_step_pre_hook(lambda *a: time.sleep(delay))
+    loss_fn = nn.CrossEntropyLoss()
+
+    step, epoch = 0, 0
+    t0 = time.perf_counter()
+    while step < args.steps:
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if args.scenario == "stall":
+                time.sleep(delay)  # e.g. synchronous logging or checkpointing every step
+            step += 1
+            if args.fail_rank == rank and step == args.fail_at_step:
+                print(f"rank {rank}: simulated failure at step {step}", file=sys.stderr)
+                sys.exit(3)
+            if step >= args.steps:
+                break
+        epoch += 1
+    elapsed = time.perf_counter() - t0
+    if rank == 0:
+        print(f"done: {step} steps in {elapsed:.1f} s ({1000 * elapsed / step:.1f} ms/step), "
+              f"scenario={args.scenario}, world={world}, pid={os.getpid()}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The `traceml` command: run, compare, collector (../shared/spec/CLI.md).
+
+User mistakes end in one clear line and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import __version__
+
+RUN_USAGE = "traceml run SCRIPT [options] [-- SCRIPT ARGS...]"
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _non_negative(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 1-65535, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="traceml", description="Live diagnosis of PyTorch distributed training.")
+    parser.add_argument("--version", action="version", version=f"traceml {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", usage=RUN_USAGE, help="run a training script under torchrun",
+                         description="Run SCRIPT under torchrun with the agent in every rank.")
+    run.add_argument("script", metavar="SCRIPT", help="the training script (unmodified)")
+    run.add_argument("--nproc-per-node", "--nproc_per_node", type=_positive, default=1,
+                     metavar="N", help="processes on this node (default 1)")
+    run.add_argument("--nnodes", type=_positive, default=1, metavar="N")
+    run.add_argument("--node-rank", "--node_rank", type=_non_negative, default=0, metavar="K")
+    run.add_argument("--master-addr", "--master_addr", default="127.0.0.1", metavar="HOST")
+    run.add_argument("--master-port", "--master_port", type=_port, default=None, metavar="P")
+    run.add_argument("--run-name", default=None, metavar="NAME",
+                     help="names the run (default: script name and time)")
+    run.add_argument("--out", type=Path, default=Path("traceml_runs"), metavar="DIR",
+                     help="base folder for run folders (default traceml_runs)")
+    run.add_argument("--headless", action="store_true",
+                     help="no dashboard: print progress and a text summary at the end")
+
+    cmp = sub.add_parser("compare", help="compare two runs' final_summary.json")
+    cmp.add_argument("old", type=Path, metavar="OLD")
+    cmp.add_argument("new", type=Path, metavar="NEW")
+    cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
+
+    sub.add_parser("collector", help="run a collector by hand (see traceml collector -h)",
+                   add_help=False)
+    return parser
+
+
+def _split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def _cmd_run(parser: argparse.ArgumentParser, argv: list[str], full_argv: list[str]) -> int:
+    from .launcher import LaunchError, RunOptions, run
+
+    ours, script_args = _split_script_args(argv)
+    run_parser = parser._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+    args, unknown = run_parser.parse_known_args(ours[1:])
+    if unknown:
+        run_parser.error(f"unrecognized arguments: {' '.join(unknown)} (arguments for your "
+                         f"script go after --, as in: traceml run {args.script} -- "
+                         f"{' '.join(unknown)})")
+    headless = args.headless or not sys.stdout.isatty()
+    opts = RunOptions(
+        script=Path(args.script), script_args=script_args, nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+        master_port=args.master_port, run_name=args.run_name, out=args.out, headless=headless,
+        command=["traceml", *full_argv])
+    if args.node_rank >= args.nnodes:
+        run_parser.error(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes}")
+    try:
+        return run(opts)
+    except LaunchError as exc:
+        print(f"traceml run: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import CompareError, compare, load, render
+
+    try:
+        result = compare(load(args.old), load(args.new))
+    except CompareError as exc:
+        print(f"traceml compare: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else render(result), end="" if not args.json
+          else "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv[:1] == ["run"]:
+        return _cmd_run(parser, argv, argv)
+    if argv[:1] == ["collector"]:
+        from .collector import main as collector_main
+
+        return collector_main(argv[1:])
+    args = parser.parse_args(argv)
+    if args.command == "compare":
+        return _cmd_compare(args)
+    parser.print_help()
+    return 2

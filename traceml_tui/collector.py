@@ -1,0 +1,214 @@
+"""The collector: its own process, ingesting every rank's messages over ZeroMQ.
+
+Sockets (addresses are written to RUN_DIR/collector.json once bound):
+  ingest   ROUTER, where every agent's DEALER connects. Loopback unless told otherwise.
+  control  REP on loopback, for the launcher: "ping", and "finish" (drain the ranks'
+           last messages, write final_summary.json, reply with the job's exit code).
+
+Every few seconds it rewrites RUN_DIR/live_snapshot.json atomically (the same
+shape as the final summary, marked incomplete), so the record survives even if
+this process is killed. Run it directly with `traceml collector` to collect from
+scripts that call `traceml_agent.init()` themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+from traceml_agent.protocol import ProtocolError, decode
+
+from . import summary
+from .state import RunState
+
+COLLECTOR_JSON = "collector.json"
+EVAL_INTERVAL_S = 0.5  # live diagnosis cadence: a change shows within ~1-2 s
+SNAPSHOT_INTERVAL_S = 2.0  # how much a crash of this process can lose, at most
+FINISH_GRACE_S = 3.0  # at the end, how long to wait for ranks' last batches
+DRAIN_BATCH = 5_000  # messages taken per loop turn before looking at the clock
+RECV_HWM = 100_000
+
+
+class Collector:
+    def __init__(self, run_dir: Path, state: RunState, bind_host: str = "127.0.0.1",
+                 port: int = 0) -> None:
+        self.run_dir = Path(run_dir)
+        self.state = state
+        self.ctx = zmq.Context.instance()
+        self.ingest = self.ctx.socket(zmq.ROUTER)
+        self.ingest.setsockopt(zmq.RCVHWM, RECV_HWM)
+        self.ingest.setsockopt(zmq.LINGER, 0)
+        if port:
+            self.ingest.bind(f"tcp://{bind_host}:{port}")
+        else:
+            port = self.ingest.bind_to_random_port(f"tcp://{bind_host}")
+        self.ingest_addr = f"tcp://{bind_host}:{port}"
+        self.control = self.ctx.socket(zmq.REP)
+        self.control.setsockopt(zmq.LINGER, 0)
+        cport = self.control.bind_to_random_port("tcp://127.0.0.1")
+        self.control_addr = f"tcp://127.0.0.1:{cport}"
+        self.poller = zmq.Poller()
+        self.poller.register(self.ingest, zmq.POLLIN)
+        self.poller.register(self.control, zmq.POLLIN)
+        self.stopping = False
+        self.done = False
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def announce(self) -> None:
+        info = {"ingest": self.ingest_addr, "control": self.control_addr,
+                "pid": _pid(), "run_name": self.state.run_name}
+        summary.write_atomic(self.run_dir / COLLECTOR_JSON, json.dumps(info, indent=2) + "\n")
+
+    def serve(self) -> None:
+        next_eval = next_snap = time.monotonic()
+        while not self.done:
+            events = dict(self.poller.poll(100))
+            if self.ingest in events:
+                self.drain()
+            if self.control in events:
+                self.handle_control()
+            now = time.monotonic()
+            if now >= next_eval:
+                next_eval = now + EVAL_INTERVAL_S
+                self.state.evaluate(time.time())
+            if now >= next_snap:
+                next_snap = now + SNAPSHOT_INTERVAL_S
+                self.write_live()
+            if self.stopping and not self.done:  # SIGTERM: write what we have and leave
+                self.finish({"exit_code": None, "complete": False})
+
+    def drain(self, limit: int = DRAIN_BATCH) -> int:
+        n = 0
+        mono = time.monotonic()
+        while n < limit:
+            try:
+                frames = self.ingest.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            n += 1
+            if len(frames) != 2:
+                self.state.count_malformed()
+                continue
+            try:
+                msg = decode(frames[1])
+            except ProtocolError:
+                self.state.count_malformed()
+                continue
+            self.state.ingest(msg, mono)
+        return n
+
+    def write_live(self) -> None:
+        try:
+            snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
+            doc = summary.build(snap, summary.RunMeta(complete=False))
+            summary.write_atomic(self.run_dir / summary.LIVE_JSON, json.dumps(doc) + "\n")
+        except OSError as exc:  # a full disk costs the snapshot, not the collector
+            print(f"[traceml] collector: could not write snapshot: {exc}", file=sys.stderr)
+
+    # --- control --------------------------------------------------------------------
+
+    def handle_control(self) -> None:
+        try:
+            request = json.loads(self.control.recv())
+            op = request.get("op")
+        except (ValueError, AttributeError):
+            self.control.send_json({"ok": False, "error": "bad request"})
+            return
+        if op == "ping":
+            self.control.send_json({"ok": True, "ranks": len(self.state.ranks)})
+        elif op == "finish":
+            reply = self.finish(request)
+            self.control.send_json(reply)
+        else:
+            self.control.send_json({"ok": False, "error": f"unknown op {op!r}"})
+
+    def finish(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Wait a bounded time for the ranks' goodbyes, then write the final summary."""
+        deadline = time.monotonic() + float(request.get("grace_s", FINISH_GRACE_S))
+        while time.monotonic() < deadline:
+            self.drain()
+            if self.state.ranks and all(r.finished for r in self.state.ranks.values()):
+                break
+            if self.ingest.poll(50) == 0 and request.get("torchrun_exit") is not None:
+                # Processes are gone; once the socket is quiet, nothing more will come.
+                if all(r.finished or r.last_seen < time.monotonic() - 0.5
+                       for r in self.state.ranks.values()):
+                    break
+        self.drain()
+        self.state.evaluate(time.time())
+        code, failed = summary.job_exit_code(
+            request.get("torchrun_exit"), bool(request.get("interrupted")),
+            self.state.failures())
+        if request.get("exit_code") is not None:
+            code = request["exit_code"]
+        meta = summary.RunMeta(
+            command=list(request.get("command", [])), exit_code=code,
+            ended_at=request.get("ended_at") or time.time(),
+            complete=bool(request.get("complete", True)), failed_rank=failed,
+            extra=dict(request.get("extra", {})))
+        snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
+        doc = summary.build(snap, meta)
+        path = summary.write_summary(self.run_dir, doc)
+        self.done = True
+        return {"ok": True, "path": str(path), "exit_code": code, "failed_rank": failed,
+                "text": summary.render_text(doc)}
+
+    def close(self) -> None:
+        self.ingest.close()
+        self.control.close()
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="traceml collector",
+                                description="Collect from agents and write the run's summary.")
+    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--run-name", default="")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--nproc-per-node", type=int, default=None)
+    p.add_argument("--bind", default="127.0.0.1", help="address to bind the ingest socket")
+    p.add_argument("--port", type=int, default=0, help="ingest port (0: any free port)")
+    p.add_argument("--started-at", type=float, default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.world_size < 1:
+        print("traceml collector: --world-size must be at least 1", file=sys.stderr)
+        return 2
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    state = RunState(args.run_name or args.run_dir.name, args.world_size, args.nnodes,
+                     args.nproc_per_node, args.started_at or time.time())
+    collector = Collector(args.run_dir, state, args.bind, args.port)
+
+    def on_term(signum: int, frame: Any) -> None:
+        collector.stopping = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    collector.announce()
+    print(f"[traceml] collector for {state.run_name!r} ({args.world_size} ranks) "
+          f"listening on {collector.ingest_addr}", file=sys.stderr, flush=True)
+    try:
+        collector.serve()
+    finally:
+        collector.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

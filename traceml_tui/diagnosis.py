@@ -1,0 +1,282 @@
+"""The step-time diagnosis: pure functions from window statistics to a label.
+
+No I/O, no clocks: the collector passes in each rank's median timings and gets a
+`Diagnosis` back, so every rule is testable from a table. docs/diagnosis.md
+explains each threshold.
+
+The comparison is always worst rank vs median rank, on *local work* only:
+input = dataloader + h2d, compute = forward + backward + optimizer. Time a rank
+spends waiting for the others (the "sync" phase, the exposed collective wait
+inside backward) is deliberately left out: under DDP a straggler's extra work
+shows up as sync time on every *other* rank, so counting it would point at the
+wrong ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+# --- labels and severities ---------------------------------------------------------------
+
+BALANCED = "BALANCED"
+INPUT_STRAGGLER = "INPUT STRAGGLER"
+COMPUTE_STRAGGLER = "COMPUTE STRAGGLER"
+STRAGGLER = "STRAGGLER"
+INPUT_BOUND = "INPUT-BOUND"
+WAIT_HEAVY = "WAIT-HEAVY"
+HANG = "HANG"
+WARMUP = "WARMUP"
+LABELS = (BALANCED, INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER, INPUT_BOUND, WAIT_HEAVY,
+          HANG, WARMUP)
+
+INFO, WARNING, CRITICAL = "info", "warning", "critical"
+
+INPUT_PHASES = ("dataloader", "h2d")
+COMPUTE_PHASES = ("forward", "backward", "optimizer")
+LOCAL_PHASES = INPUT_PHASES + COMPUTE_PHASES
+
+# --- thresholds (docs/diagnosis.md gives the reasoning) -------------------------------------
+
+# Steps a rank needs in the window before its medians mean anything: the first
+# steps carry one-off costs (allocator warm-up, DDP bucket rebuild, lazy init).
+MIN_STEPS = 8
+# A worst-vs-median gap in input or compute matters when it costs at least this
+# share of the median step: every rank of a synchronous job pays the straggler's
+# gap once per step, so 10% of the step is 10% of the job's throughput.
+SKEW_ENTER = 0.10
+# Once a straggler label holds, it is kept until the gap falls below this share,
+# so a gap hovering around 10% does not make the label flicker.
+SKEW_EXIT = 0.06
+# Gaps below this many milliseconds are timer and scheduler noise, whatever
+# their share of a very short step.
+MIN_GAP_MS = 0.2
+# A gap at least this share of the step is critical: the job runs at most
+# 1/(1+share) of its balanced speed (two-thirds at 0.5).
+CRITICAL_SHARE = 0.50
+# Input is "broad" when the median rank spends this share of its step in input.
+INPUT_BOUND_ENTER = 0.30
+INPUT_BOUND_EXIT = 0.22
+# Residual wait (not dataloader, h2d, forward, backward, sync or optimizer) this
+# share of the median rank's step is worth a look: logging, checkpointing, stalls.
+WAIT_HEAVY_ENTER = 0.30
+WAIT_HEAVY_EXIT = 0.22
+# Consecutive evaluations a new live label must win before it replaces the old one.
+CONFIRM_TICKS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class RankTiming:
+    """One rank's median timings over the window, in ms. None: not measured."""
+
+    rank: int
+    steps: int
+    step_ms: float | None
+    phase_ms: Mapping[str, float | None]
+    host: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnosis:
+    label: str
+    rank: int | None
+    phase: str | None
+    severity: str
+    summary: str
+    # Evidence: the worst-vs-median gap, in ms and as a share of the median step.
+    gap_ms: float | None = None
+    gap_share: float | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "label": self.label,
+            "rank": self.rank,
+            "phase": self.phase,
+            "severity": self.severity,
+            "summary": self.summary,
+            "gap_ms": None if self.gap_ms is None else round(self.gap_ms, 3),
+            "gap_share": None if self.gap_share is None else round(self.gap_share, 4),
+        }
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+def _median(values: Sequence[float]) -> float:
+    vals = sorted(values)
+    n = len(vals)
+    mid = n // 2
+    return vals[mid] if n % 2 else (vals[mid - 1] + vals[mid]) / 2.0
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and value == value and value not in (float("inf"), float("-inf"))
+
+
+def _group(timing: RankTiming, phases: Sequence[str]) -> float | None:
+    """Sum of the measured phases of a group; None when none of them was measured."""
+    vals = [timing.phase_ms.get(p) for p in phases]
+    vals = [v for v in vals if _finite(v)]
+    return sum(vals) if vals else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Skew:
+    rank: int
+    gap_ms: float
+    share: float
+
+
+def _skew(ranks: Sequence[RankTiming], phases: Sequence[str], step_ms: float) -> _Skew | None:
+    """Worst rank vs median rank for a group of phases. Ties go to the lowest rank."""
+    values = [(r.rank, _group(r, phases)) for r in ranks]
+    values = [(rank, v) for rank, v in values if v is not None]
+    if len(values) < 2:
+        return None
+    mid = _median([v for _, v in values])
+    worst_rank, worst = max(values, key=lambda rv: (rv[1], -rv[0]))
+    gap = worst - mid
+    return _Skew(worst_rank, gap, gap / step_ms)
+
+
+def phase_gaps(ranks: Sequence[RankTiming], rank: int, phases: Sequence[str]) -> dict[str, float]:
+    """For one rank: its median minus the median rank's, per phase (ms)."""
+    me = next(r for r in ranks if r.rank == rank)
+    gaps = {}
+    for p in phases:
+        mine = me.phase_ms.get(p)
+        others = [r.phase_ms.get(p) for r in ranks]
+        others = [v for v in others if _finite(v)]
+        if _finite(mine) and others:
+            gaps[p] = mine - _median(others)
+    return gaps
+
+
+def _worst_phase(ranks: Sequence[RankTiming], rank: int, phases: Sequence[str]) -> str | None:
+    gaps = phase_gaps(ranks, rank, phases)
+    if not gaps:
+        return None
+    return max(phases, key=lambda p: gaps.get(p, float("-inf")))
+
+
+def _share(ranks: Sequence[RankTiming], phases: Sequence[str]) -> float:
+    """The median rank's share of its step spent in a group of phases."""
+    shares = []
+    for r in ranks:
+        value = _group(r, phases)
+        if value is not None and _finite(r.step_ms) and r.step_ms > 0:
+            shares.append(value / r.step_ms)
+    return _median(shares) if shares else 0.0
+
+
+# --- the classifier ----------------------------------------------------------------------
+
+
+def diagnose(ranks: Sequence[RankTiming], active: str | None = None) -> Diagnosis:
+    """Classify the window. `active` is the label currently shown: its own condition is
+    tested with the lower exit threshold (hysteresis), every other with the enter one."""
+    ready = [r for r in ranks if r.steps >= MIN_STEPS and _finite(r.step_ms) and r.step_ms > 0]
+    if not ready:
+        most = max((r.steps for r in ranks), default=0)
+        return Diagnosis(WARMUP, None, None, INFO,
+                         f"Collecting steps: {most} of {MIN_STEPS} needed before judging.")
+    step_ms = _median([r.step_ms for r in ready])
+
+    def over(share: float, enter: float, leave: float, *holding: str) -> bool:
+        return share >= (leave if active in holding else enter)
+
+    in_skew = _skew(ready, INPUT_PHASES, step_ms)
+    cp_skew = _skew(ready, COMPUTE_PHASES, step_ms)
+    in_hit = (in_skew is not None and in_skew.gap_ms >= MIN_GAP_MS
+              and over(in_skew.share, SKEW_ENTER, SKEW_EXIT, INPUT_STRAGGLER, STRAGGLER))
+    cp_hit = (cp_skew is not None and cp_skew.gap_ms >= MIN_GAP_MS
+              and over(cp_skew.share, SKEW_ENTER, SKEW_EXIT, COMPUTE_STRAGGLER, STRAGGLER))
+
+    if in_hit and cp_hit:
+        worst = in_skew if in_skew.gap_ms >= cp_skew.gap_ms else cp_skew
+        phase = _worst_phase(ready, worst.rank, LOCAL_PHASES)
+        gap = in_skew.gap_ms + cp_skew.gap_ms if in_skew.rank == cp_skew.rank else worst.gap_ms
+        return _straggler(STRAGGLER, worst.rank, phase, gap, gap / step_ms, step_ms, ready)
+    if in_hit:
+        phase = _worst_phase(ready, in_skew.rank, INPUT_PHASES)
+        return _straggler(INPUT_STRAGGLER, in_skew.rank, phase, in_skew.gap_ms, in_skew.share,
+                          step_ms, ready)
+    if cp_hit:
+        phase = _worst_phase(ready, cp_skew.rank, COMPUTE_PHASES)
+        return _straggler(COMPUTE_STRAGGLER, cp_skew.rank, phase, cp_skew.gap_ms, cp_skew.share,
+                          step_ms, ready)
+
+    input_share = _share(ready, INPUT_PHASES)
+    if over(input_share, INPUT_BOUND_ENTER, INPUT_BOUND_EXIT, INPUT_BOUND):
+        phase = max(INPUT_PHASES, key=lambda p: _median(
+            [r.phase_ms.get(p) for r in ready if _finite(r.phase_ms.get(p))] or [0.0]))
+        return Diagnosis(
+            INPUT_BOUND, None, phase, WARNING,
+            f"Every rank spends about {input_share:.0%} of its {step_ms:.1f} ms step waiting for "
+            f"input: speed up the input pipeline on all ranks (more DataLoader workers, "
+            f"pin_memory, prefetching, cheaper preprocessing).",
+            gap_share=input_share)
+    wait_share = _share(ready, ("wait",))
+    if over(wait_share, WAIT_HEAVY_ENTER, WAIT_HEAVY_EXIT, WAIT_HEAVY):
+        return Diagnosis(
+            WAIT_HEAVY, None, "wait", WARNING,
+            f"About {wait_share:.0%} of each {step_ms:.1f} ms step is outside the timed phases "
+            f"on every rank: look for logging, checkpointing, validation, .item()/CPU syncs or "
+            f"other work between optimizer steps.",
+            gap_share=wait_share)
+    return Diagnosis(
+        BALANCED, None, None, INFO,
+        f"{len(ready)} rank{'s' if len(ready) != 1 else ''} balanced at a median "
+        f"{step_ms:.1f} ms per step; no rank stands out in input or compute.")
+
+
+_ADVICE = {
+    INPUT_STRAGGLER: "check its input pipeline (uneven shards, rank-local preprocessing, "
+                     "slow storage on its host)",
+    COMPUTE_STRAGGLER: "check its model-side work (uneven input shapes, rank-local branches, "
+                       "extra forward/backward/optimizer work, hooks that run on one rank)",
+    STRAGGLER: "input and compute are both uneven; fix the phase with the largest gap first",
+}
+
+
+def _straggler(label: str, rank: int, phase: str | None, gap: float, share: float,
+               step_ms: float, ranks: Sequence[RankTiming]) -> Diagnosis:
+    severity = CRITICAL if share >= CRITICAL_SHARE else WARNING
+    where = f" in {phase}" if phase else ""
+    host = next((r.host for r in ranks if r.rank == rank), "")
+    on_host = f" (host {host})" if host else ""
+    return Diagnosis(
+        label, rank, phase, severity,
+        f"Rank {rank}{on_host} spends {gap:.1f} ms more{where} than the median rank, "
+        f"{share:.0%} of the {step_ms:.1f} ms step that every rank waits for: {_ADVICE[label]}.",
+        gap_ms=gap, gap_share=share)
+
+
+# --- hysteresis over time ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LiveLabel:
+    """The label on display and the challenger that must win CONFIRM_TICKS times to replace it."""
+
+    shown: Diagnosis
+    challenger: str | None = None
+    wins: int = 0
+
+
+def settle(live: LiveLabel | None, candidate: Diagnosis) -> LiveLabel:
+    """Advance the displayed label by one evaluation. A new label (or a new rank for the
+    same label) must win CONFIRM_TICKS evaluations in a row; the shown label's own
+    evidence refreshes at once. Leaving WARMUP needs no confirmation."""
+    if live is None:
+        return LiveLabel(candidate)
+    same = candidate.label == live.shown.label and candidate.rank == live.shown.rank
+    if same:
+        return LiveLabel(candidate)
+    if live.shown.label == WARMUP:
+        return LiveLabel(candidate)
+    key = f"{candidate.label}|{candidate.rank}"
+    wins = live.wins + 1 if live.challenger == key else 1
+    if wins >= CONFIRM_TICKS:
+        return LiveLabel(candidate)
+    return replace(live, challenger=key, wins=wins)

@@ -1,0 +1,262 @@
+"""The collector's state: what every rank has reported, and frozen snapshots of it.
+
+`RunState.ingest` takes validated protocol messages; `RunState.evaluate` runs the
+live diagnosis (a few times a second) and keeps the run's timeline of episodes;
+`RunState.snapshot` freezes everything into a `Snapshot` that the summary
+writer and dashboards read. Nothing here does I/O or reads a clock: the
+collector passes the time in, so the whole state machine is testable offline.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from traceml_agent.protocol import PHASES, Identity, Message
+
+from . import diagnosis as dx
+from .windows import Quantiles, RankWindow, window_steps_for
+
+# Steps of each rank that the live diagnosis looks at: enough for a stable median,
+# few enough that a straggler appearing mid-run flips it within ~LIVE_STEPS/2 steps.
+LIVE_STEPS = 32
+SPARKLINE_STEPS = 60
+MAX_EPISODES = 500
+
+
+@dataclass(frozen=True, slots=True)
+class Episode:
+    label: str
+    rank: int | None
+    phase: str | None
+    severity: str
+    start: float  # epoch seconds
+    end: float | None
+    start_step: int
+    end_step: int | None
+    summary: str
+
+    def closed(self, end: float, end_step: int) -> Episode:
+        return Episode(self.label, self.rank, self.phase, self.severity, self.start, end,
+                       self.start_step, end_step, self.summary)
+
+
+@dataclass(frozen=True, slots=True)
+class RankSnapshot:
+    rank: int
+    local_rank: int
+    node: int
+    host: str
+    pid: int
+    reported: bool
+    steps: int
+    window_steps: int
+    step_ms: Quantiles | None
+    phase_ms: dict[str, Quantiles | None]
+    live_step_ms: float | None
+    live_phase_ms: dict[str, float | None]
+    recent_step_ms: tuple[float, ...]
+    sys: dict[str, Any]
+    idle_s: float | None  # seconds since this rank's last message
+    exit_code: int | None
+    error: str | None
+    finished: bool
+    dropped: int
+    device: str
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    run_name: str
+    world_size: int
+    nnodes: int
+    started_at: float
+    now: float
+    phases: tuple[str, ...]
+    ranks: tuple[RankSnapshot, ...]
+    live: dx.Diagnosis
+    live_since: float
+    final: dx.Diagnosis | None  # over the whole window; only in full snapshots
+    timeline: tuple[Episode, ...]
+    counters: dict[str, int]
+
+    @property
+    def reporting(self) -> int:
+        return sum(1 for r in self.ranks if r.reported)
+
+    @property
+    def total_steps(self) -> int:
+        return max((r.steps for r in self.ranks), default=0)
+
+
+@dataclass
+class RankState:
+    ident: Identity
+    window: RankWindow
+    steps: int = 0
+    last_step: int = -1
+    last_seen: float = 0.0
+    sys: dict[str, Any] = field(default_factory=dict)
+    heartbeat: dict[str, Any] = field(default_factory=dict)
+    exit_code: int | None = None
+    error: str | None = None
+    finished: bool = False
+    finished_at: float = 0.0
+    dropped: int = 0
+    device: str = ""
+    dirty: bool = True
+    live: dx.RankTiming | None = None
+
+
+class RunState:
+    def __init__(self, run_name: str, world_size: int, nnodes: int = 1,
+                 nproc_per_node: int | None = None, started_at: float = 0.0,
+                 window_steps: int | None = None) -> None:
+        self.run_name = run_name
+        self.world_size = world_size
+        self.nnodes = nnodes
+        self.nproc_per_node = nproc_per_node or max(1, world_size // max(1, nnodes))
+        self.started_at = started_at
+        self.window_steps = window_steps or window_steps_for(world_size)
+        self.ranks: dict[int, RankState] = {}
+        self.phases: list[str] = list(PHASES)
+        self.counters = {"messages": 0, "malformed": 0, "foreign": 0, "records": 0,
+                         "duplicate_records": 0, "agent_dropped": 0}
+        self.live: dx.LiveLabel | None = None
+        self.live_since = started_at
+        self.timeline: deque[Episode] = deque(maxlen=MAX_EPISODES)
+
+    # --- ingest ---------------------------------------------------------------------
+
+    def count_malformed(self) -> None:
+        self.counters["malformed"] += 1
+
+    def ingest(self, msg: Message, now: float) -> bool:
+        """Apply one validated message. Returns False for a message from outside this run."""
+        ident = msg.ident
+        if ident.world_size != self.world_size:
+            self.counters["foreign"] += 1
+            return False
+        self.counters["messages"] += 1
+        rs = self.ranks.get(ident.rank)
+        if rs is None or rs.ident.pid != ident.pid:
+            # New rank, or the rank's process restarted: start its record afresh.
+            rs = RankState(ident, RankWindow(self.window_steps))
+            self.ranks[ident.rank] = rs
+        rs.last_seen = now
+        kind = msg.kind
+        if kind == "steps":
+            self._ingest_steps(rs, msg)
+        elif kind == "sys":
+            rs.sys = msg.body
+        elif kind == "heartbeat":
+            rs.heartbeat = msg.body
+        elif kind == "hello":
+            rs.device = msg.body["device"]
+        elif kind == "goodbye":
+            rs.finished = True
+            rs.finished_at = now
+            rs.exit_code = msg.body["exit_code"]
+            rs.error = msg.body["error"]
+        return True
+
+    def _ingest_steps(self, rs: RankState, msg: Message) -> None:
+        for name in msg.phases:
+            if name not in self.phases:
+                self.phases.append(name)
+        self.counters["agent_dropped"] += max(0, msg.body["dropped"] - rs.dropped)
+        rs.dropped = max(rs.dropped, msg.body["dropped"])
+        for rec in msg.records:
+            if rec.step <= rs.last_step:  # replayed or out of order: already counted
+                self.counters["duplicate_records"] += 1
+                continue
+            rs.window.append(rec.step_ms, rec.t_end, msg.phases, rec.phase_ms)
+            rs.last_step = rec.step
+            rs.steps += 1
+            self.counters["records"] += 1
+            rs.dirty = True
+
+    def failures(self) -> list[tuple[int, int]]:
+        """(rank, exit code) of the ranks that reported a non-zero exit, first failure first."""
+        failed = [rs for rs in self.ranks.values() if rs.finished and rs.exit_code]
+        failed.sort(key=lambda rs: rs.finished_at)
+        return [(rs.ident.rank, rs.exit_code) for rs in failed]
+
+    # --- live diagnosis -------------------------------------------------------------
+
+    def _live_timing(self, rs: RankState) -> dx.RankTiming:
+        if rs.dirty or rs.live is None:
+            step, phases = rs.window.stats(LIVE_STEPS)
+            rs.live = dx.RankTiming(
+                rs.ident.rank, min(rs.window.count, LIVE_STEPS),
+                None if step is None else step.median,
+                {k: None if v is None else v.median for k, v in phases.items()},
+                rs.ident.host)
+            rs.dirty = False
+        return rs.live
+
+    def evaluate(self, now: float) -> dx.Diagnosis:
+        """One live evaluation: diagnose the recent window and update the timeline."""
+        timings = [self._live_timing(rs) for rs in self.ranks.values()]
+        active = self.live.shown.label if self.live else None
+        before = self.live.shown if self.live else None
+        self.live = dx.settle(self.live, dx.diagnose(timings, active))
+        shown = self.live.shown
+        if before is None or (shown.label, shown.rank) != (before.label, before.rank):
+            self._new_episode(shown, now)
+        return shown
+
+    def _new_episode(self, d: dx.Diagnosis, now: float) -> None:
+        step = max((rs.steps for rs in self.ranks.values()), default=0)
+        if self.timeline and self.timeline[-1].end is None:
+            self.timeline[-1] = self.timeline[-1].closed(now, step)
+        self.live_since = now
+        self.timeline.append(Episode(d.label, d.rank, d.phase, d.severity, now, None, step, None,
+                                     d.summary))
+
+    # --- snapshots ------------------------------------------------------------------
+
+    def full_diagnosis(self) -> dx.Diagnosis:
+        """The diagnosis over each rank's whole window (the summary's verdict)."""
+        timings = []
+        for rs in self.ranks.values():
+            step, phases = rs.window.stats()
+            timings.append(dx.RankTiming(
+                rs.ident.rank, rs.window.count, None if step is None else step.median,
+                {k: None if v is None else v.median for k, v in phases.items()}, rs.ident.host))
+        return dx.diagnose(timings)
+
+    def snapshot(self, now: float, mono_now: float, full: bool = False) -> Snapshot:
+        """Freeze the state. `full` adds whole-window quantiles and the final diagnosis
+        (costlier: used for the snapshot file and the summary, not every live tick)."""
+        if self.live is None:
+            self.evaluate(now)
+        ranks = tuple(self._rank_snapshot(r, mono_now, full) for r in range(self.world_size))
+        return Snapshot(
+            run_name=self.run_name, world_size=self.world_size, nnodes=self.nnodes,
+            started_at=self.started_at, now=now, phases=tuple(self.phases), ranks=ranks,
+            live=self.live.shown, live_since=self.live_since,
+            final=self.full_diagnosis() if full else None,
+            timeline=tuple(self.timeline), counters=dict(self.counters))
+
+    def _rank_snapshot(self, rank: int, mono_now: float, full: bool) -> RankSnapshot:
+        rs = self.ranks.get(rank)
+        if rs is None:
+            return RankSnapshot(
+                rank=rank, local_rank=rank % self.nproc_per_node,
+                node=rank // self.nproc_per_node, host="", pid=0, reported=False, steps=0,
+                window_steps=0, step_ms=None, phase_ms={p: None for p in self.phases},
+                live_step_ms=None, live_phase_ms={}, recent_step_ms=(), sys={}, idle_s=None,
+                exit_code=None, error=None, finished=False, dropped=0, device="")
+        live = self._live_timing(rs)
+        step, phases = rs.window.stats() if full else (None, {})
+        phase_ms = {p: phases.get(p) for p in self.phases}
+        return RankSnapshot(
+            rank=rank, local_rank=rs.ident.local_rank, node=rs.ident.node, host=rs.ident.host,
+            pid=rs.ident.pid, reported=True, steps=rs.steps, window_steps=rs.window.count,
+            step_ms=step, phase_ms=phase_ms, live_step_ms=live.step_ms,
+            live_phase_ms=dict(live.phase_ms),
+            recent_step_ms=tuple(rs.window.step_ms.last(SPARKLINE_STEPS)),
+            sys=dict(rs.sys), idle_s=max(0.0, mono_now - rs.last_seen), exit_code=rs.exit_code,
+            error=rs.error, finished=rs.finished, dropped=rs.dropped, device=rs.device)

@@ -1,0 +1,183 @@
+"""final_summary.json (../shared/spec/SUMMARY.md) and its text twin, built from a Snapshot.
+
+The same function builds the live snapshot file the collector rewrites every few
+seconds, so a run that ends badly (collector killed, machine lost) still leaves a
+record of the same shape, marked ``"complete": false``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from . import diagnosis as dx
+from .state import Episode, Snapshot
+from .windows import median
+
+SCHEMA_VERSION = "1"
+SUMMARY_JSON = "final_summary.json"
+SUMMARY_TXT = "final_summary.txt"
+LIVE_JSON = "live_snapshot.json"
+
+
+@dataclass(frozen=True)
+class RunMeta:
+    """What the launcher knows about the run that the agents do not."""
+
+    command: list[str] = field(default_factory=list)
+    exit_code: int | None = None
+    ended_at: float | None = None
+    complete: bool = True
+    failed_rank: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def iso(epoch: float | None) -> str | None:
+    if epoch is None:
+        return None
+    return datetime.fromtimestamp(epoch, tz=timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _q(q: Any) -> dict[str, float] | None:
+    return None if q is None else q.to_json()
+
+
+def _round(v: float | None, nd: int = 4) -> float | None:
+    return None if v is None else round(v, nd)
+
+
+def _episode(e: Episode) -> dict[str, Any]:
+    return {"label": e.label, "rank": e.rank, "phase": e.phase, "severity": e.severity,
+            "start": iso(e.start), "end": iso(e.end), "start_step": e.start_step,
+            "end_step": e.end_step, "summary": e.summary}
+
+
+def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
+    """The summary document. `snap` must be a full snapshot (whole-window quantiles)."""
+    diagnosis = snap.final or snap.live
+    reported = [r for r in snap.ranks if r.reported and r.step_ms is not None]
+    step_medians = [(r.rank, r.step_ms.median) for r in reported]
+    worst_rank, worst = (max(step_medians, key=lambda x: (x[1], -x[0]))
+                         if step_medians else (None, None))
+    ranks = []
+    for r in snap.ranks:
+        ranks.append({
+            "rank": r.rank, "local_rank": r.local_rank, "node": r.node, "host": r.host,
+            "pid": r.pid, "device": r.device or None, "reported": r.reported,
+            "steps": r.steps, "window_steps": r.window_steps,
+            "step_ms": _q(r.step_ms) or {"median": None, "p95": None},
+            "phase_ms": {p: _q(r.phase_ms.get(p)) for p in snap.phases},
+            "sys": {k: _round(v, 2) for k, v in r.sys.items()},
+            "exit_code": r.exit_code, "error": r.error, "dropped_records": r.dropped,
+        })
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "complete": meta.complete,
+        "run": {
+            "name": snap.run_name, "world_size": snap.world_size, "nnodes": snap.nnodes,
+            "started_at": iso(snap.started_at), "ended_at": iso(meta.ended_at or snap.now),
+            "duration_s": round((meta.ended_at or snap.now) - snap.started_at, 3),
+            "exit_code": meta.exit_code, "failed_rank": meta.failed_rank,
+            "command": list(meta.command), "steps": snap.total_steps,
+            "ranks_reporting": snap.reporting, **meta.extra,
+        },
+        "phases": list(snap.phases),
+        "diagnosis": diagnosis.to_json(),
+        "live_diagnosis": {**snap.live.to_json(), "since": iso(snap.live_since)},
+        "step_ms": {"median": _round(median([m for _, m in step_medians])),
+                    "worst": _round(worst), "worst_rank": worst_rank},
+        "ranks": ranks,
+        "timeline": [_episode(e) for e in snap.timeline],
+        "collector": dict(snap.counters),
+    }
+
+
+def job_exit_code(torchrun_exit: int | None, interrupted: bool,
+                  failures: list[tuple[int, int]]) -> tuple[int | None, int | None]:
+    """The training job's exit code and the rank that failed first.
+
+    torchrun itself exits 1 whatever a rank's code was; the agents report each rank's
+    own code, so a script that exits 3 on one rank makes `traceml run` exit 3.
+    """
+    failed_rank = failures[0][0] if failures else None
+    if interrupted:
+        return 130, failed_rank
+    if torchrun_exit == 0:
+        return 0, None
+    if failures:
+        return failures[0][1], failed_rank
+    return torchrun_exit, None
+
+
+# --- text ------------------------------------------------------------------------------
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def render_text(doc: dict[str, Any]) -> str:
+    """A short, human summary of a summary document (printed at the end of headless runs)."""
+    run, d = doc["run"], doc["diagnosis"]
+    lines = [
+        f"traceml run {run['name']}: {run['world_size']} rank(s), {run['steps']} steps in "
+        f"{run.get('duration_s', 0):.1f} s, exit code {run['exit_code']}"
+        + ("" if doc.get("complete", True) else "  [INCOMPLETE: built from the last snapshot]"),
+        "",
+        f"Diagnosis: {d['label']}" + (f"  rank {d['rank']}" if d["rank"] is not None else "")
+        + (f"  phase {d['phase']}" if d["phase"] else "") + f"  [{d['severity']}]",
+        f"  {d['summary']}",
+        "",
+    ]
+    phases = doc["phases"]
+    head = f"{'rank':>5} {'host':<14} {'steps':>6} {'step':>8} " + " ".join(
+        f"{p[:9]:>9}" for p in phases)
+    lines += ["Median ms per step over the last window (rank: median of its steps):", head]
+    for r in doc["ranks"]:
+        cells = " ".join(f"{_ms((r['phase_ms'].get(p) or {}).get('median')):>9}" for p in phases)
+        mark = " <" if r["rank"] == d["rank"] else ""
+        lines.append(f"{r['rank']:>5} {r['host'][:14]:<14} {r['steps']:>6} "
+                     f"{_ms(r['step_ms']['median']):>8} {cells}{mark}")
+    failed = [r for r in doc["ranks"] if r.get("error")]
+    for r in failed[:2]:
+        tail = r["error"].strip().splitlines()[-3:]
+        lines += ["", f"Rank {r['rank']} failed (exit {r['exit_code']}):"] + [
+            f"  {t}" for t in tail]
+    episodes = [e for e in doc["timeline"] if e["label"] not in (dx.WARMUP,)]
+    if len(episodes) > 1:
+        lines += ["", "Timeline:"]
+        for e in episodes[-10:]:
+            who = f" rank {e['rank']}" if e["rank"] is not None else ""
+            lines.append(f"  step {e['start_step']:>6}  {e['label']}{who}")
+    return "\n".join(lines) + "\n"
+
+
+# --- files -----------------------------------------------------------------------------
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temp file in the same folder and rename: readers never see half a file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_summary(run_dir: Path, doc: dict[str, Any]) -> Path:
+    run_dir = Path(run_dir)
+    write_atomic(run_dir / SUMMARY_JSON, json.dumps(doc, indent=2) + "\n")
+    write_atomic(run_dir / SUMMARY_TXT, render_text(doc))
+    return run_dir / SUMMARY_JSON

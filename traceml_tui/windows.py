@@ -1,0 +1,134 @@
+"""Bounded per-rank windows of step records, and the statistics computed over them.
+
+Memory does not grow with the length of a run: each rank keeps the last N
+records per phase in fixed-size float arrays (NaN where a phase was not seen),
+whatever the number of steps. N shrinks as the world grows so the whole
+collector stays within a fixed budget (see `window_steps_for`).
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+NAN = float("nan")
+MAX_WINDOW_STEPS = 512
+MIN_WINDOW_STEPS = 32
+# 4M floats (32 MiB) for all ranks' windows together.
+WINDOW_VALUE_BUDGET = 4 * 1024 * 1024
+
+
+def window_steps_for(world_size: int, n_series: int = 9) -> int:
+    """Steps each rank keeps: 512 for small jobs, fewer at thousands of ranks."""
+    per_rank = WINDOW_VALUE_BUDGET // max(1, world_size * n_series)
+    return max(MIN_WINDOW_STEPS, min(MAX_WINDOW_STEPS, per_rank))
+
+
+@dataclass(frozen=True, slots=True)
+class Quantiles:
+    median: float
+    p95: float
+
+    def to_json(self) -> dict[str, float]:
+        return {"median": round(self.median, 4), "p95": round(self.p95, 4)}
+
+
+def quantiles(values: Iterable[float]) -> Quantiles | None:
+    """Median and nearest-rank p95 of the finite values, or None if there are none."""
+    vals = sorted(v for v in values if v == v)
+    n = len(vals)
+    if n == 0:
+        return None
+    mid = n // 2
+    median = vals[mid] if n % 2 else (vals[mid - 1] + vals[mid]) / 2.0
+    p95 = vals[max(0, math.ceil(0.95 * n) - 1)]
+    return Quantiles(median, p95)
+
+
+def median(values: Sequence[float]) -> float | None:
+    q = quantiles(values)
+    return None if q is None else q.median
+
+
+class Ring:
+    """A fixed-size ring of floats; NaN marks 'not measured'."""
+
+    __slots__ = ("data", "pos", "count", "size")
+
+    def __init__(self, size: int) -> None:
+        self.data = array("d", [NAN]) * size
+        self.pos = 0
+        self.count = 0
+        self.size = size
+
+    def append(self, value: float) -> None:
+        self.data[self.pos] = value
+        self.pos = (self.pos + 1) % self.size
+        if self.count < self.size:
+            self.count += 1
+
+    def last(self, n: int) -> list[float]:
+        """The newest n values, oldest first."""
+        n = min(n, self.count)
+        if n <= 0:
+            return []
+        start = (self.pos - n) % self.size
+        if start + n <= self.size:
+            return self.data[start : start + n].tolist()
+        return self.data[start:].tolist() + self.data[: self.pos].tolist()
+
+
+class RankWindow:
+    """The last N steps of one rank: step time and each phase."""
+
+    __slots__ = ("size", "step_ms", "phases", "t_end")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.step_ms = Ring(size)
+        self.t_end = Ring(size)
+        self.phases: dict[str, Ring] = {}
+
+    def append(self, step_ms: float, t_end: float, phase_names: Sequence[str],
+               phase_ms: Sequence[float | None]) -> None:
+        # A phase this rank reports for the first time starts with NaN history,
+        # so every ring stays aligned with step_ms.
+        for name in phase_names:
+            if name not in self.phases:
+                ring = Ring(self.size)
+                for _ in range(self.step_ms.count):
+                    ring.append(NAN)
+                self.phases[name] = ring
+        self.step_ms.append(step_ms)
+        self.t_end.append(t_end)
+        seen = set()
+        for name, value in zip(phase_names, phase_ms):
+            self.phases[name].append(NAN if value is None else value)
+            seen.add(name)
+        for name, ring in self.phases.items():
+            if name not in seen:
+                ring.append(NAN)
+
+    @property
+    def count(self) -> int:
+        return self.step_ms.count
+
+    def stats(self, last: int | None = None) -> tuple[Quantiles | None, dict[str, Quantiles | None]]:
+        """Step and phase quantiles over the newest `last` steps (default: the whole window).
+
+        A phase seen on at least one step of the window counts 0 on the steps where
+        it did not occur (it was hooked and took no time there); a phase never seen
+        is None: not measured, never a made-up 0.
+        """
+        n = self.count if last is None else min(last, self.count)
+        step = quantiles(self.step_ms.last(n))
+        phases: dict[str, Quantiles | None] = {}
+        for name, ring in self.phases.items():
+            values = ring.last(n)
+            if any(v == v for v in values):
+                phases[name] = quantiles([v if v == v else 0.0 for v in values])
+            else:
+                phases[name] = None
+        return step, phases
