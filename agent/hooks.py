@@ -5,8 +5,9 @@ What is hooked, and why there:
   h2d         `Tensor.to` / `Tensor.cuda` in the training loop, only when CUDA exists
               (on a CPU job there is no host-to-device copy to time, so nothing is patched).
   forward     the outermost module call. Global module hooks find the root modules
-              during the first step, then are swapped for hooks on those roots only,
-              so later steps pay two hook calls, not two per submodule.
+              (the DDP/FSDP wrapper, the loss) during the first step, then give way to
+              a wrapper on those classes' forward, so later steps pay one Python call
+              per root, not two hook calls per submodule.
   backward    `torch.autograd.backward` (Tensor.backward goes through it). A hook on the
               root tensor queues an autograd final callback, which runs once every
               gradient is computed and before DDP's reducer waits for its allreduces:
@@ -28,7 +29,10 @@ from typing import Any
 from .recorder import DATALOADER, FORWARD, H2D, OPTIMIZER, Recorder
 
 _rec: Recorder | None = None
-_on_error: Callable[[BaseException], None] = lambda exc: None
+def _on_error(exc: BaseException) -> None:  # replaced by install()
+    return None
+
+
 _undo: list[Callable[[], None]] = []
 _learning = False
 _roots: list[Any] = []
@@ -133,16 +137,34 @@ def _hook_forward_global(torch: Any) -> None:
 
 
 def _finish_learning() -> None:
-    """After the first step: hook only the root modules, drop the global hooks."""
+    """After the first step: time the root modules' classes, drop the global hooks.
+
+    A class-level `forward` wrapper keeps nn.Module's fast call path (instance hooks
+    force the slow one) and stores nothing on the instances, so a model saved with
+    torch.save(model) never references this package.
+    """
     global _learning
     _learning = False
     while _global_forward:
         _global_forward.pop().remove()  # removing twice (again in uninstall) is harmless
-    for root in _roots:
-        pre = root.register_forward_pre_hook(_forward_pre)
-        post = root.register_forward_hook(_forward_post, always_call=True)
-        _undo.append(pre.remove)
-        _undo.append(post.remove)
+    for cls in dict.fromkeys(type(root) for root in _roots):
+        _wrap_forward(cls)
+
+
+def _wrap_forward(cls: type) -> None:
+    original = cls.forward
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rec = _rec
+        if rec is None or not rec.begin(FORWARD, self):
+            return original(self, *args, **kwargs)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            rec.end(self)
+
+    forward.__wrapped__ = original  # type: ignore[attr-defined]
+    _setattr(cls, "forward", forward)
 
 
 # --- backward -----------------------------------------------------------------------

@@ -104,7 +104,7 @@ class RankWindow:
         self.step_ms.append(step_ms)
         self.t_end.append(t_end)
         seen = set()
-        for name, value in zip(phase_names, phase_ms):
+        for name, value in zip(phase_names, phase_ms, strict=False):
             self.phases[name].append(NAN if value is None else value)
             seen.add(name)
         for name, ring in self.phases.items():
@@ -115,7 +115,9 @@ class RankWindow:
     def count(self) -> int:
         return self.step_ms.count
 
-    def stats(self, last: int | None = None) -> tuple[Quantiles | None, dict[str, Quantiles | None]]:
+    def stats(
+        self, last: int | None = None
+    ) -> tuple[Quantiles | None, dict[str, Quantiles | None]]:
         """Step and phase quantiles over the newest `last` steps (default: the whole window).
 
         A phase seen on at least one step of the window counts 0 on the steps where
