@@ -1,0 +1,51 @@
+"""Helpers for tests that launch real `traceml run` jobs (torchrun, gloo, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+SCHEMA = Path(__file__).resolve().parent / "data" / "summary.schema.json"
+JOB_TIMEOUT_S = 240
+
+
+@dataclass
+class Finished:
+    returncode: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "final_summary.json").read_text())
+
+
+def traceml(*args: str, cwd: Path | None = None, timeout: float = JOB_TIMEOUT_S,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run the real `traceml` command line (as a user would), capturing its output."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "traceml_tui", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def run_job(tmp_path: Path, script: str, *args: str, nproc: int = 3, name: str = "job",
+            script_args: tuple[str, ...] = ()) -> Finished:
+    out = tmp_path / "runs"
+    proc = traceml("run", str(EXAMPLES / script), "--nproc-per-node", str(nproc), "--headless",
+                   "--out", str(out), "--run-name", name, *args, "--", *script_args)
+    return Finished(proc.returncode, proc.stdout, proc.stderr, out / name)
+
+
+def validate_schema(doc: dict[str, Any]) -> None:
+    import jsonschema
+
+    jsonschema.validate(doc, json.loads(SCHEMA.read_text()))
+

@@ -1,0 +1,65 @@
+"""End to end: the `traceml run` contract (CLI.md): flag orders, exit codes, run folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs import EXAMPLES, run_job, traceml, validate_schema
+
+pytestmark = pytest.mark.e2e
+
+
+def test_failing_rank_sets_exit_code_and_is_named(tmp_path):
+    job = run_job(tmp_path, "ddp_toy.py", nproc=2, name="fail",
+                  script_args=("--fail-rank", "1", "--fail-at-step", "12", "--steps", "200"))
+    assert job.returncode == 3, job.stderr[-3000:]
+    doc = job.summary
+    validate_schema(doc)
+    assert doc["run"]["exit_code"] == 3
+    assert doc["run"]["failed_rank"] == 1
+    assert doc["ranks"][1]["exit_code"] == 3
+    # The rank's own output is kept in the run folder.
+    logs = "".join(p.read_text(errors="replace") for p in (job.run_dir / "logs").rglob("*.log"))
+    assert "simulated failure at step 12" in logs
+
+
+def test_options_after_the_script_and_script_args_after_dashes(tmp_path):
+    out = tmp_path / "runs"
+    proc = traceml("run", "--headless", "--out", str(out), "--run-name", "before",
+                   str(EXAMPLES / "ddp_toy.py"), "--nproc-per-node=2", "--",
+                   "--steps", "20")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((out / "before" / "final_summary.json").read_text())
+    validate_schema(doc)
+    assert doc["run"]["world_size"] == 2
+    assert [r["steps"] for r in doc["ranks"]] == [20, 20]
+    assert doc["run"]["command"][:2] == ["traceml", "run"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "no_such_script.py", "--headless"], "script not found"),
+        (["run", "examples/ddp_toy.py", "--nproc-per-node", "zero"], "whole number"),
+        (["run", "examples/ddp_toy.py", "--steps", "5"], "go after --"),
+        (["compare", "nope.json", "nope2.json"], "no such file"),
+    ],
+)
+def test_user_mistakes_get_one_clear_line(tmp_path, args, message):
+    proc = traceml(*args, cwd=EXAMPLES.parent, timeout=60)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_reusing_a_run_name_does_not_overwrite_the_record(tmp_path):
+    first = run_job(tmp_path, "ddp_toy.py", nproc=1, name="same",
+                    script_args=("--steps", "10"))
+    assert first.returncode == 0
+    before = (first.run_dir / "final_summary.json").read_text()
+    again = run_job(tmp_path, "ddp_toy.py", nproc=1, name="same", script_args=("--steps", "10"))
+    assert again.returncode == 2
+    assert "already holds a run" in again.stderr
+    assert (first.run_dir / "final_summary.json").read_text() == before
