@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+
 from traceml_agent.protocol import ProtocolError, decode
 
 from . import summary
@@ -58,6 +59,7 @@ class Collector:
         self.poller.register(self.control, zmq.POLLIN)
         self.stopping = False
         self.done = False
+        self.exit_when_done = False
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -83,6 +85,13 @@ class Collector:
                 self.write_live()
             if self.stopping and not self.done:  # SIGTERM: write what we have and leave
                 self.finish({"exit_code": None, "complete": False})
+            elif self.exit_when_done and self.all_ranks_finished():
+                codes = [rs.exit_code for rs in self.state.ranks.values()]
+                self.finish({"torchrun_exit": 0 if not any(codes) else 1, "grace_s": 0})
+
+    def all_ranks_finished(self) -> bool:
+        ranks = self.state.ranks
+        return len(ranks) == self.state.world_size and all(r.finished for r in ranks.values())
 
     def drain(self, limit: int = DRAIN_BATCH) -> int:
         n = 0
@@ -134,7 +143,7 @@ class Collector:
         deadline = time.monotonic() + float(request.get("grace_s", FINISH_GRACE_S))
         while time.monotonic() < deadline:
             self.drain()
-            if self.state.ranks and all(r.finished for r in self.state.ranks.values()):
+            if self.all_ranks_finished():
                 break
             if self.ingest.poll(50) == 0 and request.get("torchrun_exit") is not None:
                 # Processes are gone; once the socket is quiet, nothing more will come.
@@ -182,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="127.0.0.1", help="address to bind the ingest socket")
     p.add_argument("--port", type=int, default=0, help="ingest port (0: any free port)")
     p.add_argument("--started-at", type=float, default=None)
+    p.add_argument("--exit-when-done", action="store_true",
+                   help="write the summary and exit once every rank has said goodbye")
     return p
 
 
@@ -194,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     state = RunState(args.run_name or args.run_dir.name, args.world_size, args.nnodes,
                      args.nproc_per_node, args.started_at or time.time())
     collector = Collector(args.run_dir, state, args.bind, args.port)
+    collector.exit_when_done = args.exit_when_done
 
     def on_term(signum: int, frame: Any) -> None:
         collector.stopping = True
@@ -202,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_term)
     collector.announce()
     print(f"[traceml] collector for {state.run_name!r} ({args.world_size} ranks) "
-          f"listening on {collector.ingest_addr}", file=sys.stderr, flush=True)
+          f"listening on {collector.ingest_addr}\n"
+          f"[traceml] start the ranks with TRACEML_ENDPOINT={collector.ingest_addr}",
+          file=sys.stderr, flush=True)
     try:
         collector.serve()
     finally:
