@@ -63,3 +63,72 @@ def test_reusing_a_run_name_does_not_overwrite_the_record(tmp_path):
     assert again.returncode == 2
     assert "already holds a run" in again.stderr
     assert (first.run_dir / "final_summary.json").read_text() == before
+
+
+def _start_long_job(tmp_path, name):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "runs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceml_tui", "run", str(EXAMPLES / "ddp_toy.py"),
+         "--nproc-per-node", "2", "--headless", "--out", str(out), "--run-name", name, "--",
+         "--steps", "1000000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run_dir = out / name
+    _wait_for(lambda: _steps_so_far(run_dir) >= 20, timeout=120)
+    return proc, run_dir
+
+
+def _steps_so_far(run_dir) -> int:
+    try:
+        return json.loads((run_dir / "live_snapshot.json").read_text())["run"]["steps"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _wait_for(condition, timeout: float) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the job"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize(("sig", "code"), [("SIGINT", 130), ("SIGTERM", 143)])
+def test_interrupted_run_still_writes_the_summary(tmp_path, sig, code):
+    import signal
+    import time
+
+    proc, run_dir = _start_long_job(tmp_path, sig.lower())
+    t0 = time.monotonic()
+    proc.send_signal(getattr(signal, sig))
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == code, output[-3000:]
+    assert time.monotonic() - t0 < 20  # "within a few seconds", with room for a slow CI box
+    doc = json.loads((run_dir / "final_summary.json").read_text())
+    validate_schema(doc)
+    assert doc["run"]["exit_code"] == code
+    assert all(r["steps"] >= 20 for r in doc["ranks"])
+
+
+def test_collector_killed_midrun_leaves_an_incomplete_summary(tmp_path):
+    import os
+    import signal
+
+    proc, run_dir = _start_long_job(tmp_path, "killed")
+    collector_pid = json.loads((run_dir / "collector.json").read_text())["pid"]
+    os.kill(collector_pid, signal.SIGKILL)
+    _wait_for(lambda: (run_dir / "collector.log").exists(), timeout=5)
+    proc.send_signal(signal.SIGINT)  # training went on; now the user stops it
+    output, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 130, output[-3000:]
+    doc = json.loads((run_dir / "final_summary.json").read_text())
+    validate_schema(doc)
+    assert doc["complete"] is False
+    assert "INCOMPLETE" in output
+    assert doc["run"]["exit_code"] == 130
+    assert all(r["steps"] >= 20 for r in doc["ranks"])

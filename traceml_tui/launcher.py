@@ -153,17 +153,25 @@ class _Signals:
                 pass
 
 
-def _finish(control: str, request: dict[str, Any]) -> dict[str, Any] | None:
+def _finish(control: str, request: dict[str, Any], collector: subprocess.Popen
+            ) -> dict[str, Any] | None:
+    """Ask the collector for the final summary; None if it is dead or does not answer."""
     import zmq
 
+    if collector.poll() is not None:
+        return None
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(control)
     try:
         sock.send_json(request)
-        if sock.poll(int(FINISH_TIMEOUT_S * 1000)):
-            return sock.recv_json()
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if sock.poll(100):
+                return sock.recv_json()
+            if collector.poll() is not None:
+                return None
         return None
     finally:
         sock.close()
@@ -175,8 +183,12 @@ def _fallback_summary(run_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
     if not live.exists():
         raise LaunchError("the collector died before writing any snapshot; no summary")
     doc = json.loads(live.read_text())
+    failures = [(r["rank"], r["exit_code"]) for r in doc["ranks"] if r.get("exit_code")]
+    code, failed_rank = summary.job_exit_code(
+        request["torchrun_exit"], request["interrupted"], failures)
     doc["complete"] = False
-    doc["run"]["exit_code"] = request.get("exit_code", request["torchrun_exit"])
+    doc["run"]["exit_code"] = request.get("exit_code", code)
+    doc["run"]["failed_rank"] = failed_rank
     doc["run"]["ended_at"] = summary.iso(request["ended_at"])
     doc["run"]["command"] = request["command"]
     summary.write_summary(run_dir, doc)
@@ -246,7 +258,7 @@ def run(opts: RunOptions) -> int:
         }
         if signals.terminated:
             request["exit_code"] = 143
-        reply = _finish(info["control"], request)
+        reply = _finish(info["control"], request, collector)
         if reply is None:
             reply = _fallback_summary(run_dir, request)
     try:
