@@ -147,11 +147,14 @@ def _validate(raw: Any) -> Message:
     if not isinstance(raw, dict):
         raise ProtocolError("message is not a map")
     version = raw.get("v")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {version!r}")
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version!r:.40}")
     kind = raw.get("kind")
     if kind not in KINDS:
-        raise ProtocolError(f"unknown kind {kind!r}")
+        raise ProtocolError(f"unknown kind {kind!r:.40}")
+    unknown = raw.keys() - _FIELDS[kind]
+    if unknown:  # every field is checked; new fields come with a new protocol version
+        raise ProtocolError(f"unknown fields for {kind}: {sorted(map(str, unknown))[:5]}")
     ident = _identity(raw.get("id"))
     seq = _int(raw.get("seq"), "seq", 0, 1 << 62)
     t = _float(raw.get("t"), "t", 0.0, 1e11)
@@ -267,5 +270,14 @@ def _goodbye(raw: dict) -> dict[str, Any]:
         "steps": _int(raw.get("steps", 0), "steps", 0, 1 << 62),
     }
 
+
+_COMMON = {"v", "kind", "id", "seq", "t"}
+_FIELDS = {
+    "hello": _COMMON | {"run", "device", "backend", "env"},
+    "steps": _COMMON | {"phases", "records", "dropped"},
+    "sys": _COMMON | {"cpu_pct", "rss_mb", "gpu_util", "gpu_mem_mb", "gpu_mem_total_mb"},
+    "heartbeat": _COMMON | {"step", "phase", "in_phase_s"},
+    "goodbye": _COMMON | {"exit_code", "error", "steps"},
+}
 
 _BODY_VALIDATORS = {"hello": _hello, "sys": _sys, "heartbeat": _heartbeat, "goodbye": _goodbye}

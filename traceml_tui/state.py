@@ -23,6 +23,8 @@ from .windows import Quantiles, RankWindow, window_steps_for
 LIVE_STEPS = 32
 SPARKLINE_STEPS = 60
 MAX_EPISODES = 500
+# Distinct phase names a run may use: the standard ones plus the agent's custom limit.
+MAX_RUN_PHASES = 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,9 +164,13 @@ class RunState:
         return True
 
     def _ingest_steps(self, rs: RankState, msg: Message) -> None:
-        for name in msg.phases:
-            if name not in self.phases:
-                self.phases.append(name)
+        new = [name for name in msg.phases if name not in self.phases]
+        if len(self.phases) + len(new) > MAX_RUN_PHASES:
+            # Each new name costs a window per rank: a sender inventing names must not
+            # grow the collector without bound.
+            self.counters["malformed"] += 1
+            return
+        self.phases.extend(new)
         self.counters["agent_dropped"] += max(0, msg.body["dropped"] - rs.dropped)
         rs.dropped = max(rs.dropped, msg.body["dropped"])
         for rec in msg.records:

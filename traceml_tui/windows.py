@@ -37,7 +37,7 @@ class Quantiles:
 
 def quantiles(values: Iterable[float]) -> Quantiles | None:
     """Median and nearest-rank p95 of the finite values, or None if there are none."""
-    vals = sorted(v for v in values if v == v)
+    vals = sorted(v for v in values if math.isfinite(v))
     n = len(vals)
     if n == 0:
         return None

@@ -1,0 +1,278 @@
+"""The step-time diagnosis as a table: worst rank vs median rank on local work (sync is
+excluded), broad input / wait, warm-up, hysteresis and the confirmation of new labels.
+Cases are built from the module's named thresholds, so they follow the documented rules."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+from dataclasses import replace
+
+import pytest
+
+from traceml_tui import diagnosis as dx
+from traceml_tui.diagnosis import (
+    BALANCED,
+    COMPUTE_STRAGGLER,
+    CONFIRM_TICKS,
+    CRITICAL,
+    CRITICAL_SHARE,
+    INFO,
+    INPUT_BOUND,
+    INPUT_BOUND_ENTER,
+    INPUT_BOUND_EXIT,
+    INPUT_STRAGGLER,
+    MIN_GAP_MS,
+    MIN_STEPS,
+    SKEW_ENTER,
+    SKEW_EXIT,
+    STRAGGLER,
+    WAIT_HEAVY,
+    WAIT_HEAVY_ENTER,
+    WAIT_HEAVY_EXIT,
+    WARMUP,
+    WARNING,
+    Diagnosis,
+    LiveLabel,
+    RankTiming,
+    diagnose,
+    settle,
+)
+
+# A balanced rank's medians in ms; they add up to a 100 ms step.
+BASE = {"dataloader": 5.0, "h2d": 1.0, "forward": 30.0, "backward": 50.0, "sync": 4.0,
+        "optimizer": 8.0, "wait": 2.0}
+STEP = sum(BASE.values())
+
+
+def part(share: float, rest: float = STEP) -> float:
+    """The ms that make up `share` of a step whose other parts add up to `rest`."""
+    return share * rest / (1.0 - share)
+
+
+def timing(rank: int, steps: int = 4 * MIN_STEPS, step_ms: float | None = None,
+           host: str = "", **phases: float | None) -> RankTiming:
+    """One rank; its step time defaults to the sum of its measured phases."""
+    ms = {**BASE, **phases}
+    if step_ms is None:
+        step_ms = sum(v for v in ms.values() if v is not None and math.isfinite(v))
+    return RankTiming(rank, steps, step_ms, ms, host)
+
+
+def ddp(n: int, slow=(), extra: dict | None = None, steps: int = 4 * MIN_STEPS,
+        **common: float | None) -> list[RankTiming]:
+    """n ranks of a synchronous job: the `slow` ranks do `extra` local work and every
+    other rank waits that long in sync, so all step times are equal."""
+    extra = extra or {}
+    total = sum(extra.values())
+    ranks = []
+    for r in range(n):
+        ms = {**BASE, **common}
+        if r in slow:
+            ms.update({p: ms[p] + x for p, x in extra.items()})
+        else:
+            ms["sync"] += total
+        ranks.append(timing(r, steps=steps, host=f"host{r}", **ms))
+    return ranks
+
+
+def patch(ranks: list[RankTiming], rank: int, **changes) -> list[RankTiming]:
+    return [replace(t, **changes) if t.rank == rank else t for t in ranks]
+
+
+INPUT_BOUND_DL = part(INPUT_BOUND_ENTER + 0.10, STEP - 6.0) - BASE["h2d"]  # 40% input
+MID_SKEW = (SKEW_ENTER + SKEW_EXIT) / 2
+MID_INPUT = (INPUT_BOUND_ENTER + INPUT_BOUND_EXIT) / 2
+MID_WAIT = (WAIT_HEAVY_ENTER + WAIT_HEAVY_EXIT) / 2
+TINY = {p: v * 0.005 for p, v in BASE.items()}  # a 0.5 ms step
+SLOW_DL = {"dataloader": part(0.30)}
+
+CASES = [
+    # (id, ranks, active, label, rank, phase)
+    ("empty", [], None, WARMUP, None, None),
+    ("one-rank", [timing(0)], None, BALANCED, None, None),
+    ("one-rank-heavy-forward", [timing(0, forward=400.0)], None, BALANCED, None, None),
+    ("all-equal", ddp(8), None, BALANCED, None, None),
+    ("input-dataloader", ddp(8, (3,), SLOW_DL), None, INPUT_STRAGGLER, 3, "dataloader"),
+    ("input-h2d", ddp(8, (6,), {"h2d": part(0.2)}), None, INPUT_STRAGGLER, 6, "h2d"),
+    ("compute-forward", ddp(8, (5,), {"forward": part(0.2)}), None, COMPUTE_STRAGGLER, 5,
+     "forward"),
+    ("compute-backward", ddp(3, (1,), {"backward": part(0.2)}), None, COMPUTE_STRAGGLER, 1,
+     "backward"),
+    ("compute-optimizer", ddp(4, (0,), {"optimizer": part(0.2)}), None, COMPUTE_STRAGGLER, 0,
+     "optimizer"),
+    ("both-same-rank",
+     ddp(8, (2,), {"dataloader": 2 * SKEW_ENTER * STEP, "backward": 4 * SKEW_ENTER * STEP}),
+     None, STRAGGLER, 2, "backward"),
+    ("both-different-ranks",
+     [timing(r, step_ms=STEP + 30.0, dataloader=5.0 + 15.0 * (r == 1),
+             forward=30.0 + 30.0 * (r == 6)) for r in range(8)],
+     None, STRAGGLER, 6, "forward"),
+    ("waiters-sync-not-blamed", ddp(8, (7,), {"forward": part(0.45)}), None,
+     COMPUTE_STRAGGLER, 7, "forward"),
+    ("only-sync-differs", [timing(0)] + [timing(r, sync=300.0) for r in range(1, 8)], None,
+     BALANCED, None, None),
+    ("input-bound", ddp(4, dataloader=INPUT_BOUND_DL), None, INPUT_BOUND, None, "dataloader"),
+    ("wait-heavy", ddp(4, wait=part(0.40, STEP - BASE["wait"])), None, WAIT_HEAVY, None,
+     "wait"),
+    ("straggler-beats-input-bound", ddp(4, (2,), {"forward": part(0.2)},
+                                        dataloader=INPUT_BOUND_DL),
+     None, COMPUTE_STRAGGLER, 2, "forward"),
+    ("warmup", ddp(4, (1,), SLOW_DL, steps=MIN_STEPS - 1), None, WARMUP, None, None),
+    ("warming-rank-not-judged", patch(ddp(4, (2,), SLOW_DL), 2, steps=MIN_STEPS - 1), None,
+     BALANCED, None, None),
+    ("h2d-unmeasured", ddp(8, (3,), SLOW_DL, h2d=None), None, INPUT_STRAGGLER, 3,
+     "dataloader"),
+    ("input-unmeasured", ddp(8, (4,), {"forward": part(0.3)}, dataloader=None, h2d=None),
+     None, COMPUTE_STRAGGLER, 4, "forward"),
+    ("nan-step-rank-ignored", patch(ddp(4, (2,), SLOW_DL), 2, step_ms=math.nan), None,
+     BALANCED, None, None),
+    ("inf-step-rank-ignored", patch(ddp(4, (2,), SLOW_DL), 2, step_ms=math.inf), None,
+     BALANCED, None, None),
+    ("nan-phase", patch(ddp(4), 1, phase_ms={**BASE, "dataloader": math.nan}), None,
+     BALANCED, None, None),
+    ("tie-lowest-rank", ddp(5, (1, 3), SLOW_DL), None, INPUT_STRAGGLER, 1, "dataloader"),
+    ("tie-lowest-rank-reversed", ddp(5, (1, 3), SLOW_DL)[::-1], None, INPUT_STRAGGLER, 1,
+     "dataloader"),
+    ("gap-below-min-ms", ddp(8, (3,), {"dataloader": 0.9 * MIN_GAP_MS}, **TINY), None,
+     BALANCED, None, None),
+    ("gap-above-min-ms", ddp(8, (3,), {"dataloader": 1.5 * MIN_GAP_MS}, **TINY), None,
+     INPUT_STRAGGLER, 3, "dataloader"),
+    # hysteresis: between the exit and the enter share, only the holding label survives
+    ("skew-mid-new", ddp(8, (3,), {"dataloader": part(MID_SKEW)}), None, BALANCED, None, None),
+    ("skew-mid-held", ddp(8, (3,), {"dataloader": part(MID_SKEW)}), INPUT_STRAGGLER,
+     INPUT_STRAGGLER, 3, "dataloader"),
+    ("skew-mid-held-as-straggler", ddp(8, (3,), {"dataloader": part(MID_SKEW)}), STRAGGLER,
+     INPUT_STRAGGLER, 3, "dataloader"),
+    ("skew-mid-other-held", ddp(8, (3,), {"dataloader": part(MID_SKEW)}), COMPUTE_STRAGGLER,
+     BALANCED, None, None),
+    ("skew-mid-compute-held", ddp(8, (2,), {"optimizer": part(MID_SKEW)}), COMPUTE_STRAGGLER,
+     COMPUTE_STRAGGLER, 2, "optimizer"),
+    ("skew-below-exit", ddp(8, (3,), {"dataloader": part(SKEW_EXIT - 0.01)}), INPUT_STRAGGLER,
+     BALANCED, None, None),
+    ("skew-above-enter", ddp(8, (3,), {"dataloader": part(SKEW_ENTER + 0.01)}), None,
+     INPUT_STRAGGLER, 3, "dataloader"),
+    ("input-mid-new", ddp(4, dataloader=part(MID_INPUT, STEP - 6.0) - 1.0), None, BALANCED,
+     None, None),
+    ("input-mid-held", ddp(4, dataloader=part(MID_INPUT, STEP - 6.0) - 1.0), INPUT_BOUND,
+     INPUT_BOUND, None, "dataloader"),
+    ("wait-mid-new", ddp(4, wait=part(MID_WAIT, STEP - 2.0)), None, BALANCED, None, None),
+    ("wait-mid-held", ddp(4, wait=part(MID_WAIT, STEP - 2.0)), WAIT_HEAVY, WAIT_HEAVY, None,
+     "wait"),
+]
+
+
+@pytest.mark.parametrize("ranks, active, label, rank, phase", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_diagnose(ranks, active, label, rank, phase):
+    d = diagnose(ranks, active)
+    assert (d.label, d.rank, d.phase) == (label, rank, phase), d.summary
+    assert d.summary
+
+
+def test_input_straggler_evidence():
+    d = diagnose(ddp(8, (3,), SLOW_DL))
+    assert d.gap_ms == pytest.approx(part(0.30))
+    assert d.gap_share == pytest.approx(0.30)
+    assert d.severity == WARNING
+    assert "Rank 3 (host host3)" in d.summary and "dataloader" in d.summary
+
+
+def test_straggler_on_one_rank_adds_both_gaps():
+    extra = {"dataloader": 2 * SKEW_ENTER * STEP, "backward": 4 * SKEW_ENTER * STEP}
+    d = diagnose(ddp(8, (2,), extra))
+    total = sum(extra.values())
+    assert d.gap_ms == pytest.approx(total)
+    assert d.gap_share == pytest.approx(total / (STEP + total))
+
+
+@pytest.mark.parametrize("share, severity", [
+    (CRITICAL_SHARE - 0.02, WARNING), (CRITICAL_SHARE, CRITICAL), (CRITICAL_SHARE + 0.1, CRITICAL),
+])
+def test_severity(share, severity):
+    d = diagnose(ddp(8, (4,), {"forward": part(share)}))
+    assert d.label == COMPUTE_STRAGGLER
+    assert d.gap_share == pytest.approx(share)
+    assert d.severity == severity
+
+
+@pytest.mark.parametrize("ranks, severity", [
+    ([], INFO), (ddp(4), INFO), (ddp(4, dataloader=INPUT_BOUND_DL), WARNING),
+], ids=["warmup", "balanced", "input-bound"])
+def test_severity_of_other_labels(ranks, severity):
+    assert diagnose(ranks).severity == severity
+
+
+def test_to_json_rounds():
+    d = Diagnosis(INPUT_STRAGGLER, 1, "h2d", WARNING, "s", gap_ms=1.23456, gap_share=0.123456)
+    assert d.to_json() == {"label": INPUT_STRAGGLER, "rank": 1, "phase": "h2d",
+                           "severity": WARNING, "summary": "s", "gap_ms": 1.235,
+                           "gap_share": 0.1235}
+
+
+# --- settle: confirmation over time --------------------------------------------------------
+
+
+def dg(label: str, rank: int | None = None, gap: float | None = None) -> Diagnosis:
+    return Diagnosis(label, rank, None, INFO, "", gap_ms=gap)
+
+
+def run(start: Diagnosis | None, *candidates: Diagnosis) -> list[tuple[str, int | None]]:
+    live, shown = None if start is None else LiveLabel(start), []
+    for c in candidates:
+        live = settle(live, c)
+        shown.append((live.shown.label, live.shown.rank))
+    return shown
+
+
+def test_first_candidate_is_shown_at_once():
+    assert run(None, dg(INPUT_STRAGGLER, 3)) == [(INPUT_STRAGGLER, 3)]
+
+
+def test_new_label_needs_confirm_ticks_wins_in_a_row():
+    shown = run(dg(BALANCED), *[dg(INPUT_STRAGGLER, 3)] * CONFIRM_TICKS)
+    assert shown == [(BALANCED, None)] * (CONFIRM_TICKS - 1) + [(INPUT_STRAGGLER, 3)]
+
+
+@pytest.mark.parametrize("interruption", [dg(BALANCED), dg(COMPUTE_STRAGGLER, 1),
+                                          dg(INPUT_STRAGGLER, 4)],
+                         ids=["by-shown", "by-other-label", "by-other-rank"])
+def test_interrupted_challenger_starts_over(interruption):
+    almost = [dg(INPUT_STRAGGLER, 3)] * (CONFIRM_TICKS - 1)
+    shown = run(dg(BALANCED), *almost, interruption, *almost)
+    assert all(s == (BALANCED, None) for s in shown)
+
+
+def test_new_rank_for_the_same_label_must_be_confirmed():
+    shown = run(dg(INPUT_STRAGGLER, 3), *[dg(INPUT_STRAGGLER, 5)] * CONFIRM_TICKS)
+    assert shown[-1] == (INPUT_STRAGGLER, 5)
+    assert all(s == (INPUT_STRAGGLER, 3) for s in shown[:-1])
+
+
+def test_leaving_warmup_is_immediate():
+    assert run(dg(WARMUP), dg(COMPUTE_STRAGGLER, 2)) == [(COMPUTE_STRAGGLER, 2)]
+
+
+def test_shown_label_refreshes_its_evidence_at_once():
+    live = settle(LiveLabel(dg(INPUT_STRAGGLER, 3, gap=10.0), "BALANCED|None", 1),
+                  dg(INPUT_STRAGGLER, 3, gap=20.0))
+    assert live.shown.gap_ms == 20.0
+    assert (live.challenger, live.wins) == (None, 0)
+
+
+# --- purity --------------------------------------------------------------------------------
+
+
+def test_diagnosis_does_no_io():
+    tree = ast.parse(inspect.getsource(dx))
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add((node.module or "").split(".")[0])
+    assert not imported & {"time", "os", "socket", "zmq", "io", "pathlib", "sys", "datetime"}
+    calls = {n.func.id for n in ast.walk(tree)
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert "open" not in calls and "print" not in calls

@@ -1,0 +1,307 @@
+"""The wire protocol: every kind round-trips, and every malformed or hostile payload is
+rejected with ProtocolError (never another exception, never reaching the collector)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from traceml_agent import protocol
+from traceml_agent.protocol import (
+    MAX_ENV_ENTRIES,
+    MAX_ERROR_CHARS,
+    MAX_MESSAGE_BYTES,
+    MAX_PHASES,
+    MAX_RECORDS_PER_BATCH,
+    MAX_STR,
+    MAX_WORLD_SIZE,
+    PHASES,
+    Identity,
+    Message,
+    ProtocolError,
+    StepRecord,
+    decode,
+    encode,
+)
+
+IDENT = Identity(rank=1, local_rank=1, node=0, host="node-a", pid=4242, world_size=4)
+T = 1_700_000_000.25
+# One record per PHASES order: dataloader, h2d, forward, backward, sync, optimizer, wait.
+RECORD = [7, T, 100.0, 5.0, None, 30.0, 50.0, 4.0, 8.0, 3.0]
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def raw(kind: str = "heartbeat", ident: dict | None = None, **fields) -> dict:
+    """A valid message as a plain map; fields override or add keys."""
+    msg = {"v": 1, "kind": kind, "id": ident or IDENT.to_wire(), "seq": 3, "t": T}
+    if kind == "steps":
+        msg.update(phases=list(PHASES), records=[list(RECORD)], dropped=0)
+    msg.update(fields)
+    return msg
+
+
+def with_id(**fields) -> dict:
+    return raw(ident={**IDENT.to_wire(), **fields})
+
+
+def without(mapping: dict, key: str) -> dict:
+    return {k: v for k, v in mapping.items() if k != key}
+
+
+def record(pos: int, value) -> dict:
+    """A steps message whose single record holds `value` at index `pos`
+    (0 step, 1 t_end, 2 step_ms, 3.. phase_ms)."""
+    rec = list(RECORD)
+    rec[pos] = value
+    return raw("steps", records=[rec])
+
+
+# --- round trips ---------------------------------------------------------------------------
+
+ROUND_TRIPS = [
+    ("hello", {"run": "demo", "device": "cuda:1", "backend": "nccl",
+               "env": {"MASTER_ADDR": "10.0.0.1", "NCCL_DEBUG": "WARN"}}),
+    ("sys", {"cpu_pct": 312.5, "rss_mb": 2048.0, "gpu_util": 97.0, "gpu_mem_mb": None,
+             "gpu_mem_total_mb": 81920.0}),
+    ("heartbeat", {"step": 17, "phase": "forward", "in_phase_s": 0.25}),
+    ("goodbye", {"exit_code": -11, "error": "Traceback ...\nRuntimeError: boom", "steps": 99}),
+]
+
+
+@pytest.mark.parametrize("kind, body", ROUND_TRIPS, ids=[k for k, _ in ROUND_TRIPS])
+def test_round_trip(kind, body):
+    msg = decode(encode(kind, IDENT, 12, T, **body))
+    assert isinstance(msg, Message)
+    assert (msg.kind, msg.ident, msg.seq, msg.t) == (kind, IDENT, 12, T)
+    assert msg.body == body
+    assert msg.phases == () and msg.records == ()
+
+
+def test_round_trip_steps():
+    records = [list(RECORD), [8, T + 0.1, 90.0, None, None, 30.0, 45.0, 0.0, 8.0, 7.0]]
+    msg = decode(encode("steps", IDENT, 5, T, phases=list(PHASES), records=records, dropped=2))
+    assert (msg.kind, msg.ident, msg.seq, msg.t) == ("steps", IDENT, 5, T)
+    assert msg.phases == PHASES
+    assert msg.body == {"dropped": 2}
+    assert msg.records == (
+        StepRecord(7, T, 100.0, (5.0, None, 30.0, 50.0, 4.0, 8.0, 3.0)),
+        StepRecord(8, T + 0.1, 90.0, (None, None, 30.0, 45.0, 0.0, 8.0, 7.0)),
+    )
+
+
+def test_defaults_for_optional_body_fields():
+    assert decode(encode("hello", IDENT, 0, T)).body == {
+        "run": "", "device": "cpu", "backend": "", "env": {}}
+    assert decode(encode("goodbye", IDENT, 0, T)).body == {
+        "exit_code": None, "error": None, "steps": 0}
+    assert decode(encode("steps", IDENT, 0, T, phases=["x"], records=[])).records == ()
+
+
+def test_limits_are_inclusive():
+    msg = decode(pack(raw("hello", run="r" * MAX_STR, env={f"k{i}": "v" for i in range(64)})))
+    assert len(msg.body["env"]) == MAX_ENV_ENTRIES
+    last = with_id(rank=MAX_WORLD_SIZE - 1, world_size=MAX_WORLD_SIZE)
+    assert decode(pack(last)).ident.rank == MAX_WORLD_SIZE - 1
+    names = [f"p{i}" for i in range(MAX_PHASES)]
+    rec = [0, T, 1.0] + [0.0] * MAX_PHASES
+    assert decode(pack(raw("steps", phases=names, records=[rec]))).phases == tuple(names)
+
+
+# --- rejection -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(protocol.KINDS))
+def test_templates_are_valid(kind):
+    """Each rejection case below changes one thing in one of these valid messages."""
+    assert decode(pack(raw(kind))).kind == kind
+    assert decode(pack(record(0, 8))).records[0].step == 8
+
+BAD = {
+    # not bytes, not msgpack, or not one msgpack value
+    "str-payload": "a string",
+    "none-payload": None,
+    "list-payload": [b"x"],
+    "empty": b"",
+    "reserved-byte": b"\xc1",
+    "trailing-bytes": pack(raw()) + b"\x00",
+    "truncated-map": pack(raw())[:-1],
+    # not a map
+    "array": pack([1, "heartbeat"]),
+    "int": pack(1),
+    "string": pack("hello"),
+    "nil": pack(None),
+    # version
+    "no-version": pack(without(raw(), "v")),
+    "version-2": pack(raw(v=2)),
+    "version-0": pack(raw(v=0)),
+    "version-str": pack(raw(v="1")),
+    # kind
+    "no-kind": pack(without(raw(), "kind")),
+    "unknown-kind": pack(raw("shutdown")),
+    "kind-list": pack(raw(kind=["hello"])),
+    # identity
+    "no-id": pack(without(raw(), "id")),
+    "id-list": pack(raw(id=[1, 1, 0, "h", 1, 4])),
+    **{f"id-missing-{f}": pack(raw(ident=without(IDENT.to_wire(), f)))
+       for f in ("rank", "local_rank", "node", "host", "pid", "world_size")},
+    "rank-str": pack(with_id(rank="1")),
+    "rank-float": pack(with_id(rank=1.0)),
+    "host-int": pack(with_id(host=7)),
+    "host-bytes": pack(with_id(host=b"node-a")),
+    "rank-eq-world": pack(with_id(rank=4)),
+    "rank-gt-world": pack(with_id(rank=9)),
+    "world-0": pack(with_id(rank=0, world_size=0)),
+    "world-too-big": pack(with_id(rank=0, world_size=MAX_WORLD_SIZE + 1)),
+    # negative numbers
+    "rank-neg": pack(with_id(rank=-1)),
+    "pid-neg": pack(with_id(pid=-1)),
+    "seq-neg": pack(raw(seq=-1)),
+    "t-neg": pack(raw(t=-1.0)),
+    "step-neg": pack(record(0, -1)),
+    "step-ms-neg": pack(record(2, -0.5)),
+    "phase-ms-neg": pack(record(5, -0.001)),
+    "dropped-neg": pack(raw("steps", dropped=-1)),
+    "cpu-neg": pack(raw("sys", cpu_pct=-1.0)),
+    # non-finite
+    "t-nan": pack(raw(t=math.nan)),
+    "t-inf": pack(raw(t=math.inf)),
+    "t-end-inf": pack(record(1, math.inf)),
+    "step-ms-nan": pack(record(2, math.nan)),
+    "phase-ms-nan": pack(record(3, math.nan)),
+    "phase-ms-inf": pack(record(6, math.inf)),
+    "gpu-util-nan": pack(raw("sys", gpu_util=math.nan)),
+    "in-phase-inf": pack(raw(in_phase_s=-math.inf)),
+    # records and phases
+    "record-short": pack(raw("steps", records=[RECORD[:-1]])),
+    "record-long": pack(raw("steps", records=[RECORD + [1.0]])),
+    "record-map": pack(raw("steps", records=[{"step": 7}])),
+    "records-map": pack(raw("steps", records={"0": RECORD})),
+    "records-missing": pack(without(raw("steps"), "records")),
+    "phases-missing": pack(without(raw("steps"), "phases")),
+    "phases-empty": pack(raw("steps", phases=[], records=[])),
+    "phases-too-many": pack(raw("steps", phases=[f"p{i}" for i in range(MAX_PHASES + 1)],
+                                records=[])),
+    "phases-duplicate": pack(raw("steps", phases=["forward", "backward", "forward"],
+                                 records=[[0, T, 1.0, 1.0, 1.0, 1.0]])),
+    "phase-name-int": pack(raw("steps", phases=["forward", 2], records=[])),
+    "step-ms-over-a-day": pack(record(2, protocol.MAX_STEP_MS * 2)),
+    "too-many-records": pack(raw("steps", phases=["x"],
+                                 records=[[i, T, 1.0, 1.0]
+                                          for i in range(MAX_RECORDS_PER_BATCH + 1)])),
+    # msgpack extension types and non-string keys
+    "ext-in-extra-field": pack(raw(extra=msgpack.ExtType(5, b"x"))),
+    "ext-as-t": pack(raw(t=msgpack.ExtType(1, b"\x00" * 8))),
+    "timestamp-as-t": pack(raw(t=msgpack.Timestamp(1_700_000_000))),
+    "int-map-key": pack(raw("hello", env={1: "x"})),
+    # bool where a number is expected
+    **{f"bool-{f}": pack(with_id(**{f: True}))
+       for f in ("rank", "local_rank", "node", "pid", "world_size")},
+    "bool-seq": pack(raw(seq=True)),
+    "bool-t": pack(raw(t=True)),
+    "bool-step": pack(record(0, True)),
+    "bool-step-ms": pack(record(2, True)),
+    "bool-phase-ms": pack(record(3, False)),
+    "bool-dropped": pack(raw("steps", dropped=True)),
+    "bool-exit-code": pack(raw("goodbye", exit_code=False)),
+    "bool-heartbeat-step": pack(raw(step=True)),
+    "exit-code-out-of-range": pack(raw("goodbye", exit_code=1 << 40)),
+    # strings over the limits
+    "host-long": pack(with_id(host="h" * (MAX_STR + 1))),
+    "run-long": pack(raw("hello", run="r" * (MAX_STR + 1))),
+    "device-long": pack(raw("hello", device="d" * 65)),
+    "env-key-long": pack(raw("hello", env={"k" * (MAX_STR + 1): "v"})),
+    "env-value-long": pack(raw("hello", env={"k": "v" * 1025})),
+    "env-too-many": pack(raw("hello", env={f"k{i}": "v" for i in range(MAX_ENV_ENTRIES + 1)})),
+    "env-not-map": pack(raw("hello", env=["k", "v"])),
+    "error-long": pack(raw("goodbye", error="e" * (MAX_ERROR_CHARS + 1))),
+    "phase-name-long": pack(raw("steps", phases=["p" * 65], records=[])),
+    "heartbeat-phase-long": pack(raw(phase="p" * 65)),
+    "giant-extra-string": pack(raw(extra="x" * (MAX_ERROR_CHARS * 4 + 1))),
+}
+
+
+@pytest.mark.parametrize("payload", BAD.values(), ids=BAD.keys())
+def test_decode_rejects(payload):
+    with pytest.raises(ProtocolError):
+        decode(payload)
+
+
+def test_every_truncation_is_rejected():
+    payload = encode("steps", IDENT, 1, T, phases=list(PHASES), records=[RECORD] * 3)
+    for cut in range(len(payload)):
+        with pytest.raises(ProtocolError):
+            decode(payload[:cut])
+
+
+def test_oversize_payload_rejected_before_parsing():
+    n = MAX_MESSAGE_BYTES // 80  # about 80 bytes per record: well over the limit in total
+    records = [[i, T, 100.0, *([1.5] * len(PHASES))] for i in range(n)]
+    big = encode("steps", IDENT, 1, T, phases=list(PHASES), records=records)
+    assert len(big) > MAX_MESSAGE_BYTES
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode(big)
+    half = encode("steps", IDENT, 1, T, phases=list(PHASES), records=records[: n // 2])
+    assert len(decode(half).records) == n // 2
+
+
+@pytest.mark.parametrize("version", [True, 1.0], ids=repr)
+def test_version_must_be_the_int_1(version):
+    with pytest.raises(ProtocolError):
+        decode(pack(raw(v=version)))
+
+
+def test_timestamp_extension_rejected_anywhere():
+    with pytest.raises(ProtocolError):
+        decode(pack(raw(extra=msgpack.Timestamp(1_700_000_000))))
+
+
+# --- properties ----------------------------------------------------------------------------
+
+
+FUZZ = settings(max_examples=500, deadline=None, database=None)
+VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats()
+    | st.text(max_size=20) | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12,
+)
+FIELDS = ["v", "kind", "id", "seq", "t", "phases", "records", "dropped", "env", "exit_code",
+          "error", "step", "phase", "cpu_pct"]
+
+
+def message_or_protocol_error(payload) -> bool:
+    try:
+        return isinstance(decode(payload), Message)
+    except ProtocolError:
+        return True  # any other exception propagates and fails the test
+
+
+@FUZZ
+@given(st.binary(max_size=512))
+def test_arbitrary_bytes_give_message_or_protocol_error(payload):
+    assert message_or_protocol_error(payload)
+
+
+@FUZZ
+@given(kind=st.sampled_from(sorted(protocol.KINDS)), key=st.sampled_from(FIELDS), value=VALUES)
+def test_structured_garbage_gives_message_or_protocol_error(kind, key, value):
+    msg = raw(kind)
+    msg[key] = value
+    assert message_or_protocol_error(pack(msg))
+
+
+def test_module_never_uses_pickle():
+    src = inspect.getsource(protocol)
+    imports = [ln for ln in src.splitlines() if re.match(r"\s*(import|from)\s", ln)]
+    assert imports and not [ln for ln in imports if re.search("pickle|marshal|dill|shelve", ln)]
+    assert "pickle." not in src

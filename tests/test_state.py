@@ -1,0 +1,170 @@
+"""The collector's RunState fed with real wire messages (encoded, then decoded): ingest,
+duplicates, foreign and restarted senders, snapshots and the timeline of episodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from traceml_agent.protocol import PHASES, Identity, decode, encode
+from traceml_tui import diagnosis as dx
+from traceml_tui.state import LIVE_STEPS, RunState
+
+T0 = 1_700_000_000.0
+# Per PHASES order: dataloader, h2d, forward, backward, sync, optimizer, wait (100 ms).
+BALANCED_MS = [5.0, 1.0, 30.0, 50.0, 4.0, 8.0, 2.0]
+
+
+def ident(rank: int, world: int = 2, pid: int | None = None) -> Identity:
+    return Identity(rank, rank, 0, f"host{rank}", 1000 + rank if pid is None else pid, world)
+
+
+def steps(rank: int, step_ids, phase_ms=BALANCED_MS, world: int = 2, pid: int | None = None,
+          dropped: int = 0):
+    """A decoded steps message for `rank` with one record per step id."""
+    records = [[s, T0 + s, sum(phase_ms), *phase_ms] for s in step_ids]
+    payload = encode("steps", ident(rank, world, pid), 1, T0, phases=list(PHASES),
+                     records=records, dropped=dropped)
+    return decode(payload)
+
+
+def test_ingest_two_ranks():
+    state = RunState("run", world_size=2)
+    for rank in (0, 1):
+        assert state.ingest(steps(rank, range(10)), now=5.0)
+    assert sorted(state.ranks) == [0, 1]
+    assert [state.ranks[r].steps for r in (0, 1)] == [10, 10]
+    assert state.counters["messages"] == 2
+    assert state.counters["records"] == 20
+    assert state.counters["duplicate_records"] == 0
+    snap = state.snapshot(T0, mono_now=6.0)
+    assert snap.reporting == 2 and snap.total_steps == 10
+    assert [r.live_step_ms for r in snap.ranks] == [100.0, 100.0]
+    assert snap.ranks[1].live_phase_ms["forward"] == 30.0
+    assert snap.ranks[0].idle_s == 1.0
+
+
+def test_replayed_and_out_of_order_records_are_not_double_counted():
+    state = RunState("run", world_size=2)
+    state.ingest(steps(0, range(10)), now=1.0)
+    state.ingest(steps(0, range(5, 15)), now=2.0)  # 5..9 replayed, 10..14 new
+    state.ingest(steps(0, [3, 20, 17]), now=3.0)  # 3 and 17 are out of order
+    rs = state.ranks[0]
+    assert rs.steps == 16  # 0..14 and 20
+    assert rs.window.count == 16
+    assert rs.last_step == 20
+    assert state.counters["duplicate_records"] == 5 + 2
+    assert state.counters["records"] == 16
+
+
+def test_agent_dropped_counts_the_increase_only():
+    state = RunState("run", world_size=2)
+    for dropped in (0, 3, 3, 5):
+        state.ingest(steps(0, [], dropped=dropped), now=1.0)
+    assert state.counters["agent_dropped"] == 5
+    assert state.ranks[0].dropped == 5
+
+
+def test_message_from_another_world_size_is_foreign():
+    state = RunState("run", world_size=2)
+    assert state.ingest(steps(3, range(10), world=4), now=1.0) is False
+    assert state.counters["foreign"] == 1
+    assert state.counters["messages"] == 0 and state.counters["records"] == 0
+    assert state.ranks == {}
+
+
+def test_restarted_rank_starts_afresh():
+    state = RunState("run", world_size=2)
+    state.ingest(steps(0, range(10), pid=111), now=1.0)
+    state.ingest(steps(0, range(4), pid=222), now=2.0)  # new process: steps restart at 0
+    rs = state.ranks[0]
+    assert rs.ident.pid == 222
+    assert rs.steps == 4 and rs.window.count == 4
+    assert state.counters["duplicate_records"] == 0
+
+
+def test_full_snapshot_lists_ranks_that_never_reported():
+    state = RunState("run", world_size=4, nnodes=2)
+    for rank in (0, 2):
+        state.ingest(steps(rank, range(12), world=4), now=1.0)
+    snap = state.snapshot(T0, mono_now=1.0, full=True)
+    assert [r.rank for r in snap.ranks] == [0, 1, 2, 3]
+    assert [r.reported for r in snap.ranks] == [True, False, True, False]
+    for r in (snap.ranks[1], snap.ranks[3]):
+        assert r.steps == 0 and r.step_ms is None and r.live_step_ms is None
+        assert r.idle_s is None and r.recent_step_ms == ()
+        assert r.phase_ms == {p: None for p in PHASES}
+    assert (snap.ranks[3].node, snap.ranks[3].local_rank) == (1, 1)
+    assert snap.ranks[2].step_ms.median == 100.0
+    assert snap.ranks[2].phase_ms["backward"].median == 50.0
+    assert isinstance(snap.final, dx.Diagnosis) and snap.final.label == dx.BALANCED
+
+
+def test_live_snapshot_skips_whole_window_quantiles():
+    state = RunState("run", world_size=2)
+    state.ingest(steps(0, range(12)), now=1.0)
+    snap = state.snapshot(T0, mono_now=1.0)
+    assert snap.final is None
+    assert snap.ranks[0].step_ms is None and snap.ranks[0].live_step_ms == 100.0
+
+
+def _feed(state: RunState, first: int, n: int, slow_dl: float = 0.0) -> None:
+    """n synchronous steps on 4 ranks; rank 2 spends slow_dl more in the dataloader
+    while the others wait that long in sync."""
+    for rank in range(4):
+        ms = list(BALANCED_MS)
+        ms[PHASES.index("dataloader" if rank == 2 else "sync")] += slow_dl
+        state.ingest(steps(rank, range(first, first + n), ms, world=4), now=0.0)
+
+
+def _evaluate(state: RunState, t: float, ticks: int = dx.CONFIRM_TICKS) -> float:
+    for _ in range(ticks):
+        t += 1.0
+        state.evaluate(t)
+    return t
+
+
+def test_timeline_keeps_a_straggler_episode_that_came_and_went():
+    state = RunState("run", world_size=4)
+    _feed(state, 0, 2 * dx.MIN_STEPS)
+    t = _evaluate(state, 0.0)
+    assert state.live.shown.label == dx.BALANCED
+    _feed(state, 100, LIVE_STEPS, slow_dl=40.0)
+    t_in = _evaluate(state, t)  # the straggler is shown on the last, confirming tick
+    assert (state.live.shown.label, state.live.shown.rank) == (dx.INPUT_STRAGGLER, 2)
+    _feed(state, 200, LIVE_STEPS)
+    t = _evaluate(state, t_in)
+
+    timeline = state.snapshot(t, mono_now=0.0).timeline
+    assert [(e.label, e.rank) for e in timeline] == [
+        (dx.BALANCED, None), (dx.INPUT_STRAGGLER, 2), (dx.BALANCED, None)]
+    episode = timeline[1]
+    assert episode.phase == "dataloader"
+    assert (episode.start, episode.end) == (t_in, t)
+    assert timeline[2].start == t
+    assert episode.start_step == 2 * dx.MIN_STEPS + LIVE_STEPS
+    assert timeline[2].end is None
+    assert state.live.shown.label == dx.BALANCED
+
+
+@pytest.mark.parametrize("n_steps, label", [(dx.MIN_STEPS - 1, dx.WARMUP),
+                                            (dx.MIN_STEPS, dx.BALANCED)])
+def test_evaluate_waits_for_min_steps(n_steps, label):
+    state = RunState("run", world_size=4)
+    _feed(state, 0, n_steps)
+    assert state.evaluate(1.0).label == label
+
+
+def test_a_sender_inventing_phase_names_cannot_grow_the_collector():
+    """Each new phase name costs a window per rank; names beyond the run's limit are refused."""
+    from traceml_tui.state import MAX_RUN_PHASES
+
+    state = RunState("run", world_size=1)
+    ident = Identity(rank=0, local_rank=0, node=0, host="h", pid=1, world_size=1)
+    for i in range(200):
+        names = [f"p{i}"]
+        msg = decode(encode("steps", ident, i, 1.0, phases=names, records=[[i, 1.0, 1.0, 0.5]],
+                            dropped=0))
+        state.ingest(msg, 0.0)
+    assert len(state.phases) <= MAX_RUN_PHASES
+    assert len(state.ranks[0].window.phases) <= MAX_RUN_PHASES
+    assert state.counters["malformed"] >= 200 - MAX_RUN_PHASES

@@ -1,0 +1,224 @@
+"""Bounded per-rank windows: the ring buffer, quantiles, phase alignment and the memory
+budget that sizes each rank's window."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import pytest
+
+from traceml_tui.windows import (
+    MAX_WINDOW_STEPS,
+    MIN_WINDOW_STEPS,
+    WINDOW_VALUE_BUDGET,
+    Quantiles,
+    RankWindow,
+    Ring,
+    median,
+    quantiles,
+    window_steps_for,
+)
+
+NAN = math.nan
+
+
+def same(a: list[float], b: list[float]) -> bool:
+    """Element-wise equality where NaN equals NaN."""
+    if len(a) != len(b):
+        return False
+    return all(x == y or (x != x and y != y) for x, y in zip(a, b, strict=True))
+
+
+# --- Ring ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8])
+def test_ring_last_matches_a_reference_deque(size):
+    ring, ref = Ring(size), deque(maxlen=size)
+    for i in range(4 * size + 1):
+        for n in range(size + 2):
+            expected = list(ref)[-n:] if n else []
+            assert ring.last(n) == expected, (size, i, n)
+        ring.append(float(i))
+        ref.append(float(i))
+        assert ring.count == len(ref)
+
+
+def test_ring_wraps_and_returns_oldest_first_across_the_boundary():
+    ring = Ring(4)
+    for v in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):
+        ring.append(v)
+    assert ring.pos == 2  # the next write lands in the middle: 5 and 6 sit at the front
+    assert ring.last(4) == [3.0, 4.0, 5.0, 6.0]
+    assert ring.last(3) == [4.0, 5.0, 6.0]  # crosses the end of the array
+    assert ring.last(2) == [5.0, 6.0]
+    assert ring.last(100) == [3.0, 4.0, 5.0, 6.0]
+    assert ring.last(0) == [] and ring.last(-3) == []
+
+
+def test_ring_keeps_nan():
+    ring = Ring(3)
+    for v in (1.0, NAN, 3.0):
+        ring.append(v)
+    assert same(ring.last(3), [1.0, NAN, 3.0])
+
+
+@pytest.mark.parametrize("size", [1, 7, 64])
+def test_ring_memory_is_bounded(size):
+    ring = Ring(size)
+    for i in range(10 * size):
+        ring.append(float(i))
+    assert ring.count == size
+    assert len(ring.data) == size
+    assert ring.last(size) == [float(i) for i in range(9 * size, 10 * size)]
+
+
+# --- quantiles -----------------------------------------------------------------------------
+
+QUANTILE_CASES = [
+    ("single", [7.0], 7.0, 7.0),
+    ("odd", [3.0, 1.0, 2.0], 2.0, 3.0),
+    ("even", [4.0, 1.0, 3.0, 2.0], 2.5, 4.0),
+    ("ten", [float(i) for i in range(1, 11)], 5.5, 10.0),  # ceil(9.5) = 10th value
+    ("twenty", [float(i) for i in range(20, 0, -1)], 10.5, 19.0),  # ceil(19) = 19th value
+    ("hundred", [float(i) for i in range(1, 101)], 50.5, 95.0),
+    ("nan-ignored", [NAN, 1.0, NAN, 3.0], 2.0, 3.0),
+    ("outlier", [10.0] * 19 + [1000.0], 10.0, 10.0),
+    ("outlier-top-5pct", [10.0] * 18 + [1000.0] * 2, 10.0, 1000.0),
+]
+
+
+@pytest.mark.parametrize("values, med, p95", [c[1:] for c in QUANTILE_CASES],
+                         ids=[c[0] for c in QUANTILE_CASES])
+def test_quantiles(values, med, p95):
+    assert quantiles(values) == Quantiles(med, p95)
+    assert median(values) == med
+
+
+@pytest.mark.parametrize("n", [1, 2, 19, 20, 21, 39, 40, 41, 99, 100, 101, 1000, 1001])
+def test_p95_is_nearest_rank(n):
+    values = [float(i) for i in range(1, n + 1)]  # value i has rank i
+    assert quantiles(values).p95 == -(-95 * n // 100)  # ceil(0.95 n) in exact integers
+
+
+@pytest.mark.parametrize("values", [[], [NAN], [NAN, NAN]], ids=["empty", "nan", "all-nan"])
+def test_quantiles_of_nothing_is_none(values):
+    assert quantiles(values) is None
+    assert median(values) is None
+
+
+def test_quantiles_to_json_rounds():
+    assert Quantiles(1.234567, 2.0).to_json() == {"median": 1.2346, "p95": 2.0}
+
+
+def test_quantiles_ignore_infinities():
+    assert quantiles([math.inf]) is None
+    assert quantiles([1.0, 3.0, math.inf, -math.inf]) == Quantiles(2.0, 3.0)
+
+
+# --- RankWindow ----------------------------------------------------------------------------
+
+
+def aligned(win: RankWindow) -> bool:
+    return all(ring.count == win.step_ms.count for ring in win.phases.values())
+
+
+def test_phase_appearing_late_has_nan_history():
+    win = RankWindow(8)
+    for i in range(3):
+        win.append(100.0, float(i), ["forward"], [60.0])
+    win.append(110.0, 3.0, ["forward", "dataloader"], [60.0, 10.0])
+    assert aligned(win)
+    assert same(win.phases["dataloader"].last(4), [NAN, NAN, NAN, 10.0])
+    assert win.phases["forward"].last(4) == [60.0] * 4
+    assert win.step_ms.last(4) == [100.0, 100.0, 100.0, 110.0]
+
+
+def test_phase_appearing_late_in_a_full_window_stays_aligned():
+    win = RankWindow(4)
+    for i in range(6):
+        win.append(float(i), float(i), ["forward"], [1.0])
+    win.append(6.0, 6.0, ["forward", "optimizer"], [1.0, 2.0])
+    assert aligned(win)
+    assert same(win.phases["optimizer"].last(4), [NAN, NAN, NAN, 2.0])
+    assert win.step_ms.last(4) == [3.0, 4.0, 5.0, 6.0]
+
+
+def test_phase_absent_on_some_steps_is_nan_there():
+    win = RankWindow(8)
+    win.append(100.0, 0.0, ["forward", "sync"], [60.0, 8.0])
+    win.append(100.0, 1.0, ["forward"], [60.0])  # sync not sent at all
+    win.append(100.0, 2.0, ["forward", "sync"], [60.0, None])  # sent, not measured
+    assert aligned(win)
+    assert same(win.phases["sync"].last(3), [8.0, NAN, NAN])
+
+
+def test_stats_count_absent_steps_as_zero_once_a_phase_was_seen():
+    win = RankWindow(8)
+    win.append(100.0, 0.0, ["forward", "sync"], [60.0, 8.0])
+    win.append(110.0, 1.0, ["forward"], [70.0])
+    win.append(120.0, 2.0, ["forward", "sync", "h2d"], [80.0, None, None])
+    step, phases = win.stats()
+    assert step == Quantiles(110.0, 120.0)
+    assert phases["forward"] == Quantiles(70.0, 80.0)
+    assert phases["sync"] == Quantiles(0.0, 8.0)  # [8, 0, 0]
+    assert phases["h2d"] is None  # reported but never measured: not a made-up 0
+
+
+def test_stats_over_the_newest_steps_only():
+    win = RankWindow(16)
+    win.append(500.0, 0.0, ["forward", "sync"], [400.0, 9.0])
+    for i in range(1, 5):
+        win.append(100.0, float(i), ["forward"], [60.0])
+    step, phases = win.stats(last=4)
+    assert step == Quantiles(100.0, 100.0)
+    assert phases["forward"] == Quantiles(60.0, 60.0)
+    assert phases["sync"] is None  # seen, but not within the last 4 steps
+    assert win.stats()[1]["sync"] == Quantiles(0.0, 9.0)
+    assert win.stats(last=100)[0] == win.stats()[0]
+
+
+def test_empty_window_stats():
+    assert RankWindow(4).stats() == (None, {})
+
+
+@pytest.mark.parametrize("size", [MIN_WINDOW_STEPS, 100, MAX_WINDOW_STEPS])
+def test_window_memory_is_bounded(size):
+    win = RankWindow(size)
+    names = ["dataloader", "forward", "backward"]
+    for i in range(10 * size):
+        win.append(float(i), float(i), names, [1.0, None, float(i)])
+    assert win.count == size
+    assert aligned(win)
+    for ring in (win.step_ms, win.t_end, *win.phases.values()):
+        assert ring.count == size and len(ring.data) == size
+    assert win.stats()[1]["backward"].median == 9.5 * size - 0.5
+
+
+# --- window_steps_for ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 8, 64, 256, 512])
+def test_small_worlds_keep_the_full_window(world):
+    assert window_steps_for(world) == MAX_WINDOW_STEPS
+
+
+@pytest.mark.parametrize("world", [8192, 16384, 1 << 20])
+def test_huge_worlds_keep_at_least_the_minimum(world):
+    steps = window_steps_for(world)
+    assert MIN_WINDOW_STEPS <= steps < MAX_WINDOW_STEPS
+
+
+def test_8192_ranks_fit_the_budget():
+    steps = window_steps_for(8192)
+    assert steps >= 32
+    assert 8192 * 9 * steps <= WINDOW_VALUE_BUDGET
+
+
+def test_window_shrinks_monotonically_with_world_size():
+    worlds = list(range(1, 5000)) + list(range(5000, 1 << 20, 997))
+    sizes = [window_steps_for(w) for w in worlds]
+    assert all(a >= b for a, b in zip(sizes, sizes[1:], strict=False))
+    assert sizes[0] == MAX_WINDOW_STEPS and sizes[-1] == MIN_WINDOW_STEPS
+    assert len(set(sizes)) > 10  # it really shrinks, not just jumps from max to min
