@@ -1,0 +1,153 @@
+"""The agent in-process, against a real ZeroMQ socket standing in for the collector."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import zmq
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import traceml_agent
+from traceml_agent import hooks, protocol
+
+
+@pytest.fixture
+def collector():
+    """A ROUTER socket on loopback; yields (endpoint, receive_all)."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    received: list[protocol.Message] = []
+
+    def receive_all(until_kind: str = "goodbye", timeout: float = 10.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if sock.poll(100):
+                _, payload = sock.recv_multipart()
+                received.append(protocol.decode(payload))
+                if received[-1].kind == until_kind:
+                    break
+        return received
+
+    yield f"tcp://127.0.0.1:{port}", receive_all
+    traceml_agent.shutdown()
+    sock.close(0)
+
+
+def _train(steps: int, accumulate: int = 1) -> None:
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(256, 8), torch.randint(0, 2, (256,)))
+    loader = iter(DataLoader(data, batch_size=4))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        for _ in range(accumulate):
+            x, y = next(loader)
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _records(messages):
+    steps = [m for m in messages if m.kind == "steps"]
+    return steps[0].phases if steps else (), [r for m in steps for r in m.records]
+
+
+def test_gradient_accumulation_counts_one_step_per_optimizer_update(collector):
+    endpoint, receive_all = collector
+    assert traceml_agent.init(endpoint=endpoint)
+    _train(steps=6, accumulate=4)
+    traceml_agent.shutdown(exit_code=0)
+    phases, records = _records(receive_all())
+    assert [r.step for r in records] == list(range(6))
+    col = {name: i for i, name in enumerate(phases)}
+    for r in records[1:]:
+        for name in ("dataloader", "forward", "backward", "optimizer", "wait"):
+            assert r.phase_ms[col[name]] is not None and r.phase_ms[col[name]] >= 0, name
+        assert r.phase_ms[col["h2d"]] is None  # no host-to-device copy on a CPU job
+        measured = sum(v for v in r.phase_ms if v is not None)
+        assert measured == pytest.approx(r.step_ms, rel=1e-6, abs=1e-3)
+
+
+def test_hello_heartbeat_and_goodbye_carry_identity_and_exit_code(collector):
+    endpoint, receive_all = collector
+    traceml_agent.init(endpoint=endpoint, run_name="unit")
+    _train(steps=3)
+    time.sleep(1.2)  # one sys/heartbeat period
+    traceml_agent.shutdown(exit_code=7, error="boom")
+    messages = receive_all()
+    kinds = [m.kind for m in messages]
+    assert kinds[0] == "hello" and kinds[-1] == "goodbye"
+    assert {"sys", "heartbeat"} <= set(kinds)
+    assert messages[0].body["run"] == "unit"
+    assert messages[-1].body == {"exit_code": 7, "error": "boom", "steps": 3}
+    assert len({m.ident for m in messages}) == 1
+    assert [m.seq for m in messages] == sorted(m.seq for m in messages)
+
+
+def test_a_missing_collector_costs_nothing_but_the_data():
+    # Nothing listens on this port: sends queue up and are dropped, training goes on.
+    assert traceml_agent.init(endpoint="tcp://127.0.0.1:9")
+    t0 = time.monotonic()
+    _train(steps=50)
+    traceml_agent.shutdown()
+    assert time.monotonic() - t0 < 10
+
+
+def test_internal_error_turns_the_agent_off_once_and_training_continues(collector, monkeypatch):
+    endpoint, _ = collector
+    original_backward = torch.autograd.backward
+    traceml_agent.init(endpoint=endpoint)
+    stderr = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+
+    def broken(self):
+        raise RuntimeError("agent bug")
+
+    monkeypatch.setattr(type(traceml_agent._state["rec"]), "close_step", broken)
+    _train(steps=5)  # must not raise
+    assert not traceml_agent.enabled()
+    assert torch.autograd.backward is original_backward  # hooks uninstalled
+    assert stderr.getvalue().count("[traceml]") == 1
+
+
+def test_uninstall_restores_everything_it_patched(collector):
+    from torch.utils.data import dataloader as dl
+
+    endpoint, _ = collector
+    before = (dl._BaseDataLoaderIter.__next__, torch.autograd.backward,
+              nn.Sequential.__dict__.get("forward"))
+    traceml_agent.init(endpoint=endpoint)
+    _train(steps=2)  # learns nn.Sequential as a root and wraps its forward
+    assert nn.Sequential.forward is not before[2]
+    traceml_agent.shutdown()
+    after = (dl._BaseDataLoaderIter.__next__, torch.autograd.backward,
+             nn.Sequential.__dict__.get("forward"))
+    assert after == before
+    assert not hooks._undo
+
+
+def test_a_saved_model_does_not_reference_the_agent(collector):
+    endpoint, _ = collector
+    traceml_agent.init(endpoint=endpoint)
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    assert b"traceml" not in buf.getvalue()
+
+
+def test_importing_the_agent_imports_neither_torch_nor_textual():
+    code = ("import sys, traceml_agent; "
+            "print(sorted(m for m in ('torch', 'textual') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
