@@ -9,10 +9,11 @@ What is hooked, and why there:
               a wrapper on those classes' forward, so later steps pay one Python call
               per root, not two hook calls per submodule.
   backward    `torch.autograd.backward` (Tensor.backward goes through it). A hook on the
-              root tensor queues an autograd final callback, which runs once every
-              gradient is computed and before DDP's reducer waits for its allreduces:
-              backward = start..ready (local compute), sync = ready..return (the
-              collective wait that is exposed, often waiting for another rank).
+              parameter whose gradient is ready first queues an autograd final
+              callback, which runs once every gradient is computed and before DDP's
+              reducer waits for its allreduces: backward = start..ready (local
+              compute), sync = ready..return (the exposed collective wait, often
+              waiting for another rank).
   optimizer   global optimizer step pre/post hooks; the first optimizer that steps
               closes each step, so gradient accumulation counts once.
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .recorder import DATALOADER, FORWARD, H2D, OPTIMIZER, Recorder
+from .recorder import BACKWARD, DATALOADER, FORWARD, H2D, OPTIMIZER, Recorder
 
 _rec: Recorder | None = None
 def _on_error(exc: BaseException) -> None:  # replaced by install()
@@ -37,6 +38,8 @@ _undo: list[Callable[[], None]] = []
 _learning = False
 _roots: list[Any] = []
 _global_forward: list[Any] = []
+_grad_order: list[Any] = []  # learning: parameters in the order their gradients were ready
+_grad_probes: list[Any] = []  # learning: temporary hooks on the roots' parameters
 _step_optimizer: Any = None
 
 
@@ -46,6 +49,8 @@ def install(rec: Recorder, torch: Any, on_error: Callable[[BaseException], None]
     _learning, _step_optimizer = True, None
     _roots.clear()
     _global_forward.clear()
+    _grad_order.clear()
+    _grad_probes.clear()
     _patch_dataloader(torch)
     _hook_forward_global(torch)
     _patch_backward(torch)
@@ -114,6 +119,7 @@ def _forward_pre(module: Any, args: Any) -> None:
     try:
         if rec.begin(FORWARD, module) and _learning and module not in _roots:
             _roots.append(module)
+            _probe_gradients(module)
     except Exception as exc:
         _fail(exc)
 
@@ -149,6 +155,12 @@ def _finish_learning() -> None:
         _global_forward.pop().remove()  # removing twice (again in uninstall) is harmless
     for cls in dict.fromkeys(type(root) for root in _roots):
         _wrap_forward(cls)
+    while _grad_probes:
+        _grad_probes.pop().remove()
+    if _grad_order:
+        handle = _grad_order[0].register_post_accumulate_grad_hook(_on_first_grad)
+        _undo.append(handle.remove)
+    _grad_order.clear()
 
 
 def _wrap_forward(cls: type) -> None:
@@ -168,6 +180,24 @@ def _wrap_forward(cls: type) -> None:
 
 
 # --- backward -----------------------------------------------------------------------
+#
+# The sync split needs one Python call inside each backward pass, early enough to queue
+# an autograd final callback before DDP's reducer queues its own (it does so when the
+# *last* gradient is ready, then waits for the allreduces). A hook registered on the
+# loss every step costs ~30 us under DDP; a persistent post-accumulate-grad hook on the
+# parameter whose gradient is ready *first* costs a few. The first step finds that
+# parameter with temporary probes on the root modules' parameters.
+
+
+def _probe_gradients(root: Any) -> None:
+    for param in root.parameters():
+        if param.requires_grad:
+            _grad_probes.append(param.register_post_accumulate_grad_hook(_record_grad_order))
+
+
+def _record_grad_order(param: Any) -> None:
+    if _learning and not any(p is param for p in _grad_order):
+        _grad_order.append(param)
 
 
 def _grads_ready() -> None:
@@ -176,32 +206,29 @@ def _grads_ready() -> None:
         rec.grads_ready()
 
 
+def _on_first_grad(param: Any) -> None:
+    rec = _rec
+    if rec is not None and rec.active == BACKWARD:
+        _queue_callback[0](_grads_ready)
+
+
+_queue_callback: list[Callable[[Callable[[], None]], None]] = []
+
+
 def _patch_backward(torch: Any) -> None:
     import torch.autograd as autograd
 
     original = autograd.backward
-    queue_callback = autograd.Variable._execution_engine.queue_callback
-
-    def _on_root_grad(grad: Any) -> None:
-        queue_callback(_grads_ready)
+    _queue_callback[:] = [autograd.Variable._execution_engine.queue_callback]
 
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         rec = _rec
         if rec is None or not rec.begin_backward():
             return original(tensors, *args, **kwargs)
-        handle = None
-        try:
-            root = tensors if isinstance(tensors, torch.Tensor) else tensors[0]
-            if root.grad_fn is not None:
-                handle = root.register_hook(_on_root_grad)
-        except Exception:
-            handle = None  # the sync split is lost for this step, nothing else
         try:
             return original(tensors, *args, **kwargs)
         finally:
             try:
-                if handle is not None:
-                    handle.remove()
                 rec.end_backward()
             except Exception as exc:
                 _fail(exc)
