@@ -11,7 +11,10 @@ import sys
 
 from ddp_toy import main
 
+DEFAULTS = {"--scenario": "input", "--rank": "2", "--delay-ms": "30", "--steps": "150"}
+
 if __name__ == "__main__":
-    if "--scenario" not in sys.argv:
-        sys.argv += ["--scenario", "input", "--rank", "2", "--delay-ms", "30", "--steps", "150"]
+    for flag, value in DEFAULTS.items():
+        if flag not in sys.argv:
+            sys.argv += [flag, value]
     main()

@@ -64,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--headless", action="store_true",
                      help="no dashboard: print progress and a text summary at the end")
 
+    watch = sub.add_parser("watch", help="open the dashboard on a running job",
+                           description="Attach the dashboard to a run that is going: a run "
+                           "folder, tcp://HOST:PORT (its collector's view address, e.g. "
+                           "through an SSH tunnel), or by default the newest live run under "
+                           "traceml_runs. Quitting never stops the job.")
+    watch.add_argument("target", nargs="?", metavar="RUN_DIR | tcp://HOST:PORT")
+    watch.add_argument("--out", type=Path, default=Path("traceml_runs"), metavar="DIR",
+                       help="where to look for the newest live run (default traceml_runs)")
+
     cmp = sub.add_parser("compare", help="compare two runs' final_summary.json")
     cmp.add_argument("old", type=Path, metavar="OLD")
     cmp.add_argument("new", type=Path, metavar="NEW")
@@ -106,6 +115,20 @@ def _cmd_run(parser: argparse.ArgumentParser, argv: list[str], full_argv: list[s
         return 2
 
 
+def _cmd_watch(args: argparse.Namespace) -> int:
+    from .view_client import ViewClient, WatchTargetError, resolve_target
+
+    try:
+        address, run_dir = resolve_target(args.target, args.out)
+    except WatchTargetError as exc:
+        print(f"traceml watch: error: {exc}", file=sys.stderr)
+        return 2
+    from .dashboard import DashboardApp
+
+    DashboardApp(ViewClient(address), run_dir).run()
+    return 0
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .compare import CompareError, compare, load, render
 
@@ -131,5 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "compare":
         return _cmd_compare(args)
+    if args.command == "watch":
+        return _cmd_watch(args)
     parser.print_help()
     return 2

@@ -4,6 +4,11 @@ Sockets (addresses are written to RUN_DIR/collector.json once bound):
   ingest   ROUTER, where every agent's DEALER connects. Loopback unless told otherwise.
   control  REP on loopback, for the launcher: "ping", and "finish" (drain the ranks'
            last messages, write final_summary.json, reply with the job's exit code).
+  view     REP on loopback, for dashboards (any number): "view" returns the frozen
+           ViewState of the last tick (encoded once, shared by all viewers) and the
+           detail of the viewer's pinned rank; "summary" returns a summary document
+           of the current state (for snapshot export). Viewers only read: a viewer
+           that hangs or crashes never touches the job or the record.
 
 Every few seconds it rewrites RUN_DIR/live_snapshot.json atomically (the same
 shape as the final summary, marked incomplete), so the record survives even if
@@ -21,18 +26,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import zmq
 
 from traceml_agent.protocol import ProtocolError, decode
 
-from . import summary
-from .state import RunState
+from . import summary, view_state
+from .state import RunState, Snapshot
 
 COLLECTOR_JSON = "collector.json"
 EVAL_INTERVAL_S = 0.5  # live diagnosis cadence: a change shows within ~1-2 s
 SNAPSHOT_INTERVAL_S = 2.0  # how much a crash of this process can lose, at most
 FINISH_GRACE_S = 3.0  # at the end, how long to wait for ranks' last batches
 DRAIN_BATCH = 5_000  # messages taken per loop turn before looking at the clock
+DRAIN_SLICE_S = 0.05  # ... or this long, so ticks and control requests are never starved
+# A snapshot write may take a while with thousands of ranks: the next one waits at least
+# this many times as long as the last took, so writing never crowds out ingest.
+SNAPSHOT_BACKOFF = 4.0
 RECV_HWM = 100_000
 
 
@@ -54,9 +64,17 @@ class Collector:
         self.control.setsockopt(zmq.LINGER, 0)
         cport = self.control.bind_to_random_port("tcp://127.0.0.1")
         self.control_addr = f"tcp://127.0.0.1:{cport}"
+        self.view = self.ctx.socket(zmq.REP)
+        self.view.setsockopt(zmq.LINGER, 0)
+        vport = self.view.bind_to_random_port("tcp://127.0.0.1")
+        self.view_addr = f"tcp://127.0.0.1:{vport}"
         self.poller = zmq.Poller()
         self.poller.register(self.ingest, zmq.POLLIN)
         self.poller.register(self.control, zmq.POLLIN)
+        self.poller.register(self.view, zmq.POLLIN)
+        self.view_snap: Snapshot | None = None
+        self.view_now: view_state.ViewState | None = None
+        self.view_bytes = b""
         self.stopping = False
         self.done = False
         self.exit_when_done = False
@@ -64,7 +82,7 @@ class Collector:
     # --- lifecycle ------------------------------------------------------------------
 
     def announce(self) -> None:
-        info = {"ingest": self.ingest_addr, "control": self.control_addr,
+        info = {"ingest": self.ingest_addr, "control": self.control_addr, "view": self.view_addr,
                 "pid": _pid(), "run_name": self.state.run_name}
         summary.write_atomic(self.run_dir / COLLECTOR_JSON, json.dumps(info, indent=2) + "\n")
 
@@ -76,13 +94,17 @@ class Collector:
                 self.drain()
             if self.control in events:
                 self.handle_control()
+            if self.view in events:
+                self.handle_view()
             now = time.monotonic()
             if now >= next_eval:
                 next_eval = now + EVAL_INTERVAL_S
                 self.state.evaluate(time.time())
+                self.refresh_view()
             if now >= next_snap:
-                next_snap = now + SNAPSHOT_INTERVAL_S
                 self.write_live()
+                done = time.monotonic()
+                next_snap = done + max(SNAPSHOT_INTERVAL_S, SNAPSHOT_BACKOFF * (done - now))
             if self.stopping and not self.done:  # SIGTERM: write what we have and leave
                 self.finish({"exit_code": None, "complete": False})
             elif self.exit_when_done and self.all_ranks_finished():
@@ -96,7 +118,12 @@ class Collector:
     def drain(self, limit: int = DRAIN_BATCH) -> int:
         n = 0
         mono = time.monotonic()
+        deadline = mono + DRAIN_SLICE_S
         while n < limit:
+            if n % 256 == 255:
+                mono = time.monotonic()
+                if mono > deadline:
+                    break
             try:
                 frames = self.ingest.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
@@ -112,6 +139,37 @@ class Collector:
                 continue
             self.state.ingest(msg, mono)
         return n
+
+    def refresh_view(self) -> None:
+        """Freeze the state for viewers once per tick; every viewer gets the same bytes."""
+        snap = self.state.snapshot(time.time(), time.monotonic())
+        self.view_snap = snap
+        self.view_now = view_state.build(snap, self.state.recent_steps)
+        self.view_bytes = msgpack.packb(self.view_now.to_wire())
+
+    def handle_view(self) -> None:
+        try:
+            request = msgpack.unpackb(self.view.recv(), raw=False)
+            op = request.get("op")
+        except Exception:
+            self.view.send(msgpack.packb({"error": "bad request"}))
+            return
+        if op == "view":
+            if self.view_now is None:
+                self.refresh_view()
+            pinned = request.get("rank")
+            extra = None
+            if type(pinned) is int and self.view_snap is not None:
+                d = view_state.detail(self.view_snap, pinned, self.view_now,
+                                      self.state.recent_steps(pinned))
+                extra = None if d is None else d.to_wire()
+            self.view.send_multipart([self.view_bytes, msgpack.packb(extra)])
+        elif op == "summary":
+            snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
+            doc = summary.build(snap, summary.RunMeta(complete=False))
+            self.view.send(msgpack.packb(doc))
+        else:
+            self.view.send(msgpack.packb({"error": f"unknown op {op!r}"}))
 
     def write_live(self) -> None:
         try:
@@ -172,6 +230,7 @@ class Collector:
     def close(self) -> None:
         self.ingest.close()
         self.control.close()
+        self.view.close()
 
 
 def _pid() -> int:

@@ -220,6 +220,84 @@ class _Progress:
             self.last_key, self.last_print = key, now
 
 
+def _wait(proc: subprocess.Popen, signals: _Signals, progress: _Progress | None) -> int:
+    term_deadline = None
+    while True:
+        try:
+            return proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+        if progress is not None:
+            progress.poll()
+        if signals.terminated and term_deadline is None:
+            term_deadline = time.monotonic() + TERM_GRACE_S
+        if term_deadline is not None and time.monotonic() > term_deadline:
+            proc.kill()
+
+
+def _finalize(info: dict[str, Any], collector: subprocess.Popen, run_dir: Path,
+              opts: RunOptions, rc: int, signals: _Signals) -> dict[str, Any]:
+    request: dict[str, Any] = {
+        "op": "finish", "torchrun_exit": rc, "interrupted": signals.interrupted,
+        "command": opts.command, "ended_at": time.time(),
+        "extra": {"run_dir": str(run_dir), "logs": str(run_dir / "logs"),
+                  "torchrun_exit_code": rc},
+    }
+    if signals.terminated:
+        request["exit_code"] = 143
+    reply = _finish(info["control"], request, collector)
+    if reply is None:
+        reply = _fallback_summary(run_dir, request)
+    return reply
+
+
+def _with_dashboard(info: dict[str, Any], run_dir: Path, signals: _Signals,
+                    finish: Any, progress: _Progress) -> dict[str, Any]:
+    """The dashboard in the foreground; the job is watched from a thread. Closing (or
+    crashing) the viewer leaves the job running: we then go on like --headless."""
+    import threading
+
+    from .dashboard import DashboardApp
+    from .view_client import ViewClient
+
+    outcome: dict[str, Any] = {}
+
+    def stop_job() -> None:
+        signals.interrupted = True
+        if signals.proc is not None and signals.proc.poll() is None:
+            signals.proc.send_signal(signal.SIGINT)
+
+    app = DashboardApp(ViewClient(info["view"]), run_dir, stop_job=stop_job)
+
+    def watcher() -> None:
+        try:
+            outcome["reply"] = finish()
+        except Exception as exc:  # reported after the viewer closes
+            outcome["error"] = exc
+            return
+        reply = outcome["reply"]
+        try:
+            app.call_from_thread(app.run_ended, reply.get("exit_code"), reply["path"])
+        except Exception:
+            pass  # the viewer is already gone
+
+    thread = threading.Thread(target=watcher, name="traceml-job", daemon=True)
+    thread.start()
+    try:
+        app.run()
+    except Exception as exc:
+        print(f"[traceml] the dashboard failed ({exc!r}); the job goes on", file=sys.stderr)
+    if thread.is_alive():
+        print(f"[traceml] viewer closed; the job goes on. Re-attach: traceml watch {run_dir}"
+              f"   Ctrl-C stops the job.", file=sys.stderr, flush=True)
+        while thread.is_alive():
+            progress.poll()
+            thread.join(0.5)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["reply"]
+
+
 def run(opts: RunOptions) -> int:
     if not opts.script.is_file():
         raise LaunchError(f"script not found: {opts.script}")
@@ -233,40 +311,28 @@ def run(opts: RunOptions) -> int:
     print(f"[traceml] run {name}: {opts.nproc_per_node * opts.nnodes} rank(s), folder {run_dir}",
           file=sys.stderr, flush=True)
     progress = _Progress(run_dir)
+    log = None if opts.headless else open(run_dir / "torchrun.log", "ab")
     with _Signals() as signals:
-        proc = subprocess.Popen(cmd, env=child_env)
+        # With the dashboard, torchrun's own output goes to a file, not over the screen.
+        proc = subprocess.Popen(cmd, env=child_env, stdout=log, stderr=log,
+                                stdin=subprocess.DEVNULL if log else None)
         signals.proc = proc
-        term_deadline = None
-        while True:
-            try:
-                rc = proc.wait(timeout=0.5)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            if opts.headless:
-                progress.poll()
-            if signals.terminated and term_deadline is None:
-                term_deadline = time.monotonic() + TERM_GRACE_S
-            if term_deadline is not None and time.monotonic() > term_deadline:
-                proc.kill()
-        ended_at = time.time()
-        request: dict[str, Any] = {
-            "op": "finish", "torchrun_exit": rc, "interrupted": signals.interrupted,
-            "command": opts.command, "ended_at": ended_at,
-            "extra": {"run_dir": str(run_dir), "logs": str(run_dir / "logs"),
-                      "torchrun_exit_code": rc},
-        }
-        if signals.terminated:
-            request["exit_code"] = 143
-        reply = _finish(info["control"], request, collector)
-        if reply is None:
-            reply = _fallback_summary(run_dir, request)
+
+        def finish() -> dict[str, Any]:
+            rc = _wait(proc, signals, progress if opts.headless else None)
+            return _finalize(info, collector, run_dir, opts, rc, signals)
+
+        if opts.headless:
+            reply = finish()
+        else:
+            reply = _with_dashboard(info, run_dir, signals, finish, progress)
+    if log is not None:
+        log.close()
     try:
         collector.wait(timeout=5)
     except subprocess.TimeoutExpired:
         collector.kill()
-    if opts.headless:
-        print("\n" + reply["text"], end="", flush=True)
+    print("\n" + reply["text"], end="", flush=True)
     print(f"[traceml] summary: {reply['path']}", file=sys.stderr, flush=True)
     code = reply.get("exit_code")
-    return rc if code is None else int(code)
+    return 1 if code is None else int(code)

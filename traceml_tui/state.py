@@ -61,6 +61,7 @@ class RankSnapshot:
     recent_step_ms: tuple[float, ...]
     sys: dict[str, Any]
     idle_s: float | None  # seconds since this rank's last message
+    since_step_s: float | None  # seconds since this rank last completed a step
     exit_code: int | None
     error: str | None
     finished: bool
@@ -99,6 +100,7 @@ class RankState:
     steps: int = 0
     last_step: int = -1
     last_seen: float = 0.0
+    last_step_at: float = 0.0
     sys: dict[str, Any] = field(default_factory=dict)
     heartbeat: dict[str, Any] = field(default_factory=dict)
     exit_code: int | None = None
@@ -178,6 +180,7 @@ class RunState:
                 self.counters["duplicate_records"] += 1
                 continue
             rs.window.append(rec.step_ms, rec.t_end, msg.phases, rec.phase_ms)
+            rs.last_step_at = rs.last_seen
             rs.last_step = rec.step
             rs.steps += 1
             self.counters["records"] += 1
@@ -221,16 +224,21 @@ class RunState:
         self.timeline.append(Episode(d.label, d.rank, d.phase, d.severity, now, None, step, None,
                                      d.summary))
 
+    def recent_steps(self, rank: int) -> tuple[float, ...]:
+        """The rank's last step times, oldest first (for a sparkline)."""
+        rs = self.ranks.get(rank)
+        return () if rs is None else tuple(rs.window.step_ms.last(SPARKLINE_STEPS))
+
     # --- snapshots ------------------------------------------------------------------
 
-    def full_diagnosis(self) -> dx.Diagnosis:
+    @staticmethod
+    def _full_diagnosis(ranks: tuple[RankSnapshot, ...]) -> dx.Diagnosis:
         """The diagnosis over each rank's whole window (the summary's verdict)."""
-        timings = []
-        for rs in self.ranks.values():
-            step, phases = rs.window.stats()
-            timings.append(dx.RankTiming(
-                rs.ident.rank, rs.window.count, None if step is None else step.median,
-                {k: None if v is None else v.median for k, v in phases.items()}, rs.ident.host))
+        timings = [
+            dx.RankTiming(r.rank, r.window_steps, None if r.step_ms is None else r.step_ms.median,
+                          {k: None if v is None else v.median for k, v in r.phase_ms.items()},
+                          r.host)
+            for r in ranks if r.reported]
         return dx.diagnose(timings)
 
     def snapshot(self, now: float, mono_now: float, full: bool = False) -> Snapshot:
@@ -243,7 +251,7 @@ class RunState:
             run_name=self.run_name, world_size=self.world_size, nnodes=self.nnodes,
             started_at=self.started_at, now=now, phases=tuple(self.phases), ranks=ranks,
             live=self.live.shown, live_since=self.live_since,
-            final=self.full_diagnosis() if full else None,
+            final=self._full_diagnosis(ranks) if full else None,
             timeline=tuple(self.timeline), counters=dict(self.counters))
 
     def _rank_snapshot(self, rank: int, mono_now: float, full: bool) -> RankSnapshot:
@@ -254,7 +262,8 @@ class RunState:
                 node=rank // self.nproc_per_node, host="", pid=0, reported=False, steps=0,
                 window_steps=0, step_ms=None, phase_ms={p: None for p in self.phases},
                 live_step_ms=None, live_phase_ms={}, recent_step_ms=(), sys={}, idle_s=None,
-                exit_code=None, error=None, finished=False, dropped=0, device="")
+                since_step_s=None, exit_code=None, error=None, finished=False, dropped=0,
+                device="")
         live = self._live_timing(rs)
         step, phases = rs.window.stats() if full else (None, {})
         phase_ms = {p: phases.get(p) for p in self.phases}
@@ -262,7 +271,8 @@ class RunState:
             rank=rank, local_rank=rs.ident.local_rank, node=rs.ident.node, host=rs.ident.host,
             pid=rs.ident.pid, reported=True, steps=rs.steps, window_steps=rs.window.count,
             step_ms=step, phase_ms=phase_ms, live_step_ms=live.step_ms,
-            live_phase_ms=dict(live.phase_ms),
-            recent_step_ms=tuple(rs.window.step_ms.last(SPARKLINE_STEPS)),
-            sys=dict(rs.sys), idle_s=max(0.0, mono_now - rs.last_seen), exit_code=rs.exit_code,
+            live_phase_ms=dict(live.phase_ms), recent_step_ms=(),
+            sys=dict(rs.sys), idle_s=max(0.0, mono_now - rs.last_seen),
+            since_step_s=max(0.0, mono_now - rs.last_step_at) if rs.steps else None,
+            exit_code=rs.exit_code,
             error=rs.error, finished=rs.finished, dropped=rs.dropped, device=rs.device)

@@ -37,7 +37,10 @@ class Quantiles:
 
 def quantiles(values: Iterable[float]) -> Quantiles | None:
     """Median and nearest-rank p95 of the finite values, or None if there are none."""
-    vals = sorted(v for v in values if math.isfinite(v))
+    return _sorted_quantiles(sorted(v for v in values if math.isfinite(v)))
+
+
+def _sorted_quantiles(vals: list[float]) -> Quantiles | None:
     n = len(vals)
     if n == 0:
         return None
@@ -124,13 +127,18 @@ class RankWindow:
         it did not occur (it was hooked and took no time there); a phase never seen
         is None: not measured, never a made-up 0.
         """
+        # Rings hold only finite values or NaN (the protocol rejects infinities), so a
+        # NaN test is the whole filter; this runs for every rank on every snapshot.
         n = self.count if last is None else min(last, self.count)
-        step = quantiles(self.step_ms.last(n))
+        steps = self.step_ms.last(n)
+        step = _sorted_quantiles(sorted(v for v in steps if v == v))
         phases: dict[str, Quantiles | None] = {}
         for name, ring in self.phases.items():
-            values = ring.last(n)
-            if any(v == v for v in values):
-                phases[name] = quantiles([v if v == v else 0.0 for v in values])
+            values = [v for v in ring.last(n) if v == v]
+            if values:
+                values.extend([0.0] * (n - len(values)))
+                values.sort()
+                phases[name] = _sorted_quantiles(values)
             else:
                 phases[name] = None
         return step, phases

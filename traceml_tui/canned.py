@@ -1,0 +1,91 @@
+"""Canned collector states at a fixed clock, for tests, screenshots and benchmarks.
+
+Synthetic step records go through the real pipeline (protocol messages → RunState →
+Snapshot → ViewState), so what the dashboard shows in a test is what it would show
+for the same numbers from a live job.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from traceml_agent.protocol import PHASES, Identity, Message, StepRecord
+
+from . import summary, view_state
+from .state import RunState
+from .view_state import RankDetail, ViewState
+
+T0 = 1_700_000_000.0  # a fixed clock: canned states never read the real one
+BASE_MS = {"dataloader": 0.3, "h2d": None, "forward": 1.0, "backward": 1.5, "sync": 2.0,
+           "optimizer": 0.4, "wait": 0.4}
+
+
+def make_state(world_size: int = 8, nproc_per_node: int = 4, steps: int = 40,
+               straggler: int | None = 2, phase: str = "dataloader", extra_ms: float = 30.0,
+               seed: int = 0, stale: tuple[int, ...] = (), hosts: str = "node") -> RunState:
+    rng = random.Random(seed)
+    nnodes = max(1, world_size // nproc_per_node)
+    state = RunState("demo-run", world_size, nnodes, nproc_per_node, started_at=T0,
+                     window_steps=max(steps, 32))
+    for rank in range(world_size):
+        node = rank // nproc_per_node
+        ident = Identity(rank, rank % nproc_per_node, node, f"{hosts}{node:03d}", 1000 + rank,
+                         world_size)
+        records = []
+        n = steps // 2 if rank in stale else steps
+        for step in range(n):
+            values = {p: (None if v is None else v * (1 + 0.05 * rng.random()))
+                      for p, v in BASE_MS.items()}
+            if rank == straggler:
+                values[phase] = (values[phase] or 0.0) + extra_ms
+            else:  # everybody else waits for the straggler in the allreduce
+                values["sync"] = (values["sync"] or 0.0) + (extra_ms if straggler is not None
+                                                            else 0.0)
+            step_ms = sum(v for v in values.values() if v is not None)
+            records.append(StepRecord(step, T0 + step * step_ms / 1000, step_ms,
+                                      tuple(values[p] for p in PHASES)))
+        state.ingest(Message("steps", ident, 0, T0, {"dropped": 0}, PHASES, tuple(records)),
+                     0.0)
+        state.ingest(Message("sys", ident, 1, T0, {"cpu_pct": 95.0 + rank % 5,
+                                                   "rss_mb": 900.0 + rank, "gpu_util": None,
+                                                   "gpu_mem_mb": None,
+                                                   "gpu_mem_total_mb": None}), 0.0)
+        if rank in stale:
+            state.ranks[rank].last_step_at = -60.0  # made no step for a minute
+    for tick in range(3):
+        state.evaluate(T0 + 1 + tick)
+    return state
+
+
+def make_view(state: RunState, now_offset: float = 75.0) -> ViewState:
+    snap = state.snapshot(T0 + now_offset, 0.5)
+    return view_state.build(snap, state.recent_steps)
+
+
+class StaticSource:
+    """A ViewSource serving canned states: each fetch takes the next, then repeats the last."""
+
+    def __init__(self, states: list[RunState] | RunState) -> None:
+        self.states = states if isinstance(states, list) else [states]
+        self.index = 0
+        self.fetches = 0
+
+    def fetch(self, pinned: int | None) -> tuple[ViewState, RankDetail | None]:
+        state = self.states[min(self.index, len(self.states) - 1)]
+        self.index += 1
+        self.fetches += 1
+        snap = state.snapshot(T0 + 75.0, 0.5)
+        view = view_state.build(snap, state.recent_steps)
+        detail = None
+        if pinned is not None:
+            detail = view_state.detail(snap, pinned, view, state.recent_steps(pinned))
+        return view, detail
+
+    def summary(self) -> dict[str, Any]:
+        state = self.states[min(self.index, len(self.states)) - 1]
+        snap = state.snapshot(T0 + 75.0, 0.5, full=True)
+        return summary.build(snap, summary.RunMeta(complete=False))
+
+    def close(self) -> None:
+        pass

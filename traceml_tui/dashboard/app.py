@@ -1,0 +1,284 @@
+"""The traceml dashboard: a viewer of a collector's state, never the collector itself.
+
+A worker thread polls the source (a collector's view socket, or canned states in
+tests) every REFRESH_S and hands each frozen ViewState to the UI thread with
+`call_from_thread`, which waits for the UI to take it: updates coalesce by
+construction, and the screen renders on that fixed tick, never per sample.
+State flows down (the pinned rank lives here and is bound into the table and the
+panels); events flow up (the table announces cursor moves and pin requests).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.widgets import Footer, Static
+
+from ..summary import write_atomic
+from ..view_state import RankDetail, ViewState
+from .banner import Banner
+from .heat_table import SORT_KEYS, HeatTable, header_text
+from .rank_panel import RankPanel
+from .screens import HelpScreen, PromptScreen
+from .status_bar import StatusBar
+
+REFRESH_S = 0.5
+# Above this many ranks the table opens in node view (one line per node, worst values),
+# and `n` drills into ranks.
+NODE_VIEW_ABOVE = 256
+
+
+class ViewSource(Protocol):
+    def fetch(self, pinned: int | None) -> tuple[ViewState, RankDetail | None]: ...
+    def summary(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+class DashboardApp(App[None]):
+    CSS_PATH = "dashboard.tcss"
+    TITLE = "traceml"
+    BINDINGS = [
+        Binding("q", "quit", "Quit viewer"),
+        Binding("w", "worst", "Worst rank"),
+        Binding("g", "goto", "Go to rank"),
+        Binding("u", "unpin", "Unpin", show=False),
+        Binding("s", "sort(1)", "Sort"),
+        Binding("S", "sort(-1)", "Sort (previous key)", show=False),
+        Binding("r", "reverse", "Reverse sort", show=False),
+        Binding("slash", "filter", "Filter"),
+        Binding("n", "nodes", "Nodes/ranks"),
+        Binding("e", "export", "Export JSON"),
+        Binding("v", "save_svg", "Save SVG"),
+        Binding("question_mark", "help", "Help"),
+    ]
+
+    def __init__(self, source: ViewSource, run_dir: Path | None = None,
+                 refresh_s: float = REFRESH_S,
+                 stop_job: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.source = source
+        self.run_dir = run_dir
+        self.refresh_s = refresh_s
+        self.stop_job = stop_job
+        self.pinned: int | None = None
+        self.sort_index = 0
+        self.reverse = False
+        self.filter_text = ""
+        self.nodes_only: bool | None = None  # None: decided by the world size
+        self.state: ViewState | None = None
+        self.pinned_detail: RankDetail | None = None
+        self.source_note = "connecting..."
+        self.ended_note = ""
+        if stop_job is not None:
+            self.bind("ctrl+c", "stop_job", description="Stop the job")
+
+    def compose(self) -> ComposeResult:
+        yield Banner("waiting for the first state...", id="banner")
+        yield StatusBar(id="status")
+        yield Static(header_text("cpu"), id="columns")
+        yield HeatTable(id="table")
+        with Horizontal(id="panels"):
+            yield RankPanel("worst rank vs median", id="worst")
+            yield RankPanel("pinned rank", id="pinned")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one(HeatTable).focus()
+        self.query_one("#pinned", RankPanel).display = False
+        self.run_worker(self._poll, thread=True, exclusive=True, name="poll")
+
+    # --- data in (worker thread) -------------------------------------------------
+
+    def _poll(self) -> None:
+        from textual.worker import get_current_worker
+
+        worker = get_current_worker()
+        while not worker.is_cancelled:
+            started = time.monotonic()
+            try:
+                view, detail = self.source.fetch(self.pinned)
+                self.call_from_thread(self.apply, view, detail, "")
+            except Exception as exc:  # the collector is gone or slow: say so, keep trying
+                self.call_from_thread(self.lost, str(exc))
+            time.sleep(max(0.0, self.refresh_s - (time.monotonic() - started)))
+
+    # --- state down (UI thread) --------------------------------------------------
+
+    def apply(self, view: ViewState, detail: RankDetail | None, note: str) -> None:
+        """Replace the whole shown state with a new frozen one."""
+        self.state, self.pinned_detail, self.source_note = view, detail, note
+        if self.nodes_only is None:
+            self.nodes_only = view.world_size > NODE_VIEW_ABOVE
+        self.redraw()
+
+    def lost(self, reason: str) -> None:
+        self.source_note = "collector not answering, retrying" if not self.ended_note else ""
+        if self.state is not None:
+            self.query_one(StatusBar).show(self.state, self._view_note(), self.source_note)
+        else:
+            self.query_one(Banner).update(f"waiting for the collector... ({reason})")
+
+    def run_ended(self, exit_code: int | None, summary_path: str) -> None:
+        """Called by `traceml run` when the job is over; the viewer stays until quit."""
+        self.ended_note = f"run ended, exit code {exit_code}: {summary_path}"
+        self.notify(self.ended_note, title="traceml", timeout=30)
+        if self.state is not None:
+            from dataclasses import replace
+
+            self.state = replace(self.state, finished=True, exit_code=exit_code)
+            self.redraw()
+
+    def redraw(self) -> None:
+        state = self.state
+        if state is None:
+            return
+        self.query_one(Banner).show(state)
+        self.query_one(StatusBar).show(state, self._view_note(), self.source_note)
+        self.query_one("#columns", Static).update(header_text(state.device))
+        table = self.query_one(HeatTable)
+        table.show(state, SORT_KEYS[self.sort_index], self.reverse, self.filter_text,
+                   bool(self.nodes_only))
+        worst_title = ("worst rank vs median" if state.rank is None
+                       else f"{state.label.lower()}: rank {state.rank} vs median")
+        self.query_one("#worst", RankPanel).show(state.worst, worst_title)
+        pinned = self.query_one("#pinned", RankPanel)
+        pinned.display = self.pinned is not None
+        if self.pinned is not None:
+            detail = self.pinned_detail if (
+                self.pinned_detail and self.pinned_detail.rank == self.pinned) else None
+            pinned.show(detail, f"pinned: rank {self.pinned} vs median")
+
+    def _view_note(self) -> str:
+        parts = [f"sort: {SORT_KEYS[self.sort_index]}{' ↑' if self.reverse else ''}"]
+        if self.filter_text:
+            parts.append(f"filter: {self.filter_text}")
+        if self.nodes_only:
+            parts.append("node view")
+        if self.pinned is not None:
+            parts.append(f"pinned: {self.pinned}")
+        if self.ended_note:
+            parts.append(self.ended_note)
+        return "  ".join(parts)
+
+    # --- events up ---------------------------------------------------------------
+
+    def on_heat_table_pin_requested(self, message: HeatTable.PinRequested) -> None:
+        self.pin(None if message.rank == self.pinned else message.rank)
+
+    def pin(self, rank: int | None) -> None:
+        self.pinned = rank
+        self.query_one(HeatTable).set_pinned(rank)
+        self.redraw()
+
+    # --- actions -----------------------------------------------------------------
+
+    def action_worst(self) -> None:
+        state = self.state
+        rank = None if state is None else (state.rank if state.rank is not None else (
+            state.worst.rank if state.worst else None))
+        if rank is None:
+            self.notify("no worst rank yet")
+            return
+        if self.nodes_only:
+            self.nodes_only = False
+            self.redraw()
+        self.query_one(HeatTable).go_to(rank)
+        self.pin(rank)
+
+    def action_goto(self) -> None:
+        def chosen(text: str | None) -> None:
+            if text is None:
+                return
+            if not text.strip().isdigit():
+                self.notify(f"not a rank number: {text!r}", severity="warning")
+                return
+            rank = int(text)
+            if self.state is None or not 0 <= rank < self.state.world_size:
+                self.notify(f"no rank {rank} in this run", severity="warning")
+                return
+            if self.nodes_only or self.filter_text:
+                self.nodes_only, self.filter_text = False, ""
+                self.redraw()
+            self.query_one(HeatTable).go_to(rank)
+            self.pin(rank)
+
+        self.push_screen(PromptScreen("Go to rank (number):"), chosen)
+
+    def action_unpin(self) -> None:
+        self.pin(None)
+
+    def action_sort(self, step: int) -> None:
+        self.sort_index = (self.sort_index + step) % len(SORT_KEYS)
+        self.redraw()
+
+    def action_reverse(self) -> None:
+        self.reverse = not self.reverse
+        self.redraw()
+
+    def action_filter(self) -> None:
+        def chosen(text: str | None) -> None:
+            if text is not None:
+                self.filter_text = text.strip()
+                self.redraw()
+
+        self.push_screen(PromptScreen("Filter (rank, 4-7, stale, host):", self.filter_text),
+                         chosen)
+
+    def action_nodes(self) -> None:
+        self.nodes_only = not self.nodes_only
+        self.redraw()
+
+    def action_help(self) -> None:
+        keys = [(b.key, b.description) for b in self.BINDINGS if isinstance(b, Binding)]
+        keys += [(b.key, b.description) for b in HeatTable.BINDINGS]
+        if self.stop_job is not None:
+            keys.append(("ctrl+c", "Stop the training job (SIGINT), summary is written"))
+        self.push_screen(HelpScreen(keys))
+
+    def action_stop_job(self) -> None:
+        if self.stop_job is not None:
+            self.stop_job()
+            self.notify("stopping the job (SIGINT); the summary follows", timeout=10)
+
+    def snapshot_dir(self) -> Path:
+        if self.run_dir is not None:
+            return self.run_dir / "snapshots"
+        return Path.cwd()
+
+    def action_export(self) -> None:
+        self.run_worker(self._export, thread=True, name="export")
+
+    def _export(self) -> None:
+        try:
+            doc = self.source.summary()
+            folder = self.snapshot_dir()
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / datetime.now().strftime("snapshot-%Y%m%d-%H%M%S-%f.json")
+            write_atomic(path, json.dumps(doc, indent=2) + "\n")
+            self.call_from_thread(self.notify, f"snapshot written to {path}", title="export")
+        except Exception as exc:
+            self.call_from_thread(self.notify, f"export failed: {exc}", severity="error")
+
+    def action_save_svg(self) -> None:
+        folder = self.snapshot_dir()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            name = datetime.now().strftime("dashboard-%Y%m%d-%H%M%S-%f.svg")
+            path = self.save_screenshot(name, str(folder))
+            self.notify(f"screenshot saved to {path}", title="screenshot")
+        except OSError as exc:
+            self.notify(f"screenshot failed: {exc}", severity="error")
+
+    def on_unmount(self) -> None:
+        try:
+            self.source.close()
+        except Exception:
+            pass

@@ -1,0 +1,36 @@
+"""Run status: elapsed, steps, steps/s, ranks reporting vs expected, stale ranks."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from ..view_state import ViewState
+from .cells import duration
+
+
+def _ranks(ranks: tuple[int, ...], limit: int = 8) -> str:
+    shown = ", ".join(str(r) for r in ranks[:limit])
+    return shown + (f" +{len(ranks) - limit}" if len(ranks) > limit else "")
+
+
+class StatusBar(Static):
+    def show(self, state: ViewState, view_note: str = "", source_note: str = "") -> None:
+        text = Text()
+        text.append(f"{state.run_name}", style="bold")
+        text.append(f"  {duration(state.elapsed_s)}  step {state.steps}")
+        if state.steps_per_s:
+            text.append(f"  {state.steps_per_s:.1f} steps/s")
+        waiting = state.world_size - state.reporting
+        text.append(f"  ranks {state.reporting}/{state.world_size}",
+                    style="bold" if waiting else "")
+        if waiting:
+            text.append(f" ({waiting} not reporting yet)", style="dim")
+        stale = state.stale
+        if stale:
+            text.append(f"  stale: {_ranks(stale)}", style="bold reverse")
+        if view_note:
+            text.append(f"  {view_note}", style="dim")
+        if source_note:
+            text.append(f"  {source_note}", style="bold")
+        self.update(text)

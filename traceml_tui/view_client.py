@@ -1,0 +1,119 @@
+"""A viewer's connection to a collector's view socket, and how `traceml watch` finds it.
+
+REQ/REP with a timeout: if the collector does not answer (gone, restarting, a
+tunnel dropped), the REQ socket is thrown away and a fresh one is made for the
+next poll ("lazy pirate"), so a viewer never wedges. Data side: no textual here.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from .view_state import RankDetail, ViewState
+
+COLLECTOR_JSON = "collector.json"
+REQUEST_TIMEOUT_S = 2.0
+
+
+class ViewUnavailable(Exception):
+    """The collector did not answer in time, or answered with an error."""
+
+
+class ViewClient:
+    def __init__(self, address: str, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        self.address = address
+        self.timeout_ms = int(timeout_s * 1000)
+        self.ctx = zmq.Context.instance()
+        self.sock: zmq.Socket | None = None
+        # The poller and an export may ask at once; a REQ socket takes one request at a time.
+        self.lock = threading.Lock()
+
+    def _socket(self) -> zmq.Socket:
+        if self.sock is None:
+            self.sock = self.ctx.socket(zmq.REQ)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.connect(self.address)
+        return self.sock
+
+    def _request(self, request: dict[str, Any]) -> list[bytes]:
+        with self.lock:
+            return self._request_locked(request)
+
+    def _request_locked(self, request: dict[str, Any]) -> list[bytes]:
+        sock = self._socket()
+        sock.send(msgpack.packb(request))
+        if not sock.poll(self.timeout_ms):
+            sock.close(0)
+            self.sock = None
+            raise ViewUnavailable(f"no answer from the collector at {self.address}")
+        return sock.recv_multipart()
+
+    def fetch(self, pinned: int | None = None) -> tuple[ViewState, RankDetail | None]:
+        frames = self._request({"op": "view", "rank": pinned})
+        try:
+            wire = msgpack.unpackb(frames[0], raw=False)
+            if "error" in wire:
+                raise ViewUnavailable(wire["error"])
+            detail = msgpack.unpackb(frames[1], raw=False) if len(frames) > 1 else None
+            return ViewState.from_wire(wire), (
+                None if detail is None else RankDetail.from_wire(detail))
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise ViewUnavailable(f"unreadable view from the collector: {exc}") from None
+
+    def summary(self) -> dict[str, Any]:
+        frames = self._request({"op": "summary"})
+        doc = msgpack.unpackb(frames[0], raw=False)
+        if "error" in doc:
+            raise ViewUnavailable(doc["error"])
+        return doc
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+
+
+class WatchTargetError(Exception):
+    """`traceml watch` could not find what to attach to: one clear line for the user."""
+
+
+def resolve_target(target: str | None, base: Path = Path("traceml_runs")
+                   ) -> tuple[str, Path | None]:
+    """(view address, run folder or None) for `traceml watch [RUN_DIR | tcp://HOST:PORT]`."""
+    if target and target.startswith("tcp://"):
+        return target, None
+    if target is None:
+        run_dir = newest_live_run(base)
+        if run_dir is None:
+            raise WatchTargetError(f"no live run under {base}/ (give a run folder or "
+                                   f"tcp://HOST:PORT)")
+    else:
+        run_dir = Path(target)
+        if not run_dir.is_dir():
+            raise WatchTargetError(f"no such run folder: {run_dir}")
+    info = run_dir / COLLECTOR_JSON
+    if not info.exists():
+        raise WatchTargetError(f"{run_dir} is not a traceml run folder (no {COLLECTOR_JSON})")
+    if (run_dir / "final_summary.json").exists():
+        raise WatchTargetError(f"the run in {run_dir} has ended; its record is "
+                               f"{run_dir / 'final_summary.json'}")
+    try:
+        address = json.loads(info.read_text())["view"]
+    except (ValueError, KeyError, OSError) as exc:
+        raise WatchTargetError(f"cannot read {info}: {exc}") from None
+    return address, run_dir
+
+
+def newest_live_run(base: Path) -> Path | None:
+    """The most recently started run folder under `base` that has no final summary yet."""
+    if not base.is_dir():
+        return None
+    live = [d for d in base.iterdir()
+            if (d / COLLECTOR_JSON).exists() and not (d / "final_summary.json").exists()]
+    return max(live, key=lambda d: (d / COLLECTOR_JSON).stat().st_mtime, default=None)

@@ -1,0 +1,209 @@
+"""What a dashboard draws: a frozen, compact view of the collector's state.
+
+The collector builds one `ViewState` per evaluation tick (from a `Snapshot`) and
+serves it to any number of viewers; a viewer decodes it and replaces its whole
+state at once. Rows are plain tuples so 8,192 ranks encode and decode in a few
+milliseconds. Data side: nothing here imports the dashboard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .state import RankSnapshot, Snapshot
+from .windows import median
+
+# Columns of the heat rows, in order.
+VIEW_PHASES = ("dataloader", "h2d", "forward", "backward", "sync", "optimizer", "wait")
+# A rank is stale when no message arrived for this long (agents send ~10 a second and a
+# heartbeat every second, so 3 s of silence means its sender or its host is gone) ...
+STALE_SILENCE_S = 3.0
+# ... or when it made no step for this many of its median step times (and at least
+# STALE_MIN_S): it is alive but not progressing.
+STALE_STEPS = 5
+STALE_MIN_S = 5.0
+
+OK, STALE, DONE, FAILED, WAITING = "ok", "stale", "done", "failed", "waiting"
+
+
+@dataclass(frozen=True, slots=True)
+class RankRow:
+    rank: int
+    node: int
+    host: str
+    steps: int
+    step_ms: float | None
+    phase_ms: tuple[float | None, ...]  # aligned with VIEW_PHASES
+    cpu_pct: float | None
+    rss_mb: float | None
+    gpu_util: float | None
+    gpu_mem_mb: float | None
+    idle_s: float | None
+    status: str
+
+    def to_wire(self) -> list:
+        return [self.rank, self.node, self.host, self.steps, self.step_ms, list(self.phase_ms),
+                self.cpu_pct, self.rss_mb, self.gpu_util, self.gpu_mem_mb, self.idle_s,
+                self.status]
+
+    @classmethod
+    def from_wire(cls, w: list) -> RankRow:
+        return cls(w[0], w[1], w[2], w[3], w[4], tuple(w[5]), w[6], w[7], w[8], w[9], w[10],
+                   w[11])
+
+
+@dataclass(frozen=True, slots=True)
+class RankDetail:
+    """One rank next to the median rank, for the worst-rank and pinned panels."""
+
+    rank: int
+    host: str
+    step_ms: float | None
+    median_step_ms: float | None
+    phase_ms: tuple[float | None, ...]
+    median_phase_ms: tuple[float | None, ...]
+    recent_step_ms: tuple[float, ...]
+    status: str
+    error: str | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"rank": self.rank, "host": self.host, "step_ms": self.step_ms,
+                "median_step_ms": self.median_step_ms, "phase_ms": list(self.phase_ms),
+                "median_phase_ms": list(self.median_phase_ms),
+                "recent_step_ms": list(self.recent_step_ms), "status": self.status,
+                "error": self.error}
+
+    @classmethod
+    def from_wire(cls, w: dict[str, Any]) -> RankDetail:
+        return cls(w["rank"], w["host"], w["step_ms"], w["median_step_ms"],
+                   tuple(w["phase_ms"]), tuple(w["median_phase_ms"]),
+                   tuple(w["recent_step_ms"]), w["status"], w["error"])
+
+
+@dataclass(frozen=True, slots=True)
+class ViewState:
+    run_name: str
+    world_size: int
+    nnodes: int
+    elapsed_s: float
+    steps: int
+    steps_per_s: float | None
+    label: str
+    rank: int | None
+    phase: str | None
+    severity: str
+    summary: str
+    label_for_s: float
+    rows: tuple[RankRow, ...]
+    median_step_ms: float | None
+    median_phase_ms: tuple[float | None, ...]
+    worst: RankDetail | None
+    device: str
+    finished: bool = False
+    exit_code: int | None = None
+
+    @property
+    def reporting(self) -> int:
+        return sum(1 for r in self.rows if r.status != WAITING)
+
+    @property
+    def stale(self) -> tuple[int, ...]:
+        return tuple(r.rank for r in self.rows if r.status == STALE)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "run_name": self.run_name, "world_size": self.world_size, "nnodes": self.nnodes,
+            "elapsed_s": self.elapsed_s, "steps": self.steps, "steps_per_s": self.steps_per_s,
+            "label": self.label, "rank": self.rank, "phase": self.phase,
+            "severity": self.severity, "summary": self.summary, "label_for_s": self.label_for_s,
+            "rows": [r.to_wire() for r in self.rows], "median_step_ms": self.median_step_ms,
+            "median_phase_ms": list(self.median_phase_ms),
+            "worst": None if self.worst is None else self.worst.to_wire(),
+            "device": self.device, "finished": self.finished, "exit_code": self.exit_code,
+        }
+
+    @classmethod
+    def from_wire(cls, w: dict[str, Any]) -> ViewState:
+        return cls(
+            w["run_name"], w["world_size"], w["nnodes"], w["elapsed_s"], w["steps"],
+            w["steps_per_s"], w["label"], w["rank"], w["phase"], w["severity"], w["summary"],
+            w["label_for_s"], tuple(RankRow.from_wire(r) for r in w["rows"]),
+            w["median_step_ms"], tuple(w["median_phase_ms"]),
+            None if w["worst"] is None else RankDetail.from_wire(w["worst"]), w["device"],
+            w.get("finished", False), w.get("exit_code"))
+
+
+# --- building from the collector's snapshot ---------------------------------------------
+
+
+def rank_status(r: RankSnapshot) -> str:
+    if not r.reported:
+        return WAITING
+    if r.finished:
+        return FAILED if r.exit_code else DONE
+    if r.idle_s is not None and r.idle_s > STALE_SILENCE_S:
+        return STALE
+    step_ms = r.live_step_ms
+    if r.since_step_s is not None and step_ms:
+        if r.since_step_s > max(STALE_MIN_S, STALE_STEPS * step_ms / 1000.0):
+            return STALE
+    return OK
+
+
+def _row(r: RankSnapshot) -> RankRow:
+    phases = tuple(r.live_phase_ms.get(p) for p in VIEW_PHASES)
+    sys = r.sys
+    return RankRow(r.rank, r.node, r.host, r.steps, r.live_step_ms, phases, sys.get("cpu_pct"),
+                   sys.get("rss_mb"), sys.get("gpu_util"), sys.get("gpu_mem_mb"), r.idle_s,
+                   rank_status(r))
+
+
+def detail(snap: Snapshot, rank: int, view: ViewState, recent: tuple[float, ...]
+           ) -> RankDetail | None:
+    """The panel for one rank: its live timings beside the median rank's."""
+    if not 0 <= rank < len(snap.ranks):
+        return None
+    r = snap.ranks[rank]
+    row = view.rows[rank]
+    return RankDetail(rank, r.host, r.live_step_ms, view.median_step_ms, row.phase_ms,
+                      view.median_phase_ms, recent, row.status, r.error)
+
+
+def build(snap: Snapshot, recent: Callable[[int], tuple[float, ...]] = lambda rank: (),
+          finished: bool = False, exit_code: int | None = None) -> ViewState:
+    """`recent(rank)`: that rank's recent step times, fetched only for the worst rank."""
+    rows = tuple(_row(r) for r in snap.ranks)
+    live = [r for r in rows if r.step_ms is not None]
+    med_step = median([r.step_ms for r in live])
+    med_phases = tuple(
+        median([r.phase_ms[i] for r in live if r.phase_ms[i] is not None])
+        for i in range(len(VIEW_PHASES)))
+    d = snap.live
+    devices = {r.device for r in snap.ranks if r.device}
+    view = ViewState(
+        run_name=snap.run_name, world_size=snap.world_size, nnodes=snap.nnodes,
+        elapsed_s=max(0.0, snap.now - snap.started_at), steps=snap.total_steps,
+        steps_per_s=(1000.0 / med_step) if med_step else None, label=d.label, rank=d.rank,
+        phase=d.phase, severity=d.severity, summary=d.summary,
+        label_for_s=max(0.0, snap.now - snap.live_since), rows=rows, median_step_ms=med_step,
+        median_phase_ms=med_phases, worst=None,
+        device="cuda" if any(x.startswith("cuda") for x in devices) else "cpu",
+        finished=finished, exit_code=exit_code)
+    worst_rank = d.rank if d.rank is not None else _slowest(rows)
+    if worst_rank is None:
+        return view
+    return replace(view, worst=detail(snap, worst_rank, view, recent(worst_rank)))
+
+
+def _slowest(rows: tuple[RankRow, ...]) -> int | None:
+    """Without a straggler label, the worst-rank panel shows the rank with most local work."""
+    best, worst = None, -1.0
+    for r in rows:
+        local = sum(v for i, v in enumerate(r.phase_ms)
+                    if v is not None and VIEW_PHASES[i] not in ("sync", "wait"))
+        if r.step_ms is not None and local > worst:
+            best, worst = r.rank, local
+    return best
+
