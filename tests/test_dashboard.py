@@ -1,0 +1,192 @@
+"""The dashboard through Textual's Pilot, fed canned collector states at a fixed clock."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from traceml_tui.canned import StaticSource, make_state
+from traceml_tui.dashboard import DashboardApp
+from traceml_tui.dashboard.banner import Banner
+from traceml_tui.dashboard.heat_table import HeatTable
+from traceml_tui.dashboard.rank_panel import RankPanel
+from traceml_tui.dashboard.screens import HelpScreen, PromptScreen
+from traceml_tui.dashboard.status_bar import StatusBar
+
+SIZE = (140, 44)
+
+
+def text_of(widget) -> str:
+    """What a Static shows, as plain text."""
+    from rich.console import Console
+
+    console = Console(width=200, record=True, file=open("/dev/null", "w"))
+    console.print(widget.content)
+    return console.export_text()
+
+
+def panel_text(app, selector: str) -> str:
+    return text_of(app.query_one(selector, RankPanel))
+
+
+async def started(app, pilot) -> None:
+    """Wait until the first state has been drawn."""
+    for _ in range(50):
+        await pilot.pause(0.05)
+        if app.state is not None:
+            return
+    raise AssertionError("no state arrived")
+
+
+async def test_banner_and_worst_panel_show_what_the_state_says():
+    app = DashboardApp(StaticSource(make_state(straggler=2, phase="dataloader")),
+                       refresh_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        banner = text_of(app.query_one(Banner))
+        assert "INPUT STRAGGLER" in banner and "rank 2" in banner and "dataloader" in banner
+        assert app.query_one(Banner).has_class("-critical")
+        worst = panel_text(app, "#worst")
+        assert "rank 2" in worst and "dataloader" in worst and "30." in worst
+        assert "ranks 8/8" in text_of(app.query_one(StatusBar))
+
+
+async def test_pin_with_cursor_and_enter_then_unpin():
+    app = DashboardApp(StaticSource(make_state()), refresh_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        await pilot.press("down", "down", "down", "down")  # past node 0's header: rank 3
+        await pilot.press("enter")
+        await pilot.pause(0.3)
+        assert app.pinned == 3
+        assert app.query_one("#pinned", RankPanel).display
+        assert "rank 3" in panel_text(app, "#pinned")
+        await pilot.press("enter")  # the same rank again: unpin
+        assert app.pinned is None
+        assert not app.query_one("#pinned", RankPanel).display
+
+
+async def test_w_jumps_to_the_worst_rank_and_pins_it():
+    app = DashboardApp(StaticSource(make_state(straggler=6, phase="forward")), refresh_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        await pilot.press("w")
+        await pilot.pause(0.3)
+        assert app.pinned == 6
+        assert app.query_one(HeatTable).cursor_rank == 6
+        assert "rank 6" in panel_text(app, "#pinned")
+
+
+async def test_g_types_a_rank_number_and_rejects_nonsense():
+    app = DashboardApp(StaticSource(make_state()), refresh_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        await pilot.press("g")
+        assert isinstance(app.screen, PromptScreen)
+        await pilot.press("5", "enter")
+        await pilot.pause(0.2)
+        assert app.pinned == 5
+        await pilot.press("g", "9", "9", "enter")  # no rank 99 in an 8-rank run
+        await pilot.pause(0.2)
+        assert app.pinned == 5
+
+
+async def test_sort_puts_the_slowest_rank_first():
+    app = DashboardApp(StaticSource(make_state(world_size=4, nproc_per_node=4, straggler=1,
+                                               phase="forward")), refresh_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        table = app.query_one(HeatTable)
+        assert [r.rank for r in table.lines] == [0, 1, 2, 3]
+        for _ in range(4):  # rank -> step -> dataloader -> h2d -> forward
+            await pilot.press("s")
+        assert "sort: forward" in text_of(app.query_one(StatusBar))
+        assert table.lines[0].rank == 1
+
+
+async def test_filter_shows_matching_ranks_only():
+    app = DashboardApp(StaticSource(make_state()), refresh_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        await pilot.press("slash")
+        for ch in "4-5":
+            await pilot.press(ch)
+        await pilot.press("enter")
+        await pilot.pause(0.2)
+        ranks = [line.rank for line in app.query_one(HeatTable).lines if hasattr(line, "rank")]
+        assert ranks == [4, 5]
+
+
+async def test_stale_ranks_are_shown_as_such():
+    app = DashboardApp(StaticSource(make_state(stale=(7,))), refresh_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        assert "stale: 7" in text_of(app.query_one(StatusBar))
+        row = next(r for r in app.query_one(HeatTable).lines if getattr(r, "rank", -1) == 7)
+        assert row.status == "stale"
+
+
+async def test_export_writes_a_summary_shaped_json_and_says_where(tmp_path):
+    app = DashboardApp(StaticSource(make_state()), run_dir=tmp_path, refresh_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        await pilot.press("e")
+        for _ in range(40):
+            await pilot.pause(0.05)
+            if list((tmp_path / "snapshots").glob("snapshot-*.json")):
+                break
+        files = list((tmp_path / "snapshots").glob("snapshot-*.json"))
+        assert len(files) == 1
+        doc = json.loads(files[0].read_text())
+        from jobs import validate_schema
+
+        validate_schema(doc)
+        assert doc["diagnosis"]["label"] == "INPUT STRAGGLER"
+        await pilot.pause(0.1)
+        assert any(str(files[0]) in str(n.message) for n in app._notifications)
+        await pilot.press("v")
+        await pilot.pause(0.2)
+        assert list((tmp_path / "snapshots").glob("dashboard-*.svg"))
+
+
+async def test_help_lists_every_key_and_q_quits():
+    app = DashboardApp(StaticSource(make_state()), refresh_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        listed = {key for key, _ in app.screen.keys}
+        assert {"q", "w", "g", "s", "slash", "n", "e", "v", "enter,p"} <= listed
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("q")
+    assert app.return_code == 0
+
+
+async def test_a_lost_collector_is_said_not_hidden():
+    class Flaky(StaticSource):
+        def fetch(self, pinned):
+            if self.fetches >= 2:
+                self.fetches += 1
+                raise ConnectionError("gone")
+            return super().fetch(pinned)
+
+    app = DashboardApp(Flaky(make_state()), refresh_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        await pilot.pause(0.4)
+        assert "collector not answering" in text_of(app.query_one(StatusBar))
+        assert "INPUT STRAGGLER" in text_of(app.query_one(Banner))  # last state kept
+
+
+@pytest.mark.parametrize("world", [300])
+async def test_many_ranks_open_in_node_view_and_n_drills_in(world):
+    app = DashboardApp(StaticSource(make_state(world_size=world, nproc_per_node=4, steps=12)),
+                       refresh_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        table = app.query_one(HeatTable)
+        assert len(table.lines) == world // 4  # one line per node
+        await pilot.press("n")
+        assert len([x for x in table.lines if hasattr(x, "rank")]) == world
