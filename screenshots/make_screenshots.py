@@ -1,0 +1,91 @@
+"""Regenerate the README's dashboard screenshots from a real run of the straggler demo.
+
+    python screenshots/make_screenshots.py
+
+Starts `traceml run examples/straggler_demo.py --nproc-per-node=4` (headless, in the
+background), attaches the dashboard to its collector exactly as `traceml watch` does,
+saves SVGs after a few key presses, then stops the job with Ctrl-C (SIGINT). The
+large-scale picture uses a simulated 1,024-rank state (canned, fixed clock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from traceml_tui.canned import StaticSource, make_state
+from traceml_tui.dashboard import DashboardApp
+from traceml_tui.view_client import ViewClient, resolve_target
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SIZE = (150, 46)
+
+
+def _steps(run_dir: Path) -> int:
+    try:
+        return json.loads((run_dir / "live_snapshot.json").read_text())["run"]["steps"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+async def shoot_live(run_dir: Path) -> None:
+    address, _ = resolve_target(str(run_dir))
+    app = DashboardApp(ViewClient(address), run_dir, refresh_s=0.3)
+    async with app.run_test(size=SIZE) as pilot:
+        for _ in range(100):
+            await pilot.pause(0.2)
+            if app.state is not None and app.state.label == "INPUT STRAGGLER":
+                break
+        await pilot.pause(1.0)
+        app.save_screenshot("dashboard.svg", str(HERE))
+        await pilot.press("g", "1", "enter")  # pin rank 1 (a rank waiting in sync)
+        await pilot.pause(1.0)
+        app.save_screenshot("pinned.svg", str(HERE))
+        await pilot.press("question_mark")
+        await pilot.pause(0.3)
+        app.save_screenshot("help.svg", str(HERE))
+
+
+async def shoot_scale() -> None:
+    state = make_state(world_size=1024, nproc_per_node=8, steps=16, straggler=333,
+                       phase="forward")
+    app = DashboardApp(StaticSource(state), refresh_s=0.2)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause(1.0)
+        app.save_screenshot("nodes-1024.svg", str(HERE))
+
+
+def main() -> None:
+    out = Path(tempfile.mkdtemp(prefix="traceml-shots-"))
+    job = subprocess.Popen(
+        [sys.executable, "-m", "traceml_tui", "run", str(ROOT / "examples/straggler_demo.py"),
+         "--nproc-per-node=4", "--headless", "--out", str(out), "--run-name", "straggler-demo",
+         "--", "--steps", "100000"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run_dir = out / "straggler-demo"
+    try:
+        deadline = time.monotonic() + 120
+        while _steps(run_dir) < 60:
+            if time.monotonic() > deadline or job.poll() is not None:
+                raise SystemExit("the demo did not start; see " + str(run_dir))
+            time.sleep(0.5)
+        asyncio.run(shoot_live(run_dir))
+    finally:
+        job.send_signal(signal.SIGINT)
+        job.wait(60)
+    asyncio.run(shoot_scale())
+    for name in ("dashboard.svg", "pinned.svg", "help.svg", "nodes-1024.svg"):
+        print(HERE / name)
+
+
+if __name__ == "__main__":
+    main()
