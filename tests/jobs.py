@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,3 +50,18 @@ def validate_schema(doc: dict[str, Any]) -> None:
 
     jsonschema.validate(doc, json.loads(SCHEMA.read_text()))
 
+
+
+def live_steps(run_dir: Path) -> int:
+    """Steps the collector has seen so far, from the run's live snapshot (0 before it exists)."""
+    try:
+        return json.loads((run_dir / "live_snapshot.json").read_text())["run"]["steps"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def wait_for(condition, timeout: float, what: str = "the job") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)

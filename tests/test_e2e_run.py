@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jobs import EXAMPLES, run_job, traceml, validate_schema
+from jobs import EXAMPLES, live_steps, run_job, traceml, validate_schema, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -78,24 +78,8 @@ def _start_long_job(tmp_path, name):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     run_dir = out / name
-    _wait_for(lambda: _steps_so_far(run_dir) >= 20, timeout=120)
+    wait_for(lambda: live_steps(run_dir) >= 20, timeout=120)
     return proc, run_dir
-
-
-def _steps_so_far(run_dir) -> int:
-    try:
-        return json.loads((run_dir / "live_snapshot.json").read_text())["run"]["steps"]
-    except (OSError, ValueError, KeyError):
-        return 0
-
-
-def _wait_for(condition, timeout: float) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for the job"
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize(("sig", "code"), [("SIGINT", 130), ("SIGTERM", 143)])
@@ -122,7 +106,7 @@ def test_collector_killed_midrun_leaves_an_incomplete_summary(tmp_path):
     proc, run_dir = _start_long_job(tmp_path, "killed")
     collector_pid = json.loads((run_dir / "collector.json").read_text())["pid"]
     os.kill(collector_pid, signal.SIGKILL)
-    _wait_for(lambda: (run_dir / "collector.log").exists(), timeout=5)
+    wait_for(lambda: (run_dir / "collector.log").exists(), timeout=5)
     proc.send_signal(signal.SIGINT)  # training went on; now the user stops it
     output, _ = proc.communicate(timeout=90)
     assert proc.returncode == 130, output[-3000:]

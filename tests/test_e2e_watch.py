@@ -3,34 +3,18 @@ quitting the viewer leaves the job running."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from jobs import EXAMPLES, traceml
+from jobs import EXAMPLES, live_steps, traceml, wait_for
 from traceml_tui.dashboard import DashboardApp
 from traceml_tui.view_client import ViewClient, resolve_target
 
 pytestmark = pytest.mark.e2e
-
-
-def _steps(run_dir) -> int:
-    try:
-        return json.loads((run_dir / "live_snapshot.json").read_text())["run"]["steps"]
-    except (OSError, ValueError, KeyError):
-        return 0
-
-
-def _wait(cond, timeout):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
 
 
 async def test_watch_a_real_run_sees_all_ranks_and_quitting_leaves_it_running(tmp_path):
@@ -43,7 +27,7 @@ async def test_watch_a_real_run_sees_all_ranks_and_quitting_leaves_it_running(tm
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     run_dir = out / "w"
     try:
-        _wait(lambda: _steps(run_dir) >= 40, 120)
+        wait_for(lambda: live_steps(run_dir) >= 40, 120)
         address, found_dir = resolve_target(None, out)  # `traceml watch` with no argument
         assert found_dir == run_dir
         app = DashboardApp(ViewClient(address), found_dir, refresh_s=0.2)
@@ -58,8 +42,8 @@ async def test_watch_a_real_run_sees_all_ranks_and_quitting_leaves_it_running(tm
             assert state.reporting == 3
             assert (state.label, state.rank) == ("COMPUTE STRAGGLER", 2)
             await pilot.press("q")
-        before = _steps(run_dir)
-        _wait(lambda: _steps(run_dir) > before + 10, 30)  # the job goes on
+        before = live_steps(run_dir)
+        wait_for(lambda: live_steps(run_dir) > before + 10, 30)  # the job goes on
         assert job.poll() is None
     finally:
         job.send_signal(signal.SIGINT)
