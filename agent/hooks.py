@@ -55,6 +55,7 @@ def install(rec: Recorder, torch: Any, on_error: Callable[[BaseException], None]
     _hook_forward_global(torch)
     _patch_backward(torch)
     _hook_optimizer(torch)
+    _patch_collectives(torch)
     if torch.cuda.is_available():
         _patch_h2d(torch)
 
@@ -274,6 +275,44 @@ def _hook_optimizer(torch: Any) -> None:
     post = opt.register_optimizer_step_post_hook(_optimizer_post)
     _undo.append(pre.remove)
     _undo.append(post.remove)
+
+
+# --- collectives --------------------------------------------------------------------
+#
+# Counted for hang detection: a rank that entered fewer collectives than the others is
+# the one they wait for (the opCount comparison of NCCL debug logs, live). Only explicit
+# torch.distributed calls count; DDP's own allreduces happen in every backward of every
+# rank alike, and the phase a rank is in (forward before backward) orders the rest.
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+               "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list",
+               "barrier", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter",
+               "monitored_barrier")
+
+
+def _patch_collectives(torch: Any) -> None:
+    import torch.distributed as dist
+
+    for name in COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def wrapper(*args: Any, __original: Any = original, __name: str = name,
+                    **kwargs: Any) -> Any:
+            rec = _rec
+            if rec is None:
+                return __original(*args, **kwargs)
+            rec.collectives += 1
+            outer = rec.in_collective
+            rec.in_collective = __name
+            try:
+                return __original(*args, **kwargs)
+            finally:
+                rec.in_collective = outer
+
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        _setattr(dist, name, wrapper)
 
 
 # --- host-to-device -----------------------------------------------------------------

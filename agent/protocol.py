@@ -17,7 +17,9 @@ Kinds:
   hello      once at start: run name, device, phase names, distributed env
   steps      a batch of per-step records (an agent sends at most ~10 a second)
   sys        a system sample: CPU %, RSS, GPU utilisation and memory
-  heartbeat  liveness and progress, from a thread that does not need training
+  heartbeat  liveness and progress, from a thread that does not need training: step,
+             phase, collectives launched, seconds since the last step
+  stacks     every thread's Python stack, sent by a rank that stopped making progress
   goodbye    at exit: exit code and the tail of a traceback, if any
 """
 
@@ -35,7 +37,7 @@ PROTOCOL_VERSION = 1
 # collective wait measured inside backward; "wait" is the residual.
 PHASES: tuple[str, ...] = ("dataloader", "h2d", "forward", "backward", "sync", "optimizer", "wait")
 
-KINDS = frozenset({"hello", "steps", "sys", "heartbeat", "goodbye"})
+KINDS = frozenset({"hello", "steps", "sys", "heartbeat", "stacks", "goodbye"})
 
 # Bounds that keep one message from costing the collector more than a sane
 # agent ever sends. They are generous: a real agent sends ~10 batches a second.
@@ -46,6 +48,8 @@ MAX_STR = 256
 MAX_WORLD_SIZE = 1 << 20
 MAX_ENV_ENTRIES = 64
 MAX_ERROR_CHARS = 8_000
+MAX_THREADS = 32
+MAX_STACK_CHARS = 6_000
 # One step longer than a day is not a measurement, it is corruption.
 MAX_STEP_MS = 86_400_000.0
 
@@ -254,11 +258,27 @@ def _sys(raw: dict) -> dict[str, Any]:
 
 def _heartbeat(raw: dict) -> dict[str, Any]:
     phase = raw.get("phase")
+    collective = raw.get("in_collective")
     return {
         "step": _int(raw.get("step", 0), "step", 0, 1 << 62),
         "phase": None if phase is None else _str(phase, "phase", 64),
         "in_phase_s": _opt_float(raw.get("in_phase_s"), "in_phase_s", 0.0, 1e9),
+        "collectives": _int(raw.get("collectives", 0), "collectives", 0, 1 << 62),
+        "in_collective": None if collective is None else _str(collective, "in_collective", 64),
+        "since_step_s": _opt_float(raw.get("since_step_s"), "since_step_s", 0.0, 1e9),
     }
+
+
+def _stacks(raw: dict) -> dict[str, Any]:
+    stacks = raw.get("stacks")
+    if not isinstance(stacks, list) or len(stacks) > MAX_THREADS:
+        raise ProtocolError(f"stacks must be a list of at most {MAX_THREADS} [thread, text]")
+    out = []
+    for item in stacks:
+        if not isinstance(item, list) or len(item) != 2:
+            raise ProtocolError("a stack must be [thread name, text]")
+        out.append((_str(item[0], "thread name", 128), _str(item[1], "stack", MAX_STACK_CHARS)))
+    return {"stacks": tuple(out)}
 
 
 def _goodbye(raw: dict) -> dict[str, Any]:
@@ -276,8 +296,11 @@ _FIELDS = {
     "hello": _COMMON | {"run", "device", "backend", "env"},
     "steps": _COMMON | {"phases", "records", "dropped"},
     "sys": _COMMON | {"cpu_pct", "rss_mb", "gpu_util", "gpu_mem_mb", "gpu_mem_total_mb"},
-    "heartbeat": _COMMON | {"step", "phase", "in_phase_s"},
+    "heartbeat": _COMMON | {"step", "phase", "in_phase_s", "collectives", "in_collective",
+                            "since_step_s"},
+    "stacks": _COMMON | {"stacks"},
     "goodbye": _COMMON | {"exit_code", "error", "steps"},
 }
 
-_BODY_VALIDATORS = {"hello": _hello, "sys": _sys, "heartbeat": _heartbeat, "goodbye": _goodbye}
+_BODY_VALIDATORS = {"hello": _hello, "sys": _sys, "heartbeat": _heartbeat, "stacks": _stacks,
+                    "goodbye": _goodbye}

@@ -43,6 +43,10 @@ class Recorder:
         "step_start",
         "t_ready",
         "explicit_steps",
+        "collectives",
+        "in_collective",
+        "last_step_t",
+        "last_wall",
     )
 
     def __init__(self, out: deque) -> None:
@@ -57,6 +61,11 @@ class Recorder:
         self.step_start = 0  # 0: the first step starts at its first phase
         self.t_ready = 0  # when backward's gradients were all computed (sync split)
         self.explicit_steps = False
+        # Progress, read by the heartbeat thread (which needs nothing from this one):
+        self.collectives = 0  # explicit torch.distributed collectives entered
+        self.in_collective: str | None = None
+        self.last_step_t = perf_counter_ns()
+        self.last_wall = 0  # the last step's wall time, ns
 
     # --- phases -------------------------------------------------------------------
 
@@ -121,6 +130,8 @@ class Recorder:
         self.out.append((self.step, t, t - start, self.acc))
         self.step += 1
         self.step_start = t
+        self.last_step_t = t
+        self.last_wall = t - start
         self.acc = [None] * len(self.names)
 
     def open_step(self) -> None:
@@ -222,6 +233,8 @@ class CudaRecorder(Recorder):
         self.prev_end = end_ev
         self.step += 1
         self.step_start = t
+        self.last_step_t = t
+        self.last_wall = t - start
         self.acc = [None] * len(self.names)
         self.pairs = []
         self._resolve()

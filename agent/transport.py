@@ -27,6 +27,12 @@ SEND_INTERVAL_S = 0.1  # at most ~10 step batches a second per rank
 SYS_INTERVAL_S = 1.0  # system samples and heartbeats
 SEND_HWM = 2_000  # messages queued in ZeroMQ before sends drop (~3 min of batches)
 GOODBYE_LINGER_MS = 1_000  # at exit, how long queued messages may take to leave
+# A rank that closed no step for this long (and for STACK_STEPS of its last step times)
+# sends every thread's stack, then again every STACK_REFRESH_S while it stays stuck:
+# the evidence is on the collector before it declares a hang.
+STACK_MIN_S = 3.0
+STACK_STEPS = 5
+STACK_REFRESH_S = 30.0
 
 
 class Sender(threading.Thread):
@@ -53,6 +59,7 @@ class Sender(threading.Thread):
         self.dropped = 0  # records lost: deque overflow, device backlog, full socket
         self.sent_records = 0
         self.last_step = -1
+        self.stacks_sent_at = 0.0  # monotonic time of the last stacks message
         # Wall clock of perf_counter_ns()'s zero, to stamp records in epoch seconds.
         self._epoch0 = time.time() - perf_counter_ns() / 1e9
 
@@ -111,8 +118,19 @@ class Sender(threading.Thread):
             return False
 
     def _heartbeat(self) -> None:
-        phase, in_phase = self.rec.in_phase()
-        self._send("heartbeat", step=self.rec.step, phase=phase, in_phase_s=in_phase)
+        rec = self.rec
+        phase, in_phase = rec.in_phase()
+        since_step = max(0.0, (perf_counter_ns() - rec.last_step_t) / 1e9)
+        self._send("heartbeat", step=rec.step, phase=phase, in_phase_s=in_phase,
+                   collectives=rec.collectives, in_collective=rec.in_collective,
+                   since_step_s=since_step)
+        stuck_after = max(STACK_MIN_S, STACK_STEPS * rec.last_wall / 1e9)
+        now = time.monotonic()
+        if since_step > stuck_after and now - self.stacks_sent_at > STACK_REFRESH_S:
+            self.stacks_sent_at = now
+            self._send("stacks", stacks=thread_stacks())
+        elif since_step <= stuck_after:
+            self.stacks_sent_at = 0.0
 
     def _send_steps(self) -> None:
         out = self.out
@@ -152,3 +170,20 @@ class Sender(threading.Thread):
             wait_ms,
             *phase_ms[std:],
         ]
+
+
+def thread_stacks() -> list[list[str]]:
+    """Every thread's Python stack, innermost call last, taken from this thread: the
+    stuck thread is not asked for anything (it may be blocked inside a collective)."""
+    import traceback
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    out = []
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue
+        text = "".join(traceback.format_stack(frame))[-protocol.MAX_STACK_CHARS:]
+        out.append([names.get(ident, f"thread {ident}")[:128], text])
+    out.sort(key=lambda item: item[0] != "MainThread")  # the training thread first
+    return out[: protocol.MAX_THREADS]

@@ -12,6 +12,14 @@ Scenarios (each adds --delay-ms of time where a real job would lose it):
   batch       one rank gets 4x larger batches (uneven shapes)
   input-all   every rank's input is slow (an input-bound job)
   stall       every rank stalls after each step (synchronous logging/checkpoint)
+
+Hangs (for traceml's hang detection):
+  --hang-rank R --hang-at-step S       rank R sleeps forever before its forward at step S
+  --skip-collective-rank R --hang-at-step S
+                                       every rank but R calls all_reduce at step S (on a
+                                       group of its own, so gloo hangs as NCCL would)
+  --checkpoint-every N --checkpoint-s T
+                                       every rank spends T s "checkpointing" every N steps
 """
 
 from __future__ import annotations
@@ -71,6 +79,11 @@ class Net(nn.Module):
         return self.body(x)
 
 
+def wait_forever() -> None:
+    while True:
+        time.sleep(1.0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--scenario", choices=SCENARIOS, default="balanced")
@@ -81,12 +94,18 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--fail-rank", type=int, default=None, help="this rank exits with code 3")
     p.add_argument("--fail-at-step", type=int, default=10)
+    p.add_argument("--hang-rank", type=int, default=None)
+    p.add_argument("--skip-collective-rank", type=int, default=None)
+    p.add_argument("--hang-at-step", type=int, default=20)
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--checkpoint-s", type=float, default=3.0)
     args = p.parse_args()
 
     torch.set_num_threads(1)  # several ranks share a few cores
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     me = rank == args.rank
+    side_group = dist.new_group() if args.skip_collective_rank is not None else None
     delay = args.delay_ms / 1000.0
 
     batch = args.batch * (4 if args.scenario == "batch" and me else 1)
@@ -106,12 +125,19 @@ def main() -> None:
     while step < args.steps:
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
+            if args.hang_rank == rank and step == args.hang_at_step:
+                wait_forever()  # e.g. a deadlock in this rank's own code
+            if args.skip_collective_rank is not None and step == args.hang_at_step:
+                if rank != args.skip_collective_rank:  # a conditional collective
+                    dist.all_reduce(torch.ones(1), group=side_group)
             loss = loss_fn(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             if args.scenario == "stall":
                 time.sleep(delay)  # e.g. synchronous logging or checkpointing every step
+            if args.checkpoint_every and step and step % args.checkpoint_every == 0:
+                time.sleep(args.checkpoint_s)  # a legitimate long step: not a hang
             step += 1
             if args.fail_rank == rank and step == args.fail_at_step:
                 print(f"rank {rank}: simulated failure at step {step}", file=sys.stderr)

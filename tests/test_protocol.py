@@ -45,6 +45,8 @@ def raw(kind: str = "heartbeat", ident: dict | None = None, **fields) -> dict:
     msg = {"v": 1, "kind": kind, "id": ident or IDENT.to_wire(), "seq": 3, "t": T}
     if kind == "steps":
         msg.update(phases=list(PHASES), records=[list(RECORD)], dropped=0)
+    if kind == "stacks":
+        msg.update(stacks=[["MainThread", "  File \"train.py\", line 3, in <module>\n"]])
     msg.update(fields)
     return msg
 
@@ -72,14 +74,18 @@ ROUND_TRIPS = [
                "env": {"MASTER_ADDR": "10.0.0.1", "NCCL_DEBUG": "WARN"}}),
     ("sys", {"cpu_pct": 312.5, "rss_mb": 2048.0, "gpu_util": 97.0, "gpu_mem_mb": None,
              "gpu_mem_total_mb": 81920.0}),
-    ("heartbeat", {"step": 17, "phase": "forward", "in_phase_s": 0.25}),
+    ("heartbeat", {"step": 17, "phase": "forward", "in_phase_s": 0.25, "collectives": 40,
+                   "in_collective": "all_reduce", "since_step_s": 12.5}),
+    ("stacks", {"stacks": (("MainThread", "  File \"train.py\", line 9, in <module>\n"),
+                           ("traceml-sender", "  ...\n"))}),
     ("goodbye", {"exit_code": -11, "error": "Traceback ...\nRuntimeError: boom", "steps": 99}),
 ]
 
 
 @pytest.mark.parametrize("kind, body", ROUND_TRIPS, ids=[k for k, _ in ROUND_TRIPS])
 def test_round_trip(kind, body):
-    msg = decode(encode(kind, IDENT, 12, T, **body))
+    wire = {k: [list(x) for x in v] if k == "stacks" else v for k, v in body.items()}
+    msg = decode(encode(kind, IDENT, 12, T, **wire))
     assert isinstance(msg, Message)
     assert (msg.kind, msg.ident, msg.seq, msg.t) == (kind, IDENT, 12, T)
     assert msg.body == body

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="names the run (default: script name and time)")
     run.add_argument("--out", type=Path, default=Path("traceml_runs"), metavar="DIR",
                      help="base folder for run folders (default traceml_runs)")
+    run.add_argument("--hang-after", type=float, default=None, metavar="SECONDS",
+                     help="report HANG after this long without a step on any rank "
+                          "(default: 20 median steps, at least 10 s)")
     run.add_argument("--headless", action="store_true",
                      help="no dashboard: print progress and a text summary at the end")
 
@@ -105,7 +108,9 @@ def _cmd_run(parser: argparse.ArgumentParser, argv: list[str], full_argv: list[s
         script=Path(args.script), script_args=script_args, nproc_per_node=args.nproc_per_node,
         nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
         master_port=args.master_port, run_name=args.run_name, out=args.out, headless=headless,
-        command=["traceml", *full_argv])
+        command=["traceml", *full_argv], hang_after=args.hang_after)
+    if args.hang_after is not None and args.hang_after <= 0:
+        run_parser.error("--hang-after must be a positive number of seconds")
     if args.node_rank >= args.nnodes:
         run_parser.error(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes}")
     try:

@@ -99,7 +99,7 @@ class Collector:
             now = time.monotonic()
             if now >= next_eval:
                 next_eval = now + EVAL_INTERVAL_S
-                self.state.evaluate(time.time())
+                self.state.evaluate(time.time(), time.monotonic())
                 self.refresh_view()
             if now >= next_snap:
                 self.write_live()
@@ -209,10 +209,19 @@ class Collector:
                        for r in self.state.ranks.values()):
                     break
         self.drain()
-        self.state.evaluate(time.time())
+        self.state.evaluate(time.time(), time.monotonic())
+        failures = self.state.failures()
+        root = request.get("root_cause")
+        if isinstance(root, list) and len(root) == 2 and root[0] in self.state.ranks:
+            # torchrun saw this rank fail first; a rank killed by a signal said no goodbye.
+            rank, exitcode = int(root[0]), int(root[1])
+            rs = self.state.ranks[rank]
+            if rs.exit_code is None:
+                rs.exit_code = exitcode
+            code = 128 - exitcode if exitcode < 0 else exitcode
+            failures = [(rank, code)] + [f for f in failures if f[0] != rank]
         code, failed = summary.job_exit_code(
-            request.get("torchrun_exit"), bool(request.get("interrupted")),
-            self.state.failures())
+            request.get("torchrun_exit"), bool(request.get("interrupted")), failures)
         if request.get("exit_code") is not None:
             code = request["exit_code"]
         meta = summary.RunMeta(
@@ -250,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="127.0.0.1", help="address to bind the ingest socket")
     p.add_argument("--port", type=int, default=0, help="ingest port (0: any free port)")
     p.add_argument("--started-at", type=float, default=None)
+    p.add_argument("--hang-after", type=float, default=None, metavar="SECONDS",
+                   help="declare a hang after this long without a step (default: derived "
+                        "from step times, at least 10 s)")
     p.add_argument("--exit-when-done", action="store_true",
                    help="write the summary and exit once every rank has said goodbye")
     return p
@@ -262,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.run_dir.mkdir(parents=True, exist_ok=True)
     state = RunState(args.run_name or args.run_dir.name, args.world_size, args.nnodes,
-                     args.nproc_per_node, args.started_at or time.time())
+                     args.nproc_per_node, args.started_at or time.time(),
+                     hang_after_s=args.hang_after)
     collector = Collector(args.run_dir, state, args.bind, args.port)
     collector.exit_when_done = args.exit_when_done
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,6 +39,19 @@ TERM_GRACE_S = 15.0  # after forwarding SIGTERM, how long torchrun gets before S
 STATUS_EVERY_S = 10.0
 
 
+_ROOT_CAUSE = re.compile(
+    r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)",
+    re.S)
+
+
+def parse_root_cause(text: str) -> tuple[int, int] | None:
+    """torchrun's own record of the first rank that failed: (rank, exit code), where a
+    negative exit code is the signal that killed it. The only witness when a rank is
+    killed outright: it sends no goodbye, while the survivors report errors of their own."""
+    match = _ROOT_CAUSE.search(text)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
 class LaunchError(Exception):
     """A problem with the user's input or environment: printed as one line, no traceback."""
 
@@ -55,6 +69,7 @@ class RunOptions:
     out: Path = Path("traceml_runs")
     headless: bool = True
     command: list[str] = field(default_factory=list)
+    hang_after: float | None = None
 
 
 def _free_port() -> int:
@@ -93,6 +108,8 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
            "--run-name", name, "--world-size", str(opts.nproc_per_node * opts.nnodes),
            "--nnodes", str(opts.nnodes), "--nproc-per-node", str(opts.nproc_per_node),
            "--started-at", repr(started_at)]
+    if opts.hang_after is not None:
+        cmd += ["--hang-after", repr(opts.hang_after)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                             start_new_session=True)
     log.close()
@@ -220,6 +237,42 @@ class _Progress:
             self.last_key, self.last_print = key, now
 
 
+class _Tee:
+    """Copies a child's stream to our stderr line by line, keeping the last lines."""
+
+    def __init__(self, stream: Any) -> None:
+        import collections
+        import threading
+
+        self.lines: collections.deque[str] = collections.deque(maxlen=400)
+        self.thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _run(self, stream: Any) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace")
+            self.lines.append(line)
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+
+
+def _tee(stream: Any) -> _Tee:
+    return _Tee(stream)
+
+
+def _read_tail(path: Path, limit: int = 64_000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _wait(proc: subprocess.Popen, signals: _Signals, progress: _Progress | None) -> int:
     term_deadline = None
     while True:
@@ -236,9 +289,11 @@ def _wait(proc: subprocess.Popen, signals: _Signals, progress: _Progress | None)
 
 
 def _finalize(info: dict[str, Any], collector: subprocess.Popen, run_dir: Path,
-              opts: RunOptions, rc: int, signals: _Signals) -> dict[str, Any]:
+              opts: RunOptions, rc: int, signals: _Signals,
+              root_cause: tuple[int, int] | None = None) -> dict[str, Any]:
     request: dict[str, Any] = {
         "op": "finish", "torchrun_exit": rc, "interrupted": signals.interrupted,
+        "root_cause": None if root_cause is None else list(root_cause),
         "command": opts.command, "ended_at": time.time(),
         "extra": {"run_dir": str(run_dir), "logs": str(run_dir / "logs"),
                   "torchrun_exit_code": rc},
@@ -314,13 +369,21 @@ def run(opts: RunOptions) -> int:
     log = None if opts.headless else open(run_dir / "torchrun.log", "ab")
     with _Signals() as signals:
         # With the dashboard, torchrun's own output goes to a file, not over the screen.
-        proc = subprocess.Popen(cmd, env=child_env, stdout=log, stderr=log,
+        proc = subprocess.Popen(cmd, env=child_env, stdout=log,
+                                stderr=log if log else subprocess.PIPE,
                                 stdin=subprocess.DEVNULL if log else None)
         signals.proc = proc
+        stderr_tail = _tee(proc.stderr) if log is None else None
 
         def finish() -> dict[str, Any]:
             rc = _wait(proc, signals, progress if opts.headless else None)
-            return _finalize(info, collector, run_dir, opts, rc, signals)
+            if stderr_tail is not None:
+                stderr_tail.join(5)
+                report = "".join(stderr_tail.lines)
+            else:
+                report = _read_tail(run_dir / "torchrun.log")
+            return _finalize(info, collector, run_dir, opts, rc, signals,
+                             parse_root_cause(report) if rc else None)
 
         if opts.headless:
             reply = finish()

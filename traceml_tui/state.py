@@ -10,13 +10,14 @@ collector passes the time in, so the whole state machine is testable offline.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from traceml_agent.protocol import PHASES, Identity, Message
 
 from . import diagnosis as dx
-from .windows import Quantiles, RankWindow, window_steps_for
+from . import hang
+from .windows import Quantiles, RankWindow, median, window_steps_for
 
 # Steps of each rank that the live diagnosis looks at: enough for a stable median,
 # few enough that a straggler appearing mid-run flips it within ~LIVE_STEPS/2 steps.
@@ -67,6 +68,10 @@ class RankSnapshot:
     finished: bool
     dropped: int
     device: str
+    collectives: int = 0
+    phase: str | None = None
+    in_collective: str | None = None
+    stacks: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +88,8 @@ class Snapshot:
     final: dx.Diagnosis | None  # over the whole window; only in full snapshots
     timeline: tuple[Episode, ...]
     counters: dict[str, int]
+    hang: hang.HangReport | None = None
+    hang_since: float | None = None
 
     @property
     def reporting(self) -> int:
@@ -111,12 +118,16 @@ class RankState:
     device: str = ""
     dirty: bool = True
     live: dx.RankTiming | None = None
+    # Seconds since its last step as of its last message: 0 after a steps batch, the
+    # agent's own figure after a heartbeat.
+    since_step_s: float = 0.0
+    stacks: tuple[tuple[str, str], ...] = ()
 
 
 class RunState:
     def __init__(self, run_name: str, world_size: int, nnodes: int = 1,
                  nproc_per_node: int | None = None, started_at: float = 0.0,
-                 window_steps: int | None = None) -> None:
+                 window_steps: int | None = None, hang_after_s: float | None = None) -> None:
         self.run_name = run_name
         self.world_size = world_size
         self.nnodes = nnodes
@@ -130,6 +141,10 @@ class RunState:
         self.live: dx.LiveLabel | None = None
         self.live_since = started_at
         self.timeline: deque[Episode] = deque(maxlen=MAX_EPISODES)
+        self.hang_after_s = hang_after_s
+        self.hang: hang.HangReport | None = None
+        self.hang_since: float | None = None
+        self.hang_steps = 0  # steps of all ranks together when the hang was detected
 
     # --- ingest ---------------------------------------------------------------------
 
@@ -156,6 +171,9 @@ class RunState:
             rs.sys = msg.body
         elif kind == "heartbeat":
             rs.heartbeat = msg.body
+            rs.since_step_s = msg.body["since_step_s"] or 0.0
+        elif kind == "stacks":
+            rs.stacks = msg.body["stacks"]
         elif kind == "hello":
             rs.device = msg.body["device"]
         elif kind == "goodbye":
@@ -181,6 +199,7 @@ class RunState:
                 continue
             rs.window.append(rec.step_ms, rec.t_end, msg.phases, rec.phase_ms)
             rs.last_step_at = rs.last_seen
+            rs.since_step_s = 0.0
             rs.last_step = rec.step
             rs.steps += 1
             self.counters["records"] += 1
@@ -205,15 +224,45 @@ class RunState:
             rs.dirty = False
         return rs.live
 
-    def evaluate(self, now: float) -> dx.Diagnosis:
-        """One live evaluation: diagnose the recent window and update the timeline."""
+    def progress(self, mono_now: float) -> list[hang.RankProgress]:
+        out = []
+        for rs in self.ranks.values():
+            hb = rs.heartbeat
+            out.append(hang.RankProgress(
+                rs.ident.rank, rs.ident.host, max(rs.steps, hb.get("step", 0)),
+                hb.get("collectives", 0), hb.get("phase"), hb.get("in_collective"),
+                rs.since_step_s, max(0.0, mono_now - rs.last_seen), rs.finished))
+        return out
+
+    def evaluate(self, now: float, mono_now: float | None = None) -> dx.Diagnosis:
+        """One live evaluation: hang check, then the diagnosis of the recent window, and
+        the timeline. Without `mono_now` (offline use) there is no hang check."""
         timings = [self._live_timing(rs) for rs in self.ranks.values()]
-        active = self.live.shown.label if self.live else None
         before = self.live.shown if self.live else None
-        self.live = dx.settle(self.live, dx.diagnose(timings, active))
+        report = None
+        if mono_now is not None:
+            med = median([t.step_ms for t in timings if t.step_ms])
+            report = hang.detect(self.progress(mono_now), med, self.hang_after_s)
+        steps = sum(rs.steps for rs in self.ranks.values())
+        if self.hang is not None and steps == self.hang_steps:
+            # Latched: until a step completes somewhere, this is the same hang. Ranks that
+            # exit or die while it lasts (a Ctrl-C, a scheduler's SIGTERM) do not change
+            # who the others were waiting for when it was detected.
+            if report is not None:
+                self.hang = replace(self.hang, stalled_s=report.stalled_s)
+        elif report is not None:
+            # No progress for the whole threshold is its own evidence: shown at once.
+            self.hang, self.hang_steps = report, steps
+            self.hang_since = now - report.stalled_s
+            self.live = dx.LiveLabel(report.diagnosis)
+        else:
+            self.hang = None
+            self.hang_since = None
+            active = self.live.shown.label if self.live else None
+            self.live = dx.settle(self.live, dx.diagnose(timings, active))
         shown = self.live.shown
         if before is None or (shown.label, shown.rank) != (before.label, before.rank):
-            self._new_episode(shown, now)
+            self._new_episode(shown, self.hang_since if self.hang is not None else now)
         return shown
 
     def _new_episode(self, d: dx.Diagnosis, now: float) -> None:
@@ -252,7 +301,8 @@ class RunState:
             started_at=self.started_at, now=now, phases=tuple(self.phases), ranks=ranks,
             live=self.live.shown, live_since=self.live_since,
             final=self._full_diagnosis(ranks) if full else None,
-            timeline=tuple(self.timeline), counters=dict(self.counters))
+            timeline=tuple(self.timeline), counters=dict(self.counters), hang=self.hang,
+            hang_since=self.hang_since)
 
     def _rank_snapshot(self, rank: int, mono_now: float, full: bool) -> RankSnapshot:
         rs = self.ranks.get(rank)
@@ -275,4 +325,6 @@ class RunState:
             sys=dict(rs.sys), idle_s=max(0.0, mono_now - rs.last_seen),
             since_step_s=max(0.0, mono_now - rs.last_step_at) if rs.steps else None,
             exit_code=rs.exit_code,
-            error=rs.error, finished=rs.finished, dropped=rs.dropped, device=rs.device)
+            error=rs.error, finished=rs.finished, dropped=rs.dropped, device=rs.device,
+            collectives=rs.heartbeat.get("collectives", 0), phase=rs.heartbeat.get("phase"),
+            in_collective=rs.heartbeat.get("in_collective"), stacks=rs.stacks)

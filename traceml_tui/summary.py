@@ -59,7 +59,8 @@ def _episode(e: Episode) -> dict[str, Any]:
 
 def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
     """The summary document. `snap` must be a full snapshot (whole-window quantiles)."""
-    diagnosis = snap.final or snap.live
+    # A hang at the end is the verdict; otherwise the whole window's diagnosis.
+    diagnosis = snap.live if snap.live.label == dx.HANG else (snap.final or snap.live)
     reported = [r for r in snap.ranks if r.reported and r.step_ms is not None]
     step_medians = [(r.rank, r.step_ms.median) for r in reported]
     worst_rank, worst = (max(step_medians, key=lambda x: (x[1], -x[0]))
@@ -74,6 +75,9 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
             "phase_ms": {p: _q(r.phase_ms.get(p)) for p in snap.phases},
             "sys": {k: _round(v, 2) for k, v in r.sys.items()},
             "exit_code": r.exit_code, "error": r.error, "dropped_records": r.dropped,
+            "progress": {"collectives": r.collectives, "phase": r.phase,
+                         "in_collective": r.in_collective, "since_step_s": _round(
+                             r.since_step_s, 2)},
         })
     return {
         "schema_version": SCHEMA_VERSION,
@@ -93,7 +97,24 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
                     "worst": _round(worst), "worst_rank": worst_rank},
         "ranks": ranks,
         "timeline": [_episode(e) for e in snap.timeline],
+        "hang": _hang(snap),
         "collector": dict(snap.counters),
+    }
+
+
+def _hang(snap: Snapshot) -> dict[str, Any] | None:
+    """The evidence of a hang that was going on when the snapshot was taken."""
+    report = snap.hang
+    if report is None:
+        return None
+    return {
+        "kind": report.kind, "ranks": list(report.culprits), "since": iso(snap.hang_since),
+        "stalled_s": round(report.stalled_s, 1), "threshold_s": round(report.threshold_s, 1),
+        "progress": [{"rank": r.rank, "host": r.host, "steps": r.steps, "phase": r.phase,
+                      "collectives": r.collectives, "in_collective": r.in_collective}
+                     for r in snap.ranks if r.reported],
+        "stacks": {str(r.rank): [{"thread": name, "stack": text} for name, text in r.stacks]
+                   for r in snap.ranks if r.stacks},
     }
 
 
@@ -143,6 +164,18 @@ def render_text(doc: dict[str, Any]) -> str:
         mark = " <" if r["rank"] == d["rank"] else ""
         lines.append(f"{r['rank']:>5} {r['host'][:14]:<14} {r['steps']:>6} "
                      f"{_ms(r['step_ms']['median']):>8} {cells}{mark}")
+    hang_doc = doc.get("hang")
+    if hang_doc and hang_doc.get("stacks"):
+        for rank in hang_doc["ranks"][:2]:
+            threads = hang_doc["stacks"].get(str(rank)) or []
+            if threads:
+                tail = threads[0]["stack"].rstrip().splitlines()[-6:]
+                lines += ["", f"Rank {rank}, {threads[0]['thread']}, innermost call last:"] + [
+                    f"  {t}" for t in tail]
+    for r in doc["ranks"]:
+        if (r.get("exit_code") or 0) < 0 and not r.get("error"):
+            lines += ["", f"Rank {r['rank']} died: killed by signal {-r['exit_code']}"
+                          f"{_signal_name(-r['exit_code'])} (no exception, no goodbye)."]
     failed = [r for r in doc["ranks"] if r.get("error")]
     for r in failed[:2]:
         tail = r["error"].strip().splitlines()[-3:]
@@ -155,6 +188,15 @@ def render_text(doc: dict[str, Any]) -> str:
             who = f" rank {e['rank']}" if e["rank"] is not None else ""
             lines.append(f"  step {e['start_step']:>6}  {e['label']}{who}")
     return "\n".join(lines) + "\n"
+
+
+def _signal_name(signum: int) -> str:
+    import signal
+
+    try:
+        return f" ({signal.Signals(signum).name})"
+    except ValueError:
+        return ""
 
 
 # --- files -----------------------------------------------------------------------------

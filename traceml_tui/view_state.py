@@ -69,9 +69,10 @@ class RankDetail:
     recent_step_ms: tuple[float, ...]
     status: str
     error: str | None
+    stack: str | None = None  # the training thread's stack, sent by a rank that is stuck
 
     def to_wire(self) -> dict[str, Any]:
-        return {"rank": self.rank, "host": self.host, "step_ms": self.step_ms,
+        return {"rank": self.rank, "host": self.host, "step_ms": self.step_ms, "stack": self.stack,
                 "median_step_ms": self.median_step_ms, "phase_ms": list(self.phase_ms),
                 "median_phase_ms": list(self.median_phase_ms),
                 "recent_step_ms": list(self.recent_step_ms), "status": self.status,
@@ -81,7 +82,7 @@ class RankDetail:
     def from_wire(cls, w: dict[str, Any]) -> RankDetail:
         return cls(w["rank"], w["host"], w["step_ms"], w["median_step_ms"],
                    tuple(w["phase_ms"]), tuple(w["median_phase_ms"]),
-                   tuple(w["recent_step_ms"]), w["status"], w["error"])
+                   tuple(w["recent_step_ms"]), w["status"], w["error"], w.get("stack"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +170,9 @@ def detail(snap: Snapshot, rank: int, view: ViewState, recent: tuple[float, ...]
         return None
     r = snap.ranks[rank]
     row = view.rows[rank]
+    stack = r.stacks[0][1] if r.stacks else None  # the agent sends MainThread first
     return RankDetail(rank, r.host, r.live_step_ms, view.median_step_ms, row.phase_ms,
-                      view.median_phase_ms, recent, row.status, r.error)
+                      view.median_phase_ms, recent, row.status, r.error, stack)
 
 
 def build(snap: Snapshot, recent: Callable[[int], tuple[float, ...]] = lambda rank: (),

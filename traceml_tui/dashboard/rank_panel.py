@@ -14,6 +14,7 @@ from ..view_state import VIEW_PHASES, RankDetail
 from .cells import ms, sparkline
 
 SPARK_WIDTH = 40
+STACK_LINES = 8  # the innermost frames of a stuck rank's stack
 
 
 class RankPanel(Static):
@@ -47,6 +48,10 @@ class RankPanel(Static):
             caption.append(f"recent steps {spark}")
         if detail.error:
             caption.append("\n" + detail.error.strip().splitlines()[-1], style="bold red")
+        if detail.stack:
+            lines = detail.stack.rstrip().splitlines()[-STACK_LINES:]
+            caption.append("\nstack (innermost last):\n", style="bold")
+            caption.append("\n".join(line.rstrip() for line in lines), style="yellow")
         from rich.console import Group
 
         self.update(Group(table, caption))

@@ -1,0 +1,107 @@
+"""End to end: real torchrun/gloo jobs that hang, die or pause, through `traceml run`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jobs import EXAMPLES, live_steps, run_job, validate_schema, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def _live(run_dir) -> dict:
+    try:
+        return json.loads((run_dir / "live_snapshot.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _start(tmp_path, name, *script_args, hang_after="3"):
+    out = tmp_path / "runs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceml_tui", "run", str(EXAMPLES / "ddp_toy.py"),
+         "--nproc-per-node", "3", "--headless", "--out", str(out), "--run-name", name,
+         "--hang-after", hang_after, "--", "--steps", "1000000", *script_args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc, out / name
+
+
+def _hang_seen(run_dir) -> dict | None:
+    d = _live(run_dir).get("live_diagnosis") or {}
+    return d if d.get("label") == "HANG" else None
+
+
+def test_a_rank_sleeping_before_forward_is_named_with_its_stack(tmp_path):
+    proc, run_dir = _start(tmp_path, "sleeper", "--hang-rank", "1", "--hang-at-step", "25")
+    try:
+        wait_for(lambda: live_steps(run_dir) >= 25, 120)
+        t_last_step = time.monotonic()
+        wait_for(lambda: _hang_seen(run_dir) is not None, 60, "the HANG label")
+        seen_after = time.monotonic() - t_last_step
+        assert _hang_seen(run_dir)["rank"] == 1
+        assert seen_after < 3 + 6  # threshold + heartbeat, evaluation and snapshot cadence
+    finally:
+        proc.send_signal(signal.SIGINT)  # the user presses Ctrl-C on the hung job
+        output, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 130, output[-3000:]
+    doc = json.loads((run_dir / "final_summary.json").read_text())
+    validate_schema(doc)
+    assert (doc["diagnosis"]["label"], doc["diagnosis"]["rank"]) == ("HANG", 1)
+    assert doc["hang"]["kind"] == "behind" and doc["hang"]["ranks"] == [1]
+    stack = doc["hang"]["stacks"]["1"][0]["stack"]
+    assert "wait_forever" in stack and "time.sleep" in stack
+    assert {p["rank"]: p["steps"] for p in doc["hang"]["progress"]} == {0: 25, 1: 25, 2: 25}
+    assert "Diagnosis: HANG  rank 1" in output and "wait_forever" in output
+
+
+def test_a_rank_skipping_a_collective_is_named(tmp_path):
+    proc, run_dir = _start(tmp_path, "skip", "--skip-collective-rank", "2",
+                           "--hang-at-step", "25")
+    try:
+        wait_for(lambda: _hang_seen(run_dir) is not None, 120, "the HANG label")
+        assert _hang_seen(run_dir)["rank"] == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=90)
+    doc = json.loads((run_dir / "final_summary.json").read_text())
+    assert (doc["diagnosis"]["label"], doc["diagnosis"]["rank"]) == ("HANG", 2)
+    progress = {p["rank"]: p for p in doc["hang"]["progress"]}
+    assert progress[2]["collectives"] < progress[0]["collectives"]
+
+
+def test_a_killed_rank_is_reported_dead_not_as_a_straggler(tmp_path):
+    proc, run_dir = _start(tmp_path, "killed")
+    try:
+        wait_for(lambda: live_steps(run_dir) >= 20, 120)
+        pid = next(r["pid"] for r in _live(run_dir)["ranks"] if r["rank"] == 1)
+        os.kill(pid, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 137, output[-3000:]
+    doc = json.loads((run_dir / "final_summary.json").read_text())
+    validate_schema(doc)
+    assert doc["run"]["failed_rank"] == 1
+    assert doc["ranks"][1]["exit_code"] == -9
+    assert doc["diagnosis"]["label"] not in ("INPUT STRAGGLER", "COMPUTE STRAGGLER", "STRAGGLER")
+    assert "Rank 1 died: killed by signal 9 (SIGKILL)" in output
+
+
+def test_a_long_checkpoint_step_is_not_a_hang(tmp_path):
+    job = run_job(tmp_path, "ddp_toy.py", name="ckpt",
+                  script_args=("--steps", "60", "--checkpoint-every", "20",
+                               "--checkpoint-s", "3"))
+    assert job.returncode == 0, job.stderr[-3000:]
+    doc = job.summary
+    assert doc["diagnosis"]["label"] != "HANG"
+    assert all(e["label"] != "HANG" for e in doc["timeline"])
+    assert doc["hang"] is None
