@@ -36,6 +36,10 @@ from .collector import COLLECTOR_JSON
 COLLECTOR_START_TIMEOUT_S = 20.0
 FINISH_TIMEOUT_S = 20.0
 TERM_GRACE_S = 15.0  # after forwarding SIGTERM, how long torchrun gets before SIGKILL
+# After Ctrl-C, how long ranks get to stop by themselves. A rank blocked inside a
+# collective never runs Python's SIGINT handler (torchrun would wait 30 s, then kill):
+# past this, the launcher sends SIGTERM to the rank processes it knows on this host.
+INTERRUPT_GRACE_S = 3.0
 STATUS_EVERY_S = 10.0
 
 
@@ -273,8 +277,25 @@ def _read_tail(path: Path, limit: int = 64_000) -> str:
         return ""
 
 
-def _wait(proc: subprocess.Popen, signals: _Signals, progress: _Progress | None) -> int:
+def _terminate_ranks(run_dir: Path) -> None:
+    """SIGTERM the rank processes of this host, as the collector last saw them."""
+    try:
+        doc = json.loads((run_dir / summary.LIVE_JSON).read_text())
+    except (OSError, ValueError):
+        return
+    host = socket.gethostname()
+    for r in doc.get("ranks", []):
+        if r.get("host") == host and r.get("pid"):
+            try:
+                os.kill(int(r["pid"]), signal.SIGTERM)
+            except (ProcessLookupError, PermissionError, ValueError):
+                pass
+
+
+def _wait(proc: subprocess.Popen, signals: _Signals, progress: _Progress | None,
+          run_dir: Path | None = None) -> int:
     term_deadline = None
+    interrupt_deadline = None
     while True:
         try:
             return proc.wait(timeout=0.5)
@@ -282,6 +303,12 @@ def _wait(proc: subprocess.Popen, signals: _Signals, progress: _Progress | None)
             pass
         if progress is not None:
             progress.poll()
+        if signals.interrupted and interrupt_deadline is None:
+            interrupt_deadline = time.monotonic() + INTERRUPT_GRACE_S
+        if interrupt_deadline is not None and time.monotonic() > interrupt_deadline:
+            interrupt_deadline = float("inf")  # once
+            if run_dir is not None:
+                _terminate_ranks(run_dir)
         if signals.terminated and term_deadline is None:
             term_deadline = time.monotonic() + TERM_GRACE_S
         if term_deadline is not None and time.monotonic() > term_deadline:
@@ -376,7 +403,7 @@ def run(opts: RunOptions) -> int:
         stderr_tail = _tee(proc.stderr) if log is None else None
 
         def finish() -> dict[str, Any]:
-            rc = _wait(proc, signals, progress if opts.headless else None)
+            rc = _wait(proc, signals, progress if opts.headless else None, run_dir)
             if stderr_tail is not None:
                 stderr_tail.join(5)
                 report = "".join(stderr_tail.lines)
