@@ -190,3 +190,19 @@ async def test_many_ranks_open_in_node_view_and_n_drills_in(world):
         assert len(table.lines) == world // 4  # one line per node
         await pilot.press("n")
         assert len([x for x in table.lines if hasattr(x, "rank")]) == world
+
+
+async def test_ctrl_c_stops_the_job_under_traceml_run_and_never_in_watch():
+    stopped = []
+    app = DashboardApp(StaticSource(make_state()), refresh_s=0.05,
+                       stop_job=lambda: stopped.append(True))
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        await pilot.press("ctrl+c")
+        assert stopped == [True]
+    watcher = DashboardApp(StaticSource(make_state()), refresh_s=0.05)
+    async with watcher.run_test(size=SIZE) as pilot:
+        await started(watcher, pilot)
+        await pilot.press("ctrl+c")  # a viewer only: nothing to stop, and it stays open
+        await pilot.pause(0.1)
+        assert watcher.is_running

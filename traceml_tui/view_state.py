@@ -189,7 +189,9 @@ def build(snap: Snapshot, recent: Callable[[int], tuple[float, ...]] = lambda ra
     view = ViewState(
         run_name=snap.run_name, world_size=snap.world_size, nnodes=snap.nnodes,
         elapsed_s=max(0.0, snap.now - snap.started_at), steps=snap.total_steps,
-        steps_per_s=(1000.0 / med_step) if med_step else None, label=d.label, rank=d.rank,
+        # No rank steps during a hang: the rate of the last steps would be a lie.
+        steps_per_s=0.0 if snap.hang is not None else (1000.0 / med_step) if med_step else None,
+        label=d.label, rank=d.rank,
         phase=d.phase, severity=d.severity, summary=d.summary,
         label_for_s=max(0.0, snap.now - snap.live_since), rows=rows, median_step_ms=med_step,
         median_phase_ms=med_phases, worst=None,

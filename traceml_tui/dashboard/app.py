@@ -65,6 +65,8 @@ class DashboardApp(App[None]):
         Binding("e", "export", "Export JSON"),
         Binding("v", "save_svg", "Save SVG"),
         Binding("question_mark", "help", "Help"),
+        # Textual binds Ctrl-C to a quit hint; under `traceml run` it stops the job.
+        Binding("ctrl+c", "stop_job", "Stop the job", show=False, priority=True),
     ]
 
     def __init__(self, source: ViewSource, run_dir: Path | None = None,
@@ -85,8 +87,6 @@ class DashboardApp(App[None]):
         self.source_note = "connecting..."
         self.ended_note = ""
         self.stopping = threading.Event()  # ends the poll thread's wait at once on quit
-        if stop_job is not None:
-            self.bind("ctrl+c", "stop_job", description="Stop the job")
 
     def compose(self) -> ComposeResult:
         yield Banner("waiting for the first state...", id="banner")
@@ -247,16 +247,19 @@ class DashboardApp(App[None]):
         self.redraw()
 
     def action_help(self) -> None:
-        keys = [(b.key, b.description) for b in self.BINDINGS if isinstance(b, Binding)]
+        keys = [(b.key, b.description) for b in self.BINDINGS
+                if isinstance(b, Binding) and b.action != "stop_job"]
         keys += [(b.key, b.description) for b in HeatTable.BINDINGS]
         if self.stop_job is not None:
             keys.append(("ctrl+c", "Stop the training job (SIGINT), summary is written"))
         self.push_screen(HelpScreen(keys))
 
     def action_stop_job(self) -> None:
-        if self.stop_job is not None:
-            self.stop_job()
-            self.notify("stopping the job (SIGINT); the summary follows", timeout=10)
+        if self.stop_job is None:  # a `traceml watch` viewer: it never stops the job
+            self.notify("this viewer cannot stop the job; q closes the viewer", timeout=5)
+            return
+        self.stop_job()
+        self.notify("stopping the job (SIGINT); the summary follows", timeout=10)
 
     def snapshot_dir(self) -> Path:
         if self.run_dir is not None:
