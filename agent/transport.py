@@ -26,7 +26,7 @@ from .sysmetrics import SystemSampler
 SEND_INTERVAL_S = 0.1  # at most ~10 step batches a second per rank
 SYS_INTERVAL_S = 1.0  # system samples and heartbeats
 SEND_HWM = 2_000  # messages queued in ZeroMQ before sends drop (~3 min of batches)
-GOODBYE_LINGER_MS = 1_000  # at exit, how long queued messages may take to leave
+GOODBYE_LINGER_MS = 500  # at exit, how long queued messages may take to leave
 # A rank that closed no step for this long (and for STACK_STEPS of its last step times)
 # sends every thread's stack, then again every STACK_REFRESH_S while it stays stuck:
 # the evidence is on the collector before it declares a hang.
@@ -71,7 +71,9 @@ class Sender(threading.Thread):
         except Exception as exc:  # pragma: no cover - pyzmq is a dependency
             print(f"[traceml] agent: pyzmq unavailable ({exc}); not reporting", file=sys.stderr)
             return
-        ctx = zmq.Context.instance()
+        # A context of our own, terminated before this thread ends: no libzmq thread may
+        # outlive it, or the interpreter's exit can abort in a C++ destructor.
+        ctx = zmq.Context(io_threads=1)
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.LINGER, 0)
@@ -99,8 +101,9 @@ class Sender(threading.Thread):
         finally:
             sampler.close()
             sock.close()
+            ctx.term()
 
-    def stop(self, exit_code: int | None, error: str | None, timeout: float = 3.0) -> None:
+    def stop(self, exit_code: int | None, error: str | None, timeout: float = 5.0) -> None:
         self.exit_code, self.error = exit_code, error
         self.stop_event.set()
         if self.is_alive():
