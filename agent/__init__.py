@@ -29,9 +29,10 @@ from collections import deque
 from typing import Any
 
 from . import env, protocol
-from .recorder import MEASURED, NO_PHASE
+from .protocol import PHASES
+from .recorder import NO_PHASE
 
-__all__ = ["init", "step", "phase", "shutdown", "enabled"]
+__all__ = ["init", "step", "phase", "shutdown", "enabled", "PHASES"]
 
 # Records waiting for the sender thread. At ~10 drains a second this holds
 # minutes of steps even for very fast loops; beyond it, the oldest are dropped.
@@ -216,5 +217,3 @@ def phase(name: str) -> _Phase:
     Phases do not nest: inside an open phase, another phase is not timed."""
     return _Phase(name)
 
-
-PHASES = (*MEASURED, "wait")

@@ -30,10 +30,8 @@ from typing import Any
 from .recorder import BACKWARD, DATALOADER, FORWARD, H2D, OPTIMIZER, Recorder
 
 _rec: Recorder | None = None
-def _on_error(exc: BaseException) -> None:  # replaced by install()
-    return None
-
-
+_on_error: Callable[[BaseException], None] = print  # replaced by install()
+_queue_callback: Callable[[Callable[[], None]], None] = print  # autograd's, bound at install
 _undo: list[Callable[[], None]] = []
 _learning = False
 _roots: list[Any] = []
@@ -210,17 +208,15 @@ def _grads_ready() -> None:
 def _on_first_grad(param: Any) -> None:
     rec = _rec
     if rec is not None and rec.active == BACKWARD:
-        _queue_callback[0](_grads_ready)
-
-
-_queue_callback: list[Callable[[Callable[[], None]], None]] = []
+        _queue_callback(_grads_ready)
 
 
 def _patch_backward(torch: Any) -> None:
+    global _queue_callback
     import torch.autograd as autograd
 
     original = autograd.backward
-    _queue_callback[:] = [autograd.Variable._execution_engine.queue_callback]
+    _queue_callback = autograd.Variable._execution_engine.queue_callback
 
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         rec = _rec

@@ -145,7 +145,7 @@ class Sender(threading.Thread):
             records.append(self._wire_record(out.popleft(), len(names)))
         ok = self._send(
             "steps",
-            phases=[*MEASURED, "wait", *names[len(MEASURED) :]],
+            phases=[*protocol.PHASES, *names[len(MEASURED) :]],
             records=records,
             dropped=self.dropped,
         )

@@ -75,30 +75,10 @@ JSON_RE = re.compile(r'\{"ms_per_step":[^}]*\}')
 
 def commands(variant: str, steps: int, port: int, tag: str) -> list[str]:
     args = ["--steps", str(steps)]
-    if variant == "bare":
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "1",
-            "--master-port",
-            str(port),
-            str(WORKLOAD),
-            *args,
-        ]
-    if variant == "bare_pv":
-        return [
-            PEER_PY,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "1",
-            "--master-port",
-            str(port),
-            str(WORKLOAD),
-            *args,
-        ]
+    if variant in ("bare", "bare_pv"):  # the same bare run; bare_pv in the peer's venv
+        python = sys.executable if variant == "bare" else PEER_PY
+        return [python, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                "--master-port", str(port), str(WORKLOAD), *args]
     if variant in ("peer_zero", "peer_step"):
         script = WORKLOAD if variant == "peer_zero" else WORK / "tiny_ddp_traceml_ai.py"
         return [

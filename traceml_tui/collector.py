@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -83,7 +84,7 @@ class Collector:
 
     def announce(self) -> None:
         info = {"ingest": self.ingest_addr, "control": self.control_addr, "view": self.view_addr,
-                "pid": _pid(), "run_name": self.state.run_name}
+                "pid": os.getpid(), "run_name": self.state.run_name}
         summary.write_atomic(self.run_dir / COLLECTOR_JSON, json.dumps(info, indent=2) + "\n")
 
     def serve(self) -> None:
@@ -240,12 +241,6 @@ class Collector:
         self.ingest.close()
         self.control.close()
         self.view.close()
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from statistics import median
 
 # --- labels and severities ---------------------------------------------------------------
 
@@ -102,13 +103,6 @@ class Diagnosis:
 # --- helpers -----------------------------------------------------------------------------
 
 
-def _median(values: Sequence[float]) -> float:
-    vals = sorted(values)
-    n = len(vals)
-    mid = n // 2
-    return vals[mid] if n % 2 else (vals[mid - 1] + vals[mid]) / 2.0
-
-
 def _finite(value: float | None) -> bool:
     return value is not None and value == value and value not in (float("inf"), float("-inf"))
 
@@ -133,7 +127,7 @@ def _skew(ranks: Sequence[RankTiming], phases: Sequence[str], step_ms: float) ->
     values = [(rank, v) for rank, v in values if v is not None]
     if len(values) < 2:
         return None
-    mid = _median([v for _, v in values])
+    mid = median([v for _, v in values])
     worst_rank, worst = max(values, key=lambda rv: (rv[1], -rv[0]))
     gap = worst - mid
     return _Skew(worst_rank, gap, gap / step_ms)
@@ -148,7 +142,7 @@ def phase_gaps(ranks: Sequence[RankTiming], rank: int, phases: Sequence[str]) ->
         others = [r.phase_ms.get(p) for r in ranks]
         others = [v for v in others if _finite(v)]
         if _finite(mine) and others:
-            gaps[p] = mine - _median(others)
+            gaps[p] = mine - median(others)
     return gaps
 
 
@@ -166,7 +160,7 @@ def _share(ranks: Sequence[RankTiming], phases: Sequence[str]) -> float:
         value = _group(r, phases)
         if value is not None and _finite(r.step_ms) and r.step_ms > 0:
             shares.append(value / r.step_ms)
-    return _median(shares) if shares else 0.0
+    return median(shares) if shares else 0.0
 
 
 # --- the classifier ----------------------------------------------------------------------
@@ -180,7 +174,7 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None) -> Diagnosi
         most = max((r.steps for r in ranks), default=0)
         return Diagnosis(WARMUP, None, None, INFO,
                          f"Collecting steps: {most} of {MIN_STEPS} needed before judging.")
-    step_ms = _median([r.step_ms for r in ready])
+    step_ms = median([r.step_ms for r in ready])
 
     def over(share: float, enter: float, leave: float, *holding: str) -> bool:
         return share >= (leave if active in holding else enter)
@@ -208,7 +202,7 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None) -> Diagnosi
 
     input_share = _share(ready, INPUT_PHASES)
     if over(input_share, INPUT_BOUND_ENTER, INPUT_BOUND_EXIT, INPUT_BOUND):
-        phase = max(INPUT_PHASES, key=lambda p: _median(
+        phase = max(INPUT_PHASES, key=lambda p: median(
             [r.phase_ms.get(p) for r in ready if _finite(r.phase_ms.get(p))] or [0.0]))
         return Diagnosis(
             INPUT_BOUND, None, phase, WARNING,

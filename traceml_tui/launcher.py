@@ -263,10 +263,6 @@ class _Tee:
         self.thread.join(timeout)
 
 
-def _tee(stream: Any) -> _Tee:
-    return _Tee(stream)
-
-
 def _read_tail(path: Path, limit: int = 64_000) -> str:
     try:
         with open(path, "rb") as f:
@@ -400,7 +396,7 @@ def run(opts: RunOptions) -> int:
                                 stderr=log if log else subprocess.PIPE,
                                 stdin=subprocess.DEVNULL if log else None)
         signals.proc = proc
-        stderr_tail = _tee(proc.stderr) if log is None else None
+        stderr_tail = _Tee(proc.stderr) if log is None else None
 
         def finish() -> dict[str, Any]:
             rc = _wait(proc, signals, progress if opts.headless else None, run_dir)

@@ -120,7 +120,7 @@ class RankState:
     live: dx.RankTiming | None = None
     # Seconds since its last step as of its last message: 0 after a steps batch, the
     # agent's own figure after a heartbeat.
-    since_step_s: float = 0.0
+    since_step_at_msg_s: float = 0.0
     stacks: tuple[tuple[str, str], ...] = ()
 
 
@@ -171,7 +171,7 @@ class RunState:
             rs.sys = msg.body
         elif kind == "heartbeat":
             rs.heartbeat = msg.body
-            rs.since_step_s = msg.body["since_step_s"] or 0.0
+            rs.since_step_at_msg_s = msg.body["since_step_s"] or 0.0
         elif kind == "stacks":
             rs.stacks = msg.body["stacks"]
         elif kind == "hello":
@@ -199,7 +199,7 @@ class RunState:
                 continue
             rs.window.append(rec.step_ms, rec.t_end, msg.phases, rec.phase_ms)
             rs.last_step_at = rs.last_seen
-            rs.since_step_s = 0.0
+            rs.since_step_at_msg_s = 0.0
             rs.last_step = rec.step
             rs.steps += 1
             self.counters["records"] += 1
@@ -231,7 +231,7 @@ class RunState:
             out.append(hang.RankProgress(
                 rs.ident.rank, rs.ident.host, max(rs.steps, hb.get("step", 0)),
                 hb.get("collectives", 0), hb.get("phase"), hb.get("in_collective"),
-                rs.since_step_s, max(0.0, mono_now - rs.last_seen), rs.finished))
+                rs.since_step_at_msg_s, max(0.0, mono_now - rs.last_seen), rs.finished))
         return out
 
     def evaluate(self, now: float, mono_now: float | None = None) -> dx.Diagnosis:
