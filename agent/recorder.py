@@ -127,12 +127,15 @@ class Recorder:
     def close_step(self) -> None:
         t = perf_counter_ns()
         start = self.step_start or t
-        self.out.append((self.step, t, t - start, self.acc))
+        self._emit(self.step, t, t - start, self.acc)
         self.step += 1
         self.step_start = t
         self.last_step_t = t
         self.last_wall = t - start
         self.acc = [None] * len(self.names)
+
+    def _emit(self, step: int, t: int, wall: int, acc: list[int | None]) -> None:
+        self.out.append((step, t, wall, acc))
 
     def open_step(self) -> None:
         """Explicit API: a step starts now (the time before it is not part of any step)."""
@@ -225,17 +228,11 @@ class CudaRecorder(Recorder):
         self.active = NO_PHASE
         self.owner = None
 
-    def close_step(self) -> None:
-        t = perf_counter_ns()
-        start = self.step_start or t
+    def _emit(self, step: int, t: int, wall: int, acc: list[int | None]) -> None:
+        """The step's device times are not known yet: park it until its events complete."""
         end_ev = self._event()
-        self.pending.append((self.step, t, t - start, self.acc, self.pairs, self.prev_end, end_ev))
+        self.pending.append((step, t, wall, acc, self.pairs, self.prev_end, end_ev))
         self.prev_end = end_ev
-        self.step += 1
-        self.step_start = t
-        self.last_step_t = t
-        self.last_wall = t - start
-        self.acc = [None] * len(self.names)
         self.pairs = []
         self._resolve()
 

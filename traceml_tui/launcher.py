@@ -224,11 +224,18 @@ class _Progress:
         self.path = run_dir / summary.LIVE_JSON
         self.last_key: tuple | None = None
         self.last_print = time.monotonic()
+        self.mtime = 0
+        self.doc: dict[str, Any] | None = None
 
     def poll(self) -> None:
-        try:
-            doc = json.loads(self.path.read_text())
+        try:  # the file changes every few seconds: parse it only when it did
+            mtime = self.path.stat().st_mtime_ns
+            if mtime != self.mtime:
+                self.doc, self.mtime = json.loads(self.path.read_text()), mtime
         except (OSError, ValueError):
+            return
+        doc = self.doc
+        if doc is None:
             return
         d = doc["live_diagnosis"]
         key = (d["label"], d["rank"])
