@@ -28,7 +28,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from . import env, protocol
+from . import env, keys, protocol
 from .protocol import PHASES
 from .recorder import NO_PHASE
 
@@ -52,11 +52,14 @@ def init(
     *,
     run_name: str | None = None,
     auto: bool = True,
+    secret: str | None = None,
 ) -> bool:
     """Start the agent in this process. Returns True when it is running.
 
     endpoint: the collector's ingest address; default $TRACEML_ENDPOINT.
     auto: install the zero-code hooks (DataLoader, forward, backward, optimizer).
+    secret: the run's secret (docs/security.md); default $TRACEML_SECRET. With it, all
+        traffic to the collector is authenticated and encrypted (ZeroMQ CURVE).
     Calling init() again is harmless. Failure to start only prints a warning.
     """
     with _lock:
@@ -69,7 +72,12 @@ def init(
             _warn("no collector endpoint (set TRACEML_ENDPOINT or use `traceml run`); not timing")
             return False
         try:
-            _start(endpoint, run_name or os.environ.get(env.RUN_NAME, ""), auto)
+            secret = keys.check_secret(secret) if secret else keys.secret_from_env()
+        except keys.SecretError as exc:
+            _warn(f"{exc}; not timing")
+            return False
+        try:
+            _start(endpoint, run_name or os.environ.get(env.RUN_NAME, ""), auto, secret)
             return True
         except Exception as exc:
             _warn(f"could not start ({exc!r}); training continues without it")
@@ -77,7 +85,7 @@ def init(
             return False
 
 
-def _start(endpoint: str, run_name: str, auto: bool) -> None:
+def _start(endpoint: str, run_name: str, auto: bool, secret: str | None) -> None:
     import torch
 
     from . import hooks
@@ -105,7 +113,7 @@ def _start(endpoint: str, run_name: str, auto: bool) -> None:
         "device": f"cuda:{cuda_index}" if cuda_index is not None else "cpu",
         "env": _distributed_env(),
     }
-    sender = Sender(endpoint, ident, rec, out, hello, cuda_index)
+    sender = Sender(endpoint, ident, rec, out, hello, cuda_index, secret)
     _state["rec"], _state["sender"] = rec, sender
     if auto:
         hooks.install(rec, torch, _on_internal_error)

@@ -9,3 +9,4 @@ RUN_NAME = "TRACEML_RUN_NAME"
 RUN_DIR = "TRACEML_RUN_DIR"
 DISABLE = "TRACEML_DISABLE"  # "1": the agent does nothing (an escape hatch for users)
 DEBUG = "TRACEML_DEBUG"  # "1": the agent prints what it installs
+SECRET = "TRACEML_SECRET"  # the run's 64-hex-character secret, from which its CURVE keys derive

@@ -19,7 +19,7 @@ from collections import deque
 from time import perf_counter_ns
 from typing import Any
 
-from . import protocol
+from . import keys, protocol
 from .recorder import MEASURED, Recorder
 from .sysmetrics import SystemSampler
 
@@ -44,6 +44,7 @@ class Sender(threading.Thread):
         out: deque,
         hello: dict[str, Any],
         cuda_index: int | None,
+        secret: str | None = None,
     ) -> None:
         super().__init__(name="traceml-sender", daemon=True)
         self.endpoint = endpoint
@@ -52,6 +53,7 @@ class Sender(threading.Thread):
         self.out = out
         self.hello = hello
         self.cuda_index = cuda_index
+        self.secret = secret
         self.stop_event = threading.Event()
         self.exit_code: int | None = None
         self.error: str | None = None
@@ -77,6 +79,14 @@ class Sender(threading.Thread):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.secret:
+            if not zmq.has("curve"):
+                print("[traceml] agent: this pyzmq has no CURVE support; not reporting",
+                      file=sys.stderr)
+                sock.close()
+                ctx.term()
+                return
+            keys.secure_client(sock, keys.derive(self.secret))
         sock.connect(self.endpoint)
         self._zmq_again = zmq.Again
         self._sock = sock

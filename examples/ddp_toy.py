@@ -39,6 +39,13 @@ from torch.utils.data.distributed import DistributedSampler
 SCENARIOS = ("balanced", "input", "forward", "optimizer", "batch", "input-all", "stall")
 
 
+def _ranks(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ranks like 2 or 2,3, got {text!r}") from None
+
+
 class RandomData(Dataset):
     def __init__(self, n: int, dim: int) -> None:
         g = torch.Generator().manual_seed(0)
@@ -87,7 +94,8 @@ def wait_forever() -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--scenario", choices=SCENARIOS, default="balanced")
-    p.add_argument("--rank", type=int, default=1, help="the rank the problem is injected on")
+    p.add_argument("--rank", type=_ranks, default=(1,), metavar="R[,R...]",
+                   help="the rank(s) the problem is injected on, e.g. 2 or 2,3 (a whole node)")
     p.add_argument("--delay-ms", type=float, default=25.0)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--batch", type=int, default=32)
@@ -104,7 +112,7 @@ def main() -> None:
     torch.set_num_threads(1)  # several ranks share a few cores
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    me = rank == args.rank
+    me = rank in args.rank
     side_group = dist.new_group() if args.skip_collective_rank is not None else None
     delay = args.delay_ms / 1000.0
 

@@ -37,8 +37,8 @@ def _steps(run_dir: Path) -> int:
 
 
 async def shoot_live(run_dir: Path) -> None:
-    address, _ = resolve_target(str(run_dir))
-    app = DashboardApp(ViewClient(address), run_dir, refresh_s=0.3)
+    address, _, secret = resolve_target(str(run_dir))
+    app = DashboardApp(ViewClient(address, secret=secret), run_dir, refresh_s=0.3)
     async with app.run_test(size=SIZE) as pilot:
         for _ in range(100):
             await pilot.pause(0.2)

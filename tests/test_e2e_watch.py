@@ -28,9 +28,9 @@ async def test_watch_a_real_run_sees_all_ranks_and_quitting_leaves_it_running(tm
     run_dir = out / "w"
     try:
         wait_for(lambda: live_steps(run_dir) >= 40, 120)
-        address, found_dir = resolve_target(None, out)  # `traceml watch` with no argument
+        address, found_dir, secret = resolve_target(None, out)  # `traceml watch`, no argument
         assert found_dir == run_dir
-        app = DashboardApp(ViewClient(address), found_dir, refresh_s=0.2)
+        app = DashboardApp(ViewClient(address, secret=secret), found_dir, refresh_s=0.2)
         async with app.run_test(size=(140, 44)) as pilot:
             for _ in range(100):
                 await pilot.pause(0.1)

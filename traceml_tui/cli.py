@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
-from . import __version__
+from . import __version__, slurm
+from .slurm import SlurmError
 
 RUN_USAGE = "traceml run SCRIPT [options] [-- SCRIPT ARGS...]"
 
@@ -51,12 +54,25 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", usage=RUN_USAGE, help="run a training script under torchrun",
                          description="Run SCRIPT under torchrun with the agent in every rank.")
     run.add_argument("script", metavar="SCRIPT", help="the training script (unmodified)")
-    run.add_argument("--nproc-per-node", "--nproc_per_node", type=_positive, default=1,
-                     metavar="N", help="processes on this node (default 1)")
-    run.add_argument("--nnodes", type=_positive, default=1, metavar="N")
-    run.add_argument("--node-rank", "--node_rank", type=_non_negative, default=0, metavar="K")
-    run.add_argument("--master-addr", "--master_addr", default="127.0.0.1", metavar="HOST")
-    run.add_argument("--master-port", "--master_port", type=_port, default=None, metavar="P")
+    # Unset node flags (None) are taken from Slurm under srun, else torchrun's defaults.
+    run.add_argument("--nproc-per-node", "--nproc_per_node", type=_positive, default=None,
+                     metavar="N", help="processes on this node (default 1; under srun, the "
+                                       "node's GPUs)")
+    run.add_argument("--nnodes", type=_positive, default=None, metavar="N",
+                     help="nodes in the job (default 1; under srun, the step's nodes)")
+    run.add_argument("--node-rank", "--node_rank", type=_non_negative, default=None,
+                     metavar="K", help="this node's index (default 0; under srun, SLURM_NODEID)")
+    run.add_argument("--master-addr", "--master_addr", default=None, metavar="HOST",
+                     help="node 0's address (default 127.0.0.1; under srun, the first host)")
+    run.add_argument("--master-port", "--master_port", type=_port, default=None, metavar="P",
+                     help="torchrun's port on node 0 (default: a free one on one node, "
+                          "29500 on several)")
+    run.add_argument("--collector-addr", default=None, metavar="HOST",
+                     help="multi-node: where the other nodes reach node 0's collector "
+                          "(default: the master address)")
+    run.add_argument("--collector-port", type=_port, default=None, metavar="P",
+                     help="multi-node: the collector's port on node 0 (default: master port "
+                          "+ 1); viewers use the next port")
     run.add_argument("--run-name", default=None, metavar="NAME",
                      help="names the run (default: script name and time)")
     run.add_argument("--out", type=Path, default=Path("traceml_runs"), metavar="DIR",
@@ -75,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("target", nargs="?", metavar="RUN_DIR | tcp://HOST:PORT")
     watch.add_argument("--out", type=Path, default=Path("traceml_runs"), metavar="DIR",
                        help="where to look for the newest live run (default traceml_runs)")
+    watch.add_argument("--secret-file", type=Path, default=None, metavar="FILE",
+                       help="the run's secret.key (default: $TRACEML_SECRET, else the one in "
+                            "the run folder); needed for tcp://HOST:PORT")
 
     cmp = sub.add_parser("compare", help="compare two runs' final_summary.json")
     cmp.add_argument("old", type=Path, metavar="OLD")
@@ -104,33 +123,57 @@ def _cmd_run(parser: argparse.ArgumentParser, argv: list[str], full_argv: list[s
                          f"script go after --, as in: traceml run {args.script} -- "
                          f"{' '.join(unknown)})")
     headless = args.headless or not sys.stdout.isatty()
-    opts = RunOptions(
-        script=Path(args.script), script_args=script_args, nproc_per_node=args.nproc_per_node,
-        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-        master_port=args.master_port, run_name=args.run_name, out=args.out, headless=headless,
-        command=["traceml", *full_argv], hang_after=args.hang_after)
     if args.hang_after is not None and args.hang_after <= 0:
         run_parser.error("--hang-after must be a positive number of seconds")
-    if args.node_rank >= args.nnodes:
-        run_parser.error(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes}")
+    try:
+        nodes = _node_flags(args, Path(args.script))
+    except SlurmError as exc:
+        print(f"traceml run: error: {exc}", file=sys.stderr)
+        return 2
+    if nodes["node_rank"] >= nodes["nnodes"]:
+        run_parser.error(f"--node-rank {nodes['node_rank']} must be below --nnodes "
+                         f"{nodes['nnodes']}")
+    opts = RunOptions(
+        script=Path(args.script), script_args=script_args, out=args.out, headless=headless,
+        command=["traceml", *full_argv], hang_after=args.hang_after,
+        collector_addr=args.collector_addr, collector_port=args.collector_port, **nodes)
     try:
         return run(opts)
     except LaunchError as exc:
         print(f"traceml run: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the job started (e.g. waiting for node 0's secret)
+        print("traceml run: interrupted", file=sys.stderr)
+        return 130
+
+
+def _node_flags(args: argparse.Namespace, script: Path) -> dict[str, Any]:
+    """The node layout: flags the user gave, else Slurm's step (under srun), else one node."""
+    step = slurm.from_env(os.environ)
+    given = {"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes,
+             "node_rank": args.node_rank, "master_addr": args.master_addr,
+             "master_port": args.master_port, "run_name": args.run_name}
+    if step is not None:
+        found = {"nproc_per_node": step.gpus_per_node, "nnodes": step.nnodes,
+                 "node_rank": step.node_rank, "master_addr": step.master_addr,
+                 "master_port": step.master_port,
+                 "run_name": f"{script.stem}-slurm{step.job_id}"}
+        given = {k: found[k] if v is None else v for k, v in given.items()}
+    defaults = {"nproc_per_node": 1, "nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1"}
+    return {k: defaults.get(k) if v is None else v for k, v in given.items()}
 
 
 def _cmd_watch(args: argparse.Namespace) -> int:
     from .view_client import ViewClient, WatchTargetError, resolve_target
 
     try:
-        address, run_dir = resolve_target(args.target, args.out)
+        address, run_dir, secret = resolve_target(args.target, args.out, args.secret_file)
     except WatchTargetError as exc:
         print(f"traceml watch: error: {exc}", file=sys.stderr)
         return 2
     from .dashboard import DashboardApp
 
-    DashboardApp(ViewClient(address), run_dir).run()
+    DashboardApp(ViewClient(address, secret=secret), run_dir).run()
     return 0
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from traceml_agent import keys
 from traceml_agent.protocol import ProtocolError, decode
 
 from . import summary, view_state
@@ -39,36 +40,49 @@ COLLECTOR_JSON = "collector.json"
 EVAL_INTERVAL_S = 0.5  # live diagnosis cadence: a change shows within ~1-2 s
 SNAPSHOT_INTERVAL_S = 2.0  # how much a crash of this process can lose, at most
 FINISH_GRACE_S = 3.0  # at the end, how long to wait for ranks' last batches
+# With several nodes, other nodes' ranks end on their own clock (their torchrun may still
+# be tearing down when ours returns): wait longer for their goodbyes, and call a rank
+# gone only after missing its 1 s heartbeat more than twice.
+FINISH_GRACE_MULTINODE_S = 10.0
+QUIET_S, QUIET_MULTINODE_S = 0.5, 2.5
 DRAIN_BATCH = 5_000  # messages taken per loop turn before looking at the clock
 DRAIN_SLICE_S = 0.05  # ... or this long, so ticks and control requests are never starved
 # A snapshot write may take a while with thousands of ranks: the next one waits at least
 # this many times as long as the last took, so writing never crowds out ingest.
 SNAPSHOT_BACKOFF = 4.0
 RECV_HWM = 100_000
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class Collector:
     def __init__(self, run_dir: Path, state: RunState, bind_host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, view_port: int = 0, secret: str | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.state = state
         self.ctx = zmq.Context.instance()
-        self.ingest = self.ctx.socket(zmq.ROUTER)
+        self.auth: Any = None
+        self.rejected_peers = 0  # handshakes refused: a peer without the run's keys
+        run_keys = None if secret is None else self._start_auth(secret)
+
+        def bind(kind: int, host: str, fixed: int) -> tuple[zmq.Socket, str]:
+            sock = self.ctx.socket(kind)
+            sock.setsockopt(zmq.LINGER, 0)
+            if run_keys is not None:
+                keys.secure_server(sock, run_keys)
+            if fixed:
+                sock.bind(f"tcp://{host}:{fixed}")
+            else:
+                fixed = sock.bind_to_random_port(f"tcp://{host}")
+            # A wildcard bind is reached locally through loopback.
+            local = "127.0.0.1" if host in ("0.0.0.0", "*") else host
+            return sock, f"tcp://{local}:{fixed}"
+
+        self.ingest, self.ingest_addr = bind(zmq.ROUTER, bind_host, port)
         self.ingest.setsockopt(zmq.RCVHWM, RECV_HWM)
-        self.ingest.setsockopt(zmq.LINGER, 0)
-        if port:
-            self.ingest.bind(f"tcp://{bind_host}:{port}")
-        else:
-            port = self.ingest.bind_to_random_port(f"tcp://{bind_host}")
-        self.ingest_addr = f"tcp://{bind_host}:{port}"
-        self.control = self.ctx.socket(zmq.REP)
-        self.control.setsockopt(zmq.LINGER, 0)
-        cport = self.control.bind_to_random_port("tcp://127.0.0.1")
-        self.control_addr = f"tcp://127.0.0.1:{cport}"
-        self.view = self.ctx.socket(zmq.REP)
-        self.view.setsockopt(zmq.LINGER, 0)
-        vport = self.view.bind_to_random_port("tcp://127.0.0.1")
-        self.view_addr = f"tcp://127.0.0.1:{vport}"
+        # Only the launcher on this host talks to control: loopback, whatever the bind.
+        self.control, self.control_addr = bind(zmq.REP, "127.0.0.1", 0)
+        # Viewers on other hosts need the view socket where agents reach the collector.
+        self.view, self.view_addr = bind(zmq.REP, bind_host, view_port)
         self.poller = zmq.Poller()
         self.poller.register(self.ingest, zmq.POLLIN)
         self.poller.register(self.control, zmq.POLLIN)
@@ -79,6 +93,26 @@ class Collector:
         self.stopping = False
         self.done = False
         self.exit_when_done = False
+
+    def _start_auth(self, secret: str) -> keys.CurveKeys:
+        """CURVE on every socket, and a ZAP authenticator (a thread of pyzmq's) that admits
+        only the run's client key: a peer without the secret never gets a message in."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        run_keys = keys.derive(secret)
+        collector = self
+
+        class OnlyThisRun:
+            def callback(self, domain: str, client_key: bytes) -> bool:
+                ok = client_key == run_keys.client_public
+                if not ok:
+                    collector.rejected_peers += 1
+                return ok
+
+        self.auth = ThreadAuthenticator(self.ctx)
+        self.auth.start()
+        self.auth.configure_curve_callback("traceml", credentials_provider=OnlyThisRun())
+        return run_keys
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -100,6 +134,7 @@ class Collector:
             now = time.monotonic()
             if now >= next_eval:
                 next_eval = now + EVAL_INTERVAL_S
+                self.state.counters["rejected_peers"] = self.rejected_peers
                 self.state.evaluate(time.time(), time.monotonic())
                 self.refresh_view()
             if now >= next_snap:
@@ -199,14 +234,17 @@ class Collector:
 
     def finish(self, request: dict[str, Any]) -> dict[str, Any]:
         """Wait a bounded time for the ranks' goodbyes, then write the final summary."""
-        deadline = time.monotonic() + float(request.get("grace_s", FINISH_GRACE_S))
+        multinode = self.state.nnodes > 1
+        grace = FINISH_GRACE_MULTINODE_S if multinode else FINISH_GRACE_S
+        quiet = QUIET_MULTINODE_S if multinode else QUIET_S
+        deadline = time.monotonic() + float(request.get("grace_s", grace))
         while time.monotonic() < deadline:
             self.drain()
             if self.all_ranks_finished():
                 break
             if self.ingest.poll(50) == 0 and request.get("torchrun_exit") is not None:
                 # Processes are gone; once the socket is quiet, nothing more will come.
-                if all(r.finished or r.last_seen < time.monotonic() - 0.5
+                if all(r.finished or r.last_seen < time.monotonic() - quiet
                        for r in self.state.ranks.values()):
                     break
         self.drain()
@@ -241,6 +279,8 @@ class Collector:
         self.ingest.close()
         self.control.close()
         self.view.close()
+        if self.auth is not None:
+            self.auth.stop()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -251,8 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--nproc-per-node", type=int, default=None)
-    p.add_argument("--bind", default="127.0.0.1", help="address to bind the ingest socket")
+    p.add_argument("--bind", default="127.0.0.1",
+                   help="address for the ingest and view sockets (default loopback only)")
     p.add_argument("--port", type=int, default=0, help="ingest port (0: any free port)")
+    p.add_argument("--view-port", type=int, default=0, help="view port (0: any free port)")
+    p.add_argument("--secret-file", type=Path, default=None,
+                   help="the run's secret (default: $TRACEML_SECRET, else RUN_DIR/secret.key); "
+                        "with one, every socket requires the run's CURVE keys")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --bind without a secret (anyone who can reach "
+                        "the port can then send data)")
     p.add_argument("--started-at", type=float, default=None)
     p.add_argument("--hang-after", type=float, default=None, metavar="SECONDS",
                    help="declare a hang after this long without a step (default: derived "
@@ -268,10 +316,28 @@ def main(argv: list[str] | None = None) -> int:
         print("traceml collector: --world-size must be at least 1", file=sys.stderr)
         return 2
     args.run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        secret = keys.load_secret(args.run_dir, args.secret_file)
+    except (OSError, keys.SecretError) as exc:
+        print(f"traceml collector: cannot use the secret: {exc}", file=sys.stderr)
+        return 2
+    if secret is None and args.bind not in LOOPBACK and not args.insecure:
+        print(f"traceml collector: --bind {args.bind} would take data from the network without "
+              f"authentication; give the run a secret (docs/security.md) or pass --insecure",
+              file=sys.stderr)
+        return 2
+    if secret is not None and not zmq.has("curve"):
+        print("traceml collector: this pyzmq has no CURVE support", file=sys.stderr)
+        return 2
     state = RunState(args.run_name or args.run_dir.name, args.world_size, args.nnodes,
                      args.nproc_per_node, args.started_at or time.time(),
                      hang_after_s=args.hang_after)
-    collector = Collector(args.run_dir, state, args.bind, args.port)
+    try:
+        collector = Collector(args.run_dir, state, args.bind, args.port, args.view_port, secret)
+    except zmq.ZMQError as exc:
+        print(f"traceml collector: cannot listen on {args.bind} ports {args.port}/"
+              f"{args.view_port}: {exc}", file=sys.stderr)
+        return 2
     collector.exit_when_done = args.exit_when_done
 
     def on_term(signum: int, frame: Any) -> None:

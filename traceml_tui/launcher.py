@@ -28,12 +28,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from traceml_agent import env
+from traceml_agent import env, keys
 
 from . import summary
 from .collector import COLLECTOR_JSON
 
 COLLECTOR_START_TIMEOUT_S = 20.0
+DEFAULT_MASTER_PORT = 29500  # torchrun's own default, for multi-node runs
+# How long a node other than 0 waits for node 0 to create the run's secret on the shared
+# run folder: nodes of one job start within seconds of each other, queues within minutes.
+SECRET_WAIT_S = 300.0
 FINISH_TIMEOUT_S = 20.0
 TERM_GRACE_S = 15.0  # after forwarding SIGTERM, how long torchrun gets before SIGKILL
 # After Ctrl-C, how long ranks get to stop by themselves. A rank blocked inside a
@@ -74,6 +78,22 @@ class RunOptions:
     headless: bool = True
     command: list[str] = field(default_factory=list)
     hang_after: float | None = None
+    # Multi-node: where node 0's collector listens (default: the master address, the
+    # master port + 1; the view socket takes the port after that).
+    collector_addr: str | None = None
+    collector_port: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def multinode(self) -> bool:
+        return self.nnodes > 1
+
+    def node_file(self, stem: str, suffix: str) -> str:
+        """Per-node names for what every node writes into a (possibly shared) run folder."""
+        return f"{stem}-node{self.node_rank}{suffix}" if self.multinode else f"{stem}{suffix}"
 
 
 def _free_port() -> int:
@@ -88,9 +108,12 @@ def prepare_run_dir(opts: RunOptions) -> tuple[str, Path]:
         if "/" in name or name in (".", ".."):
             raise LaunchError(f"--run-name {name!r} must be a plain name, not a path")
         run_dir = opts.out / name
-        if (run_dir / summary.SUMMARY_JSON).exists() or (run_dir / COLLECTOR_JSON).exists():
+        if (run_dir / summary.SUMMARY_JSON).exists() or (
+                opts.node_rank == 0 and (run_dir / COLLECTOR_JSON).exists()):
             raise LaunchError(f"run folder {run_dir} already holds a run; choose another "
                               f"--run-name or remove the folder")
+    elif opts.multinode:
+        raise LaunchError("a multi-node run needs the same --run-name on every node")
     else:
         stem = datetime.now().strftime(f"{opts.script.stem}-%Y%m%d-%H%M%S")
         name, n = stem, 1
@@ -100,22 +123,56 @@ def prepare_run_dir(opts: RunOptions) -> tuple[str, Path]:
         run_dir = opts.out / name
     try:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
     except OSError as exc:
-        raise LaunchError(f"cannot create run folder {run_dir}: {exc.strerror or exc}") from None
+        raise LaunchError(f"cannot write to run folder {run_dir}: {exc.strerror or exc}"
+                          ) from None
     return name, run_dir
 
 
-def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: float
-                    ) -> tuple[subprocess.Popen, dict[str, Any]]:
+def run_secret(opts: RunOptions, run_dir: Path) -> str:
+    """The run's secret (agent/keys.py): TRACEML_SECRET if set; else node 0 creates
+    RUN_DIR/secret.key and the other nodes wait for it to appear on the shared folder."""
+    try:
+        secret = keys.secret_from_env()
+    except keys.SecretError as exc:
+        raise LaunchError(f"{env.SECRET}: {exc}") from None
+    if secret:
+        return secret
+    path = run_dir / keys.SECRET_FILE
+    if opts.node_rank == 0:
+        keys.write_secret_file(path, keys.new_secret())
+        return keys.read_secret_file(path)
+    deadline = time.monotonic() + SECRET_WAIT_S
+    print(f"[traceml] node {opts.node_rank}: waiting for node 0 to create {path} "
+          f"(a shared run folder), or set {env.SECRET} on every node", file=sys.stderr,
+          flush=True)
+    while time.monotonic() < deadline:
+        try:
+            return keys.read_secret_file(path)
+        except (OSError, keys.SecretError):  # not there yet, or being written
+            time.sleep(0.2)
+    raise LaunchError(f"no run secret after {SECRET_WAIT_S:.0f} s: {path} never appeared. "
+                      f"Put --out on a filesystem all nodes share, or set {env.SECRET} to the "
+                      f"same value on every node (docs/security.md)")
+
+
+def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: float,
+                    secret: str, port: int) -> tuple[subprocess.Popen, dict[str, Any]]:
     log = open(run_dir / "collector.log", "ab")
     cmd = [sys.executable, "-m", "traceml_tui.collector", "--run-dir", str(run_dir),
-           "--run-name", name, "--world-size", str(opts.nproc_per_node * opts.nnodes),
+           "--run-name", name, "--world-size", str(opts.world_size),
            "--nnodes", str(opts.nnodes), "--nproc-per-node", str(opts.nproc_per_node),
            "--started-at", repr(started_at)]
+    if opts.multinode:  # other nodes' agents and viewers reach it on fixed ports
+        cmd += ["--bind", "0.0.0.0", "--port", str(port), "--view-port", str(port + 1)]
     if opts.hang_after is not None:
         cmd += ["--hang-after", repr(opts.hang_after)]
+    # The secret travels in the environment, never on a command line others can read.
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, env.SECRET: secret})
     log.close()
     info_path = run_dir / COLLECTOR_JSON
     deadline = time.monotonic() + COLLECTOR_START_TIMEOUT_S
@@ -131,15 +188,21 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
                       f"{tail}")
 
 
-def torchrun_command(opts: RunOptions, run_dir: Path) -> list[str]:
-    port = opts.master_port or (_free_port() if opts.nnodes == 1 else 29500)
+def master_port(opts: RunOptions) -> int:
+    if opts.master_port:
+        return opts.master_port
+    return _free_port() if not opts.multinode else DEFAULT_MASTER_PORT
+
+
+def torchrun_command(opts: RunOptions, run_dir: Path, port: int) -> list[str]:
+    logs = run_dir / "logs" / (f"node{opts.node_rank}" if opts.multinode else "")
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc-per-node", str(opts.nproc_per_node),
         "--nnodes", str(opts.nnodes), "--node-rank", str(opts.node_rank),
         "--master-addr", opts.master_addr, "--master-port", str(port),
         # Every rank's stdout/stderr kept in the run folder; also shown when headless.
-        "--log-dir", str(run_dir / "logs"), "--tee" if opts.headless else "--redirects", "3",
+        "--log-dir", str(logs), "--tee" if opts.headless else "--redirects", "3",
         "-m", "traceml_agent.bootstrap", str(opts.script), *opts.script_args,
     ]
 
@@ -174,8 +237,8 @@ class _Signals:
                 pass
 
 
-def _finish(control: str, request: dict[str, Any], collector: subprocess.Popen
-            ) -> dict[str, Any] | None:
+def _finish(control: str, request: dict[str, Any], collector: subprocess.Popen,
+            secret: str) -> dict[str, Any] | None:
     """Ask the collector for the final summary; None if it is dead or does not answer."""
     import zmq
 
@@ -184,6 +247,7 @@ def _finish(control: str, request: dict[str, Any], collector: subprocess.Popen
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    keys.secure_client(sock, keys.derive(secret))
     sock.connect(control)
     try:
         sock.send_json(request)
@@ -318,8 +382,18 @@ def _wait(proc: subprocess.Popen, signals: _Signals, progress: _Progress | None,
             proc.kill()
 
 
-def _finalize(info: dict[str, Any], collector: subprocess.Popen, run_dir: Path,
-              opts: RunOptions, rc: int, signals: _Signals,
+@dataclass
+class _Node:
+    """What this node of the run talks to: its own collector (node 0), or node 0's."""
+
+    ingest: str  # where this node's agents send
+    view: str  # where this node's dashboard reads
+    secret: str
+    collector: subprocess.Popen | None = None  # node 0 only
+    control: str | None = None  # node 0 only
+
+
+def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _Signals,
               root_cause: tuple[int, int] | None = None) -> dict[str, Any]:
     request: dict[str, Any] = {
         "op": "finish", "torchrun_exit": rc, "interrupted": signals.interrupted,
@@ -330,13 +404,32 @@ def _finalize(info: dict[str, Any], collector: subprocess.Popen, run_dir: Path,
     }
     if signals.terminated:
         request["exit_code"] = 143
-    reply = _finish(info["control"], request, collector)
+    if node.collector is None:
+        return _node_done(opts, run_dir, request)
+    assert node.control is not None
+    reply = _finish(node.control, request, node.collector, node.secret)
     if reply is None:
         reply = _fallback_summary(run_dir, request)
     return reply
 
 
-def _with_dashboard(info: dict[str, Any], run_dir: Path, signals: _Signals,
+def _node_done(opts: RunOptions, run_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
+    """A node other than 0 writes no summary: node 0's collector has all ranks. It ends
+    with its own job's exit code, as torchrun on that node would."""
+    root = request["root_cause"]
+    failures = [] if root is None else [(root[0], 128 - root[1] if root[1] < 0 else root[1])]
+    code, failed = summary.job_exit_code(request["torchrun_exit"], request["interrupted"],
+                                         failures)
+    code = request.get("exit_code", code)
+    path = run_dir / summary.SUMMARY_JSON
+    failed_text = "" if failed is None else f", rank {failed} failed"
+    text = (f"node {opts.node_rank}: its ranks ended with exit code {code}{failed_text}.\n"
+            f"The job's summary is written by node 0 ({opts.master_addr}) to its "
+            f"{path}.\n")
+    return {"exit_code": code, "text": text, "path": str(path)}
+
+
+def _with_dashboard(node: _Node, run_dir: Path, signals: _Signals,
                     finish: Any, progress: _Progress) -> dict[str, Any]:
     """The dashboard in the foreground; the job is watched from a thread. Closing (or
     crashing) the viewer leaves the job running: we then go on like --headless."""
@@ -352,7 +445,7 @@ def _with_dashboard(info: dict[str, Any], run_dir: Path, signals: _Signals,
         if signals.proc is not None and signals.proc.poll() is None:
             signals.proc.send_signal(signal.SIGINT)
 
-    app = DashboardApp(ViewClient(info["view"]), run_dir, stop_job=stop_job)
+    app = DashboardApp(ViewClient(node.view, secret=node.secret), run_dir, stop_job=stop_job)
 
     def watcher() -> None:
         try:
@@ -383,20 +476,39 @@ def _with_dashboard(info: dict[str, Any], run_dir: Path, signals: _Signals,
     return outcome["reply"]
 
 
+def _connect(opts: RunOptions, run_dir: Path, name: str, started_at: float, port: int
+             ) -> _Node:
+    """Node 0 starts the collector; the others use node 0's, on the ports after torchrun's."""
+    secret = run_secret(opts, run_dir)
+    cport = opts.collector_port or port + 1
+    if opts.node_rank == 0:
+        collector, info = start_collector(run_dir, name, opts, started_at, secret, cport)
+        return _Node(info["ingest"], info["view"], secret, collector, info["control"])
+    host = opts.collector_addr or opts.master_addr
+    return _Node(f"tcp://{host}:{cport}", f"tcp://{host}:{cport + 1}", secret)
+
+
 def run(opts: RunOptions) -> int:
     if not opts.script.is_file():
         raise LaunchError(f"script not found: {opts.script}")
+    import zmq
+
+    if not zmq.has("curve"):
+        raise LaunchError("this pyzmq has no CURVE support (needed to protect the run's "
+                          "traffic); reinstall pyzmq from its wheels")
     started_at = time.time()
     name, run_dir = prepare_run_dir(opts)
-    collector, info = start_collector(run_dir, name, opts, started_at)
-    cmd = torchrun_command(opts, run_dir)
+    port = master_port(opts)
+    node = _connect(opts, run_dir, name, started_at, port)
+    cmd = torchrun_command(opts, run_dir, port)
     child_env = dict(os.environ)
-    child_env.update({env.ENDPOINT: info["ingest"], env.RUN_NAME: name,
-                      env.RUN_DIR: str(run_dir.resolve())})
-    print(f"[traceml] run {name}: {opts.nproc_per_node * opts.nnodes} rank(s), folder {run_dir}",
+    child_env.update({env.ENDPOINT: node.ingest, env.RUN_NAME: name,
+                      env.RUN_DIR: str(run_dir.resolve()), env.SECRET: node.secret})
+    where = f", node {opts.node_rank} of {opts.nnodes}" if opts.multinode else ""
+    print(f"[traceml] run {name}: {opts.world_size} rank(s){where}, folder {run_dir}",
           file=sys.stderr, flush=True)
     progress = _Progress(run_dir)
-    log = None if opts.headless else open(run_dir / "torchrun.log", "ab")
+    log = None if opts.headless else open(run_dir / opts.node_file("torchrun", ".log"), "ab")
     with _Signals() as signals:
         # With the dashboard, torchrun's own output goes to a file, not over the screen.
         proc = subprocess.Popen(cmd, env=child_env, stdout=log,
@@ -411,20 +523,21 @@ def run(opts: RunOptions) -> int:
                 stderr_tail.join(5)
                 report = "".join(stderr_tail.lines)
             else:
-                report = _read_tail(run_dir / "torchrun.log")
-            return _finalize(info, collector, run_dir, opts, rc, signals,
+                report = _read_tail(run_dir / opts.node_file("torchrun", ".log"))
+            return _finalize(node, run_dir, opts, rc, signals,
                              parse_root_cause(report) if rc else None)
 
         if opts.headless:
             reply = finish()
         else:
-            reply = _with_dashboard(info, run_dir, signals, finish, progress)
+            reply = _with_dashboard(node, run_dir, signals, finish, progress)
     if log is not None:
         log.close()
-    try:
-        collector.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        collector.kill()
+    if node.collector is not None:
+        try:
+            node.collector.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            node.collector.kill()
     print("\n" + reply["text"], end="", flush=True)
     print(f"[traceml] summary: {reply['path']}", file=sys.stderr, flush=True)
     code = reply.get("exit_code")

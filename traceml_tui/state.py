@@ -137,7 +137,7 @@ class RunState:
         self.ranks: dict[int, RankState] = {}
         self.phases: list[str] = list(PHASES)
         self.counters = {"messages": 0, "malformed": 0, "foreign": 0, "records": 0,
-                         "duplicate_records": 0, "agent_dropped": 0}
+                         "duplicate_records": 0, "agent_dropped": 0, "rejected_peers": 0}
         self.live: dx.LiveLabel | None = None
         self.live_since = started_at
         self.timeline: deque[Episode] = deque(maxlen=MAX_EPISODES)

@@ -15,6 +15,8 @@ from typing import Any
 import msgpack
 import zmq
 
+from traceml_agent import keys
+
 from .view_state import RankDetail, ViewState
 
 COLLECTOR_JSON = "collector.json"
@@ -26,8 +28,10 @@ class ViewUnavailable(Exception):
 
 
 class ViewClient:
-    def __init__(self, address: str, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+    def __init__(self, address: str, timeout_s: float = REQUEST_TIMEOUT_S,
+                 secret: str | None = None) -> None:
         self.address = address
+        self.keys = None if secret is None else keys.derive(secret)
         self.timeout_ms = int(timeout_s * 1000)
         self.ctx = zmq.Context.instance()
         self.sock: zmq.Socket | None = None
@@ -38,6 +42,8 @@ class ViewClient:
         if self.sock is None:
             self.sock = self.ctx.socket(zmq.REQ)
             self.sock.setsockopt(zmq.LINGER, 0)
+            if self.keys is not None:
+                keys.secure_client(self.sock, self.keys)
             self.sock.connect(self.address)
         return self.sock
 
@@ -51,7 +57,8 @@ class ViewClient:
         if not sock.poll(self.timeout_ms):
             sock.close(0)
             self.sock = None
-            raise ViewUnavailable(f"no answer from the collector at {self.address}")
+            hint = "" if self.keys else " (if the run has a secret: set TRACEML_SECRET)"
+            raise ViewUnavailable(f"no answer from the collector at {self.address}{hint}")
         return sock.recv_multipart()
 
     def fetch(self, pinned: int | None = None) -> tuple[ViewState, RankDetail | None]:
@@ -83,11 +90,12 @@ class WatchTargetError(Exception):
     """`traceml watch` could not find what to attach to: one clear line for the user."""
 
 
-def resolve_target(target: str | None, base: Path = Path("traceml_runs")
-                   ) -> tuple[str, Path | None]:
-    """(view address, run folder or None) for `traceml watch [RUN_DIR | tcp://HOST:PORT]`."""
+def resolve_target(target: str | None, base: Path = Path("traceml_runs"),
+                   secret_file: Path | None = None) -> tuple[str, Path | None, str | None]:
+    """(view address, run folder or None, the run's secret or None) for
+    `traceml watch [RUN_DIR | tcp://HOST:PORT]`."""
     if target and target.startswith("tcp://"):
-        return target, None
+        return target, None, _secret(None, secret_file)
     if target is None:
         run_dir = newest_live_run(base)
         if run_dir is None:
@@ -107,7 +115,16 @@ def resolve_target(target: str | None, base: Path = Path("traceml_runs")
         address = json.loads(info.read_text())["view"]
     except (ValueError, KeyError, OSError) as exc:
         raise WatchTargetError(f"cannot read {info}: {exc}") from None
-    return address, run_dir
+    return address, run_dir, _secret(run_dir, secret_file)
+
+
+def _secret(run_dir: Path | None, secret_file: Path | None) -> str | None:
+    try:
+        return keys.load_secret(run_dir, secret_file)
+    except OSError as exc:
+        raise WatchTargetError(f"cannot read the run's secret: {exc}") from None
+    except keys.SecretError as exc:
+        raise WatchTargetError(str(exc)) from None
 
 
 def newest_live_run(base: Path) -> Path | None:
