@@ -206,3 +206,20 @@ async def test_ctrl_c_stops_the_job_under_traceml_run_and_never_in_watch():
         await pilot.press("ctrl+c")  # a viewer only: nothing to stop, and it stays open
         await pilot.pause(0.1)
         assert watcher.is_running
+
+
+async def test_a_slow_node_and_a_silent_node_are_named():
+    """Two nodes of a three-node job report; node 1's ranks are all slow in input."""
+    slow_node = make_state(world_size=6, nproc_per_node=2, straggler=2, also_slow=(3,),
+                           silent_nodes=(2,))
+    app = DashboardApp(StaticSource(slow_node), refresh_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        banner = " ".join(text_of(app.query_one(Banner)).split())
+        status = text_of(app.query_one(StatusBar))
+        assert "INPUT STRAGGLER" in banner and "node 1" in banner
+        assert "Every rank on node 1 (ranks 2, 3" in banner
+        assert "ranks 4/6" in status and "nodes 2/3 (waiting for node 2)" in status
+        table = app.query_one(HeatTable)
+        texts = [table.render_line(y).text for y in range(table.size.height)]
+        assert any("node 2 · not reporting yet · 2 rank(s)" in t for t in texts)

@@ -208,7 +208,44 @@ def test_to_json_rounds():
     d = Diagnosis(INPUT_STRAGGLER, 1, "h2d", WARNING, "s", gap_ms=1.23456, gap_share=0.123456)
     assert d.to_json() == {"label": INPUT_STRAGGLER, "rank": 1, "phase": "h2d",
                            "severity": WARNING, "summary": "s", "gap_ms": 1.235,
-                           "gap_share": 0.1235}
+                           "gap_share": 0.1235, "node": None}
+
+
+# --- a whole node behind ---------------------------------------------------------------------
+
+
+def on_nodes(ranks: list[RankTiming], per_node: int) -> list[RankTiming]:
+    """Place consecutive ranks on nodes of `per_node` ranks, as torchrun numbers them."""
+    return [replace(t, node=t.rank // per_node) for t in ranks]
+
+
+NODE_CASES = [
+    # (id, ranks, label, rank, node, node ranks)
+    ("node 1 slow input, 2x2", on_nodes(ddp(4, slow=(2, 3), extra=SLOW_DL), 2),
+     INPUT_STRAGGLER, 2, 1, (2, 3)),
+    ("node 0 slow compute, 2x2", on_nodes(ddp(4, slow=(0, 1), extra={"forward": 40.0}), 2),
+     COMPUTE_STRAGGLER, 0, 0, (0, 1)),
+    ("node 1 slow input, 3 nodes x 4", on_nodes(ddp(12, slow=(4, 5, 6, 7), extra=SLOW_DL), 4),
+     INPUT_STRAGGLER, 4, 1, (4, 5, 6, 7)),
+    ("one rank of the node slow: a rank, not a node",
+     on_nodes(ddp(4, slow=(3,), extra=SLOW_DL), 2), INPUT_STRAGGLER, 3, None, ()),
+    ("slow ranks on two nodes: not one host", on_nodes(ddp(8, slow=(2, 3, 4), extra=SLOW_DL), 4),
+     INPUT_STRAGGLER, 2, None, ()),
+    ("one rank per node: a rank, not a node", on_nodes(ddp(4, slow=(1,), extra=SLOW_DL), 1),
+     INPUT_STRAGGLER, 1, None, ()),
+    ("a single node is never a node straggler", ddp(4, slow=(2, 3), extra=SLOW_DL),
+     INPUT_STRAGGLER, 2, None, ()),
+]
+
+
+@pytest.mark.parametrize("ranks, label, rank, node, members", [c[1:] for c in NODE_CASES],
+                         ids=[c[0] for c in NODE_CASES])
+def test_whole_node_behind(ranks, label, rank, node, members):
+    d = diagnose(ranks)
+    assert (d.label, d.rank, d.node, d.node_ranks) == (label, rank, node, members)
+    if node is not None:
+        assert f"Every rank on node {node}" in d.summary and "host is the cause" in d.summary
+        assert d.to_json()["node"] == {"index": node, "ranks": list(members)}
 
 
 # --- settle: confirmation over time --------------------------------------------------------

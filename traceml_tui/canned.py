@@ -23,13 +23,19 @@ BASE_MS = {"dataloader": 0.3, "h2d": None, "forward": 1.0, "backward": 1.5, "syn
 
 def make_state(world_size: int = 8, nproc_per_node: int = 4, steps: int = 40,
                straggler: int | None = 2, phase: str = "dataloader", extra_ms: float = 30.0,
-               seed: int = 0, stale: tuple[int, ...] = (), hosts: str = "node") -> RunState:
+               seed: int = 0, stale: tuple[int, ...] = (), hosts: str = "node",
+               also_slow: tuple[int, ...] = (), silent_nodes: tuple[int, ...] = ()
+               ) -> RunState:
+    """`also_slow`: more ranks as slow as the straggler (a whole node, say); ranks on
+    `silent_nodes` never report (a node that has not started)."""
     rng = random.Random(seed)
     nnodes = max(1, world_size // nproc_per_node)
     state = RunState("demo-run", world_size, nnodes, nproc_per_node, started_at=T0,
                      window_steps=max(steps, 32))
     for rank in range(world_size):
         node = rank // nproc_per_node
+        if node in silent_nodes:
+            continue
         ident = Identity(rank, rank % nproc_per_node, node, f"{hosts}{node:03d}", 1000 + rank,
                          world_size)
         records = []
@@ -37,7 +43,7 @@ def make_state(world_size: int = 8, nproc_per_node: int = 4, steps: int = 40,
         for step in range(n):
             values = {p: (None if v is None else v * (1 + 0.05 * rng.random()))
                       for p, v in BASE_MS.items()}
-            if rank == straggler:
+            if rank == straggler or rank in also_slow:
                 values[phase] = (values[phase] or 0.0) + extra_ms
             else:  # everybody else waits for the straggler in the allreduce
                 values["sync"] = (values["sync"] or 0.0) + (extra_ms if straggler is not None

@@ -64,6 +64,11 @@ WAIT_HEAVY_ENTER = 0.30
 WAIT_HEAVY_EXIT = 0.22
 # Consecutive evaluations a new live label must win before it replaces the old one.
 CONFIRM_TICKS = 2
+# A whole node is the straggler when every rank on the worst rank's node is behind the
+# median rank by at least this share of the worst rank's gap, and no rank on another node
+# is. Half, because with half the ranks slow the median sits halfway between the two
+# groups: every slow rank is then exactly one worst-gap behind, every fast one ahead.
+NODE_MEMBER_SHARE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +80,7 @@ class RankTiming:
     step_ms: float | None
     phase_ms: Mapping[str, float | None]
     host: str = ""
+    node: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +93,9 @@ class Diagnosis:
     # Evidence: the worst-vs-median gap, in ms and as a share of the median step.
     gap_ms: float | None = None
     gap_share: float | None = None
+    # Set when every rank of one node is behind (a host-level cause): its index and ranks.
+    node: int | None = None
+    node_ranks: tuple[int, ...] = ()
 
     def to_json(self) -> dict:
         return {
@@ -97,6 +106,8 @@ class Diagnosis:
             "summary": self.summary,
             "gap_ms": None if self.gap_ms is None else round(self.gap_ms, 3),
             "gap_share": None if self.gap_share is None else round(self.gap_share, 4),
+            "node": None if self.node is None else {"index": self.node,
+                                                   "ranks": list(self.node_ranks)},
         }
 
 
@@ -233,11 +244,51 @@ _ADVICE = {
 }
 
 
+_NODE_ADVICE = {
+    INPUT_STRAGGLER: "the host is the cause, not one rank: a slow storage path or network "
+                     "mount, or a CPU busy with other work on that host",
+    COMPUTE_STRAGGLER: "the host is the cause, not one rank: slower or throttled GPUs, a "
+                       "different GPU model, or other jobs on that host",
+    STRAGGLER: "the host is the cause, not one rank: compare its storage, CPUs and GPUs "
+               "with the other nodes'",
+}
+
+_GROUPS = {INPUT_STRAGGLER: INPUT_PHASES, COMPUTE_STRAGGLER: COMPUTE_PHASES,
+           STRAGGLER: LOCAL_PHASES}
+
+
+def slow_node(ranks: Sequence[RankTiming], worst_rank: int, phases: Sequence[str],
+              gap_ms: float) -> tuple[int, tuple[int, ...]] | None:
+    """(node, its ranks) when the worst rank's whole node is behind and nobody else is."""
+    if len({r.node for r in ranks}) < 2:
+        return None
+    values = [(r, _group(r, phases)) for r in ranks]
+    values = [(r, v) for r, v in values if v is not None]
+    mid = median([v for _, v in values])
+    node = next(r.node for r in ranks if r.rank == worst_rank)
+    slow = {r.rank for r, v in values if v - mid >= NODE_MEMBER_SHARE * gap_ms}
+    members = {r.rank for r in ranks if r.node == node}
+    if len(members) < 2 or slow != members:
+        return None
+    return node, tuple(sorted(members))
+
+
 def _straggler(label: str, rank: int, phase: str | None, gap: float, share: float,
                step_ms: float, ranks: Sequence[RankTiming]) -> Diagnosis:
     severity = CRITICAL if share >= CRITICAL_SHARE else WARNING
     where = f" in {phase}" if phase else ""
     host = next((r.host for r in ranks if r.rank == rank), "")
+    whole = slow_node(ranks, rank, _GROUPS[label], gap)
+    if whole is not None:
+        node, members = whole
+        on_host = f", host {host}" if host else ""
+        listed = ", ".join(str(m) for m in members)
+        return Diagnosis(
+            label, rank, phase, severity,
+            f"Every rank on node {node} (ranks {listed}{on_host}) spends about {gap:.1f} ms "
+            f"more{where} than the median rank, {share:.0%} of the {step_ms:.1f} ms step that "
+            f"every rank waits for: {_NODE_ADVICE[label]}.",
+            gap_ms=gap, gap_share=share, node=node, node_ranks=members)
     on_host = f" (host {host})" if host else ""
     return Diagnosis(
         label, rank, phase, severity,

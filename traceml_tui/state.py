@@ -220,7 +220,7 @@ class RunState:
                 rs.ident.rank, min(rs.window.count, LIVE_STEPS),
                 None if step is None else step.median,
                 {k: None if v is None else v.median for k, v in phases.items()},
-                rs.ident.host)
+                rs.ident.host, rs.ident.node)
             rs.dirty = False
         return rs.live
 
@@ -286,7 +286,7 @@ class RunState:
         timings = [
             dx.RankTiming(r.rank, r.window_steps, None if r.step_ms is None else r.step_ms.median,
                           {k: None if v is None else v.median for k, v in r.phase_ms.items()},
-                          r.host)
+                          r.host, r.node)
             for r in ranks if r.reported]
         return dx.diagnose(timings)
 

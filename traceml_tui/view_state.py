@@ -106,10 +106,19 @@ class ViewState:
     device: str
     finished: bool = False
     exit_code: int | None = None
+    node: int | None = None  # the diagnosis blames a whole node
 
     @property
     def reporting(self) -> int:
         return sum(1 for r in self.rows if r.status != WAITING)
+
+    @property
+    def nodes_waiting(self) -> tuple[int, ...]:
+        """Nodes none of whose ranks has reported yet (started late, or not at all)."""
+        seen: dict[int, bool] = {}
+        for r in self.rows:
+            seen[r.node] = seen.get(r.node, False) or r.status != WAITING
+        return tuple(n for n, reported in sorted(seen.items()) if not reported)
 
     @property
     def stale(self) -> tuple[int, ...]:
@@ -125,6 +134,7 @@ class ViewState:
             "median_phase_ms": list(self.median_phase_ms),
             "worst": None if self.worst is None else self.worst.to_wire(),
             "device": self.device, "finished": self.finished, "exit_code": self.exit_code,
+            "node": self.node,
         }
 
     @classmethod
@@ -135,7 +145,7 @@ class ViewState:
             w["label_for_s"], tuple(RankRow.from_wire(r) for r in w["rows"]),
             w["median_step_ms"], tuple(w["median_phase_ms"]),
             None if w["worst"] is None else RankDetail.from_wire(w["worst"]), w["device"],
-            w.get("finished", False), w.get("exit_code"))
+            w.get("finished", False), w.get("exit_code"), w.get("node"))
 
 
 # --- building from the collector's snapshot ---------------------------------------------
@@ -196,7 +206,7 @@ def build(snap: Snapshot, recent: Callable[[int], tuple[float, ...]] = lambda ra
         label_for_s=max(0.0, snap.now - snap.live_since), rows=rows, median_step_ms=med_step,
         median_phase_ms=med_phases, worst=None,
         device="cuda" if any(x.startswith("cuda") for x in devices) else "cpu",
-        finished=finished, exit_code=exit_code)
+        finished=finished, exit_code=exit_code, node=d.node)
     worst_rank = d.rank if d.rank is not None else _slowest(rows)
     if worst_rank is None:
         return view

@@ -14,7 +14,9 @@ class Banner(Static):
         for severity in ("info", "warning", "critical"):
             self.set_class(state.severity == severity, f"-{severity}")
         head = Text(f" {state.label} ", style="bold reverse")
-        if state.rank is not None:
+        if state.node is not None:
+            head.append(f"  node {state.node}", style="bold")
+        elif state.rank is not None:
             head.append(f"  rank {state.rank}", style="bold")
         if state.phase:
             head.append(f"  {state.phase}")

@@ -248,7 +248,8 @@ class HeatTable(ScrollView, can_focus=True):
         assert state is not None
         base = self._style("cursor") if at_cursor else Style()
         if isinstance(line, NodeLine) and line.worst is None:
-            label = f"── node {line.node} · {line.host} · {line.ranks} rank(s) "
+            host = line.host or "not reporting yet"
+            label = f"── node {line.node} · {host} · {line.ranks} rank(s) "
             return Strip([Segment(label.ljust(self.virtual_size.width, "─"),
                                   base + self._style("node"))])
         row = line.worst if isinstance(line, NodeLine) else line

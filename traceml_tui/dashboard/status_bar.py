@@ -26,6 +26,12 @@ class StatusBar(Static):
                     style="bold" if waiting else "")
         if waiting:
             text.append(f" ({waiting} not reporting yet)", style="dim")
+        if state.nnodes > 1:
+            silent = state.nodes_waiting
+            text.append(f"  nodes {state.nnodes - len(silent)}/{state.nnodes}",
+                        style="bold" if silent else "")
+            if silent:
+                text.append(f" (waiting for node {_ranks(silent)})", style="dim")
         stale = state.stale
         if stale:
             text.append(f"  stale: {_ranks(stale)}", style="bold reverse")
