@@ -1,0 +1,770 @@
+"""Setup mistakes of a DDP job, detected from inside the running job.
+
+A DDP job with a setup mistake usually runs without an error: it trains every rank
+on the same data, repeats one epoch's order forever, or allreduces four times per
+step. This module finds those mistakes from the objects the agent already sees (the
+root module, the DataLoader iterator, the optimizer step) and says so once, with the
+numbers it saw and the fix. docs/checks.md lists each check and its false positives.
+
+Three layers, so each runs where its evidence is:
+
+- start-of-run inspectors (`inspect_model`, `inspect_loader`, `param_checksum`) take
+  the real objects and run once: they may walk modules, never on the per-step path;
+- `StepObserver` is called by the agent's hooks on every batch, backward and optimizer
+  step, costs well under a microsecond per call once the one-off checks are done, and
+  reports a finding only when its evidence is conclusive;
+- cross-rank functions (`compare_checksums`, `compare_devices`, `merge_findings`) run
+  in the collector, on values every rank sent: a mistake that is only visible across
+  ranks is never found with a collective of our own, which could hang or reorder
+  the job's collectives.
+
+Rules kept because this runs inside someone's training process: torch is imported
+lazily inside functions (importing this module imports neither torch nor textual),
+nothing here raises into user code (public functions swallow their own errors; an
+observer that fails turns itself off and keeps the error in `.error`), and nothing
+on the per-step path synchronizes a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import weakref
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+# --- finding ids (stable: the collector, the dashboard and docs/checks.md key on them) --
+
+DATA_PARALLEL = "data-parallel"
+NO_DISTRIBUTED_SAMPLER = "no-distributed-sampler"
+SAMPLER_SHARD_MISMATCH = "sampler-shard-mismatch"
+SET_EPOCH_NOT_CALLED = "set-epoch-not-called"
+BATCHNORM_NOT_SYNCED = "batchnorm-not-synced"
+FIND_UNUSED_UNNEEDED = "find-unused-parameters-unneeded"
+ACCUMULATION_WITHOUT_NO_SYNC = "accumulation-without-no-sync"
+SAME_DEVICE = "same-device"
+PARAMS_DIFFER = "params-differ-across-ranks"
+UNEVEN_SHARDS = "uneven-shards"
+PARTIAL_FINAL_BATCH = "partial-final-batch"
+
+SEVERITIES: tuple[str, ...] = ("info", "warning", "critical")  # in increasing order
+
+# --- thresholds, and why ------------------------------------------------------------------
+
+# BatchNorm normalises with the batch's own mean and variance. Below 16 samples per rank
+# those estimates are noisy enough to hurt accuracy (the Group Normalization paper, Wu &
+# He 2018, shows BatchNorm's ImageNet error rising quickly below 16 per GPU; the DDP guide
+# this check comes from gives the same line: SyncBatchNorm under 16, plain BN fine >= 32).
+SMALL_BN_BATCH = 16
+
+# DDP's logger records the unused parameters of each of its first 10 iterations (then one
+# iteration in 100), so 10 optimizer steps is all the evidence reading it can give early.
+FIND_UNUSED_STEPS = 10
+
+# One step with two synchronized backward passes can be a one-off (a retried batch, an
+# extra loss on a warm-up step); three steps in a row is a loop that accumulates.
+ACCUMULATION_CONFIRM_STEPS = 3
+
+# DistributedSampler(drop_last=False) repeats up to world_size - 1 samples per epoch. Under
+# 1% of the dataset this barely changes training; above it, duplicates are a visible share
+# of every epoch (and of any evaluation metric computed over the sampler).
+UNEVEN_WARN_FRACTION = 0.01
+
+# Elements sampled from each parameter for the checksum. Different random inits or a
+# checkpoint loaded on some ranks change every element, so a few dozen per tensor are
+# plenty, and the cost stays one small gather per tensor whatever the model size.
+CHECKSUM_SAMPLES = 64
+
+# Identical parameters give identical checksums on identical hardware; the tolerance only
+# absorbs float64 summation-order noise (~1e-16 relative) across unlike nodes. Different
+# weights move the sum by about sigma * sqrt(samples), far above it.
+CHECKSUM_RTOL = 1e-9
+
+# Longest evidence or fix text sent over the wire (one line on the dashboard).
+MAX_TEXT = 200
+MAX_ID = 64
+MAX_RANKS_SHOWN = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One setup mistake seen on some ranks, with the numbers that show it."""
+
+    id: str
+    severity: str  # one of SEVERITIES
+    ranks: tuple[int, ...]
+    evidence: str  # one line: what was seen, with its numbers
+    fix: str  # one line: what to change
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain dict for msgpack: strings cut to MAX_TEXT, ranks as a list."""
+        return {
+            "id": self.id[:MAX_ID],
+            "severity": self.severity,
+            "ranks": list(self.ranks),
+            "evidence": self.evidence[:MAX_TEXT],
+            "fix": self.fix[:MAX_TEXT],
+        }
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> Finding:
+        """Validate a finding received from an agent. Raises ValueError on anything odd."""
+        if not isinstance(raw, dict) or set(raw) != {"id", "severity", "ranks", "evidence",
+                                                      "fix"}:
+            raise ValueError("a finding is a map of id, severity, ranks, evidence, fix")
+        ranks = raw["ranks"]
+        if not isinstance(ranks, list) or not all(type(r) is int and r >= 0 for r in ranks):
+            raise ValueError("finding ranks must be a list of non-negative ints")
+        if raw["severity"] not in SEVERITIES:
+            raise ValueError(f"unknown severity {raw['severity']!r:.20}")
+        for name, limit in (("id", MAX_ID), ("evidence", MAX_TEXT), ("fix", MAX_TEXT)):
+            if not isinstance(raw[name], str) or len(raw[name]) > limit:
+                raise ValueError(f"finding {name} must be a string of at most {limit} chars")
+        return cls(raw["id"], raw["severity"], tuple(ranks), raw["evidence"], raw["fix"])
+
+
+# Default severity and fix of each check; a few checks raise or lower the severity
+# from what they saw (DataParallel in one process, a tiny padding).
+CHECKS: dict[str, tuple[str, str]] = {
+    DATA_PARALLEL: (
+        "critical",
+        "Launch one process per GPU with torchrun and wrap the model in "
+        "DistributedDataParallel, not nn.DataParallel.",
+    ),
+    NO_DISTRIBUTED_SAMPLER: (
+        "critical",
+        "Pass sampler=DistributedSampler(dataset) to the DataLoader (and shuffle in the "
+        "sampler, not with shuffle=True).",
+    ),
+    SAMPLER_SHARD_MISMATCH: (
+        "critical",
+        "Build DistributedSampler without num_replicas/rank (it reads the process group), "
+        "or pass dist.get_world_size() and dist.get_rank().",
+    ),
+    SET_EPOCH_NOT_CALLED: (
+        "warning",
+        "Call loader.sampler.set_epoch(epoch) at the start of every epoch, before "
+        "iterating the loader.",
+    ),
+    BATCHNORM_NOT_SYNCED: (
+        "warning",
+        "Use nn.SyncBatchNorm.convert_sync_batchnorm(model) before DDP (GPU backends), or "
+        "a larger per-rank batch, or GroupNorm/LayerNorm.",
+    ),
+    FIND_UNUSED_UNNEEDED: (
+        "warning",
+        "Construct DDP with find_unused_parameters=False (the default), or static_graph=True "
+        "if the graph never changes.",
+    ),
+    ACCUMULATION_WITHOUT_NO_SYNC: (
+        "warning",
+        "Run forward and backward of every micro-batch but the last inside "
+        "`with model.no_sync():`.",
+    ),
+    SAME_DEVICE: (
+        "critical",
+        "Pick each rank's GPU from LOCAL_RANK: torch.cuda.set_device(local_rank), "
+        "model.to(local_rank), DDP(model, device_ids=[local_rank]).",
+    ),
+    PARAMS_DIFFER: (
+        "critical",
+        "Give every rank the same weights before training: load checkpoints on every rank, "
+        "or before wrapping in DDP (which broadcasts rank 0's).",
+    ),
+    UNEVEN_SHARDS: (
+        "info",
+        "Use DistributedSampler(drop_last=True) or a dataset size divisible by the world "
+        "size; count padded duplicates out of evaluation metrics.",
+    ),
+    PARTIAL_FINAL_BATCH: (
+        "info",
+        "Pass drop_last=True to the DataLoader, or a batch size that divides each rank's "
+        "share of the dataset.",
+    ),
+}
+
+# Checks whose finding is only true when every rank reports it: one rank that does have
+# an unused parameter makes find_unused_parameters=True necessary for the whole job.
+NEEDS_ALL_RANKS = frozenset({FIND_UNUSED_UNNEEDED})
+
+
+def finding(check: str, ranks: Iterable[int], evidence: str,
+            severity: str | None = None) -> Finding:
+    """A Finding with the check's default severity and fix."""
+    default, fix = CHECKS[check]
+    return Finding(check, severity or default, tuple(ranks), evidence[:MAX_TEXT], fix)
+
+
+_T = TypeVar("_T")
+
+
+def _never_raise(default: Callable[[], _T]) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
+    """Public inspectors run inside the user's process: an unexpected object is no
+    reason to break training, so any error yields the empty answer instead."""
+
+    def wrap(fn: Callable[..., _T]) -> Callable[..., _T]:
+        @functools.wraps(fn)
+        def safe(*args: Any, **kwargs: Any) -> _T:
+            try:
+                return fn(*args, **kwargs)
+            except Exception:
+                return default()
+
+        return safe
+
+    return wrap
+
+
+# --- start-of-run inspectors (agent side, torch imported lazily) --------------------------
+
+
+def _is_ddp(module: Any) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(module, DistributedDataParallel)
+
+
+@_never_raise(list)
+def inspect_model(module: Any, world_size: int, rank: int = 0,
+                  batch_size: int | None = None) -> list[Finding]:
+    """Mistakes visible on the model object: nn.DataParallel, and (when the per-rank
+    batch size is known) BatchNorm layers that normalise per rank over a small batch."""
+    from torch import nn
+
+    out: list[Finding] = []
+    if isinstance(module, nn.DataParallel):
+        n_dev = len(module.device_ids or ())
+        if world_size > 1:
+            out.append(finding(DATA_PARALLEL, (rank,),
+                               f"nn.DataParallel in a job of {world_size} processes: gradients "
+                               "are never averaged across processes, so ranks drift apart"))
+        else:
+            out.append(finding(DATA_PARALLEL, (rank,),
+                               f"nn.DataParallel over {n_dev} device(s) in one process: one "
+                               "Python thread per GPU under the GIL, replicas copied each step",
+                               severity="warning"))
+    if batch_size is not None:
+        out.extend(inspect_batchnorm(module, batch_size, world_size, rank))
+    return out
+
+
+@_never_raise(list)
+def inspect_batchnorm(module: Any, batch_size: int, world_size: int,
+                      rank: int = 0) -> list[Finding]:
+    """BatchNorm layers in training mode, not SyncBatchNorm, with fewer than
+    SMALL_BN_BATCH samples per rank: each rank normalises with its own noisy statistics.
+    One process (world_size 1) has nothing to sync, so it never fires there."""
+    from torch import nn
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    if world_size <= 1 or batch_size >= SMALL_BN_BATCH:
+        return []
+    kinds: Counter[str] = Counter(
+        type(m).__name__ for m in module.modules()
+        if isinstance(m, _BatchNorm) and not isinstance(m, nn.SyncBatchNorm) and m.training
+    )
+    if not kinds:
+        return []
+    layers = ", ".join(f"{name} x{n}" for name, n in sorted(kinds.items()))
+    return [finding(BATCHNORM_NOT_SYNCED, (rank,),
+                    f"{sum(kinds.values())} BatchNorm layers ({layers}) normalise over "
+                    f"{batch_size} samples per rank (< {SMALL_BN_BATCH}) on {world_size} ranks")]
+
+
+def _loader_parts(obj: Any) -> tuple[Any, Any, int | None, bool]:
+    """(dataset, sampler, per-rank batch size, drop_last) of a DataLoader or of one of
+    its iterators (the hooks see iterators, the user sees loaders)."""
+    from torch.utils.data import BatchSampler, DataLoader
+
+    if isinstance(obj, DataLoader):
+        dataset, drop_last = obj.dataset, obj.drop_last
+        index = obj.batch_sampler if obj.batch_sampler is not None else obj.sampler
+    else:  # torch.utils.data.dataloader._BaseDataLoaderIter
+        dataset, index, drop_last = obj._dataset, obj._index_sampler, obj._drop_last
+    if isinstance(index, BatchSampler):
+        return dataset, index.sampler, index.batch_size, index.drop_last
+    # A custom batch sampler often wraps a sampler; batch_size=None loaders yield samples.
+    batch = getattr(index, "batch_size", None)
+    return dataset, getattr(index, "sampler", index), batch if type(batch) is int else None, \
+        drop_last
+
+
+@_never_raise(list)
+def inspect_loader(loader: Any, world_size: int, rank: int = 0) -> list[Finding]:
+    """Mistakes visible on a training DataLoader (or its iterator): no DistributedSampler,
+    a DistributedSampler built for another world or rank, padding of uneven shards, and a
+    final partial batch. Iterable datasets shard themselves and are not judged."""
+    from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler
+    from torch.utils.data.distributed import DistributedSampler
+
+    dataset, sampler, batch, drop_last = _loader_parts(loader)
+    if isinstance(dataset, IterableDataset):
+        return []
+    n = len(dataset)
+    out: list[Finding] = []
+    if isinstance(sampler, DistributedSampler):
+        replicas, srank = sampler.num_replicas, sampler.rank
+        if replicas != world_size or srank != rank:
+            out.append(finding(SAMPLER_SHARD_MISMATCH, (rank,),
+                               f"rank {rank} of {world_size} reads shard {srank} of "
+                               f"{replicas} (DistributedSampler num_replicas/rank)"))
+        padded = sampler.total_size - n
+        if not sampler.drop_last and padded > 0:
+            out.append(finding(UNEVEN_SHARDS, (rank,),
+                               f"len(dataset)={n} is not divisible by {replicas} ranks: "
+                               f"DistributedSampler repeats {padded} sample(s) per epoch "
+                               f"({sampler.num_samples} per rank)",
+                               severity="warning" if padded / max(n, 1) >= UNEVEN_WARN_FRACTION
+                               else "info"))
+        per_rank = sampler.num_samples
+    elif type(sampler) in (RandomSampler, SequentialSampler) and world_size > 1:
+        out.append(finding(NO_DISTRIBUTED_SAMPLER, (rank,),
+                           f"{type(sampler).__name__} over all {n} samples on each of "
+                           f"{world_size} ranks: every rank trains on the same data"))
+        per_rank = n
+    else:
+        return out  # a custom sampler: its sharding is unknown, so say nothing
+    if batch and not drop_last and per_rank % batch:
+        out.append(finding(PARTIAL_FINAL_BATCH, (rank,),
+                           f"{per_rank} samples per rank make {per_rank // batch} batches of "
+                           f"{batch} and a last batch of {per_rank % batch}"))
+    return out
+
+
+def _checksum_tensor(module: Any) -> Any:
+    """float64 sum of up to CHECKSUM_SAMPLES evenly strided elements of every floating
+    parameter, as a 0-d tensor on the parameters' device (no host sync yet). None when
+    there is nothing comparable: no parameters, meta tensors, or sharded parameters
+    (FSDP holds a different shard on each rank, so their sums differ by design)."""
+    import torch
+
+    if any("FullyShardedDataParallel" in type(m).__name__ for m in module.modules()):
+        return None
+    parts = []
+    for p in module.parameters():
+        if type(p).__name__ == "DTensor" or p.device.type == "meta":  # FSDP2 / not built
+            return None
+        n = p.numel()
+        if n and p.is_floating_point():
+            parts.append(p.detach().reshape(-1)[:: -(-n // CHECKSUM_SAMPLES)])
+    if not parts:
+        return None
+    with torch.no_grad():
+        return torch.cat(parts).sum(dtype=torch.float64)
+
+
+@_never_raise(lambda: None)
+def param_checksum(module: Any) -> float | None:
+    """A cheap fingerprint of the model's weights, for comparing ranks: equal weights
+    give equal values. Reads the result on the host (one sync on GPU); the observer uses
+    a non-blocking copy instead. None when there is nothing comparable."""
+    total = _checksum_tensor(module)
+    return None if total is None else float(total.item())
+
+
+def _physical_cuda(index: int) -> str:
+    """cuda:N as the physical GPU, through CUDA_VISIBLE_DEVICES when it lists indices."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    if 0 <= index < len(visible) and visible[index]:
+        return f"cuda:{visible[index]}"
+    return f"cuda:{index}"
+
+
+@_never_raise(lambda: None)
+def device_key(module: Any) -> str | None:
+    """The physical GPU holding the model's first parameter, comparable across ranks of
+    one host: the GPU's UUID (immune to per-rank CUDA_VISIBLE_DEVICES), else its
+    physical index. None on CPU, where sharing a device is not a mistake."""
+    import torch
+
+    p = next(module.parameters(), None)
+    if p is None or p.device.type != "cuda":
+        return None
+    index = p.device.index if p.device.index is not None else torch.cuda.current_device()
+    try:
+        return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+    except Exception:
+        return _physical_cuda(index)
+
+
+class _PendingChecksum:
+    """A checksum started on the training thread and read later without a GPU sync:
+    on GPU the sum is copied to pinned memory behind a CUDA event, and `result()`
+    returns None until the event has completed."""
+
+    __slots__ = ("value", "host", "event")
+
+    @staticmethod
+    @_never_raise(lambda: None)
+    def start(module: Any) -> _PendingChecksum | None:
+        total = _checksum_tensor(module)
+        return None if total is None else _PendingChecksum(total)
+
+    def __init__(self, total: Any) -> None:
+        self.value: float | None = None
+        self.host: Any = None
+        self.event: Any = None
+        if total.device.type == "cuda":
+            import torch
+
+            self.host = torch.empty((), dtype=torch.float64, pin_memory=True)
+            self.host.copy_(total, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.value = float(total.item())
+
+    def result(self) -> float | None:
+        if self.value is None and self.event is not None and self.event.query():
+            self.value = float(self.host.item())
+        return self.value
+
+
+# --- running observer (agent side, called by the hooks) ----------------------------------
+
+
+def _dead() -> None:
+    return None
+
+
+def _ref(obj: Any) -> Callable[[], Any]:
+    """A weak reference where the object allows one (generators do), else a strong one
+    (an iterator over a list cannot be weakly referenced)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+
+class StepObserver:
+    """Watches the running job through the calls the agent's hooks make, and reports each
+    mistake once, when the evidence is conclusive.
+
+    Hooks call (training thread):
+      watch_model(module)   each root module, once, at its first forward (rare)
+      on_loader_batch(it)   after every DataLoader __next__, with the iterator
+      on_backward()         every backward pass that reaches the model's parameters
+      on_optimizer_step()   after every optimizer.step(), of any optimizer
+    The sender thread calls drain() for new findings and take_facts() for the values
+    the collector compares across ranks.
+
+    Per-step cost is a few attribute reads; the one-off checks (loader inspection at
+    each new training epoch, BatchNorm at the first step, DDP's unused-parameter stats
+    for FIND_UNUSED_STEPS steps) run off that fast path.
+    """
+
+    __slots__ = ("rank", "world_size", "error", "_off", "_findings", "_fired", "_models",
+                 "_ddp", "_last_iter", "_train_pass", "_samplers", "_batch",
+                 "_bn_checked", "_synced", "_accum_strikes", "_accum_seen", "_unused_steps",
+                 "_checksums", "_device", "_facts_sent")
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.error: BaseException | None = None  # why the observer turned itself off
+        self._off = False
+        self._findings: deque[Finding] = deque()
+        self._fired: set[str] = set()
+        self._models: list[Any] = []
+        self._ddp: Any = None
+        self._last_iter: Any = None  # the iterator of the last batch, until the step ends
+        self._train_pass: Callable[[], Any] = _dead  # ref to the training pass's _sampler_iter
+        # Per sampler seen feeding steps, by id(): (ref to the sampler, ref to its current
+        # pass, epoch at that pass, passes). Weak where possible, so a dataset the user
+        # drops is not kept alive here; the sampler ref guards against a reused id().
+        self._samplers: dict[int, tuple[Callable[[], Any], Callable[[], Any], int, int]] = {}
+        self._batch: int | None = None
+        self._bn_checked = False
+        self._synced = 0  # synchronized backward passes since the last optimizer step
+        self._accum_strikes = 0
+        self._accum_seen: list[int] = []
+        self._unused_steps = -1  # steps of DDP unused-parameter evidence; -1: not checking
+        self._checksums: list[_PendingChecksum] = []
+        self._device: str | None = None
+        self._facts_sent = False
+
+    # --- hooks' calls ----------------------------------------------------------------
+
+    def watch_model(self, module: Any) -> None:
+        """A root module (the DDP wrapper, a DataParallel, a bare model) at its first
+        forward: inspect it, remember a DDP wrapper, start its weights' checksum."""
+        if self._off:
+            return
+        try:
+            if any(m is module for m in self._models) or next(module.parameters(), None) is None:
+                return
+            self._models.append(module)
+            for f in inspect_model(module, self.world_size, self.rank):
+                self._emit(f)
+            if self._ddp is None and _is_ddp(module):
+                self._ddp = module
+                if module.find_unused_parameters and not module.static_graph:
+                    self._unused_steps = 0
+            pending = _PendingChecksum.start(module)
+            if pending is not None:
+                self._checksums.append(pending)
+            if self._device is None:
+                self._device = device_key(module)
+            self._check_batchnorm()
+        except Exception as exc:
+            self._fail(exc)
+
+    def on_loader_batch(self, iterator: Any) -> None:
+        """After each DataLoader __next__: remember which iterator fed the step."""
+        self._last_iter = iterator
+
+    def on_backward(self) -> None:
+        """Each backward pass. DDP decides at *forward* time whether the next backward
+        allreduces: it sets `require_forward_param_sync` from `require_backward_grad_sync`
+        (False inside no_sync()). Reading the forward-time flag also catches a forward run
+        outside no_sync() with only the backward inside, which still synchronizes."""
+        ddp = self._ddp
+        if ddp is not None:
+            try:
+                if ddp.require_forward_param_sync:
+                    self._synced += 1
+            except Exception as exc:
+                self._fail(exc)
+
+    def on_optimizer_step(self) -> None:
+        """After each optimizer.step(): judge the step that just ended."""
+        if self._off:
+            return
+        try:
+            it = self._last_iter
+            if it is not None:
+                self._last_iter = None  # hold no iterator (and its workers) past the step
+                if it._sampler_iter is not self._train_pass():
+                    self._new_training_pass(it)
+            synced = self._synced
+            if synced:
+                self._synced = 0
+                self._judge_accumulation(synced)
+            if self._unused_steps >= 0:
+                self._check_unused_parameters()
+        except Exception as exc:
+            self._fail(exc)
+
+    # --- sender thread -----------------------------------------------------------------
+
+    def drain(self) -> list[Finding]:
+        """Findings made since the last drain (thread-safe against the training thread)."""
+        out = []
+        while self._findings:
+            out.append(self._findings.popleft())
+        return out
+
+    def take_facts(self) -> dict[str, Any] | None:
+        """Once, when ready: this rank's values for the cross-rank checks, as a plain
+        dict ({"param_checksum": float | None, "device": str | None}); None before and
+        after. Ready once every watched model's checksum has been read (no GPU sync)."""
+        if self._facts_sent or not self._models:
+            return None
+        try:
+            values = []
+            for pending in self._checksums:
+                value = pending.result()
+                if value is None:
+                    return None  # a GPU copy still in flight: ask again later
+                values.append(value)
+            self._facts_sent = True
+            return {"param_checksum": math.fsum(values) if values else None,
+                    "device": self._device}
+        except Exception as exc:
+            self._fail(exc)
+            return None
+
+    # --- the one-off checks ------------------------------------------------------------
+
+    def _new_training_pass(self, it: Any) -> None:
+        """The iterator that fed this step is on a pass not seen at the last step: a new
+        epoch, or a switch between loaders. Inspect each sampler once, and at each new
+        pass over a shuffling DistributedSampler see whether its epoch moved on."""
+        from torch.utils.data.distributed import DistributedSampler
+
+        current = it._sampler_iter
+        self._train_pass = _ref(current)
+        _, sampler, batch, _ = _loader_parts(it)
+        entry = self._samplers.get(id(sampler))
+        if entry is None or entry[0]() is not sampler:  # first time: inspect the loader
+            entry = (_ref(sampler), _dead, -1, 0)
+            self._samplers[id(sampler)] = entry
+            for f in inspect_loader(it, self.world_size, self.rank):
+                self._emit(f)
+            if self._batch is None and batch:
+                self._batch = batch
+                self._check_batchnorm()
+        if entry[1]() is current:
+            return  # back to a pass already counted (another loader fed the last step)
+        if not isinstance(sampler, DistributedSampler) or not sampler.shuffle:
+            return  # without shuffling every epoch has the same order anyway
+        passes = entry[3] + 1
+        if passes > 1 and sampler.epoch == entry[2]:
+            self._emit(finding(SET_EPOCH_NOT_CALLED, (self.rank,),
+                               f"pass {passes} over the DistributedSampler started with "
+                               f"epoch={sampler.epoch}, as did pass {passes - 1}: the same "
+                               "sample order again"))
+        self._samplers[id(sampler)] = (entry[0], _ref(current), sampler.epoch, passes)
+
+    def _check_batchnorm(self) -> None:
+        if self._bn_checked or self._batch is None or not self._models:
+            return
+        self._bn_checked = True
+        for module in self._models:
+            for f in inspect_batchnorm(module, self._batch, self.world_size, self.rank):
+                self._emit(f)
+
+    def _judge_accumulation(self, synced: int) -> None:
+        """Several synchronized backward passes before one optimizer step: each one
+        allreduced every gradient, though only the last allreduce was needed."""
+        if synced < 2:
+            self._accum_strikes = 0
+            self._accum_seen.clear()
+            return
+        self._accum_strikes += 1
+        self._accum_seen.append(synced)
+        if self._accum_strikes >= ACCUMULATION_CONFIRM_STEPS:
+            per_step = max(self._accum_seen)
+            self._emit(finding(ACCUMULATION_WITHOUT_NO_SYNC, (self.rank,),
+                               f"{per_step} backward passes per optimizer step each allreduced "
+                               f"all gradients ({self._accum_strikes} steps in a row): "
+                               f"{per_step - 1} of every {per_step} allreduces wasted"))
+            self._accum_seen.clear()
+
+    def _check_unused_parameters(self) -> None:
+        """find_unused_parameters=True makes DDP traverse the autograd graph every
+        iteration. DDP's own logger records the unused parameters' bytes for its first 10
+        iterations; none in any of them means the flag only costs time (~7 us to read,
+        on the host: no GPU sync)."""
+        stats = self._ddp._get_ddp_logging_data()
+        unused = stats.get("unused_parameter_size")
+        if unused is None:
+            return  # no sampled iteration yet
+        self._unused_steps += 1
+        if unused:
+            self._unused_steps = -1  # the flag is needed: stop looking
+        elif self._unused_steps >= FIND_UNUSED_STEPS:
+            self._unused_steps = -1
+            self._emit(finding(FIND_UNUSED_UNNEEDED, (self.rank,),
+                               f"find_unused_parameters=True, but DDP found 0 unused "
+                               f"parameters in each of {FIND_UNUSED_STEPS} iterations "
+                               f"(iteration {stats.get('iteration')}); each pays a graph walk"))
+
+    def _emit(self, f: Finding) -> None:
+        if f.id not in self._fired:
+            self._fired.add(f.id)
+            self._findings.append(f)
+
+    def _fail(self, exc: BaseException) -> None:
+        """An observer bug must not become the user's problem: stop observing."""
+        self.error = exc
+        self._off = True
+        self._ddp = None
+        self._unused_steps = -1
+
+
+# --- cross-rank functions (collector side: no torch) -------------------------------------
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """Sorted ranks as compact ranges: 0-3,5,7-9."""
+    out: list[str] = []
+    run: list[int] = []
+    for r in sorted(set(ranks)):
+        if run and r == run[-1] + 1:
+            run.append(r)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [r]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def _same_checksum(a: float, b: float) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return math.isclose(a, b, rel_tol=CHECKSUM_RTOL, abs_tol=1e-300)
+
+
+def compare_checksums(per_rank: Mapping[int, float | None]) -> Finding | None:
+    """Ranks whose parameter checksum differs from the majority (ties: the group holding
+    the lowest rank is the reference). Ranks that sent None are left out."""
+    values = {r: v for r, v in per_rank.items() if v is not None}
+    groups: list[list[int]] = []
+    for r in sorted(values):
+        for g in groups:
+            if _same_checksum(values[g[0]], values[r]):
+                g.append(r)
+                break
+        else:
+            groups.append([r])
+    if len(groups) < 2:
+        return None
+    reference = max(groups, key=lambda g: (len(g), -g[0]))
+    odd = sorted(r for g in groups if g is not reference for r in g)
+    first = odd[0]
+    return finding(PARAMS_DIFFER, odd,
+                   f"parameter checksum {values[first]:.9g} on rank {first} vs "
+                   f"{values[reference[0]]:.9g} on rank(s) {format_ranks(reference)}; "
+                   f"{len(odd)} of {len(values)} ranks differ")
+
+
+def compare_devices(per_rank: Mapping[int, tuple[str, str | int | None]]) -> Finding | None:
+    """Ranks sharing one GPU: the same (host, device) pair. Device None (CPU) is skipped.
+    Devices should be `device_key` strings (GPU UUIDs), so two ranks that both call
+    their GPU cuda:0 behind different CUDA_VISIBLE_DEVICES are not flagged."""
+    groups: dict[tuple[str, Any], list[int]] = {}
+    for r, (host, device) in per_rank.items():
+        if device is not None:
+            groups.setdefault((host, device), []).append(r)
+    shared = sorted((sorted(rs) for rs in groups.values() if len(rs) > 1), key=lambda g: g[0])
+    if not shared:
+        return None
+    ranks = sorted(r for g in shared for r in g)
+    first = shared[0]
+    host, device = next(k for k, v in groups.items() if sorted(v) == first)
+    more = f"; {len(shared) - 1} more shared device(s)" if len(shared) > 1 else ""
+    return finding(SAME_DEVICE, ranks,
+                   f"ranks {format_ranks(first)} all run on {device} of host {host}{more}")
+
+
+def merge_findings(findings: Iterable[Finding], world_size: int | None = None) -> list[Finding]:
+    """One Finding per check id, with every rank that reported it, most severe first.
+    Evidence is the lowest rank's; when other ranks saw other numbers, it says so.
+    With world_size, checks in NEEDS_ALL_RANKS are kept only once every rank reported."""
+    by_id: dict[str, list[Finding]] = {}
+    for f in findings:
+        by_id.setdefault(f.id, []).append(f)
+    order = {s: i for i, s in enumerate(SEVERITIES)}
+    out = []
+    for fid, group in by_id.items():
+        ranks = tuple(sorted({r for f in group for r in f.ranks}))
+        if world_size is not None and fid in NEEDS_ALL_RANKS and len(ranks) < world_size:
+            continue
+        group.sort(key=lambda f: min(f.ranks, default=0))
+        evidence = group[0].evidence
+        if any(f.evidence != evidence for f in group[1:]):
+            where = f"rank {min(group[0].ranks)}: " if group[0].ranks else ""
+            evidence = f"{where}{evidence} (other ranks: other numbers)"
+        severity = max((f.severity for f in group), key=lambda s: order.get(s, 0))
+        out.append(Finding(fid, severity, ranks, evidence[:MAX_TEXT], group[0].fix))
+    out.sort(key=lambda f: (-order.get(f.severity, 0), f.id))
+    return out
+
+
+def facts_from_wire(raw: Any) -> dict[str, Any]:
+    """Validate the facts an agent sent (see StepObserver.take_facts). Raises ValueError."""
+    if not isinstance(raw, dict) or set(raw) != {"param_checksum", "device"}:
+        raise ValueError("facts are a map of param_checksum and device")
+    checksum, device = raw["param_checksum"], raw["device"]
+    if checksum is not None and type(checksum) not in (int, float):
+        raise ValueError("param_checksum must be a number or null")
+    if device is not None and (not isinstance(device, str) or len(device) > 128):
+        raise ValueError("device must be a string of at most 128 chars or null")
+    return {"param_checksum": None if checksum is None else float(checksum), "device": device}
