@@ -54,7 +54,7 @@ class CollectorProcess:
     def __init__(self, run_dir: Path) -> None:
         env = {k: v for k, v in os.environ.items() if k != "TRACEML_SECRET"}
         self.run_dir = run_dir
-        self.log = open(run_dir.parent / "collector.log", "wb")  # noqa: SIM115 - closed in stop
+        self.log = open(run_dir.parent / "collector.log", "wb")  # closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "traceml_tui.collector", "--run-dir", str(run_dir),
              "--world-size", str(WORLD), "--run-name", "fuzz"],
