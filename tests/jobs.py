@@ -37,6 +37,42 @@ def traceml(*args: str, cwd: Path | None = None, timeout: float = JOB_TIMEOUT_S,
                           capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
+def spawn_traceml(*args: str, env: dict[str, str] | None = None,
+                  wrapper: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Start `traceml` in the background (one "node" of a multi-node job); `wrapper`
+    prefixes the command, e.g. ("ip", "netns", "exec", "node1")."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen([*wrapper, sys.executable, "-m", "traceml_tui", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env)
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free TCP ports (torchrun's, the collector's, the
+    viewers' for a multi-node run)."""
+    import socket
+
+    for _ in range(200):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        try:
+            held = []
+            for port in range(base, base + count):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("0.0.0.0", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no block of free ports")
+
+
 def run_job(tmp_path: Path, script: str, *args: str, nproc: int = 3, name: str = "job",
             script_args: tuple[str, ...] = ()) -> Finished:
     out = tmp_path / "runs"
@@ -49,8 +85,6 @@ def validate_schema(doc: dict[str, Any]) -> None:
     import jsonschema
 
     jsonschema.validate(doc, json.loads(SCHEMA.read_text()))
-
-
 
 def live_steps(run_dir: Path) -> int:
     """Steps the collector has seen so far, from the run's live snapshot (0 before it exists)."""

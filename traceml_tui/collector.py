@@ -253,12 +253,14 @@ class Collector:
         root = request.get("root_cause")
         if isinstance(root, list) and len(root) == 2 and root[0] in self.state.ranks:
             # torchrun saw this rank fail first; a rank killed by a signal said no goodbye.
+            # A rank that said goodbye is already in `failures`, in the order the failures
+            # happened: keep that order (torchrun on one node knows only that node's ranks).
             rank, exitcode = int(root[0]), int(root[1])
             rs = self.state.ranks[rank]
             if rs.exit_code is None:
                 rs.exit_code = exitcode
-            code = 128 - exitcode if exitcode < 0 else exitcode
-            failures = [(rank, code)] + [f for f in failures if f[0] != rank]
+                code = 128 - exitcode if exitcode < 0 else exitcode
+                failures = [(rank, code)] + [f for f in failures if f[0] != rank]
         code, failed = summary.job_exit_code(
             request.get("torchrun_exit"), bool(request.get("interrupted")), failures)
         if request.get("exit_code") is not None:

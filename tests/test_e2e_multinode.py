@@ -1,0 +1,178 @@
+"""Multi-node runs end to end: two `traceml run` "nodes" of 2 ranks each, one job.
+
+On one machine the two nodes share the run folder (as on a cluster's shared
+filesystem) and reach node 0 over loopback; with root, a second test gives each
+node its own network namespace and address, as separate hosts would have.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import EXAMPLES, free_ports, spawn_traceml, validate_schema, wait_for
+
+# A node whose partner never came waits for torchrun's rendezvous: fail well before that.
+NODE_TIMEOUT_S = 150
+SLOW_INPUT = ("--scenario", "input", "--delay-ms", "25", "--steps", "140")
+
+
+def node_args(out: Path, name: str, node: int, port: int, master: str = "127.0.0.1",
+              script_args: tuple[str, ...] = SLOW_INPUT) -> tuple[str, ...]:
+    return ("run", str(EXAMPLES / "ddp_toy.py"), "--nnodes", "2", "--node-rank", str(node),
+            "--nproc-per-node", "2", "--master-addr", master, "--master-port", str(port),
+            "--run-name", name, "--out", str(out), "--headless", "--", *script_args)
+
+
+def finish(proc: subprocess.Popen, timeout: float = NODE_TIMEOUT_S) -> tuple[int, str, str]:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"node did not finish:\n{stderr[-3000:]}") from None
+    return proc.returncode, stdout, stderr
+
+
+@pytest.mark.parametrize("first", [1, 0], ids=["node1-first", "node0-first"])
+def test_two_nodes_one_summary_with_the_slow_node_named(tmp_path, first):
+    """Every rank of node 1 loads its input slowly: one summary, on node 0, with all 4
+    ranks, blames node 1 as a whole. The nodes start in either order, 3 s apart."""
+    out, port = tmp_path / "runs", free_ports(3)
+    slow = SLOW_INPUT + ("--rank", "2,3")
+    procs = {}
+    procs[first] = spawn_traceml(*node_args(out, "mn", first, port, script_args=slow))
+    time.sleep(3)
+    procs[1 - first] = spawn_traceml(*node_args(out, "mn", 1 - first, port, script_args=slow))
+    rc0, out0, err0 = finish(procs[0])
+    rc1, out1, err1 = finish(procs[1])
+    assert (rc0, rc1) == (0, 0), err0[-3000:] + err1[-3000:]
+
+    doc = json.loads((out / "mn" / "final_summary.json").read_text())
+    validate_schema(doc)
+    assert doc["run"]["world_size"] == 4 and doc["run"]["nnodes"] == 2
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3]
+    assert all(r["steps"] == 140 for r in doc["ranks"])
+    d = doc["diagnosis"]
+    assert (d["label"], d["phase"]) == ("INPUT STRAGGLER", "dataloader")
+    assert d["rank"] in (2, 3) and d["node"] == {"index": 1, "ranks": [2, 3]}
+    assert "Every rank on node 1" in d["summary"]
+    assert doc["complete"] is True
+    # Node 1 writes no summary of its own; it says where the job's is.
+    assert "node 1: its ranks ended with exit code 0" in out1
+    assert "INPUT STRAGGLER" in out0
+    assert sorted(p.name for p in (out / "mn" / "logs").iterdir()) == ["node0", "node1"]
+
+
+def test_a_failing_rank_on_node_1_is_the_exit_code_of_both_nodes(tmp_path):
+    out, port = tmp_path / "runs", free_ports(3)
+    fail = ("--steps", "400", "--fail-rank", "3", "--fail-at-step", "20")
+    p0 = spawn_traceml(*node_args(out, "fail", 0, port, script_args=fail))
+    p1 = spawn_traceml(*node_args(out, "fail", 1, port, script_args=fail))
+    rc0, _, err0 = finish(p0)
+    rc1, out1, _ = finish(p1)
+    assert rc1 == 3 and rc0 == 3, err0[-3000:]
+    doc = json.loads((out / "fail" / "final_summary.json").read_text())
+    assert doc["run"]["exit_code"] == 3 and doc["run"]["failed_rank"] == 3
+    assert "rank 3 failed" in out1
+
+
+def test_a_second_node_without_a_run_name_is_refused(tmp_path):
+    proc = spawn_traceml("run", str(EXAMPLES / "ddp_toy.py"), "--nnodes", "2", "--node-rank",
+                         "1", "--out", str(tmp_path), "--headless")
+    rc, _, err = finish(proc)
+    assert rc == 2 and "needs the same --run-name on every node" in err
+    assert "Traceback" not in err
+
+
+# --- each node its own address: network namespaces ------------------------------------------
+
+
+def _netns_available() -> bool:
+    if shutil.which("ip") is None:
+        return False
+    probe = subprocess.run(["ip", "netns", "add", "traceml-probe"], capture_output=True)
+    if probe.returncode != 0:
+        return False
+    subprocess.run(["ip", "netns", "del", "traceml-probe"], capture_output=True)
+    return True
+
+
+@pytest.fixture
+def two_hosts():
+    """Two namespaces joined by a veth pair: node 0 at 10.77.0.1, node 1 at 10.77.0.2.
+    Yields the namespaces and each one's interface."""
+    if not _netns_available():
+        pytest.skip("needs root and iproute2 for network namespaces")
+    tag = f"tm{int(time.time() * 1000) % 100000}"
+    ns = (f"{tag}a", f"{tag}b")
+    cmds = [
+        ["ip", "netns", "add", ns[0]], ["ip", "netns", "add", ns[1]],
+        ["ip", "link", "add", f"{tag}0", "type", "veth", "peer", "name", f"{tag}1"],
+        ["ip", "link", "set", f"{tag}0", "netns", ns[0]],
+        ["ip", "link", "set", f"{tag}1", "netns", ns[1]],
+        ["ip", "-n", ns[0], "addr", "add", "10.77.0.1/24", "dev", f"{tag}0"],
+        ["ip", "-n", ns[1], "addr", "add", "10.77.0.2/24", "dev", f"{tag}1"],
+        ["ip", "-n", ns[0], "link", "set", f"{tag}0", "up"],
+        ["ip", "-n", ns[1], "link", "set", f"{tag}1", "up"],
+        ["ip", "-n", ns[0], "link", "set", "lo", "up"],
+        ["ip", "-n", ns[1], "link", "set", "lo", "up"],
+    ]
+    try:
+        for cmd in cmds:
+            subprocess.run(cmd, check=True, capture_output=True)
+        yield ns, (f"{tag}0", f"{tag}1")
+    finally:
+        for name in ns:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_two_hosts_with_their_own_addresses(tmp_path, two_hosts):
+    """As on a cluster: node 1 reaches node 0 only over the 'network' (10.77.0.0/24),
+    with a rank 3 straggler on node 1 (a rank, not the node) named in the summary."""
+    out, port = tmp_path / "runs", 29600
+    slow = SLOW_INPUT + ("--rank", "3")
+    names, interfaces = two_hosts
+    # Both namespaces share the hostname, which resolves to loopback: tell gloo which
+    # interface to use, as on a cluster whose hostnames do not resolve to the fast network.
+    nodes = [spawn_traceml(*node_args(out, "ns", k, port, master="10.77.0.1", script_args=slow),
+                           env={"GLOO_SOCKET_IFNAME": interfaces[k]},
+                           wrapper=("ip", "netns", "exec", names[k])) for k in (0, 1)]
+    rc0, _, err0 = finish(nodes[0])
+    rc1, _, err1 = finish(nodes[1])
+    assert (rc0, rc1) == (0, 0), err0[-3000:] + err1[-3000:]
+    doc = json.loads((out / "ns" / "final_summary.json").read_text())
+    assert [r["steps"] for r in doc["ranks"]] == [140] * 4
+    d = doc["diagnosis"]
+    assert (d["label"], d["rank"], d["node"]) == ("INPUT STRAGGLER", 3, None)
+    # The collector really listened off-host: node 1's agents were 10.77.0.2's.
+    info = json.loads((out / "ns" / "collector.json").read_text())
+    assert info["ingest"].endswith(f":{port + 1}")
+
+
+def test_live_view_shows_the_node_not_started_yet(tmp_path):
+    """Node 0 alone for a while: its dashboard data says node 1's ranks have not reported."""
+    from traceml_tui.view_client import ViewClient, resolve_target
+
+    out, port = tmp_path / "runs", free_ports(3)
+    p0 = spawn_traceml(*node_args(out, "late", 0, port, script_args=("--steps", "60")))
+    run_dir = out / "late"
+    try:
+        wait_for(lambda: (run_dir / "collector.json").exists(), 30, "node 0's collector")
+        address, _, secret = resolve_target(str(run_dir))
+        client = ViewClient(address, secret=secret)
+        view, _ = client.fetch()
+        assert view.world_size == 4 and view.nodes_waiting == (0, 1)
+        client.close()
+        p1 = spawn_traceml(*node_args(out, "late", 1, port, script_args=("--steps", "60")))
+        assert finish(p1)[0] == 0
+    finally:
+        rc0 = finish(p0)[0]
+    assert rc0 == 0
+    doc = json.loads((run_dir / "final_summary.json").read_text())
+    assert [r["steps"] for r in doc["ranks"]] == [60] * 4
