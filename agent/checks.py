@@ -458,8 +458,8 @@ class StepObserver:
     """
 
     __slots__ = ("rank", "world_size", "error", "_off", "_findings", "_fired", "_models",
-                 "_ddp", "_last_iter", "_train_pass", "_samplers", "_batch",
-                 "_bn_checked", "_synced", "_accum_strikes", "_accum_seen", "_unused_steps",
+                 "_ddp", "_sync_src", "_last_iter", "_train_pass", "_samplers", "_batch",
+                 "_bn_checked", "_synced", "_accum_strikes", "_accum_max", "_unused_steps",
                  "_checksums", "_device", "_facts_sent")
 
     def __init__(self, rank: int, world_size: int) -> None:
@@ -471,6 +471,7 @@ class StepObserver:
         self._fired: set[str] = set()
         self._models: list[Any] = []
         self._ddp: Any = None
+        self._sync_src: Any = None  # the DDP module on_backward reads; None once judged
         self._last_iter: Any = None  # the iterator of the last batch, until the step ends
         self._train_pass: Callable[[], Any] = _dead  # ref to the training pass's _sampler_iter
         # Per sampler seen feeding steps, by id(): (ref to the sampler, ref to its current
@@ -480,8 +481,8 @@ class StepObserver:
         self._batch: int | None = None
         self._bn_checked = False
         self._synced = 0  # synchronized backward passes since the last optimizer step
-        self._accum_strikes = 0
-        self._accum_seen: list[int] = []
+        self._accum_strikes = 0  # steps in a row with several synchronized backwards
+        self._accum_max = 0
         self._unused_steps = -1  # steps of DDP unused-parameter evidence; -1: not checking
         self._checksums: list[_PendingChecksum] = []
         self._device: str | None = None
@@ -501,7 +502,7 @@ class StepObserver:
             for f in inspect_model(module, self.world_size, self.rank):
                 self._emit(f)
             if self._ddp is None and _is_ddp(module):
-                self._ddp = module
+                self._ddp = self._sync_src = module
                 if module.find_unused_parameters and not module.static_graph:
                     self._unused_steps = 0
             pending = _PendingChecksum.start(module)
@@ -522,7 +523,7 @@ class StepObserver:
         allreduces: it sets `require_forward_param_sync` from `require_backward_grad_sync`
         (False inside no_sync()). Reading the forward-time flag also catches a forward run
         outside no_sync() with only the backward inside, which still synchronizes."""
-        ddp = self._ddp
+        ddp = self._sync_src
         if ddp is not None:
             try:
                 if ddp.require_forward_param_sync:
@@ -622,18 +623,17 @@ class StepObserver:
         """Several synchronized backward passes before one optimizer step: each one
         allreduced every gradient, though only the last allreduce was needed."""
         if synced < 2:
-            self._accum_strikes = 0
-            self._accum_seen.clear()
+            self._accum_strikes = self._accum_max = 0
             return
         self._accum_strikes += 1
-        self._accum_seen.append(synced)
+        self._accum_max = max(self._accum_max, synced)
         if self._accum_strikes >= ACCUMULATION_CONFIRM_STEPS:
-            per_step = max(self._accum_seen)
+            per_step = self._accum_max
+            self._sync_src = None  # said once: stop counting
             self._emit(finding(ACCUMULATION_WITHOUT_NO_SYNC, (self.rank,),
                                f"{per_step} backward passes per optimizer step each allreduced "
                                f"all gradients ({self._accum_strikes} steps in a row): "
                                f"{per_step - 1} of every {per_step} allreduces wasted"))
-            self._accum_seen.clear()
 
     def _check_unused_parameters(self) -> None:
         """find_unused_parameters=True makes DDP traverse the autograd graph every
@@ -663,7 +663,7 @@ class StepObserver:
         """An observer bug must not become the user's problem: stop observing."""
         self.error = exc
         self._off = True
-        self._ddp = None
+        self._ddp = self._sync_src = None
         self._unused_steps = -1
 
 
