@@ -288,8 +288,9 @@ def _loader_parts(obj: Any) -> tuple[Any, Any, int | None, bool]:
         return dataset, index.sampler, index.batch_size, index.drop_last
     # A custom batch sampler often wraps a sampler; batch_size=None loaders yield samples.
     batch = getattr(index, "batch_size", None)
-    return dataset, getattr(index, "sampler", index), batch if type(batch) is int else None, \
-        drop_last
+    if type(batch) is not int:
+        batch = None
+    return dataset, getattr(index, "sampler", index), batch, drop_last
 
 
 @_never_raise(list)
@@ -460,7 +461,7 @@ class StepObserver:
     __slots__ = ("rank", "world_size", "error", "_off", "_findings", "_fired", "_models",
                  "_ddp", "_sync_src", "_last_iter", "_train_pass", "_samplers", "_batch",
                  "_bn_checked", "_synced", "_accum_strikes", "_accum_max", "_unused_steps",
-                 "_checksums", "_device", "_facts_sent")
+                 "_checksums", "_device", "_stepped", "_facts_sent")
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -486,6 +487,7 @@ class StepObserver:
         self._unused_steps = -1  # steps of DDP unused-parameter evidence; -1: not checking
         self._checksums: list[_PendingChecksum] = []
         self._device: str | None = None
+        self._stepped = False  # a step has ended: every root module has been seen
         self._facts_sent = False
 
     # --- hooks' calls ----------------------------------------------------------------
@@ -535,6 +537,7 @@ class StepObserver:
         """After each optimizer.step(): judge the step that just ended."""
         if self._off:
             return
+        self._stepped = True
         try:
             it = self._last_iter
             if it is not None:
@@ -562,8 +565,9 @@ class StepObserver:
     def take_facts(self) -> dict[str, Any] | None:
         """Once, when ready: this rank's values for the cross-rank checks, as a plain
         dict ({"param_checksum": float | None, "device": str | None}); None before and
-        after. Ready once every watched model's checksum has been read (no GPU sync)."""
-        if self._facts_sent or not self._models:
+        after. Ready after the first optimizer step (the hooks have seen every root module
+        by then) once every checksum has been read, which never waits on the GPU."""
+        if self._facts_sent or not self._stepped or not self._models:
             return None
         try:
             values = []

@@ -389,6 +389,21 @@ def test_param_checksum_equal_weights_equal_values():
     assert param_checksum(big) != before
 
 
+def test_facts_wait_for_the_first_optimizer_step():
+    """Roots are learned during the first step, so facts sent earlier could miss one."""
+    obs = StepObserver(0, WORLD)
+    model = DDP(net())
+    initial = param_checksum(model)
+    obs.watch_model(model)
+    assert obs.take_facts() is None
+    model(torch.randn(2, 8)).sum().backward()
+    obs.on_backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    obs.on_optimizer_step()
+    assert param_checksum(model) != initial  # the step changed the weights...
+    assert obs.take_facts() == {"param_checksum": initial, "device": None}  # ...not the facts
+
+
 def test_ranks_with_different_weights_are_found_by_comparing_facts():
     """Two observers standing in for two ranks; rank 1 loaded other weights after DDP."""
     facts = {}
