@@ -157,6 +157,9 @@ def main() -> None:
     if rank == 0:
         print(f"done: {step} steps in {elapsed:.1f} s ({1000 * elapsed / step:.1f} ms/step), "
               f"scenario={args.scenario}, world={world}, pid={os.getpid()}")
+    # Leave together: a rank tearing gloo down while another still sends can abort
+    # ("terminate called without an active exception") on this torch build.
+    dist.barrier()
     dist.destroy_process_group()
 
 

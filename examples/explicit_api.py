@@ -50,6 +50,9 @@ def main() -> None:
                     w -= 0.1 * w.grad / world
                     w.grad = None
     traceml_agent.shutdown()
+    # Leave together: a rank tearing gloo down while another still sends can abort
+    # ("terminate called without an active exception") on this torch build.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -31,7 +31,7 @@ import msgpack
 import zmq
 
 from traceml_agent import keys
-from traceml_agent.protocol import ProtocolError, decode
+from traceml_agent.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode
 
 from . import summary, view_state
 from .state import RunState, Snapshot
@@ -50,8 +50,49 @@ DRAIN_SLICE_S = 0.05  # ... or this long, so ticks and control requests are neve
 # A snapshot write may take a while with thousands of ranks: the next one waits at least
 # this many times as long as the last took, so writing never crowds out ingest.
 SNAPSHOT_BACKOFF = 4.0
-RECV_HWM = 100_000
+# Messages queued inside ZeroMQ for the collector cost up to one 8 KiB receive buffer each
+# (measured: 1,024 peers x 100 queued 170-byte messages held 643 MiB), and the limit is per
+# connection. So the per-connection limit comes from a total budget: past it, messages
+# wait in the agents' own bounded queues (which drop and count), not in our memory.
+RECV_BACKLOG_BYTES = 64 << 20
+QUEUED_MESSAGE_BYTES = 8 << 10
+MIN_RECV_HWM = 8
+# Frames above this are refused by libzmq at the header: one message of the protocol's
+# largest size, plus room for the envelope.
+TRANSPORT_FRAME_LIMIT = MAX_MESSAGE_BYTES + 1024
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+_NUMBER = (int, float)
+_FINISH_FIELDS: dict[str, tuple[type, ...]] = {
+    "op": (str,), "torchrun_exit": (int, type(None)), "interrupted": (bool,),
+    "root_cause": (list, type(None)), "command": (list,), "ended_at": (*_NUMBER, type(None)),
+    "extra": (dict,), "exit_code": (int, type(None)), "grace_s": _NUMBER, "complete": (bool,),
+}
+
+
+def finish_request_error(request: dict[str, Any]) -> str | None:
+    """What is wrong with a "finish" request, or None. Control is loopback-only and
+    authenticated when the run has a secret, but a bad request must still never cost
+    the record."""
+    for name, value in request.items():
+        kinds = _FINISH_FIELDS.get(name)
+        if kinds is None:
+            return f"unknown field {name!r}"
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            return f"{name} has the wrong type"
+    if not all(isinstance(x, str) for x in request.get("command", [])):
+        return "command must be a list of strings"
+    root = request.get("root_cause")
+    if root is not None and not (len(root) == 2 and all(type(x) is int for x in root)):
+        return "root_cause must be [rank, exit code]"
+    if not 0 <= request.get("grace_s", 0) <= 600:
+        return "grace_s must be between 0 and 600"
+    return None
+
+
+def recv_hwm(world_size: int) -> int:
+    return max(MIN_RECV_HWM, RECV_BACKLOG_BYTES // QUEUED_MESSAGE_BYTES // max(1, world_size))
 
 
 class Collector:
@@ -64,9 +105,13 @@ class Collector:
         self.rejected_peers = 0  # handshakes refused: a peer without the run's keys
         run_keys = None if secret is None else self._start_auth(secret)
 
-        def bind(kind: int, host: str, fixed: int) -> tuple[zmq.Socket, str]:
+        def bind(kind: int, host: str, fixed: int, hwm: int = 1000) -> tuple[zmq.Socket, str]:
             sock = self.ctx.socket(kind)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, hwm)
+            # A peer announcing a bigger frame is dropped at the header, before libzmq
+            # allocates it: no sender can make the collector hold more than this per frame.
+            sock.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_FRAME_LIMIT)
             if run_keys is not None:
                 keys.secure_server(sock, run_keys)
             if fixed:
@@ -77,8 +122,8 @@ class Collector:
             local = "127.0.0.1" if host in ("0.0.0.0", "*") else host
             return sock, f"tcp://{local}:{fixed}"
 
-        self.ingest, self.ingest_addr = bind(zmq.ROUTER, bind_host, port)
-        self.ingest.setsockopt(zmq.RCVHWM, RECV_HWM)
+        self.ingest, self.ingest_addr = bind(zmq.ROUTER, bind_host, port,
+                                             recv_hwm(state.world_size))
         # Only the launcher on this host talks to control: loopback, whatever the bind.
         self.control, self.control_addr = bind(zmq.REP, "127.0.0.1", 0)
         # Viewers on other hosts need the view socket where agents reach the collector.
@@ -221,12 +266,16 @@ class Collector:
         try:
             request = json.loads(self.control.recv())
             op = request.get("op")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             self.control.send_json({"ok": False, "error": "bad request"})
             return
         if op == "ping":
             self.control.send_json({"ok": True, "ranks": len(self.state.ranks)})
         elif op == "finish":
+            problem = finish_request_error(request)
+            if problem:  # the record is only ever finished by a well-formed request
+                self.control.send_json({"ok": False, "error": problem})
+                return
             reply = self.finish(request)
             self.control.send_json(reply)
         else:

@@ -157,6 +157,9 @@ class RunState:
         if ident.world_size != self.world_size:
             self.counters["foreign"] += 1
             return False
+        if msg.kind == "steps" and not self._phases_fit(msg.phases):
+            self.counters["malformed"] += 1
+            return False
         self.counters["messages"] += 1
         rs = self.ranks.get(ident.rank)
         if rs is None or rs.ident.pid != ident.pid:
@@ -183,14 +186,14 @@ class RunState:
             rs.error = msg.body["error"]
         return True
 
+    def _phases_fit(self, phases: tuple[str, ...]) -> bool:
+        """Each new phase name costs a window per rank: a sender inventing names must not
+        grow the collector without bound."""
+        new = sum(1 for name in phases if name not in self.phases)
+        return len(self.phases) + new <= MAX_RUN_PHASES
+
     def _ingest_steps(self, rs: RankState, msg: Message) -> None:
-        new = [name for name in msg.phases if name not in self.phases]
-        if len(self.phases) + len(new) > MAX_RUN_PHASES:
-            # Each new name costs a window per rank: a sender inventing names must not
-            # grow the collector without bound.
-            self.counters["malformed"] += 1
-            return
-        self.phases.extend(new)
+        self.phases.extend(name for name in msg.phases if name not in self.phases)
         self.counters["agent_dropped"] += max(0, msg.body["dropped"] - rs.dropped)
         rs.dropped = max(rs.dropped, msg.body["dropped"])
         for rec in msg.records:
