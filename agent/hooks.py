@@ -154,12 +154,27 @@ def _finish_learning() -> None:
         _global_forward.pop().remove()  # removing twice (again in uninstall) is harmless
     for cls in dict.fromkeys(type(root) for root in _roots):
         _wrap_forward(cls)
+    if _rec is not None:
+        _rec.parallel = parallel_kind(_roots)
     while _grad_probes:
         _grad_probes.pop().remove()
     if _grad_order:
         handle = _grad_order[0].register_post_accumulate_grad_hook(_on_first_grad)
         _undo.append(handle.remove)
     _grad_order.clear()
+
+
+def parallel_kind(roots: list[Any]) -> str | None:
+    """"fsdp" or "ddp" from the root modules' classes (by name: importing FSDP would cost
+    every job the import). Under FSDP, parameter all-gathers run inside forward and
+    gradient reduce-scatters inside backward, so the collector must not compare those
+    phases across ranks as if they were local work (docs/fsdp.md)."""
+    names = {c.__name__ for root in roots for c in type(root).__mro__}
+    if names & {"FSDPModule", "FullyShardedDataParallel"}:
+        return "fsdp"
+    if "DistributedDataParallel" in names:
+        return "ddp"
+    return None
 
 
 def _wrap_forward(cls: type) -> None:

@@ -259,6 +259,7 @@ def _sys(raw: dict) -> dict[str, Any]:
 def _heartbeat(raw: dict) -> dict[str, Any]:
     phase = raw.get("phase")
     collective = raw.get("in_collective")
+    parallel = raw.get("parallel")
     return {
         "step": _int(raw.get("step", 0), "step", 0, 1 << 62),
         "phase": None if phase is None else _str(phase, "phase", 64),
@@ -266,6 +267,7 @@ def _heartbeat(raw: dict) -> dict[str, Any]:
         "collectives": _int(raw.get("collectives", 0), "collectives", 0, 1 << 62),
         "in_collective": None if collective is None else _str(collective, "in_collective", 64),
         "since_step_s": _opt_float(raw.get("since_step_s"), "since_step_s", 0.0, 1e9),
+        "parallel": None if parallel is None else _str(parallel, "parallel", 16),
     }
 
 
@@ -297,7 +299,7 @@ _FIELDS = {
     "steps": _COMMON | {"phases", "records", "dropped"},
     "sys": _COMMON | {"cpu_pct", "rss_mb", "gpu_util", "gpu_mem_mb", "gpu_mem_total_mb"},
     "heartbeat": _COMMON | {"step", "phase", "in_phase_s", "collectives", "in_collective",
-                            "since_step_s"},
+                            "since_step_s", "parallel"},
     "stacks": _COMMON | {"stacks"},
     "goodbye": _COMMON | {"exit_code", "error", "steps"},
 }

@@ -44,6 +44,7 @@ class Recorder:
         "t_ready",
         "explicit_steps",
         "collectives",
+        "parallel",
         "in_collective",
         "last_step_t",
         "last_wall",
@@ -63,6 +64,7 @@ class Recorder:
         self.explicit_steps = False
         # Progress, read by the heartbeat thread (which needs nothing from this one):
         self.collectives = 0  # explicit torch.distributed collectives entered
+        self.parallel: str | None = None  # "ddp" or "fsdp", learned during the first step
         self.in_collective: str | None = None
         self.last_step_t = perf_counter_ns()
         self.last_wall = 0  # the last step's wall time, ns

@@ -136,7 +136,7 @@ class Sender(threading.Thread):
         since_step = max(0.0, (perf_counter_ns() - rec.last_step_t) / 1e9)
         self._send("heartbeat", step=rec.step, phase=phase, in_phase_s=in_phase,
                    collectives=rec.collectives, in_collective=rec.in_collective,
-                   since_step_s=since_step)
+                   since_step_s=since_step, parallel=rec.parallel)
         stuck_after = max(STACK_MIN_S, STACK_STEPS * rec.last_wall / 1e9)
         now = time.monotonic()
         if since_step > stuck_after and now - self.stacks_sent_at > STACK_REFRESH_S:

@@ -313,3 +313,24 @@ def test_diagnosis_does_no_io():
     calls = {n.func.id for n in ast.walk(tree)
              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     assert "open" not in calls and "print" not in calls
+
+
+# --- FSDP: collectives inside forward and backward ----------------------------------------
+
+
+def fsdp_input_straggler() -> list[RankTiming]:
+    """Rank 1 loads 20 ms slower; under FSDP rank 0 waits for it in forward's all-gathers
+    (as measured on a real 2-rank fsdp_toy.py job), not in a sync phase."""
+    return [timing(0, dataloader=0.1, forward=30.0, backward=15.0, sync=0.0),
+            timing(1, dataloader=21.0, forward=9.0, backward=15.0, sync=0.0)]
+
+
+def test_fsdp_compares_only_phases_without_collectives():
+    d = diagnose(fsdp_input_straggler(), collectives_in_compute=True)
+    assert (d.label, d.rank, d.phase) == (INPUT_STRAGGLER, 1, "dataloader")
+
+
+def test_without_knowing_it_is_fsdp_the_waiting_rank_looks_slow():
+    """Why the collector must know: the same numbers read as DDP blame rank 0's forward."""
+    d = diagnose(fsdp_input_straggler())
+    assert d.label == STRAGGLER and d.rank == 0 and d.phase == "forward"

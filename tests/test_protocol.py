@@ -75,7 +75,7 @@ ROUND_TRIPS = [
     ("sys", {"cpu_pct": 312.5, "rss_mb": 2048.0, "gpu_util": 97.0, "gpu_mem_mb": None,
              "gpu_mem_total_mb": 81920.0}),
     ("heartbeat", {"step": 17, "phase": "forward", "in_phase_s": 0.25, "collectives": 40,
-                   "in_collective": "all_reduce", "since_step_s": 12.5}),
+                   "in_collective": "all_reduce", "since_step_s": 12.5, "parallel": "fsdp"}),
     ("stacks", {"stacks": (("MainThread", "  File \"train.py\", line 9, in <module>\n"),
                            ("traceml-sender", "  ...\n"))}),
     ("goodbye", {"exit_code": -11, "error": "Traceback ...\nRuntimeError: boom", "steps": 99}),

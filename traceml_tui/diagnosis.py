@@ -177,9 +177,18 @@ def _share(ranks: Sequence[RankTiming], phases: Sequence[str]) -> float:
 # --- the classifier ----------------------------------------------------------------------
 
 
-def diagnose(ranks: Sequence[RankTiming], active: str | None = None) -> Diagnosis:
+# Under FSDP, forward and backward contain the job's collectives (parameter all-gathers,
+# gradient reduce-scatters): a rank waiting there for a straggler looks slower in forward
+# than the straggler itself. Only phases without collectives are compared across ranks.
+FSDP_COMPUTE_PHASES = ("optimizer",)
+
+
+def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
+             collectives_in_compute: bool = False) -> Diagnosis:
     """Classify the window. `active` is the label currently shown: its own condition is
-    tested with the lower exit threshold (hysteresis), every other with the enter one."""
+    tested with the lower exit threshold (hysteresis), every other with the enter one.
+    `collectives_in_compute`: an FSDP job (see FSDP_COMPUTE_PHASES)."""
+    compute = FSDP_COMPUTE_PHASES if collectives_in_compute else COMPUTE_PHASES
     ready = [r for r in ranks if r.steps >= MIN_STEPS and _finite(r.step_ms) and r.step_ms > 0]
     if not ready:
         most = max((r.steps for r in ranks), default=0)
@@ -191,7 +200,7 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None) -> Diagnosi
         return share >= (leave if active in holding else enter)
 
     in_skew = _skew(ready, INPUT_PHASES, step_ms)
-    cp_skew = _skew(ready, COMPUTE_PHASES, step_ms)
+    cp_skew = _skew(ready, compute, step_ms)
     in_hit = (in_skew is not None and in_skew.gap_ms >= MIN_GAP_MS
               and over(in_skew.share, SKEW_ENTER, SKEW_EXIT, INPUT_STRAGGLER, STRAGGLER))
     cp_hit = (cp_skew is not None and cp_skew.gap_ms >= MIN_GAP_MS
@@ -199,17 +208,18 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None) -> Diagnosi
 
     if in_hit and cp_hit:
         worst = in_skew if in_skew.gap_ms >= cp_skew.gap_ms else cp_skew
-        phase = _worst_phase(ready, worst.rank, LOCAL_PHASES)
+        phase = _worst_phase(ready, worst.rank, INPUT_PHASES + compute)
         gap = in_skew.gap_ms + cp_skew.gap_ms if in_skew.rank == cp_skew.rank else worst.gap_ms
-        return _straggler(STRAGGLER, worst.rank, phase, gap, gap / step_ms, step_ms, ready)
+        return _straggler(STRAGGLER, worst.rank, phase, gap, gap / step_ms, step_ms, ready,
+                          INPUT_PHASES + compute)
     if in_hit:
         phase = _worst_phase(ready, in_skew.rank, INPUT_PHASES)
         return _straggler(INPUT_STRAGGLER, in_skew.rank, phase, in_skew.gap_ms, in_skew.share,
-                          step_ms, ready)
+                          step_ms, ready, INPUT_PHASES)
     if cp_hit:
-        phase = _worst_phase(ready, cp_skew.rank, COMPUTE_PHASES)
+        phase = _worst_phase(ready, cp_skew.rank, compute)
         return _straggler(COMPUTE_STRAGGLER, cp_skew.rank, phase, cp_skew.gap_ms, cp_skew.share,
-                          step_ms, ready)
+                          step_ms, ready, compute)
 
     input_share = _share(ready, INPUT_PHASES)
     if over(input_share, INPUT_BOUND_ENTER, INPUT_BOUND_EXIT, INPUT_BOUND):
@@ -253,10 +263,6 @@ _NODE_ADVICE = {
                "with the other nodes'",
 }
 
-_GROUPS = {INPUT_STRAGGLER: INPUT_PHASES, COMPUTE_STRAGGLER: COMPUTE_PHASES,
-           STRAGGLER: LOCAL_PHASES}
-
-
 def slow_node(ranks: Sequence[RankTiming], worst_rank: int, phases: Sequence[str],
               gap_ms: float) -> tuple[int, tuple[int, ...]] | None:
     """(node, its ranks) when the worst rank's whole node is behind and nobody else is."""
@@ -274,11 +280,12 @@ def slow_node(ranks: Sequence[RankTiming], worst_rank: int, phases: Sequence[str
 
 
 def _straggler(label: str, rank: int, phase: str | None, gap: float, share: float,
-               step_ms: float, ranks: Sequence[RankTiming]) -> Diagnosis:
+               step_ms: float, ranks: Sequence[RankTiming], phases: Sequence[str]
+               ) -> Diagnosis:
     severity = CRITICAL if share >= CRITICAL_SHARE else WARNING
     where = f" in {phase}" if phase else ""
     host = next((r.host for r in ranks if r.rank == rank), "")
-    whole = slow_node(ranks, rank, _GROUPS[label], gap)
+    whole = slow_node(ranks, rank, phases, gap)
     if whole is not None:
         node, members = whole
         on_host = f", host {host}" if host else ""

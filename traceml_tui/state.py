@@ -90,6 +90,7 @@ class Snapshot:
     counters: dict[str, int]
     hang: hang.HangReport | None = None
     hang_since: float | None = None
+    parallel: str | None = None  # "ddp" or "fsdp", as the agents saw the model
 
     @property
     def reporting(self) -> int:
@@ -142,6 +143,9 @@ class RunState:
         self.live_since = started_at
         self.timeline: deque[Episode] = deque(maxlen=MAX_EPISODES)
         self.hang_after_s = hang_after_s
+        # "fsdp" once any rank reports an FSDP model: collectives then run inside forward
+        # and backward, and the diagnosis compares only the phases without them.
+        self.parallel: str | None = None
         self.hang: hang.HangReport | None = None
         self.hang_since: float | None = None
         self.hang_steps = 0  # steps of all ranks together when the hang was detected
@@ -174,6 +178,9 @@ class RunState:
             rs.sys = msg.body
         elif kind == "heartbeat":
             rs.heartbeat = msg.body
+            kind_seen = msg.body["parallel"]
+            if kind_seen in ("ddp", "fsdp") and self.parallel != "fsdp":
+                self.parallel = kind_seen
             rs.since_step_at_msg_s = msg.body["since_step_s"] or 0.0
         elif kind == "stacks":
             rs.stacks = msg.body["stacks"]
@@ -262,7 +269,7 @@ class RunState:
             self.hang = None
             self.hang_since = None
             active = self.live.shown.label if self.live else None
-            self.live = dx.settle(self.live, dx.diagnose(timings, active))
+            self.live = dx.settle(self.live, dx.diagnose(timings, active, self.parallel == "fsdp"))
         shown = self.live.shown
         if before is None or (shown.label, shown.rank) != (before.label, before.rank):
             self._new_episode(shown, self.hang_since if self.hang is not None else now)
@@ -283,15 +290,14 @@ class RunState:
 
     # --- snapshots ------------------------------------------------------------------
 
-    @staticmethod
-    def _full_diagnosis(ranks: tuple[RankSnapshot, ...]) -> dx.Diagnosis:
+    def _full_diagnosis(self, ranks: tuple[RankSnapshot, ...]) -> dx.Diagnosis:
         """The diagnosis over each rank's whole window (the summary's verdict)."""
         timings = [
             dx.RankTiming(r.rank, r.window_steps, None if r.step_ms is None else r.step_ms.median,
                           {k: None if v is None else v.median for k, v in r.phase_ms.items()},
                           r.host, r.node)
             for r in ranks if r.reported]
-        return dx.diagnose(timings)
+        return dx.diagnose(timings, collectives_in_compute=self.parallel == "fsdp")
 
     def snapshot(self, now: float, mono_now: float, full: bool = False) -> Snapshot:
         """Freeze the state. `full` adds whole-window quantiles and the final diagnosis
@@ -305,7 +311,7 @@ class RunState:
             live=self.live.shown, live_since=self.live_since,
             final=self._full_diagnosis(ranks) if full else None,
             timeline=tuple(self.timeline), counters=dict(self.counters), hang=self.hang,
-            hang_since=self.hang_since)
+            hang_since=self.hang_since, parallel=self.parallel)
 
     def _rank_snapshot(self, rank: int, mono_now: float, full: bool) -> RankSnapshot:
         rs = self.ranks.get(rank)

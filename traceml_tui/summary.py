@@ -88,7 +88,7 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
             "duration_s": round((meta.ended_at or snap.now) - snap.started_at, 3),
             "exit_code": meta.exit_code, "failed_rank": meta.failed_rank,
             "command": list(meta.command), "steps": snap.total_steps,
-            "ranks_reporting": snap.reporting, **meta.extra,
+            "ranks_reporting": snap.reporting, "parallel": snap.parallel, **meta.extra,
         },
         "phases": list(snap.phases),
         "diagnosis": diagnosis.to_json(),
