@@ -334,3 +334,13 @@ def test_without_knowing_it_is_fsdp_the_waiting_rank_looks_slow():
     """Why the collector must know: the same numbers read as DDP blame rank 0's forward."""
     d = diagnose(fsdp_input_straggler())
     assert d.label == STRAGGLER and d.rank == 0 and d.phase == "forward"
+
+
+def test_a_slow_node_whose_worst_rank_alternates_is_one_label():
+    """Within a slow node the worst rank may change every tick: the subject is the node."""
+    ranks = on_nodes(ddp(4, slow=(2, 3), extra=SLOW_DL), 2)
+    first = diagnose(ranks)
+    other = replace(first, rank=3 if first.rank == 2 else 2)
+    live = settle(LiveLabel(first), other)
+    assert live.shown is other and live.challenger is None  # refreshed, not challenged
+    assert first.subject == other.subject == (INPUT_STRAGGLER, "node", 1)

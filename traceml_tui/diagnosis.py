@@ -97,6 +97,14 @@ class Diagnosis:
     node: int | None = None
     node_ranks: tuple[int, ...] = ()
 
+    @property
+    def subject(self) -> tuple[str, str, int | None]:
+        """What the label is about: a node when a whole node is behind (its worst rank may
+        change from tick to tick without anything changing for the user), else a rank."""
+        if self.node is not None:
+            return (self.label, "node", self.node)
+        return (self.label, "rank", self.rank)
+
     def to_json(self) -> dict:
         return {
             "label": self.label,
@@ -322,12 +330,11 @@ def settle(live: LiveLabel | None, candidate: Diagnosis) -> LiveLabel:
     evidence refreshes at once. Leaving WARMUP needs no confirmation."""
     if live is None:
         return LiveLabel(candidate)
-    same = candidate.label == live.shown.label and candidate.rank == live.shown.rank
-    if same:
+    if candidate.subject == live.shown.subject:
         return LiveLabel(candidate)
     if live.shown.label == WARMUP:
         return LiveLabel(candidate)
-    key = f"{candidate.label}|{candidate.rank}"
+    key = "|".join(map(str, candidate.subject))
     wins = live.wins + 1 if live.challenger == key else 1
     if wins >= CONFIRM_TICKS:
         return LiveLabel(candidate)

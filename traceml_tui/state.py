@@ -39,10 +39,10 @@ class Episode:
     start_step: int
     end_step: int | None
     summary: str
+    node: int | None = None  # the episode blames a whole node
 
     def closed(self, end: float, end_step: int) -> Episode:
-        return Episode(self.label, self.rank, self.phase, self.severity, self.start, end,
-                       self.start_step, end_step, self.summary)
+        return replace(self, end=end, end_step=end_step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +271,7 @@ class RunState:
             active = self.live.shown.label if self.live else None
             self.live = dx.settle(self.live, dx.diagnose(timings, active, self.parallel == "fsdp"))
         shown = self.live.shown
-        if before is None or (shown.label, shown.rank) != (before.label, before.rank):
+        if before is None or shown.subject != before.subject:
             self._new_episode(shown, self.hang_since if self.hang is not None else now)
         return shown
 
@@ -281,7 +281,7 @@ class RunState:
             self.timeline[-1] = self.timeline[-1].closed(now, step)
         self.live_since = now
         self.timeline.append(Episode(d.label, d.rank, d.phase, d.severity, now, None, step, None,
-                                     d.summary))
+                                     d.summary, d.node))
 
     def recent_steps(self, rank: int) -> tuple[float, ...]:
         """The rank's last step times, oldest first (for a sparkline)."""

@@ -51,10 +51,16 @@ def _round(v: float | None, nd: int = 4) -> float | None:
     return None if v is None else round(v, nd)
 
 
+def _who(d: dict[str, Any]) -> str:
+    if d.get("node"):
+        return f"  node {d['node']['index']} (ranks {', '.join(map(str, d['node']['ranks']))})"
+    return f"  rank {d['rank']}" if d["rank"] is not None else ""
+
+
 def _episode(e: Episode) -> dict[str, Any]:
     return {"label": e.label, "rank": e.rank, "phase": e.phase, "severity": e.severity,
             "start": iso(e.start), "end": iso(e.end), "start_step": e.start_step,
-            "end_step": e.end_step, "summary": e.summary}
+            "end_step": e.end_step, "summary": e.summary, "node": e.node}
 
 
 def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
@@ -150,18 +156,20 @@ def render_text(doc: dict[str, Any]) -> str:
         f"{run.get('duration_s', 0):.1f} s, exit code {run['exit_code']}"
         + ("" if doc.get("complete", True) else "  [INCOMPLETE: built from the last snapshot]"),
         "",
-        f"Diagnosis: {d['label']}" + (f"  rank {d['rank']}" if d["rank"] is not None else "")
+        f"Diagnosis: {d['label']}" + _who(d)
         + (f"  phase {d['phase']}" if d["phase"] else "") + f"  [{d['severity']}]",
         f"  {d['summary']}",
         "",
     ]
     phases = doc["phases"]
+    node = d.get("node")
+    blamed = set(node["ranks"]) if node else {d["rank"]}
     head = f"{'rank':>5} {'host':<14} {'steps':>6} {'step':>8} " + " ".join(
         f"{p[:9]:>9}" for p in phases)
     lines += ["Median ms per step over the last window (rank: median of its steps):", head]
     for r in doc["ranks"]:
         cells = " ".join(f"{_ms((r['phase_ms'].get(p) or {}).get('median')):>9}" for p in phases)
-        mark = " <" if r["rank"] == d["rank"] else ""
+        mark = " <" if r["rank"] in blamed else ""
         lines.append(f"{r['rank']:>5} {r['host'][:14]:<14} {r['steps']:>6} "
                      f"{_ms(r['step_ms']['median']):>8} {cells}{mark}")
     hang_doc = doc.get("hang")
@@ -186,6 +194,8 @@ def render_text(doc: dict[str, Any]) -> str:
         lines += ["", "Timeline:"]
         for e in episodes[-10:]:
             who = f" rank {e['rank']}" if e["rank"] is not None else ""
+            if e.get("node") is not None:
+                who = f" node {e['node']}"
             lines.append(f"  step {e['start_step']:>6}  {e['label']}{who}")
     return "\n".join(lines) + "\n"
 
