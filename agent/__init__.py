@@ -89,6 +89,7 @@ def _start(endpoint: str, run_name: str, auto: bool, secret: str | None) -> None
     import torch
 
     from . import hooks
+    from .checks import StepObserver
     from .recorder import CudaRecorder, Recorder
     from .transport import Sender
 
@@ -113,10 +114,11 @@ def _start(endpoint: str, run_name: str, auto: bool, secret: str | None) -> None
         "device": f"cuda:{cuda_index}" if cuda_index is not None else "cpu",
         "env": _distributed_env(),
     }
-    sender = Sender(endpoint, ident, rec, out, hello, cuda_index, secret)
+    observer = StepObserver(ident.rank, ident.world_size) if auto else None
+    sender = Sender(endpoint, ident, rec, out, hello, cuda_index, secret, observer)
     _state["rec"], _state["sender"] = rec, sender
     if auto:
-        hooks.install(rec, torch, _on_internal_error)
+        hooks.install(rec, torch, _on_internal_error, observer)
     sender.start()
     if os.environ.get(env.DEBUG) == "1":
         print(f"[traceml] agent rank {ident.rank} reporting to {endpoint}", file=sys.stderr)

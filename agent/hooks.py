@@ -27,9 +27,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .checks import StepObserver
 from .recorder import BACKWARD, DATALOADER, FORWARD, H2D, OPTIMIZER, Recorder
 
 _rec: Recorder | None = None
+_obs: StepObserver | None = None  # the setup checks (checks.py), fed by the same hooks
 _on_error: Callable[[BaseException], None] = print  # replaced by install()
 _queue_callback: Callable[[Callable[[], None]], None] = print  # autograd's, bound at install
 _undo: list[Callable[[], None]] = []
@@ -41,9 +43,10 @@ _grad_probes: list[Any] = []  # learning: temporary hooks on the roots' paramete
 _step_optimizer: Any = None
 
 
-def install(rec: Recorder, torch: Any, on_error: Callable[[BaseException], None]) -> None:
-    global _rec, _on_error, _learning, _step_optimizer
-    _rec, _on_error = rec, on_error
+def install(rec: Recorder, torch: Any, on_error: Callable[[BaseException], None],
+            observer: StepObserver | None = None) -> None:
+    global _rec, _on_error, _learning, _step_optimizer, _obs
+    _rec, _on_error, _obs = rec, on_error, observer
     _learning, _step_optimizer = True, None
     _roots.clear()
     _global_forward.clear()
@@ -97,7 +100,10 @@ def _patch_dataloader(torch: Any) -> None:
         rec = _rec
         started = rec is not None and rec.begin(DATALOADER, self)
         try:
-            return original(self)
+            batch = original(self)
+            if _obs is not None:
+                _obs.on_loader_batch(self)
+            return batch
         finally:
             if started:
                 try:
@@ -119,6 +125,8 @@ def _forward_pre(module: Any, args: Any) -> None:
         if rec.begin(FORWARD, module) and _learning and module not in _roots:
             _roots.append(module)
             _probe_gradients(module)
+            if _obs is not None:
+                _obs.watch_model(module)
     except Exception as exc:
         _fail(exc)
 
@@ -221,6 +229,8 @@ def _grads_ready() -> None:
 
 
 def _on_first_grad(param: Any) -> None:
+    if _obs is not None:  # once per backward that reaches the model's parameters
+        _obs.on_backward()
     rec = _rec
     if rec is not None and rec.active == BACKWARD:
         _queue_callback(_grads_ready)
@@ -269,6 +279,8 @@ def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
         return
     try:
         rec.end(optimizer)
+        if _obs is not None:  # every optimizer: a GAN's two each judge their backward
+            _obs.on_optimizer_step()
         if _step_optimizer is None:
             _step_optimizer = optimizer
         if optimizer is _step_optimizer and not rec.explicit_steps:

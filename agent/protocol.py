@@ -21,6 +21,8 @@ Kinds:
              phase, collectives launched, seconds since the last step
   stacks     every thread's Python stack, sent by a rank that stopped making progress
   goodbye    at exit: exit code and the tail of a traceback, if any
+  checks     setup mistakes found in this rank (checks.py), and once its facts for the
+             collector's cross-rank comparisons (weights checksum, device)
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ PROTOCOL_VERSION = 1
 # collective wait measured inside backward; "wait" is the residual.
 PHASES: tuple[str, ...] = ("dataloader", "h2d", "forward", "backward", "sync", "optimizer", "wait")
 
-KINDS = frozenset({"hello", "steps", "sys", "heartbeat", "stacks", "goodbye"})
+KINDS = frozenset({"hello", "steps", "sys", "heartbeat", "stacks", "goodbye", "checks"})
 
 # Bounds that keep one message from costing the collector more than a sane
 # agent ever sends. They are generous: a real agent sends ~10 batches a second.
@@ -50,6 +52,7 @@ MAX_ENV_ENTRIES = 64
 MAX_ERROR_CHARS = 8_000
 MAX_THREADS = 32
 MAX_STACK_CHARS = 6_000
+MAX_FINDINGS = 32  # per message; a rank reports each of ~a dozen checks at most once
 # One step longer than a day is not a measurement, it is corruption.
 MAX_STEP_MS = 86_400_000.0
 
@@ -294,6 +297,20 @@ def _goodbye(raw: dict) -> dict[str, Any]:
 
 
 _COMMON = {"v", "kind", "id", "seq", "t"}
+def _checks(raw: dict) -> dict[str, Any]:
+    from .checks import Finding, facts_from_wire
+
+    findings = raw.get("findings", [])
+    if not isinstance(findings, list) or len(findings) > MAX_FINDINGS:
+        raise ProtocolError(f"findings must be a list of at most {MAX_FINDINGS}")
+    facts = raw.get("facts")
+    try:
+        return {"findings": tuple(Finding.from_wire(f) for f in findings),
+                "facts": None if facts is None else facts_from_wire(facts)}
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ProtocolError(f"bad checks: {exc}") from None
+
+
 _FIELDS = {
     "hello": _COMMON | {"run", "device", "backend", "env"},
     "steps": _COMMON | {"phases", "records", "dropped"},
@@ -302,7 +319,8 @@ _FIELDS = {
                             "since_step_s", "parallel"},
     "stacks": _COMMON | {"stacks"},
     "goodbye": _COMMON | {"exit_code", "error", "steps"},
+    "checks": _COMMON | {"findings", "facts"},
 }
 
 _BODY_VALIDATORS = {"hello": _hello, "sys": _sys, "heartbeat": _heartbeat, "stacks": _stacks,
-                    "goodbye": _goodbye}
+                    "goodbye": _goodbye, "checks": _checks}

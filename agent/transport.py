@@ -20,6 +20,7 @@ from time import perf_counter_ns
 from typing import Any
 
 from . import keys, protocol
+from .checks import StepObserver
 from .recorder import MEASURED, Recorder
 from .sysmetrics import SystemSampler
 
@@ -45,6 +46,7 @@ class Sender(threading.Thread):
         hello: dict[str, Any],
         cuda_index: int | None,
         secret: str | None = None,
+        observer: StepObserver | None = None,
     ) -> None:
         super().__init__(name="traceml-sender", daemon=True)
         self.endpoint = endpoint
@@ -54,6 +56,7 @@ class Sender(threading.Thread):
         self.hello = hello
         self.cuda_index = cuda_index
         self.secret = secret
+        self.observer = observer
         self.stop_event = threading.Event()
         self.exit_code: int | None = None
         self.error: str | None = None
@@ -96,12 +99,14 @@ class Sender(threading.Thread):
             next_sys = 0.0
             while not self.stop_event.wait(SEND_INTERVAL_S):
                 self._send_steps()
+                self._send_checks()
                 now = time.monotonic()
                 if now >= next_sys:
                     next_sys = now + SYS_INTERVAL_S
                     self._send("sys", **sampler.sample())
                     self._heartbeat()
             self._send_steps()
+            self._send_checks()
             self._send(
                 "goodbye", exit_code=self.exit_code, error=self.error, steps=self.rec.step
             )
@@ -144,6 +149,17 @@ class Sender(threading.Thread):
             self._send("stacks", stacks=thread_stacks())
         elif since_step <= stuck_after:
             self.stacks_sent_at = 0.0
+
+    def _send_checks(self) -> None:
+        """Setup findings as they are made, and once this rank's facts for the collector's
+        cross-rank comparisons (weights checksum, device)."""
+        obs = self.observer
+        if obs is None:
+            return
+        findings = obs.drain()
+        facts = obs.take_facts()
+        if findings or facts:
+            self._send("checks", findings=[f.to_wire() for f in findings], facts=facts)
 
     def _send_steps(self) -> None:
         out = self.out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from textual.widgets import Static
 
 from traceml_tui.canned import StaticSource, make_state
 from traceml_tui.dashboard import DashboardApp
@@ -223,3 +224,28 @@ async def test_a_slow_node_and_a_silent_node_are_named():
         table = app.query_one(HeatTable)
         texts = [table.render_line(y).text for y in range(table.size.height)]
         assert any("node 2 · not reporting yet · 2 rank(s)" in t for t in texts)
+
+
+async def test_setup_checks_are_counted_and_c_shows_evidence_and_fix():
+    from traceml_agent.checks import Finding
+    from traceml_tui.dashboard.screens import ChecksScreen
+
+    found = Finding("no-distributed-sampler", "critical", (0, 1),
+                    "DataLoader without a DistributedSampler: every rank reads all 512 samples",
+                    "Pass sampler=DistributedSampler(dataset) to the DataLoader.")
+    app = DashboardApp(StaticSource(make_state(world_size=4, findings=(found,))),
+                       refresh_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        assert "setup checks: 1 (c)" in text_of(app.query_one(StatusBar))
+        await pilot.press("c")
+        await pilot.pause(0.1)
+        screen = app.screen
+        assert isinstance(screen, ChecksScreen)
+        shown = " ".join(text_of(w) for w in screen.query(Static))
+        assert "no-distributed-sampler" in shown and "rank(s) 0, 1" in shown
+        assert "every rank reads all 512 samples" in shown
+        assert "DistributedSampler(dataset)" in shown
+        await pilot.press("escape")
+        await pilot.pause(0.1)
+        assert not isinstance(app.screen, ChecksScreen)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from traceml_agent.checks import Finding
 from traceml_agent.protocol import PHASES, Identity, Message, StepRecord
 
 from . import summary, view_state
@@ -24,8 +25,8 @@ BASE_MS = {"dataloader": 0.3, "h2d": None, "forward": 1.0, "backward": 1.5, "syn
 def make_state(world_size: int = 8, nproc_per_node: int = 4, steps: int = 40,
                straggler: int | None = 2, phase: str = "dataloader", extra_ms: float = 30.0,
                seed: int = 0, stale: tuple[int, ...] = (), hosts: str = "node",
-               also_slow: tuple[int, ...] = (), silent_nodes: tuple[int, ...] = ()
-               ) -> RunState:
+               also_slow: tuple[int, ...] = (), silent_nodes: tuple[int, ...] = (),
+               findings: tuple[Finding, ...] = ()) -> RunState:
     """`also_slow`: more ranks as slow as the straggler (a whole node, say); ranks on
     `silent_nodes` never report (a node that has not started)."""
     rng = random.Random(seed)
@@ -57,6 +58,9 @@ def make_state(world_size: int = 8, nproc_per_node: int = 4, steps: int = 40,
                                                    "rss_mb": 900.0 + rank, "gpu_util": None,
                                                    "gpu_mem_mb": None,
                                                    "gpu_mem_total_mb": None}), 0.0)
+        mine = tuple(f for f in findings if rank in f.ranks)
+        if mine:
+            state.ingest(Message("checks", ident, 2, T0, {"findings": mine, "facts": None}), 0.0)
         if rank in stale:
             state.ranks[rank].last_step_at = -60.0  # made no step for a minute
     for tick in range(3):

@@ -13,10 +13,12 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from traceml_agent.checks import Finding
 from traceml_agent.protocol import PHASES, Identity, Message
 
 from . import diagnosis as dx
 from . import hang
+from .setup_checks import ChecksBoard
 from .windows import Quantiles, RankWindow, median, window_steps_for
 
 # Steps of each rank that the live diagnosis looks at: enough for a stable median,
@@ -91,6 +93,7 @@ class Snapshot:
     hang: hang.HangReport | None = None
     hang_since: float | None = None
     parallel: str | None = None  # "ddp" or "fsdp", as the agents saw the model
+    checks: tuple[Finding, ...] = ()  # setup mistakes, merged across ranks
 
     @property
     def reporting(self) -> int:
@@ -146,6 +149,7 @@ class RunState:
         # "fsdp" once any rank reports an FSDP model: collectives then run inside forward
         # and backward, and the diagnosis compares only the phases without them.
         self.parallel: str | None = None
+        self.checks = ChecksBoard(world_size)
         self.hang: hang.HangReport | None = None
         self.hang_since: float | None = None
         self.hang_steps = 0  # steps of all ranks together when the hang was detected
@@ -168,6 +172,8 @@ class RunState:
         rs = self.ranks.get(ident.rank)
         if rs is None or rs.ident.pid != ident.pid:
             # New rank, or the rank's process restarted: start its record afresh.
+            if rs is not None:
+                self.checks.forget(ident.rank)
             rs = RankState(ident, RankWindow(self.window_steps))
             self.ranks[ident.rank] = rs
         rs.last_seen = now
@@ -186,6 +192,8 @@ class RunState:
             rs.stacks = msg.body["stacks"]
         elif kind == "hello":
             rs.device = msg.body["device"]
+        elif kind == "checks":
+            self.checks.add(ident.rank, ident.host, msg.body["findings"], msg.body["facts"])
         elif kind == "goodbye":
             rs.finished = True
             rs.finished_at = now
@@ -311,7 +319,7 @@ class RunState:
             live=self.live.shown, live_since=self.live_since,
             final=self._full_diagnosis(ranks) if full else None,
             timeline=tuple(self.timeline), counters=dict(self.counters), hang=self.hang,
-            hang_since=self.hang_since, parallel=self.parallel)
+            hang_since=self.hang_since, parallel=self.parallel, checks=self.checks.merged())
 
     def _rank_snapshot(self, rank: int, mono_now: float, full: bool) -> RankSnapshot:
         rs = self.ranks.get(rank)

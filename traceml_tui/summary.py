@@ -98,6 +98,7 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
         },
         "phases": list(snap.phases),
         "diagnosis": diagnosis.to_json(),
+        "checks": [f.to_wire() for f in snap.checks],
         "live_diagnosis": {**snap.live.to_json(), "since": iso(snap.live_since)},
         "step_ms": {"median": _round(median([m for _, m in step_medians])),
                     "worst": _round(worst), "worst_rank": worst_rank},
@@ -189,6 +190,13 @@ def render_text(doc: dict[str, Any]) -> str:
         tail = r["error"].strip().splitlines()[-3:]
         lines += ["", f"Rank {r['rank']} failed (exit {r['exit_code']}):"] + [
             f"  {t}" for t in tail]
+    checks = doc.get("checks") or []
+    if checks:
+        lines += ["", f"Setup checks: {len(checks)} finding(s)"]
+        for c in checks:
+            ranks = ",".join(map(str, c["ranks"][:8])) + ("..." if len(c["ranks"]) > 8 else "")
+            lines += [f"  [{c['severity']}] {c['id']} (rank {ranks}): {c['evidence']}",
+                      f"      fix: {c['fix']}"]
     episodes = [e for e in doc["timeline"] if e["label"] not in (dx.WARMUP,)]
     if len(episodes) > 1:
         lines += ["", "Timeline:"]

@@ -107,6 +107,9 @@ class ViewState:
     finished: bool = False
     exit_code: int | None = None
     node: int | None = None  # the diagnosis blames a whole node
+    # Setup mistakes found (agent/checks.py), merged across ranks:
+    # (id, severity, ranks, evidence, fix), most severe first.
+    checks: tuple[tuple[str, str, tuple[int, ...], str, str], ...] = ()
 
     @property
     def reporting(self) -> int:
@@ -134,7 +137,7 @@ class ViewState:
             "median_phase_ms": list(self.median_phase_ms),
             "worst": None if self.worst is None else self.worst.to_wire(),
             "device": self.device, "finished": self.finished, "exit_code": self.exit_code,
-            "node": self.node,
+            "node": self.node, "checks": [list(c) for c in self.checks],
         }
 
     @classmethod
@@ -145,7 +148,8 @@ class ViewState:
             w["label_for_s"], tuple(RankRow.from_wire(r) for r in w["rows"]),
             w["median_step_ms"], tuple(w["median_phase_ms"]),
             None if w["worst"] is None else RankDetail.from_wire(w["worst"]), w["device"],
-            w.get("finished", False), w.get("exit_code"), w.get("node"))
+            w.get("finished", False), w.get("exit_code"), w.get("node"),
+            tuple((c[0], c[1], tuple(c[2]), c[3], c[4]) for c in w.get("checks", ())))
 
 
 # --- building from the collector's snapshot ---------------------------------------------
@@ -206,7 +210,8 @@ def build(snap: Snapshot, recent: Callable[[int], tuple[float, ...]] = lambda ra
         label_for_s=max(0.0, snap.now - snap.live_since), rows=rows, median_step_ms=med_step,
         median_phase_ms=med_phases, worst=None,
         device="cuda" if any(x.startswith("cuda") for x in devices) else "cpu",
-        finished=finished, exit_code=exit_code, node=d.node)
+        finished=finished, exit_code=exit_code, node=d.node,
+        checks=tuple((f.id, f.severity, f.ranks, f.evidence, f.fix) for f in snap.checks))
     worst_rank = d.rank if d.rank is not None else _slowest(rows)
     if worst_rank is None:
         return view

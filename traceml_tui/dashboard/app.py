@@ -29,7 +29,7 @@ from ..view_state import RankDetail, ViewState
 from .banner import Banner
 from .heat_table import SORT_KEYS, HeatTable, header_text
 from .rank_panel import RankPanel
-from .screens import HelpScreen, PromptScreen
+from .screens import ChecksScreen, HelpScreen, PromptScreen
 from .status_bar import StatusBar
 
 REFRESH_S = 0.5
@@ -62,6 +62,7 @@ class DashboardApp(App[None]):
         Binding("r", "reverse", "Reverse sort", show=False),
         Binding("slash", "filter", "Filter"),
         Binding("n", "nodes", "Nodes/ranks"),
+        Binding("c", "checks", "Setup checks"),
         Binding("e", "export", "Export JSON"),
         Binding("v", "save_svg", "Save SVG"),
         Binding("question_mark", "help", "Help"),
@@ -245,6 +246,9 @@ class DashboardApp(App[None]):
     def action_nodes(self) -> None:
         self.nodes_only = not self.nodes_only
         self.redraw()
+
+    def action_checks(self) -> None:
+        self.push_screen(ChecksScreen(self.state.checks if self.state else ()))
 
     def action_help(self) -> None:
         keys = [(b.key, b.description) for b in self.BINDINGS

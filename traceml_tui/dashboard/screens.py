@@ -1,7 +1,8 @@
-"""Modal screens: the help screen and the one-line prompt (rank number, filter)."""
+"""Modal screens: help, the setup checks, and the one-line prompt (rank number, filter)."""
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -23,6 +24,32 @@ class HelpScreen(ModalScreen[None]):
         with Vertical(id="help"):
             yield Label("traceml keys", id="help-title")
             yield Static(lines)
+            yield Label("escape closes this screen", classes="hint")
+
+
+class ChecksScreen(ModalScreen[None]):
+    """The setup checks' findings: what was seen, on which ranks, and the fix."""
+
+    BINDINGS = [Binding("escape,q,c", "dismiss", "Close")]
+
+    def __init__(self, checks: tuple[tuple[str, str, tuple[int, ...], str, str], ...]) -> None:
+        super().__init__()
+        self.checks = checks
+
+    def compose(self) -> ComposeResult:
+        text = Text()
+        if not self.checks:
+            text.append("  No setup mistake found so far.\n")
+        for check_id, severity, ranks, evidence, fix in self.checks:
+            shown = ", ".join(map(str, ranks[:16])) + (" ..." if len(ranks) > 16 else "")
+            text.append(f"  {severity.upper():<8} ", style="bold")
+            text.append(f"{check_id}", style="bold")
+            text.append(f"   rank(s) {shown}\n")
+            text.append(f"    seen: {evidence}\n")
+            text.append(f"    fix:  {fix}\n\n", style="italic")
+        with Vertical(id="help"):
+            yield Label("setup checks (docs/checks.md)", id="help-title")
+            yield Static(text)
             yield Label("escape closes this screen", classes="hint")
 
 

@@ -32,6 +32,10 @@ class StatusBar(Static):
                         style="bold" if silent else "")
             if silent:
                 text.append(f" (waiting for node {_ranks(silent)})", style="dim")
+        if state.checks:
+            worst = state.checks[0][1]
+            text.append(f"  setup checks: {len(state.checks)} (c)",
+                        style="bold reverse" if worst != "info" else "bold")
         stale = state.stale
         if stale:
             text.append(f"  stale: {_ranks(stale)}", style="bold reverse")
