@@ -564,7 +564,8 @@ class StepObserver:
 
     def take_facts(self) -> dict[str, Any] | None:
         """Once, when ready: this rank's values for the cross-rank checks, as a plain
-        dict ({"param_checksum": float | None, "device": str | None}); None before and
+        dict ({"param_checksum": float | None, "device": str | None, "batch_size": int |
+        None}, the DataLoader's batch size, for samples/s); None before and
         after. Ready after the first optimizer step (the hooks have seen every root module
         by then) once every checksum has been read, which never waits on the GPU."""
         if self._facts_sent or not self._stepped or not self._models:
@@ -578,7 +579,7 @@ class StepObserver:
                 values.append(value)
             self._facts_sent = True
             return {"param_checksum": math.fsum(values) if values else None,
-                    "device": self._device}
+                    "device": self._device, "batch_size": self._batch}
         except Exception as exc:
             self._fail(exc)
             return None
@@ -764,11 +765,17 @@ def merge_findings(findings: Iterable[Finding], world_size: int | None = None) -
 
 def facts_from_wire(raw: Any) -> dict[str, Any]:
     """Validate the facts an agent sent (see StepObserver.take_facts). Raises ValueError."""
-    if not isinstance(raw, dict) or set(raw) != {"param_checksum", "device"}:
-        raise ValueError("facts are a map of param_checksum and device")
+    if not isinstance(raw, dict) or not (
+            {"param_checksum", "device"} <= set(raw) <= {"param_checksum", "device",
+                                                         "batch_size"}):
+        raise ValueError("facts are a map of param_checksum, device and batch_size")
     checksum, device = raw["param_checksum"], raw["device"]
+    batch = raw.get("batch_size")
+    if batch is not None and (type(batch) is not int or not 1 <= batch <= 1 << 24):
+        raise ValueError("batch_size must be a positive integer or null")
     if checksum is not None and type(checksum) not in (int, float):
         raise ValueError("param_checksum must be a number or null")
     if device is not None and (not isinstance(device, str) or len(device) > 128):
         raise ValueError("device must be a string of at most 128 chars or null")
-    return {"param_checksum": None if checksum is None else float(checksum), "device": device}
+    return {"param_checksum": None if checksum is None else float(checksum), "device": device,
+            "batch_size": batch}

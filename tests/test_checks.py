@@ -122,7 +122,8 @@ def test_clean_configuration_produces_no_findings():
     assert obs.drain() == []
     assert obs.error is None
     facts = obs.take_facts()
-    assert facts == {"param_checksum": before, "device": None}  # taken before any update
+    # taken before any update; the batch size is for samples/s
+    assert facts == {"param_checksum": before, "device": None, "batch_size": loader.batch_size}
     assert obs.take_facts() is None  # sent once
 
 
@@ -401,7 +402,7 @@ def test_facts_wait_for_the_first_optimizer_step():
     torch.optim.SGD(model.parameters(), lr=0.5).step()
     obs.on_optimizer_step()
     assert param_checksum(model) != initial  # the step changed the weights...
-    assert obs.take_facts() == {"param_checksum": initial, "device": None}  # ...not the facts
+    assert obs.take_facts()["param_checksum"] == initial  # ...not the facts
 
 
 def test_ranks_with_different_weights_are_found_by_comparing_facts():
@@ -501,10 +502,15 @@ def test_wire_round_trip_and_validation():
                 {**wire, "ranks": [-1]}, {**wire, "ranks": "0"}, {**wire, "fix": "y" * 201}):
         with pytest.raises(ValueError):
             Finding.from_wire(bad)
-    assert facts_from_wire({"param_checksum": 3, "device": None}) == {"param_checksum": 3.0,
-                                                                      "device": None}
+    assert facts_from_wire({"param_checksum": 3, "device": None}) == {
+        "param_checksum": 3.0, "device": None, "batch_size": None}
+    assert facts_from_wire({"param_checksum": None, "device": None, "batch_size": 32}) == {
+        "param_checksum": None, "device": None, "batch_size": 32}
     for bad in ({"param_checksum": "3", "device": None}, {"param_checksum": 1.0},
-                {"param_checksum": 1.0, "device": "d" * 129}):
+                {"param_checksum": 1.0, "device": "d" * 129},
+                {"param_checksum": 1.0, "device": None, "batch_size": 0},
+                {"param_checksum": 1.0, "device": None, "batch_size": True},
+                {"param_checksum": 1.0, "device": None, "batch_size": 2.5}):
         with pytest.raises(ValueError):
             facts_from_wire(bad)
 

@@ -72,3 +72,38 @@ def test_a_file_that_is_not_a_summary_is_one_clear_error(tmp_path):
     assert proc.returncode == 2
     assert "not a traceml final_summary.json" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def rated(name: str, world: int, steps_per_s: float, samples_per_s: float | None) -> dict:
+    doc = summary(name, 1000.0 / steps_per_s, [1.0] * world)
+    doc["run"]["world_size"] = world
+    doc["throughput"] = {"steps_per_s": steps_per_s, "samples_per_s": samples_per_s,
+                         "ranks": world}
+    return doc
+
+
+@pytest.mark.parametrize(("world", "samples", "efficiency", "assessment"), [
+    (2, 3_700.0, 0.925, "within the realistic range"),  # 2x: 90-95%
+    (4, 6_000.0, 0.75, "below the realistic range"),     # 4x: 85-95%
+    (8, 15_000.0, 0.9375, "above the realistic range"),  # 8x: 80-90%
+    (32, 20_000.0, 0.3125, "below the realistic range"),  # beyond the table: the 16 row
+])
+def test_scaling_efficiency_against_a_one_rank_baseline(world, samples, efficiency, assessment):
+    base = rated("one", 1, 31.25, 2_000.0)
+    result = compare(base, rated("many", world, 30.0, samples))
+    sc = result["scaling"]
+    assert sc["basis"] == "samples/s" and sc["ideal"] == world
+    assert sc["efficiency"] == pytest.approx(efficiency)
+    assert sc["assessment"].startswith(assessment)
+    text = render(result)
+    assert f"scaling 1 -> {world} ranks" in text and f"efficiency {efficiency:.0%}" in text
+
+
+def test_scaling_without_batch_sizes_uses_steps_times_ranks():
+    sc = compare(rated("one", 1, 20.0, None), rated("two", 2, 18.0, None))["scaling"]
+    assert sc["basis"].startswith("steps/s x ranks")
+    assert sc["efficiency"] == pytest.approx(0.9) and sc["expected"] == [0.90, 0.95]
+
+
+def test_no_scaling_section_when_the_new_run_is_not_larger():
+    assert compare(rated("a", 2, 20.0, 600.0), rated("b", 2, 21.0, 630.0))["scaling"] is None

@@ -16,6 +16,12 @@ from .windows import median
 # percent; below 5% a change cannot be told from that noise.
 NOISE_SHARE = 0.05
 
+# Realistic DDP scaling efficiency by GPU count, from the DDP guide this project grew
+# from (seed 002, "Scaling Efficiency Analysis"): communication, synchronization and
+# bandwidth keep it below 100%, more so as the job grows. Counts in between take the
+# row below them; beyond 16, the 16 row.
+EXPECTED_EFFICIENCY = {2: (0.90, 0.95), 4: (0.85, 0.95), 8: (0.80, 0.90), 16: (0.75, 0.90)}
+
 INPUT = ("dataloader", "h2d")
 COMPUTE = ("forward", "backward", "optimizer")
 
@@ -83,7 +89,54 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         "diagnosis": {"old": _diag(old), "new": _diag(new)},
         "verdict": verdict(mo["step_ms"], mn["step_ms"]),
         "noise_share": NOISE_SHARE,
+        "scaling": scaling(old, new),
     }
+
+
+def _rate(doc: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(samples/s, steps/s) of a run; older summaries have no throughput: steps from the
+    median step time."""
+    t = doc.get("throughput") or {}
+    steps = t.get("steps_per_s")
+    if steps is None and doc["step_ms"].get("median"):
+        steps = 1000.0 / doc["step_ms"]["median"]
+    return t.get("samples_per_s"), steps
+
+
+def expected_efficiency(ranks: int) -> tuple[float, float] | None:
+    rows = [n for n in EXPECTED_EFFICIENCY if n <= ranks]
+    return EXPECTED_EFFICIENCY[max(rows)] if rows else None
+
+
+def scaling(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | None:
+    """When NEW runs on more ranks than OLD (e.g. a 1-rank baseline): its speedup and
+    scaling efficiency, beside the range the DDP guide calls realistic."""
+    wo = old["run"].get("world_size") or len(old["ranks"])
+    wn = new["run"].get("world_size") or len(new["ranks"])
+    if wn <= wo:
+        return None
+    (so, to), (sn, tn) = _rate(old), _rate(new)
+    if so and sn:
+        basis, a, b = "samples/s", so, sn
+    elif to and tn:  # weak scaling: the same batch per rank, so samples/s ~ steps/s x ranks
+        basis, a, b = "steps/s x ranks (assumes the same batch per rank)", to * wo, tn * wn
+    else:
+        return None
+    speedup, ideal = b / a, wn / wo
+    efficiency = speedup / ideal
+    expected = expected_efficiency(round(ideal)) if wo == 1 else None
+    if expected is None:
+        assessment = "no reference range (the guide's table starts from one rank)"
+    elif efficiency < expected[0]:
+        assessment = "below the realistic range: look at sync (collective wait) and input"
+    elif efficiency > expected[1]:
+        assessment = "above the realistic range"
+    else:
+        assessment = "within the realistic range"
+    return {"old_ranks": wo, "new_ranks": wn, "basis": basis, "old_rate": _r(a),
+            "new_rate": _r(b), "speedup": round(speedup, 3), "ideal": round(ideal, 3),
+            "efficiency": round(efficiency, 4),
+            "expected": None if expected is None else list(expected), "assessment": assessment}
 
 
 def _r(v: float | None) -> float | None:
@@ -117,4 +170,14 @@ def render(result: dict[str, Any]) -> str:
                "unchanged": f"within noise (±{NOISE_SHARE:.0%})",
                "unknown": "step time missing in one summary"}[v]
     lines.append(f"verdict: {v.upper()}: step time {explain}")
+    sc = result.get("scaling")
+    if sc:
+        expected = ("" if sc["expected"] is None else
+                    f" (realistic for {sc['new_ranks']}: {sc['expected'][0]:.0%}-"
+                    f"{sc['expected'][1]:.0%})")
+        lines += ["", f"scaling {sc['old_ranks']} -> {sc['new_ranks']} ranks, by {sc['basis']}: "
+                      f"{sc['old_rate']:.1f} -> {sc['new_rate']:.1f}",
+                  f"  speedup {sc['speedup']:.2f}x of an ideal {sc['ideal']:.0f}x: efficiency "
+                  f"{sc['efficiency']:.0%}{expected}",
+                  f"  {sc['assessment']}"]
     return "\n".join(lines) + "\n"

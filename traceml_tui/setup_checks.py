@@ -33,6 +33,11 @@ class ChecksBoard:
         self._dirty = self.findings.pop(rank, None) is not None or self._dirty
         self._dirty = self.facts.pop(rank, None) is not None or self._dirty
 
+    def batch_sizes(self) -> dict[int, int]:
+        """Each rank's DataLoader batch size, where its agent saw one (for samples/s)."""
+        return {r: facts["batch_size"] for r, (_, facts) in self.facts.items()
+                if facts.get("batch_size")}
+
     def merged(self) -> tuple[Finding, ...]:
         """One finding per check, with all the ranks that reported it, most severe first."""
         if self._dirty:

@@ -94,6 +94,7 @@ class Snapshot:
     hang_since: float | None = None
     parallel: str | None = None  # "ddp" or "fsdp", as the agents saw the model
     checks: tuple[Finding, ...] = ()  # setup mistakes, merged across ranks
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # DataLoader batch per rank
 
     @property
     def reporting(self) -> int:
@@ -319,7 +320,8 @@ class RunState:
             live=self.live.shown, live_since=self.live_since,
             final=self._full_diagnosis(ranks) if full else None,
             timeline=tuple(self.timeline), counters=dict(self.counters), hang=self.hang,
-            hang_since=self.hang_since, parallel=self.parallel, checks=self.checks.merged())
+            hang_since=self.hang_since, parallel=self.parallel, checks=self.checks.merged(),
+            batch_sizes=self.checks.batch_sizes())
 
     def _rank_snapshot(self, rank: int, mono_now: float, full: bool) -> RankSnapshot:
         rs = self.ranks.get(rank)

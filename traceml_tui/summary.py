@@ -73,12 +73,15 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
                          if step_medians else (None, None))
     ranks = []
     for r in snap.ranks:
+        rate = _throughput(r.step_ms.median if r.step_ms else None,
+                           snap.batch_sizes.get(r.rank))
         ranks.append({
             "rank": r.rank, "local_rank": r.local_rank, "node": r.node, "host": r.host,
             "pid": r.pid, "device": r.device or None, "reported": r.reported,
             "steps": r.steps, "window_steps": r.window_steps,
             "step_ms": _q(r.step_ms) or {"median": None, "p95": None},
             "phase_ms": {p: _q(r.phase_ms.get(p)) for p in snap.phases},
+            "throughput": rate,
             "sys": {k: _round(v, 2) for k, v in r.sys.items()},
             "exit_code": r.exit_code, "error": r.error, "dropped_records": r.dropped,
             "progress": {"collectives": r.collectives, "phase": r.phase,
@@ -103,10 +106,31 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
         "step_ms": {"median": _round(median([m for _, m in step_medians])),
                     "worst": _round(worst), "worst_rank": worst_rank},
         "ranks": ranks,
+        "throughput": _job_throughput(ranks),
         "timeline": [_episode(e) for e in snap.timeline],
         "hang": _hang(snap),
         "collector": dict(snap.counters),
     }
+
+
+def _throughput(step_ms: float | None, batch: int | None) -> dict[str, float | None]:
+    """Steps per second from the median step; samples per second where the agent saw the
+    DataLoader's batch size (one batch per step; gradient accumulation makes it larger)."""
+    steps = None if not step_ms else 1000.0 / step_ms
+    samples = None if steps is None or batch is None else steps * batch
+    return {"steps_per_s": _round(steps, 3), "samples_per_s": _round(samples, 2),
+            "batch_size": batch}
+
+
+def _job_throughput(ranks: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The job's rate: a synchronous job steps at its median rank's rate; samples add up
+    over ranks (when every reporting rank's batch size is known)."""
+    live = [r["throughput"] for r in ranks if r["throughput"]["steps_per_s"]]
+    samples = [t["samples_per_s"] for t in live]
+    return {"steps_per_s": _round(median([t["steps_per_s"] for t in live]), 3),
+            "samples_per_s": (_round(sum(samples), 2)
+                              if samples and all(v is not None for v in samples) else None),
+            "ranks": len(live)}
 
 
 def _hang(snap: Snapshot) -> dict[str, Any] | None:
