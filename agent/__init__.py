@@ -89,6 +89,7 @@ def _start(endpoint: str, run_name: str, auto: bool, secret: str | None) -> None
     import torch
 
     from . import hooks
+    from .capture import Capturer
     from .checks import StepObserver
     from .recorder import CudaRecorder, Recorder
     from .transport import Sender
@@ -115,7 +116,9 @@ def _start(endpoint: str, run_name: str, auto: bool, secret: str | None) -> None
         "env": _distributed_env(),
     }
     observer = StepObserver(ident.rank, ident.world_size) if auto else None
-    sender = Sender(endpoint, ident, rec, out, hello, cuda_index, secret, observer)
+    capturer = Capturer(ident.rank, os.environ.get(env.RUN_DIR), torch)
+    rec.step_listener = capturer.on_step_end
+    sender = Sender(endpoint, ident, rec, out, hello, cuda_index, secret, observer, capturer)
     _state["rec"], _state["sender"] = rec, sender
     if auto:
         hooks.install(rec, torch, _on_internal_error, observer)

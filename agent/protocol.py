@@ -23,6 +23,11 @@ Kinds:
   goodbye    at exit: exit code and the tail of a traceback, if any
   checks     setup mistakes found in this rank (checks.py), and once its facts for the
              collector's cross-rank comparisons (weights checksum, device)
+  capture    progress of a deep-trace capture (capture.py): started, done (with the
+             trace file's path), failed or refused
+
+And one request goes the other way, collector to agent, on the same connection:
+  {"op": "capture", "id": N, "steps": S}   profile the next S steps (encode_capture_request)
 """
 
 from __future__ import annotations
@@ -39,7 +44,10 @@ PROTOCOL_VERSION = 1
 # collective wait measured inside backward; "wait" is the residual.
 PHASES: tuple[str, ...] = ("dataloader", "h2d", "forward", "backward", "sync", "optimizer", "wait")
 
-KINDS = frozenset({"hello", "steps", "sys", "heartbeat", "stacks", "goodbye", "checks"})
+KINDS = frozenset({"hello", "steps", "sys", "heartbeat", "stacks", "goodbye", "checks",
+                   "capture"})
+CAPTURE_STATES = frozenset({"started", "done", "failed", "refused"})
+MAX_PATH = 1024
 
 # Bounds that keep one message from costing the collector more than a sane
 # agent ever sends. They are generous: a real agent sends ~10 batches a second.
@@ -104,11 +112,15 @@ class Message:
     records: tuple[StepRecord, ...] = ()
 
 
+_ENVELOPE = frozenset({"v", "kind", "id", "seq", "t"})
+
 # --- encoding (agent side) -------------------------------------------------------------
 
 
 def encode(kind: str, ident: Identity, seq: int, t: float, **body: Any) -> bytes:
     """Encode one message. The caller passes plain ints, floats, strings, lists and dicts."""
+    if not _ENVELOPE.isdisjoint(body):  # a body field must never replace the envelope's
+        raise ValueError(f"body fields {sorted(_ENVELOPE & body.keys())} are envelope names")
     msg = {"v": PROTOCOL_VERSION, "kind": kind, "id": ident.to_wire(), "seq": seq, "t": t}
     msg.update(body)
     return msgpack.packb(msg, use_bin_type=True)
@@ -311,6 +323,34 @@ def _checks(raw: dict) -> dict[str, Any]:
         raise ProtocolError(f"bad checks: {exc}") from None
 
 
+def _capture(raw: dict) -> dict[str, Any]:
+    state = raw.get("state")
+    if state not in CAPTURE_STATES:
+        raise ProtocolError(f"capture state must be one of {sorted(CAPTURE_STATES)}")
+    path, error = raw.get("path"), raw.get("error")
+    return {"capture_id": _int(raw.get("capture_id"), "capture_id", 0, 1 << 62), "state": state,
+            "steps": _int(raw.get("steps", 0), "steps", 0, 1 << 20),
+            "path": None if path is None else _str(path, "path", MAX_PATH),
+            "error": None if error is None else _str(error, "error", MAX_ERROR_CHARS)}
+
+
+def encode_capture_request(capture_id: int, steps: int) -> bytes:
+    return msgpack.packb({"op": "capture", "id": capture_id, "steps": steps})
+
+
+def decode_capture_request(data: bytes) -> tuple[int, int]:
+    """(capture id, steps) of a request from the collector. Raises ProtocolError."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, ext_hook=_reject_ext, max_bin_len=0,
+                              max_array_len=16, max_map_len=16)
+    except Exception as exc:
+        raise ProtocolError(f"not msgpack: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("op") != "capture" or set(raw) != {"op", "id",
+                                                                              "steps"}:
+        raise ProtocolError("not a capture request")
+    return _int(raw["id"], "id", 0, 1 << 62), _int(raw["steps"], "steps", 1, 1 << 20)
+
+
 _FIELDS = {
     "hello": _COMMON | {"run", "device", "backend", "env"},
     "steps": _COMMON | {"phases", "records", "dropped"},
@@ -320,7 +360,8 @@ _FIELDS = {
     "stacks": _COMMON | {"stacks"},
     "goodbye": _COMMON | {"exit_code", "error", "steps"},
     "checks": _COMMON | {"findings", "facts"},
+    "capture": _COMMON | {"capture_id", "state", "steps", "path", "error"},
 }
 
 _BODY_VALIDATORS = {"hello": _hello, "sys": _sys, "heartbeat": _heartbeat, "stacks": _stacks,
-                    "goodbye": _goodbye, "checks": _checks}
+                    "goodbye": _goodbye, "checks": _checks, "capture": _capture}

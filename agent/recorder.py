@@ -45,6 +45,7 @@ class Recorder:
         "explicit_steps",
         "collectives",
         "parallel",
+        "step_listener",
         "in_collective",
         "last_step_t",
         "last_wall",
@@ -65,6 +66,7 @@ class Recorder:
         # Progress, read by the heartbeat thread (which needs nothing from this one):
         self.collectives = 0  # explicit torch.distributed collectives entered
         self.parallel: str | None = None  # "ddp" or "fsdp", learned during the first step
+        self.step_listener: Any = None  # called after each closed step (deep-trace capture)
         self.in_collective: str | None = None
         self.last_step_t = perf_counter_ns()
         self.last_wall = 0  # the last step's wall time, ns
@@ -135,6 +137,9 @@ class Recorder:
         self.last_step_t = t
         self.last_wall = t - start
         self.acc = [None] * len(self.names)
+        listener = self.step_listener
+        if listener is not None:
+            listener()
 
     def _emit(self, step: int, t: int, wall: int, acc: list[int | None]) -> None:
         self.out.append((step, t, wall, acc))

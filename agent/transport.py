@@ -20,6 +20,7 @@ from time import perf_counter_ns
 from typing import Any
 
 from . import keys, protocol
+from .capture import Capturer
 from .checks import StepObserver
 from .recorder import MEASURED, Recorder
 from .sysmetrics import SystemSampler
@@ -47,6 +48,7 @@ class Sender(threading.Thread):
         cuda_index: int | None,
         secret: str | None = None,
         observer: StepObserver | None = None,
+        capturer: Capturer | None = None,
     ) -> None:
         super().__init__(name="traceml-sender", daemon=True)
         self.endpoint = endpoint
@@ -57,6 +59,7 @@ class Sender(threading.Thread):
         self.cuda_index = cuda_index
         self.secret = secret
         self.observer = observer
+        self.capturer = capturer
         self.stop_event = threading.Event()
         self.exit_code: int | None = None
         self.error: str | None = None
@@ -92,6 +95,7 @@ class Sender(threading.Thread):
             keys.secure_client(sock, keys.derive(self.secret))
         sock.connect(self.endpoint)
         self._zmq_again = zmq.Again
+        self._noblock = zmq.NOBLOCK
         self._sock = sock
         sampler = SystemSampler(self.cuda_index)
         try:
@@ -100,6 +104,7 @@ class Sender(threading.Thread):
             while not self.stop_event.wait(SEND_INTERVAL_S):
                 self._send_steps()
                 self._send_checks()
+                self._serve_captures()
                 now = time.monotonic()
                 if now >= next_sys:
                     next_sys = now + SYS_INTERVAL_S
@@ -149,6 +154,24 @@ class Sender(threading.Thread):
             self._send("stacks", stacks=thread_stacks())
         elif since_step <= stuck_after:
             self.stacks_sent_at = 0.0
+
+    def _serve_captures(self) -> None:
+        """Requests from the collector (the DEALER hears its ROUTER), then the capture's
+        progress back. A malformed request is ignored: only the collector can send one."""
+        capturer = self.capturer
+        if capturer is None:
+            return
+        sock = self._sock
+        while sock.poll(0):
+            try:
+                capture_id, steps = protocol.decode_capture_request(sock.recv(self._noblock))
+            except (protocol.ProtocolError, self._zmq_again):
+                continue
+            if not capturer.request(capture_id, steps):
+                self._send("capture", capture_id=capture_id, state="refused", steps=steps,
+                           path=None, error="a capture is already running on this rank")
+        while capturer.events:
+            self._send("capture", **capturer.events.popleft())
 
     def _send_checks(self) -> None:
         """Setup findings as they are made, and once this rank's facts for the collector's

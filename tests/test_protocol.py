@@ -47,6 +47,9 @@ def raw(kind: str = "heartbeat", ident: dict | None = None, **fields) -> dict:
         msg.update(phases=list(PHASES), records=[list(RECORD)], dropped=0)
     if kind == "stacks":
         msg.update(stacks=[["MainThread", "  File \"train.py\", line 3, in <module>\n"]])
+    if kind == "capture":
+        msg.update(capture_id=1, state="done", steps=0, path="/run/traces/capture1-rank0.json",
+                   error=None)
     msg.update(fields)
     return msg
 
@@ -311,3 +314,26 @@ def test_module_never_uses_pickle():
     imports = [ln for ln in src.splitlines() if re.match(r"\s*(import|from)\s", ln)]
     assert imports and not [ln for ln in imports if re.search("pickle|marshal|dill|shelve", ln)]
     assert "pickle." not in src
+
+
+@pytest.mark.parametrize("fields", [
+    {"state": "exploded"}, {"capture_id": -1}, {"path": "x" * 5000}, {"steps": "4"},
+    {"extra": 1},
+])
+def test_bad_capture_events_are_rejected(fields):
+    with pytest.raises(ProtocolError):
+        decode(pack(raw("capture", **fields)))
+
+
+def test_capture_requests_round_trip_and_reject_anything_else():
+    assert protocol.decode_capture_request(protocol.encode_capture_request(7, 5)) == (7, 5)
+    for bad in (b"", b"\xc1", msgpack.packb({"op": "capture", "id": 1}),
+                msgpack.packb({"op": "shutdown", "id": 1, "steps": 1}),
+                msgpack.packb({"op": "capture", "id": 1, "steps": 0})):
+        with pytest.raises(ProtocolError):
+            protocol.decode_capture_request(bad)
+
+
+def test_a_body_field_cannot_replace_the_envelope():
+    with pytest.raises(ValueError, match="envelope"):
+        protocol.encode("capture", IDENT, 1, T, id=3)

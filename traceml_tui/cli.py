@@ -100,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("new", type=Path, metavar="NEW")
     cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
 
+    exp = sub.add_parser("export", help="export a run's phase timeline for Perfetto",
+                         description="Write the whole job's per-rank phase timeline as a "
+                         "Chrome-trace JSON file that https://ui.perfetto.dev opens.")
+    exp.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    exp.add_argument("--perfetto", type=Path, required=True, metavar="OUT.json",
+                     help="where to write the trace")
+    exp.add_argument("--last-steps", type=_positive, default=None, metavar="N",
+                     help="only each rank's last N steps (long runs make big files)")
+
     sub.add_parser("collector", help="run a collector by hand (see traceml collector -h)",
                    add_help=False)
     return parser
@@ -177,6 +186,19 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .export import ExportError, export_perfetto
+
+    try:
+        counts = export_perfetto(args.run_dir, args.perfetto, args.last_steps)
+    except ExportError as exc:
+        print(f"traceml export: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.perfetto}: {counts['records']} steps of {counts['ranks']} rank(s); "
+          f"open it in https://ui.perfetto.dev", file=sys.stderr)
+    return 0
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .compare import CompareError, compare, load, render
 
@@ -204,5 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_compare(args)
     if args.command == "watch":
         return _cmd_watch(args)
+    if args.command == "export":
+        return _cmd_export(args)
     parser.print_help()
     return 2

@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,21 @@ import msgpack
 import zmq
 
 from traceml_agent import keys
-from traceml_agent.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode
+from traceml_agent.capture import MAX_CAPTURE_STEPS
+from traceml_agent.protocol import (
+    MAX_MESSAGE_BYTES,
+    ProtocolError,
+    decode,
+    encode_capture_request,
+)
 
 from . import summary, view_state
+from .captures import DEFAULT_STEPS, CaptureBoard
 from .state import RunState, Snapshot
+from .step_log import StepLogWriter
 
 COLLECTOR_JSON = "collector.json"
+STEP_LOG_DIR = "steps"  # every rank's step records, bounded (step_log.py), for exports
 EVAL_INTERVAL_S = 0.5  # live diagnosis cadence: a change shows within ~1-2 s
 SNAPSHOT_INTERVAL_S = 2.0  # how much a crash of this process can lose, at most
 FINISH_GRACE_S = 3.0  # at the end, how long to wait for ranks' last batches
@@ -91,6 +101,26 @@ def finish_request_error(request: dict[str, Any]) -> str | None:
     return None
 
 
+def capture_roles(view: view_state.ViewState | None, asked: list[int] | None
+                  ) -> dict[int, str]:
+    """Which ranks a capture covers, and why: the asked (pinned) rank or the worst one,
+    plus the rank whose local work is the median's, to read beside it."""
+    if view is None:
+        return {}
+    live = [r for r in view.rows if r.step_ms is not None]
+    local = {r.rank: sum(v for i, v in enumerate(r.phase_ms) if v is not None
+                         and view_state.VIEW_PHASES[i] not in ("sync", "wait")) for r in live}
+    roles: dict[int, str] = {}
+    if asked:
+        roles.update({r: "pinned" for r in asked if 0 <= r < view.world_size})
+    elif view.worst is not None:
+        roles[view.worst.rank] = "worst"
+    others = sorted((v, r) for r, v in local.items() if r not in roles)
+    if others and roles:
+        roles[others[len(others) // 2][1]] = "median"
+    return roles
+
+
 def recv_hwm(world_size: int) -> int:
     return max(MIN_RECV_HWM, RECV_BACKLOG_BYTES // QUEUED_MESSAGE_BYTES // max(1, world_size))
 
@@ -132,6 +162,9 @@ class Collector:
         self.poller.register(self.ingest, zmq.POLLIN)
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.view, zmq.POLLIN)
+        self.routes: dict[int, bytes] = {}  # rank -> its connection, to send it requests
+        self.captures = CaptureBoard(self.run_dir)
+        self.step_log = StepLogWriter(self.run_dir / STEP_LOG_DIR)
         self.view_snap: Snapshot | None = None
         self.view_now: view_state.ViewState | None = None
         self.view_bytes = b""
@@ -182,6 +215,7 @@ class Collector:
                 self.state.counters["rejected_peers"] = self.rejected_peers
                 self.state.evaluate(time.time(), time.monotonic())
                 self.refresh_view()
+                self.step_log.flush_if_due()
             if now >= next_snap:
                 self.write_live()
                 done = time.monotonic()
@@ -218,14 +252,23 @@ class Collector:
             except ProtocolError:
                 self.state.count_malformed()
                 continue
-            self.state.ingest(msg, mono)
+            if not self.state.ingest(msg, mono):
+                continue
+            rank = msg.ident.rank
+            self.routes[rank] = frames[0]
+            kind = msg.kind
+            if kind == "steps":
+                self.step_log.append_records(rank, msg.phases, msg.records)
+            elif kind == "capture":
+                self.captures.on_event(rank, msg.body)
         return n
 
     def refresh_view(self) -> None:
         """Freeze the state for viewers once per tick; every viewer gets the same bytes."""
         snap = self.state.snapshot(time.time(), time.monotonic())
         self.view_snap = snap
-        self.view_now = view_state.build(snap, self.state.recent_steps)
+        self.view_now = replace(view_state.build(snap, self.state.recent_steps),
+                                capture=self.captures.view())
         self.view_bytes = msgpack.packb(self.view_now.to_wire())
 
     def handle_view(self) -> None:
@@ -245,12 +288,36 @@ class Collector:
                                       self.state.recent_steps(pinned))
                 extra = None if d is None else d.to_wire()
             self.view.send_multipart([self.view_bytes, msgpack.packb(extra)])
+        elif op == "capture":
+            self.view.send(msgpack.packb(self.start_capture(request)))
         elif op == "summary":
             snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
             doc = summary.build(snap, summary.RunMeta(complete=False))
             self.view.send(msgpack.packb(doc))
         else:
             self.view.send(msgpack.packb({"error": f"unknown op {op!r}"}))
+
+    def start_capture(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A viewer asks for a deep trace: of the ranks it names (the pinned one; the median
+        rank is added to compare with), else of the worst and the median rank."""
+        steps = request.get("steps", DEFAULT_STEPS)
+        ranks = request.get("ranks")
+        if type(steps) is not int or not 1 <= steps <= MAX_CAPTURE_STEPS:
+            return {"ok": False, "error": f"steps must be 1-{MAX_CAPTURE_STEPS}"}
+        if ranks is not None and (not isinstance(ranks, list)
+                                  or not all(type(r) is int for r in ranks[:8])):
+            return {"ok": False, "error": "ranks must be a list of rank numbers"}
+        if self.view_now is None:
+            self.refresh_view()
+        roles = capture_roles(self.view_now, ranks)
+        roles = {r: role for r, role in roles.items() if r in self.routes}
+        cap, error = self.captures.start(roles, steps)
+        if cap is None:
+            return {"ok": False, "error": error}
+        for rank in cap.ranks:
+            self.ingest.send_multipart([self.routes[rank],
+                                        encode_capture_request(cap.id, steps)])
+        return {"ok": True, "id": cap.id, "ranks": list(cap.ranks), "steps": steps}
 
     def write_live(self) -> None:
         try:
@@ -322,6 +389,7 @@ class Collector:
         snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
         doc = summary.build(snap, meta)
         path = summary.write_summary(self.run_dir, doc)
+        self.step_log.close()
         self.done = True
         return {"ok": True, "path": str(path), "exit_code": code, "failed_rank": failed,
                 "text": summary.render_text(doc)}

@@ -80,6 +80,12 @@ class ViewClient:
             raise ViewUnavailable(doc["error"])
         return doc
 
+    def capture(self, ranks: list[int] | None = None, steps: int = 5) -> dict[str, Any]:
+        """Ask for a deep trace (ranks None: the worst and the median rank). The reply says
+        {"ok": True, "id", "ranks"} or {"ok": False, "error"}; progress comes in the view."""
+        frames = self._request({"op": "capture", "ranks": ranks, "steps": steps})
+        return msgpack.unpackb(frames[0], raw=False)
+
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close(0)

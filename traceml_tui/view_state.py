@@ -110,6 +110,7 @@ class ViewState:
     # Setup mistakes found (agent/checks.py), merged across ranks:
     # (id, severity, ranks, evidence, fix), most severe first.
     checks: tuple[tuple[str, str, tuple[int, ...], str, str], ...] = ()
+    capture: dict[str, Any] | None = None  # the latest deep trace (captures.py to_wire)
 
     @property
     def reporting(self) -> int:
@@ -138,6 +139,7 @@ class ViewState:
             "worst": None if self.worst is None else self.worst.to_wire(),
             "device": self.device, "finished": self.finished, "exit_code": self.exit_code,
             "node": self.node, "checks": [list(c) for c in self.checks],
+            "capture": self.capture,
         }
 
     @classmethod
@@ -149,7 +151,8 @@ class ViewState:
             w["median_step_ms"], tuple(w["median_phase_ms"]),
             None if w["worst"] is None else RankDetail.from_wire(w["worst"]), w["device"],
             w.get("finished", False), w.get("exit_code"), w.get("node"),
-            tuple((c[0], c[1], tuple(c[2]), c[3], c[4]) for c in w.get("checks", ())))
+            tuple((c[0], c[1], tuple(c[2]), c[3], c[4]) for c in w.get("checks", ())),
+            w.get("capture"))
 
 
 # --- building from the collector's snapshot ---------------------------------------------

@@ -1,0 +1,133 @@
+"""Deep trace on demand: torch.profiler over the next N steps, asked for from the dashboard.
+
+The collector sends a request down the agent's own connection; the sender thread
+hands it to a `Capturer`. The profiler is started and stopped in the training
+thread, at step boundaries (the recorder calls `on_step_end` after each step it
+closes): a capture never cuts a step in half and never restarts the job. Exporting
+the trace file happens on a thread of its own, so the training thread pays for the
+profiler only during the N captured steps. Events go back through a queue the
+sender thread drains ("started", "done" with the file, "failed" with why).
+
+Never raises into user code: a failure is reported as a "failed" event.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+MAX_CAPTURE_STEPS = 50  # a deep trace is for reading, not for a whole run: files stay small
+TRACES_DIR = "traces"
+
+
+class Capturer:
+    def __init__(self, rank: int, run_dir: str | None, torch: Any) -> None:
+        self.rank = rank
+        self.run_dir = run_dir
+        self.torch = torch
+        self.events: deque[dict[str, Any]] = deque(maxlen=64)  # for the sender thread
+        self._pending: tuple[int, int] | None = None  # (capture id, steps), set by sender
+        self._prof: Any = None
+        self._id = 0
+        self._left = 0
+        self._busy = False  # from a request until its file is written
+        self._step_span: Any = None
+        self._step_no = 0
+
+    # --- sender thread --------------------------------------------------------------
+
+    def request(self, capture_id: int, steps: int) -> bool:
+        """Accept a capture of the next `steps` steps; False (refused) while one runs."""
+        if self._busy or not 1 <= steps <= MAX_CAPTURE_STEPS:
+            return False
+        self._busy = True
+        self._pending = (capture_id, steps)
+        return True
+
+    # --- training thread ------------------------------------------------------------
+
+    def on_step_end(self) -> None:
+        """After each step: start a requested capture, or count down a running one."""
+        if self._prof is not None:
+            self._end_step_span()
+            self._left -= 1
+            if self._left <= 0:
+                self._stop()
+            else:
+                self._begin_step_span()
+            return
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            self._start(*pending)
+
+    def _start(self, capture_id: int, steps: int) -> None:
+        try:
+            profiler = self.torch.profiler
+            activities = [profiler.ProfilerActivity.CPU]
+            if self.torch.cuda.is_available():
+                activities.append(profiler.ProfilerActivity.CUDA)
+            prof = profiler.profile(activities=activities)
+            prof.start()
+        except Exception as exc:
+            self._finish(capture_id, "failed", error=f"could not start the profiler: {exc!r}")
+            return
+        self._prof, self._id, self._left = prof, capture_id, steps
+        self._step_no = 0
+        self._begin_step_span()
+        self.events.append({"capture_id": capture_id, "state": "started", "steps": steps,
+                            "path": None, "error": None})
+
+    def _begin_step_span(self) -> None:
+        """A "ProfilerStep#N" span per step, as torch.profiler's own schedule records them:
+        the analysis (and Perfetto's users) find the steps by these names."""
+        try:
+            span = self.torch.profiler.record_function(f"ProfilerStep#{self._step_no}")
+            span.__enter__()
+            self._step_span = span
+            self._step_no += 1
+        except Exception:
+            self._step_span = None
+
+    def _end_step_span(self) -> None:
+        span, self._step_span = self._step_span, None
+        if span is not None:
+            try:
+                span.__exit__(None, None, None)
+            except Exception:
+                pass
+
+    def _stop(self) -> None:
+        prof, capture_id = self._prof, self._id
+        self._prof = None
+        try:
+            prof.stop()
+        except Exception as exc:
+            self._finish(capture_id, "failed", error=f"the profiler did not stop: {exc!r}")
+            return
+        threading.Thread(target=self._export, args=(prof, capture_id),
+                         name="traceml-capture", daemon=True).start()
+
+    # --- export thread --------------------------------------------------------------
+
+    def _export(self, prof: Any, capture_id: int) -> None:
+        try:
+            folder = Path(self.run_dir or ".") / TRACES_DIR
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"capture{capture_id}-rank{self.rank}.json"
+            tmp = path.with_suffix(f".tmp{os.getpid()}.json")
+            prof.export_chrome_trace(str(tmp))
+            os.replace(tmp, path)  # the collector never reads a half-written trace
+        except Exception as exc:
+            self._finish(capture_id, "failed", error=f"could not write the trace: {exc!r}")
+            return
+        self._finish(capture_id, "done", path=str(path.resolve()))
+
+    def _finish(self, capture_id: int, state: str, path: str | None = None,
+                error: str | None = None) -> None:
+        self.events.append({"capture_id": capture_id, "state": state, "steps": 0, "path": path,
+                            "error": error})
+        self._busy = False

@@ -1,0 +1,74 @@
+"""Deep trace on demand, end to end: a running job is asked (through the same view
+socket the dashboard uses) to profile a few steps on the worst and the median rank; the
+trace files land in the run folder and the analysis reaches the view and the disk."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jobs import EXAMPLES, live_steps, spawn_traceml, wait_for
+from traceml_tui.view_client import ViewClient, resolve_target
+
+pytestmark = pytest.mark.e2e
+
+
+def test_capture_the_straggler_and_the_median_rank_then_export_perfetto(tmp_path):
+    out, run_dir = tmp_path / "runs", tmp_path / "runs" / "cap"
+    job = spawn_traceml("run", str(EXAMPLES / "ddp_toy.py"), "--nproc-per-node", "3",
+                        "--headless", "--out", str(out), "--run-name", "cap", "--",
+                        "--scenario", "input", "--rank", "2", "--delay-ms", "20",
+                        "--steps", "400")
+    try:
+        wait_for(lambda: live_steps(run_dir) >= 30, 90, "the job to step")
+        address, _, secret = resolve_target(str(run_dir))
+        client = ViewClient(address, timeout_s=5, secret=secret)
+        wait_for(lambda: client.fetch()[0].rank == 2, 30, "the straggler to be named")
+
+        reply = client.capture(steps=4)
+        assert reply["ok"], reply
+        assert 2 in reply["ranks"] and len(reply["ranks"]) == 2  # worst + median
+        again = client.capture(steps=4)  # one at a time, refused in words
+        assert not again["ok"] and "already running" in again["error"]
+
+        def analysed() -> bool:
+            cap = client.fetch()[0].capture
+            return bool(cap and cap["text"])
+
+        wait_for(analysed, 60, "the capture's analysis")
+        cap = client.fetch()[0].capture
+        client.close()
+    finally:
+        stdout, stderr = job.communicate(timeout=180)
+    assert job.returncode == 0, stderr[-3000:]
+
+    roles = cap["roles"]
+    assert roles["2"] == "worst" and "median" in roles.values()
+    assert set(cap["states"].values()) == {"done"}
+    for rank in cap["ranks"]:
+        trace = json.loads(open(cap["paths"][str(rank)]).read())  # Chrome trace JSON
+        assert any(e.get("name", "").startswith("ProfilerStep") or e.get("ph") == "X"
+                   for e in trace["traceEvents"])
+    text = cap["text"]
+    assert "rank 2 (worst)" in text and "dataloader_us_per_step" in text
+    assert "need a CUDA trace" in text  # on CPU it says what needs a GPU
+    saved = json.loads((run_dir / "traces" / f"capture{cap['id']}.json").read_text())
+    assert saved["comparison"]["worst_rank"] == 2
+    worst = dict((r["metric"], r) for r in saved["comparison"]["rows"])
+    assert worst["dataloader_us_per_step"]["delta"] > 10_000  # 20 ms slower per step
+
+    # The whole job's phase timeline, for Perfetto.
+    export = subprocess.run([sys.executable, "-m", "traceml_tui", "export", str(run_dir),
+                             "--perfetto", str(tmp_path / "job.json")],
+                            capture_output=True, text=True, timeout=60)
+    assert export.returncode == 0, export.stderr
+    doc = json.loads((tmp_path / "job.json").read_text())
+    names = {e["args"]["name"] for e in doc["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    assert {n.split(" ")[0] + " " + n.split(" ")[1] for n in names if n.startswith("rank")} \
+        == {"rank 0", "rank 1", "rank 2"}
+    steps = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e["name"] == "step 10"]
+    assert len(steps) == 3

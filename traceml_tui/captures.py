@@ -1,0 +1,161 @@
+"""The collector's side of a deep-trace capture: one at a time, analysed when it lands.
+
+A viewer asks for a capture of N steps on some ranks (by default the worst rank and
+the median rank, to read side by side). The collector sends the request down each
+rank's connection; each agent reports "started", then "done" with the trace file
+(or "failed"/"refused"). When every rank is done, the traces are analysed
+(trace_analysis.py) on a thread of this module's, so ingest never waits for it, and
+the result is saved as RUN_DIR/traces/captureN.json and .txt. While a capture runs, a
+second request is refused politely.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import summary, trace_analysis
+
+DEFAULT_STEPS = 5
+# A rank that has not finished its capture after this long (a step can be slow, and the
+# profiler slows it further; a hung rank never gets there) frees the slot for a new one.
+CAPTURE_TIMEOUT_S = 120.0
+FINAL_STATES = ("done", "failed", "refused")
+
+
+@dataclass
+class Capture:
+    id: int
+    steps: int
+    ranks: tuple[int, ...]
+    requested_at: float
+    roles: dict[int, str]  # rank -> "worst", "median", "pinned"
+    states: dict[int, str] = field(default_factory=dict)
+    paths: dict[int, str] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    text: str = ""  # the analysis, once made
+    saved: str | None = None
+    analysing: bool = False
+
+    def finished(self, now: float) -> bool:
+        return (all(self.states.get(r) in FINAL_STATES for r in self.ranks)
+                or now - self.requested_at > CAPTURE_TIMEOUT_S)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"id": self.id, "steps": self.steps, "ranks": list(self.ranks),
+                "roles": {str(r): v for r, v in self.roles.items()},
+                "states": {str(r): self.states.get(r, "requested") for r in self.ranks},
+                "errors": {str(r): e for r, e in self.errors.items()},
+                "paths": {str(r): p for r, p in self.paths.items()},
+                "text": self.text, "saved": self.saved}
+
+
+class CaptureBoard:
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.current: Capture | None = None
+        self._next_id = 1
+        self._lock = threading.Lock()  # the analysis thread writes text and saved
+
+    def start(self, roles: dict[int, str], steps: int, now: float | None = None
+              ) -> tuple[Capture | None, str | None]:
+        """A new capture, or why not (one is running, nothing to capture)."""
+        now = time.monotonic() if now is None else now
+        cur = self.current
+        if cur is not None and not (cur.finished(now) and not cur.analysing):
+            busy = ", ".join(map(str, cur.ranks))
+            return None, (f"a capture is already running (ranks {busy}, {cur.steps} steps); "
+                          f"wait for it to finish")
+        if not roles:
+            return None, "no rank to capture yet (no rank has reported steps)"
+        cap = Capture(self._next_id, steps, tuple(sorted(roles)), now, dict(roles))
+        self._next_id += 1
+        self.current = cap
+        return cap, None
+
+    def on_event(self, rank: int, body: dict[str, Any]) -> None:
+        cap = self.current
+        if cap is None or body["capture_id"] != cap.id or rank not in cap.ranks:
+            return  # a late event of an older capture
+        cap.states[rank] = body["state"]
+        if body["path"]:
+            cap.paths[rank] = body["path"]
+        if body["error"]:
+            cap.errors[rank] = body["error"]
+        if all(cap.states.get(r) in FINAL_STATES for r in cap.ranks) and not cap.analysing:
+            cap.analysing = True
+            threading.Thread(target=self._analyse, args=(cap,), name="traceml-analysis",
+                             daemon=True).start()
+
+    def view(self) -> dict[str, Any] | None:
+        with self._lock:
+            return None if self.current is None else self.current.to_wire()
+
+    # --- analysis thread ------------------------------------------------------------
+
+    def _analyse(self, cap: Capture) -> None:
+        analyses: dict[int, trace_analysis.TraceAnalysis] = {}
+        problems = []
+        for rank in cap.ranks:
+            path = cap.paths.get(rank)
+            if path is None:
+                problems.append(f"rank {rank}: {cap.errors.get(rank) or cap.states.get(rank)}")
+                continue
+            try:
+                analyses[rank] = trace_analysis.analyze_file(path)
+            except Exception as exc:  # a trace on another host's disk, or unreadable
+                problems.append(f"rank {rank}: cannot analyse {path}: {exc}")
+        text, doc = self._report(cap, analyses, problems)
+        saved = None
+        try:
+            folder = self.run_dir / "traces"
+            folder.mkdir(parents=True, exist_ok=True)
+            summary.write_atomic(folder / f"capture{cap.id}.txt", text)
+            summary.write_atomic(folder / f"capture{cap.id}.json", json.dumps(doc, indent=1))
+            saved = str(folder / f"capture{cap.id}.json")
+        except OSError as exc:
+            problems.append(f"could not save the analysis: {exc}")
+        with self._lock:
+            cap.text, cap.saved, cap.analysing = text, saved, False
+
+    @staticmethod
+    def _report(cap: Capture, analyses: dict[int, trace_analysis.TraceAnalysis],
+                problems: list[str]) -> tuple[str, dict[str, Any]]:
+        parts = [f"Deep trace {cap.id}: {cap.steps} steps on rank(s) "
+                 + ", ".join(f"{r} ({cap.roles.get(r, 'asked')})" for r in cap.ranks)]
+        doc: dict[str, Any] = {"id": cap.id, "steps": cap.steps, "ranks": list(cap.ranks),
+                               "roles": {str(r): v for r, v in cap.roles.items()},
+                               "traces": {str(r): p for r, p in cap.paths.items()},
+                               "problems": problems, "analyses": {}, "comparison": None}
+        worst = next((r for r, role in cap.roles.items() if role in ("worst", "pinned")), None)
+        median = next((r for r, role in cap.roles.items() if role == "median"), None)
+        if worst in analyses and median in analyses and worst != median:
+            comparison = trace_analysis.compare(analyses[worst], analyses[median])
+            doc["comparison"] = comparison.to_dict()
+            parts.append(_comparison_text(comparison, worst, median))
+        for rank, analysis in sorted(analyses.items()):
+            doc["analyses"][str(rank)] = analysis.to_dict()
+            parts.append(f"--- rank {rank} ({cap.roles.get(rank, 'asked')}): "
+                         f"{cap.paths.get(rank)}\n" + trace_analysis.render_text(analysis))
+        parts += [f"problem: {p}" for p in problems]
+        return "\n\n".join(parts) + "\n", doc
+
+
+def _comparison_text(comparison: Any, worst: int, median: int) -> str:
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = [f"{'':<28} {'rank ' + str(worst):>12} {'rank ' + str(median):>12} {'delta':>10}"]
+    for row in comparison.rows:
+        lines.append(f"{row.metric:<28} {cell(row.worst):>12} {cell(row.median):>12} "
+                     f"{cell(row.delta):>10}")
+    for f in comparison.findings:
+        title = getattr(f, "title", str(f))
+        lines.append(f"* {title}: {getattr(f, 'evidence', '')}")
+    return "\n".join(lines)
