@@ -249,3 +249,33 @@ async def test_setup_checks_are_counted_and_c_shows_evidence_and_fix():
         await pilot.press("escape")
         await pilot.pause(0.1)
         assert not isinstance(app.screen, ChecksScreen)
+
+
+async def test_t_asks_for_a_deep_trace_of_the_pinned_rank_and_T_reads_it():
+    from traceml_tui.dashboard.screens import TraceScreen
+
+    source = StaticSource(make_state())
+    app = DashboardApp(source, refresh_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        await pilot.press("t")  # nothing pinned: the worst and the median rank
+        await pilot.pause(0.2)
+        app.pin(5)
+        await pilot.press("t")
+        await pilot.pause(0.2)
+        assert source.captures == [(None, 5), ([5], 5)]
+        await pilot.press("T")  # nothing analysed yet: said, no screen
+        await pilot.pause(0.1)
+        assert not isinstance(app.screen, TraceScreen)
+        capture = {"id": 2, "steps": 5, "ranks": [2, 5], "roles": {"2": "median", "5": "pinned"},
+                   "states": {"2": "done", "5": "done"}, "errors": {}, "paths": {},
+                   "text": "Deep trace 2: 5 steps\ndataloader_us_per_step  30000  300",
+                   "saved": "/run/traces/capture2.json"}
+        source.capture_view = capture  # the collector's next view carries the analysis
+        await pilot.pause(0.2)
+        assert "trace 2 ready (T)" in text_of(app.query_one(StatusBar))
+        await pilot.press("T")
+        await pilot.pause(0.1)
+        assert isinstance(app.screen, TraceScreen)
+        shown = " ".join(text_of(w) for w in app.screen.query(Static))
+        assert "dataloader_us_per_step" in shown

@@ -8,6 +8,7 @@ for the same numbers from a live job.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Any
 
 from traceml_agent.checks import Finding
@@ -80,13 +81,15 @@ class StaticSource:
         self.states = states if isinstance(states, list) else [states]
         self.index = 0
         self.fetches = 0
+        self.captures: list[tuple[list[int] | None, int]] = []
+        self.capture_view: dict[str, Any] | None = None  # served as the view's capture
 
     def fetch(self, pinned: int | None) -> tuple[ViewState, RankDetail | None]:
         state = self.states[min(self.index, len(self.states) - 1)]
         self.index += 1
         self.fetches += 1
         snap = state.snapshot(T0 + 75.0, 0.5)
-        view = view_state.build(snap, state.recent_steps)
+        view = replace(view_state.build(snap, state.recent_steps), capture=self.capture_view)
         detail = None
         if pinned is not None:
             detail = view_state.detail(snap, pinned, view, state.recent_steps(pinned))
@@ -96,6 +99,10 @@ class StaticSource:
         state = self.states[min(self.index, len(self.states)) - 1]
         snap = state.snapshot(T0 + 75.0, 0.5, full=True)
         return summary.build(snap, summary.RunMeta(complete=False))
+
+    def capture(self, ranks: list[int] | None = None, steps: int = 5) -> dict[str, Any]:
+        self.captures.append((ranks, steps))
+        return {"ok": True, "id": len(self.captures), "ranks": ranks or [0], "steps": steps}
 
     def close(self) -> None:
         pass

@@ -29,7 +29,7 @@ from ..view_state import RankDetail, ViewState
 from .banner import Banner
 from .heat_table import SORT_KEYS, HeatTable, header_text
 from .rank_panel import RankPanel
-from .screens import ChecksScreen, HelpScreen, PromptScreen
+from .screens import ChecksScreen, HelpScreen, PromptScreen, TraceScreen
 from .status_bar import StatusBar
 
 REFRESH_S = 0.5
@@ -41,11 +41,13 @@ GC_THRESHOLDS = (20_000, 50, 100)
 # Above this many ranks the table opens in node view (one line per node, worst values),
 # and `n` drills into ranks.
 NODE_VIEW_ABOVE = 256
+TRACE_STEPS = 5  # steps a deep trace profiles: enough to average, small enough to read
 
 
 class ViewSource(Protocol):
     def fetch(self, pinned: int | None) -> tuple[ViewState, RankDetail | None]: ...
     def summary(self) -> dict[str, Any]: ...
+    def capture(self, ranks: list[int] | None = None, steps: int = 5) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
 
@@ -63,6 +65,8 @@ class DashboardApp(App[None]):
         Binding("slash", "filter", "Filter"),
         Binding("n", "nodes", "Nodes/ranks"),
         Binding("c", "checks", "Setup checks"),
+        Binding("t", "trace", "Deep trace"),
+        Binding("T", "show_trace", "Last deep trace", show=False),
         Binding("e", "export", "Export JSON"),
         Binding("v", "save_svg", "Save SVG"),
         Binding("question_mark", "help", "Help"),
@@ -125,7 +129,14 @@ class DashboardApp(App[None]):
 
     def apply(self, view: ViewState, detail: RankDetail | None, note: str) -> None:
         """Replace the whole shown state with a new frozen one."""
+        seen = self.state.capture if self.state else None
         self.state, self.pinned_detail, self.source_note = view, detail, note
+        cap = view.capture
+        if cap and cap.get("text") and not (seen and seen.get("text") and
+                                             seen["id"] == cap["id"]):
+            self.notify(f"deep trace {cap['id']} analysed: press T to read it"
+                        + (f" (saved in {cap['saved']})" if cap.get("saved") else ""),
+                        title="deep trace", timeout=15)
         if self.nodes_only is None:
             self.nodes_only = view.world_size > NODE_VIEW_ABOVE
         self.redraw()
@@ -269,6 +280,34 @@ class DashboardApp(App[None]):
         if self.run_dir is not None:
             return self.run_dir / "snapshots"
         return Path.cwd()
+
+    def action_trace(self) -> None:
+        """Profile the next TRACE_STEPS steps on the pinned rank (or the worst one) and
+        the median rank, without restarting anything."""
+        ranks = None if self.pinned is None else [self.pinned]
+        self.run_worker(lambda: self._trace(ranks), thread=True, name="trace")
+
+    def _trace(self, ranks: list[int] | None) -> None:
+        try:
+            reply = self.source.capture(ranks, TRACE_STEPS)
+        except Exception as exc:
+            self.call_from_thread(self.notify, f"deep trace not started: {exc}",
+                                  severity="error")
+            return
+        if reply.get("ok"):
+            who = ", ".join(map(str, reply["ranks"]))
+            self.call_from_thread(self.notify, f"capturing {reply['steps']} steps on rank(s) "
+                                  f"{who}; T shows the analysis", title="deep trace")
+        else:
+            self.call_from_thread(self.notify, str(reply.get("error")), title="deep trace",
+                                  severity="warning")
+
+    def action_show_trace(self) -> None:
+        capture = self.state.capture if self.state else None
+        if not capture or not capture.get("text"):
+            self.notify("no deep trace analysed yet: press t to take one")
+            return
+        self.push_screen(TraceScreen(capture))
 
     def action_export(self) -> None:
         self.run_worker(self._export, thread=True, name="export")

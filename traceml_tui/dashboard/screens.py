@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
+from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
 
@@ -50,6 +50,28 @@ class ChecksScreen(ModalScreen[None]):
         with Vertical(id="help"):
             yield Label("setup checks (docs/checks.md)", id="help-title")
             yield Static(text)
+            yield Label("escape closes this screen", classes="hint")
+
+
+class TraceScreen(ModalScreen[None]):
+    """A deep trace's analysis: the worst (or pinned) rank beside the median rank."""
+
+    BINDINGS = [Binding("escape,q,T", "dismiss", "Close")]
+
+    def __init__(self, capture: dict) -> None:
+        super().__init__()
+        self.capture = capture
+
+    def compose(self) -> ComposeResult:
+        cap = self.capture
+        with Vertical(id="help"):
+            yield Label(f"deep trace {cap['id']}: {cap['steps']} steps "
+                        f"(docs/deep-trace.md)", id="help-title")
+            with VerticalScroll():
+                yield Static(Text(cap["text"]))
+            if cap.get("saved"):
+                yield Label(f"saved: {cap['saved']}; traces open in ui.perfetto.dev",
+                            classes="hint")
             yield Label("escape closes this screen", classes="hint")
 
 

@@ -36,6 +36,14 @@ class StatusBar(Static):
             worst = state.checks[0][1]
             text.append(f"  setup checks: {len(state.checks)} (c)",
                         style="bold reverse" if worst != "info" else "bold")
+        cap = state.capture
+        if cap:
+            states = set(cap["states"].values())
+            if cap.get("text"):
+                text.append(f"  trace {cap['id']} ready (T)", style="bold")
+            elif states & {"requested", "started"}:
+                text.append(f"  tracing ranks {', '.join(map(str, cap['ranks']))}...",
+                            style="bold")
         stale = state.stale
         if stale:
             text.append(f"  stale: {_ranks(stale)}", style="bold reverse")
