@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from traceml_agent import protocol
+from traceml_agent.checks import CHECKS
 from traceml_agent.protocol import PHASES, Identity, ProtocolError, decode
 
 WORLD = 4
@@ -57,6 +58,14 @@ def template(kind: str, ident: Identity = IDENTS[0], seq: int = 1) -> dict[str, 
         msg.update(stacks=[["MainThread", '  File "train.py", line 3, in <module>\n']])
     elif kind == "goodbye":
         msg.update(exit_code=0, error=None, steps=3)
+    elif kind == "checks":
+        msg.update(findings=[{"id": "no-distributed-sampler", "severity": "critical",
+                              "ranks": [0], "evidence": "every rank reads all 64 samples",
+                              "fix": "use a DistributedSampler"}],
+                   facts={"param_checksum": 1.5, "device": None, "batch_size": 16})
+    elif kind == "capture":
+        msg.update(capture_id=1, state="done", steps=0, path="/run/traces/capture1-rank0.json",
+                   error=None)
     return msg
 
 
@@ -184,7 +193,25 @@ def valid_messages(draw: st.DrawFn) -> bytes:
     elif kind == "heartbeat":
         body = {"step": draw(big), "phase": draw(st.none() | _name(64)),
                 "in_phase_s": draw(opt), "collectives": draw(big),
-                "in_collective": draw(st.none() | _name(64)), "since_step_s": draw(opt)}
+                "in_collective": draw(st.none() | _name(64)), "since_step_s": draw(opt),
+                "parallel": draw(st.sampled_from([None, "ddp", "fsdp"]))}
+    elif kind == "checks":
+        finding = st.builds(lambda check, sev, ranks, ev, fix: {
+            "id": check, "severity": sev, "ranks": ranks, "evidence": ev, "fix": fix},
+            st.sampled_from(sorted(CHECKS)), st.sampled_from(["info", "warning", "critical"]),
+            st.lists(st.integers(0, WORLD - 1), max_size=WORLD, unique=True),
+            st.text(min_size=1, max_size=200), st.text(min_size=1, max_size=200))
+        facts = st.none() | st.fixed_dictionaries({
+            "param_checksum": st.none() | st.floats(allow_nan=False, allow_infinity=False),
+            "device": st.none() | st.text(max_size=128),
+            "batch_size": st.none() | st.integers(1, 1 << 24)})
+        body = {"findings": draw(st.lists(finding, max_size=protocol.MAX_FINDINGS)),
+                "facts": draw(facts)}
+    elif kind == "capture":
+        body = {"capture_id": draw(big), "state": draw(st.sampled_from(
+                    sorted(protocol.CAPTURE_STATES))), "steps": draw(st.integers(0, 1 << 20)),
+                "path": draw(st.none() | st.text(max_size=protocol.MAX_PATH)),
+                "error": draw(st.none() | st.text(max_size=protocol.MAX_ERROR_CHARS))}
     elif kind == "stacks":
         body = {"stacks": draw(st.lists(st.tuples(st.text(max_size=128), st.text(
             max_size=protocol.MAX_STACK_CHARS)).map(list), max_size=protocol.MAX_THREADS))}

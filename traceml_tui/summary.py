@@ -113,10 +113,15 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
     }
 
 
+# A step shorter than a microsecond is not a measurement: no rate from it (1000 / 5e-324
+# is infinite, and infinity is not JSON).
+MIN_RATE_STEP_MS = 1e-3
+
+
 def _throughput(step_ms: float | None, batch: int | None) -> dict[str, float | None]:
     """Steps per second from the median step; samples per second where the agent saw the
     DataLoader's batch size (one batch per step; gradient accumulation makes it larger)."""
-    steps = None if not step_ms else 1000.0 / step_ms
+    steps = None if not step_ms or step_ms < MIN_RATE_STEP_MS else 1000.0 / step_ms
     samples = None if steps is None or batch is None else steps * batch
     return {"steps_per_s": _round(steps, 3), "samples_per_s": _round(samples, 2),
             "batch_size": batch}
