@@ -142,6 +142,22 @@ def templates(ident: Identity, rpm: int, rng: random.Random, slow: bool) -> list
             ([hb], _at(hb, q), _at(hb, f), [], _at(hb, b"\xcf" + U64.pack(HB_S)))]
 
 
+def stamp(template: tuple, seq: int, wall: float, step: int, rpm: int) -> bytearray:
+    """One simulated agent message: a pre-encoded template with its sequence number, clock
+    and step numbers patched in place (encoding each message would cost the simulated
+    agents more CPU than the collector under test)."""
+    variants, o_seq, o_t, recs, o_hb = template
+    b = bytearray(variants[seq % len(variants)])
+    U64.pack_into(b, o_seq, seq)
+    F64.pack_into(b, o_t, wall)
+    for j, (o_step, o_end) in enumerate(recs):
+        U64.pack_into(b, o_step, step + j)
+        F64.pack_into(b, o_end, wall - 0.001 * (rpm - j))
+    if o_hb:
+        U64.pack_into(b, o_hb, step)
+    return b
+
+
 def run_generator(addr: str, world: int, rate: int, rpm: int, sys_hb: bool, prefill: int,
                   seconds: float, conn: Connection) -> None:
     pin(OTHER_CORES)
@@ -179,7 +195,6 @@ def run_generator(addr: str, world: int, rate: int, rpm: int, sys_hb: bool, pref
     time.sleep(max(0.0, start - time.monotonic()))
     per_s, total = len(pattern), int(len(pattern) * seconds)
     i = sent = dropped = steps_sent = 0
-    u, f = U64.pack_into, F64.pack_into
     while i < total and time.monotonic() < start + seconds + 5:  # bounded if we fall behind
         due = min(total, int((time.monotonic() - start) * per_s), i + BATCH)
         if i >= due:
@@ -188,15 +203,7 @@ def run_generator(addr: str, world: int, rate: int, rpm: int, sys_hb: bool, pref
         wall = time.time()
         while i < due:
             kind, k = pattern[i % per_s]
-            variants, o_seq, o_t, recs, o_hb = tpl[k][kind]
-            b = bytearray(variants[seq[k] % len(variants)])
-            u(b, o_seq, seq[k])
-            f(b, o_t, wall)
-            for j, (o_step, o_end) in enumerate(recs):
-                u(b, o_step, step[k] + j)
-                f(b, o_end, wall - 0.001 * (rpm - j))
-            if o_hb:
-                u(b, o_hb, step[k])
+            b = stamp(tpl[k][kind], seq[k], wall, step[k], rpm)
             step[k] += rpm if kind == 0 else 0
             seq[k], i = seq[k] + 1, i + 1
             try:

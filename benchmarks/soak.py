@@ -49,7 +49,7 @@ from typing import Any
 import msgpack
 import psutil
 import zmq
-from collector_ingest import F64, U64, templates
+from collector_ingest import stamp, templates
 
 from traceml_agent import protocol
 from traceml_agent.protocol import Identity
@@ -131,7 +131,6 @@ def run_sender(idx: int, load: Load, sync: Sync) -> None:
     t0, seconds = sync.start.value, load.seconds
     per_s, total = len(pattern), int(len(pattern) * seconds)
     i, published = 0, time.monotonic()
-    u, f = U64.pack_into, F64.pack_into
     while i < total and time.monotonic() < t0 + seconds + 5:  # bounded if we fall behind
         if sync.stop.is_set():
             break
@@ -145,15 +144,7 @@ def run_sender(idx: int, load: Load, sync: Sync) -> None:
         wall = time.time()
         while i < due:
             kind, k = pattern[i % per_s]
-            variants, o_seq, o_t, recs, o_hb = tpl[k][kind]
-            b = bytearray(variants[seq[k] % len(variants)])
-            u(b, o_seq, seq[k])
-            f(b, o_t, wall)
-            for j, (o_step, o_end) in enumerate(recs):
-                u(b, o_step, step[k] + j)
-                f(b, o_end, wall - 0.001 * (rpm - j))
-            if o_hb:
-                u(b, o_hb, step[k])
+            b = stamp(tpl[k][kind], seq[k], wall, step[k], rpm)
             step[k] += rpm if kind == 0 else 0
             seq[k], i = seq[k] + 1, i + 1
             try:

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from datetime import datetime
@@ -40,6 +38,7 @@ from traceml_agent.protocol import MAX_WORLD_SIZE, PHASES
 
 from . import diagnosis as dx
 from .step_log import LoggedStep
+from .summary import write_atomic_with
 
 DIAGNOSIS_PID = MAX_WORLD_SIZE  # ranks are < MAX_WORLD_SIZE, so this pid is never a rank's
 STEP_TID = 0  # a rank's step track; phase i of the export's phase order is tid i + 1
@@ -98,17 +97,7 @@ def write_trace(path: str | Path, records: Iterable[LoggedStep],
     to the file so a large export is not held twice in memory."""
     path = Path(path)
     trace = build_trace(records, summary_doc, last_steps_per_rank=last_steps_per_rank)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(trace, f, separators=(",", ":"))
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomic_with(path, lambda f: json.dump(trace, f, separators=(",", ":")))
     return path
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from . import diagnosis as dx
 from .state import Episode, Snapshot
@@ -251,11 +252,16 @@ def _signal_name(signum: int) -> str:
 
 def write_atomic(path: Path, text: str) -> None:
     """Write via a temp file in the same folder and rename: readers never see half a file."""
+    write_atomic_with(path, lambda f: f.write(text))
+
+
+def write_atomic_with(path: Path, write: Callable[[IO[str]], Any]) -> None:
+    """The same, for content streamed into the file by `write(f)` (large exports)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+            write(f)
         os.replace(tmp, path)
     except BaseException:
         try:
