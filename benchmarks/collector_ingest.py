@@ -66,9 +66,9 @@ def recv(conn: Connection, timeout: float) -> Any:
 class TimedState(RunState):
     conn: Connection
 
-    def evaluate(self, now: float) -> Any:
+    def evaluate(self, now: float, mono_now: float | None = None) -> Any:
         t0, c0 = time.perf_counter(), time.thread_time()
-        shown = super().evaluate(now)
+        shown = super().evaluate(now, mono_now)
         c = self.counters
         self.conn.send(("eval", time.monotonic(), c["messages"], c["records"],
                         (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3))
