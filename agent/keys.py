@@ -86,8 +86,12 @@ def write_secret_file(path: Path, secret: str) -> bool:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as f:
-        f.write(secret + "\n")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secret + "\n")
+    except OSError:
+        path.unlink(missing_ok=True)  # never leave an empty secret for the next reader
+        raise
     return True
 
 

@@ -186,7 +186,7 @@ def test_collector_sigkilled_midrun_costs_the_job_nothing_and_the_record_two_sec
     proc = reaper.track(start_run(tmp_path / "runs", "killed", "--steps", steps,
                                   "--progress", str(progress)))
     wait_for(lambda: len(step_times(progress, 0)) >= 60 and snapshot_has_all_ranks(run_dir, 2),
-             60, "60 steps and a first snapshot")
+             120, "60 steps and a first snapshot")
     collector_pid = json.loads((run_dir / "collector.json").read_text())["pid"]
     t_kill = time.time()
     os.kill(collector_pid, signal.SIGKILL)
@@ -309,10 +309,6 @@ def test_collector_restarted_on_the_same_port_gets_every_step_after_the_restart(
         assert after_restart <= r["steps"] <= restarted.steps, (r["rank"], r["steps"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: a collector restarted on a run folder starts a fresh record, overwrites the first "
-    "one's live_snapshot.json and writes a summary marked complete that lacks every step "
-    "its predecessor had recorded (and any lost in between)"))
 def test_collector_restarted_does_not_call_a_partial_record_complete(
         restarted: Restart) -> None:
     """What a user reading final_summary.json must be able to trust: "complete": true
@@ -443,10 +439,6 @@ def test_rank_crash_record_names_it_with_its_traceback_and_keeps_every_step(
         assert r["steps"] == len(step_times(crashed.progress, r["rank"])) == 12
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: the printed summary shows the tracebacks of the first two failed ranks by rank "
-    "number (here ranks 0 and 1, gloo 'Connection closed by peer' consequences), not the "
-    "rank that failed first, and names no failed rank"))
 def test_rank_crash_printed_summary_shows_the_failed_ranks_traceback(crashed: Finished) -> None:
     """What the user reads at the end of the run: the rank that failed first, and the
     last lines of its traceback."""
@@ -508,10 +500,6 @@ def test_sigterm_to_a_job_ignoring_it_still_ends_with_143_and_a_summary(
         assert r["steps"] >= before  # nothing the ranks did before the signal is lost
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: after TERM_GRACE_S the launcher SIGKILLs torchrun only; the ranks, which torchrun "
-    "would itself have SIGKILLed after its own 30 s, are orphaned and keep training after "
-    "`traceml run` has exited 143"))
 def test_sigterm_leaves_no_rank_running_after_traceml_exits(terminated: Terminated) -> None:
     """Bare torchrun, given SIGTERM, SIGKILLs ranks that ignore it (after 30 s): nothing
     of the job survives it. `traceml run` must not leave less cleaned up."""
@@ -598,10 +586,6 @@ def test_out_on_a_read_only_file_system_is_one_line_and_starts_nothing(tmp_path:
     assert not script.with_suffix(".ran").exists()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: the launcher's write probe writes 0 bytes, which a full disk accepts; the run's "
-    "secret.key then fails with ENOSPC and `traceml run` dies with a traceback, exit 1, "
-    "leaving an empty secret.key"))
 def test_out_on_a_full_disk_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
     script = _marker_script(tmp_path)
     with tmpfs(tmp_path / "full", "size=256k") as full:
@@ -656,10 +640,6 @@ def test_disk_full_midrun_costs_the_job_nothing(disk_full: DiskFull) -> None:
     assert doc["complete"] is False and doc["run"]["steps"] > 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: writing final_summary.json on a full disk raises in the collector (it dies) and "
-    "again in the launcher's fallback: `traceml run` ends with a Python traceback and exit 1 "
-    "instead of the job's 0, and the record it held in memory is never shown"))
 def test_disk_full_midrun_ends_with_the_jobs_code_and_shows_the_record(
         disk_full: DiskFull) -> None:
     """The summary cannot be saved; the user should still get the job's exit code, the
@@ -676,10 +656,7 @@ def test_disk_full_midrun_ends_with_the_jobs_code_and_shows_the_record(
 @pytest.mark.parametrize("offset", [
     pytest.param(1, id="collector-port"),
     pytest.param(2, id="view-port"),
-    pytest.param(0, id="master-port", marks=pytest.mark.xfail(strict=True, reason=(
-        "bug: nothing checks torchrun's master port: torchrun fails with its own "
-        "DistNetworkError traceback (EADDRINUSE), `traceml run` exits 1 and writes a "
-        "summary of a run that never started"))),
+    pytest.param(0, id="master-port"),
 ])
 def test_port_taken_on_node_0_is_a_clear_error(tmp_path: Path, offset: int) -> None:
     """Node 0 of a 2-node job uses the master port P (torchrun), P+1 (the collector, which

@@ -166,6 +166,9 @@ class Collector:
         self.poller.register(self.ingest, zmq.POLLIN)
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.view, zmq.POLLIN)
+        # A collector started on a folder that already holds a live record (a restart):
+        # keep that record beside ours, and never call ours complete.
+        self.earlier_record = self._keep_earlier_record()
         self.routes: dict[int, bytes] = {}  # rank -> its connection, to send it requests
         self.captures = CaptureBoard(self.run_dir)
         self.step_log = StepLogWriter(self.run_dir / STEP_LOG_DIR)
@@ -175,6 +178,19 @@ class Collector:
         self.stopping = False
         self.done = False
         self.exit_when_done = False
+
+    def _keep_earlier_record(self) -> str | None:
+        live = self.run_dir / summary.LIVE_JSON
+        if not live.exists():
+            return None
+        n = 1
+        while (kept := self.run_dir / f"live_snapshot.before-restart-{n}.json").exists():
+            n += 1
+        try:
+            live.rename(kept)
+        except OSError:
+            return str(live)
+        return str(kept)
 
     def _start_auth(self, secret: str) -> keys.CurveKeys:
         """CURVE on every socket, and a ZAP authenticator (a thread of pyzmq's) that admits
@@ -386,18 +402,25 @@ class Collector:
             request.get("torchrun_exit"), bool(request.get("interrupted")), failures)
         if request.get("exit_code") is not None:
             code = request["exit_code"]
+        extra = dict(request.get("extra", {}))
+        if self.earlier_record:
+            extra["collector_restarted"] = {"earlier_record": self.earlier_record}
         meta = summary.RunMeta(
             command=list(request.get("command", [])), exit_code=code,
             ended_at=request.get("ended_at") or time.time(),
-            complete=bool(request.get("complete", True)), failed_rank=failed,
-            extra=dict(request.get("extra", {})))
+            complete=bool(request.get("complete", True)) and not self.earlier_record,
+            failed_rank=failed, extra=extra)
         snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
         doc = summary.build(snap, meta)
-        path = summary.write_summary(self.run_dir, doc)
+        reply = {"ok": True, "path": None, "exit_code": code, "failed_rank": failed,
+                 "text": summary.render_text(doc)}
+        try:
+            reply["path"] = str(summary.write_summary(self.run_dir, doc))
+        except OSError as exc:  # a full disk: the record still reaches the terminal
+            reply["error"] = f"could not write {summary.SUMMARY_JSON}: {exc}"
         self.step_log.close()
         self.done = True
-        return {"ok": True, "path": str(path), "exit_code": code, "failed_rank": failed,
-                "text": summary.render_text(doc)}
+        return reply
 
     def close(self) -> None:
         self.ingest.close()

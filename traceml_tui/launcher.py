@@ -38,6 +38,7 @@ DEFAULT_MASTER_PORT = 29500  # torchrun's own default, for multi-node runs
 # How long a node other than 0 waits for node 0 to create the run's secret on the shared
 # run folder: nodes of one job start within seconds of each other, queues within minutes.
 SECRET_WAIT_S = 300.0
+WRITE_PROBE_BYTES = 64 << 10
 FINISH_TIMEOUT_S = 20.0
 TERM_GRACE_S = 15.0  # after forwarding SIGTERM, how long torchrun gets before SIGKILL
 # After Ctrl-C, how long ranks get to stop by themselves. A rank blocked inside a
@@ -123,9 +124,12 @@ def prepare_run_dir(opts: RunOptions) -> tuple[str, Path]:
         run_dir = opts.out / name
     try:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        # A full disk accepts an empty file: write what a snapshot would need to start.
         probe = run_dir / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        try:
+            probe.write_bytes(b"\0" * WRITE_PROBE_BYTES)
+        finally:
+            probe.unlink(missing_ok=True)
     except OSError as exc:
         raise LaunchError(f"cannot write to run folder {run_dir}: {exc.strerror or exc}"
                           ) from None
@@ -143,8 +147,12 @@ def run_secret(opts: RunOptions, run_dir: Path) -> str:
         return secret
     path = run_dir / keys.SECRET_FILE
     if opts.node_rank == 0:
-        keys.write_secret_file(path, keys.new_secret())
-        return keys.read_secret_file(path)
+        try:
+            keys.write_secret_file(path, keys.new_secret())
+            return keys.read_secret_file(path)
+        except (OSError, keys.SecretError) as exc:
+            raise LaunchError(f"cannot create the run's secret {path}: "
+                              f"{getattr(exc, 'strerror', None) or exc}") from None
     deadline = time.monotonic() + SECRET_WAIT_S
     print(f"[traceml] node {opts.node_rank}: waiting for node 0 to create {path} "
           f"(a shared run folder), or set {env.SECRET} on every node", file=sys.stderr,
@@ -189,9 +197,21 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
 
 
 def master_port(opts: RunOptions) -> int:
-    if opts.master_port:
-        return opts.master_port
-    return _free_port() if not opts.multinode else DEFAULT_MASTER_PORT
+    port = opts.master_port or (_free_port() if not opts.multinode else DEFAULT_MASTER_PORT)
+    if opts.node_rank == 0 and not _port_free(port):  # torchrun's store listens here
+        raise LaunchError(f"port {port} (torchrun's master port) is in use on this host; "
+                          f"choose another --master-port")
+    return port
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def torchrun_command(opts: RunOptions, run_dir: Path, port: int) -> list[str]:
@@ -264,10 +284,14 @@ def _finish(control: str, request: dict[str, Any], collector: subprocess.Popen,
 
 def _fallback_summary(run_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
     """The collector did not answer: promote its last snapshot, marked incomplete."""
-    live = run_dir / summary.LIVE_JSON
-    if not live.exists():
-        raise LaunchError("the collector died before writing any snapshot; no summary")
-    doc = json.loads(live.read_text())
+    try:
+        doc = json.loads((run_dir / summary.LIVE_JSON).read_text())
+    except (OSError, ValueError):
+        code, _ = summary.job_exit_code(request["torchrun_exit"], request["interrupted"], [])
+        return {"exit_code": request.get("exit_code", code), "path": None,
+                "text": "The collector stopped before it saved any record of this run.\n",
+                "error": f"no summary: the collector died without a snapshot (see "
+                         f"{run_dir / 'collector.log'})"}
     failures = [(r["rank"], r["exit_code"]) for r in doc["ranks"] if r.get("exit_code")]
     code, failed_rank = summary.job_exit_code(
         request["torchrun_exit"], request["interrupted"], failures)
@@ -276,9 +300,13 @@ def _fallback_summary(run_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
     doc["run"]["failed_rank"] = failed_rank
     doc["run"]["ended_at"] = summary.iso(request["ended_at"])
     doc["run"]["command"] = request["command"]
-    summary.write_summary(run_dir, doc)
-    return {"exit_code": doc["run"]["exit_code"], "text": summary.render_text(doc),
-            "path": str(run_dir / summary.SUMMARY_JSON)}
+    reply = {"exit_code": doc["run"]["exit_code"], "text": summary.render_text(doc),
+             "path": str(run_dir / summary.SUMMARY_JSON)}
+    try:
+        summary.write_summary(run_dir, doc)
+    except OSError as exc:
+        reply["path"], reply["error"] = None, f"could not write {summary.SUMMARY_JSON}: {exc}"
+    return reply
 
 
 class _Progress:
@@ -344,23 +372,22 @@ def _read_tail(path: Path, limit: int = 64_000) -> str:
         return ""
 
 
-def _terminate_ranks(run_dir: Path) -> None:
-    """SIGTERM the rank processes of this host, as the collector last saw them."""
+def _signal_ranks(proc: subprocess.Popen, sig: int) -> None:
+    """Signal every process torchrun started (the ranks and their DataLoader workers)."""
+    import psutil
+
     try:
-        doc = json.loads((run_dir / summary.LIVE_JSON).read_text())
-    except (OSError, ValueError):
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
         return
-    host = socket.gethostname()
-    for r in doc.get("ranks", []):
-        if r.get("host") == host and r.get("pid"):
-            try:
-                os.kill(int(r["pid"]), signal.SIGTERM)
-            except (ProcessLookupError, PermissionError, ValueError):
-                pass
+    for child in children:
+        try:
+            child.send_signal(sig)
+        except psutil.Error:
+            pass
 
 
-def _wait(proc: subprocess.Popen, signals: _Signals, progress: _Progress | None,
-          run_dir: Path | None = None) -> int:
+def _wait(proc: subprocess.Popen, signals: _Signals, progress: _Progress | None) -> int:
     term_deadline = None
     interrupt_deadline = None
     while True:
@@ -374,12 +401,14 @@ def _wait(proc: subprocess.Popen, signals: _Signals, progress: _Progress | None,
             interrupt_deadline = time.monotonic() + INTERRUPT_GRACE_S
         if interrupt_deadline is not None and time.monotonic() > interrupt_deadline:
             interrupt_deadline = float("inf")  # once
-            if run_dir is not None:
-                _terminate_ranks(run_dir)
+            _signal_ranks(proc, signal.SIGTERM)
         if signals.terminated and term_deadline is None:
             term_deadline = time.monotonic() + TERM_GRACE_S
         if term_deadline is not None and time.monotonic() > term_deadline:
+            # As torchrun itself would, later: nothing of the job may outlive us.
+            _signal_ranks(proc, signal.SIGKILL)
             proc.kill()
+            term_deadline = float("inf")
 
 
 @dataclass
@@ -518,7 +547,7 @@ def run(opts: RunOptions) -> int:
         stderr_tail = _Tee(proc.stderr) if log is None else None
 
         def finish() -> dict[str, Any]:
-            rc = _wait(proc, signals, progress if opts.headless else None, run_dir)
+            rc = _wait(proc, signals, progress if opts.headless else None)
             if stderr_tail is not None:
                 stderr_tail.join(5)
                 report = "".join(stderr_tail.lines)
@@ -539,6 +568,10 @@ def run(opts: RunOptions) -> int:
         except subprocess.TimeoutExpired:
             node.collector.kill()
     print("\n" + reply["text"], end="", flush=True)
-    print(f"[traceml] summary: {reply['path']}", file=sys.stderr, flush=True)
+    if reply.get("path"):
+        print(f"[traceml] summary: {reply['path']}", file=sys.stderr, flush=True)
+    else:
+        print(f"[traceml] {reply.get('error', 'no summary written')}", file=sys.stderr,
+              flush=True)
     code = reply.get("exit_code")
     return 1 if code is None else int(code)

@@ -215,7 +215,11 @@ def render_text(doc: dict[str, Any]) -> str:
         if (r.get("exit_code") or 0) < 0 and not r.get("error"):
             lines += ["", f"Rank {r['rank']} died: killed by signal {-r['exit_code']}"
                           f"{_signal_name(-r['exit_code'])} (no exception, no goodbye)."]
-    failed = [r for r in doc["ranks"] if r.get("error")]
+    # The rank that failed first leads: the others' errors are usually its consequences
+    # (a peer closing the connection in the middle of a collective).
+    first = doc["run"].get("failed_rank")
+    failed = sorted((r for r in doc["ranks"] if r.get("error")),
+                    key=lambda r: (r["rank"] != first, r["rank"]))
     for r in failed[:2]:
         tail = r["error"].strip().splitlines()[-3:]
         lines += ["", f"Rank {r['rank']} failed (exit {r['exit_code']}):"] + [
