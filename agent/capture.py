@@ -51,6 +51,13 @@ class Capturer:
 
     def on_step_end(self) -> None:
         """After each step: start a requested capture, or count down a running one."""
+        try:
+            self._on_step_end()
+        except Exception as exc:  # never into the training loop
+            self._prof = None
+            self._finish(self._id, "failed", error=f"capture failed: {exc!r}")
+
+    def _on_step_end(self) -> None:
         if self._prof is not None:
             self._end_step_span()
             self._left -= 1
