@@ -65,3 +65,22 @@ def test_watch_with_no_live_run(tmp_path):
     proc = traceml("watch", cwd=tmp_path, timeout=60)
     assert proc.returncode == 2
     assert "no live run" in proc.stderr
+
+
+def test_watch_from_another_node_uses_the_address_node_0_advertised(tmp_path, monkeypatch):
+    """On a shared run folder, collector.json's loopback view address is node 0's own: a
+    viewer on another host must use the advertised one."""
+    import json
+    import socket
+
+    from traceml_tui.view_client import resolve_target
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "collector.json").write_text(json.dumps({
+        "view": "tcp://127.0.0.1:31744", "view_remote": "tcp://gpu01:31744",
+        "host": "gpu01"}))
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu02")
+    assert resolve_target(str(run_dir))[0] == "tcp://gpu01:31744"
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu01")
+    assert resolve_target(str(run_dir))[0] == "tcp://127.0.0.1:31744"

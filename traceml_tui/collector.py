@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import replace
@@ -162,6 +163,7 @@ class Collector:
         self.control, self.control_addr = bind(zmq.REP, "127.0.0.1", 0)
         # Viewers on other hosts need the view socket where agents reach the collector.
         self.view, self.view_addr = bind(zmq.REP, bind_host, view_port)
+        self.view_remote: str | None = None  # how other hosts reach the view socket
         self.poller = zmq.Poller()
         self.poller.register(self.ingest, zmq.POLLIN)
         self.poller.register(self.control, zmq.POLLIN)
@@ -216,7 +218,8 @@ class Collector:
 
     def announce(self) -> None:
         info = {"ingest": self.ingest_addr, "control": self.control_addr, "view": self.view_addr,
-                "pid": os.getpid(), "run_name": self.state.run_name}
+                "pid": os.getpid(), "run_name": self.state.run_name,
+                "host": socket.gethostname(), "view_remote": self.view_remote}
         summary.write_atomic(self.run_dir / COLLECTOR_JSON, json.dumps(info, indent=2) + "\n")
 
     def serve(self) -> None:
@@ -445,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--secret-file", type=Path, default=None,
                    help="the run's secret (default: $TRACEML_SECRET, else RUN_DIR/secret.key); "
                         "with one, every socket requires the run's CURVE keys")
+    p.add_argument("--advertise", default=None, metavar="HOST",
+                   help="the address other hosts use for this one (written to collector.json, "
+                        "so `traceml watch RUN_DIR` works from another node)")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --bind without a secret (anyone who can reach "
                         "the port can then send data)")
@@ -481,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
                      hang_after_s=args.hang_after)
     try:
         collector = Collector(args.run_dir, state, args.bind, args.port, args.view_port, secret)
+        if args.advertise:
+            view_port = collector.view_addr.rsplit(":", 1)[1]
+            collector.view_remote = f"tcp://{args.advertise}:{view_port}"
     except zmq.ZMQError as exc:
         print(f"traceml collector: cannot listen on {args.bind} ports {args.port}/"
               f"{args.view_port}: {exc}", file=sys.stderr)

@@ -175,7 +175,8 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
            "--nnodes", str(opts.nnodes), "--nproc-per-node", str(opts.nproc_per_node),
            "--started-at", repr(started_at)]
     if opts.multinode:  # other nodes' agents and viewers reach it on fixed ports
-        cmd += ["--bind", "0.0.0.0", "--port", str(port), "--view-port", str(port + 1)]
+        cmd += ["--bind", "0.0.0.0", "--port", str(port), "--view-port", str(port + 1),
+                "--advertise", opts.collector_addr or opts.master_addr]
     if opts.hang_after is not None:
         cmd += ["--hang-after", repr(opts.hang_after)]
     # The secret travels in the environment, never on a command line others can read.

@@ -8,6 +8,7 @@ next poll ("lazy pirate"), so a viewer never wedges. Data side: no textual here.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -118,9 +119,12 @@ def resolve_target(target: str | None, base: Path = Path("traceml_runs"),
         raise WatchTargetError(f"the run in {run_dir} has ended; its record is "
                                f"{run_dir / 'final_summary.json'}")
     try:
-        address = json.loads(info.read_text())["view"]
+        doc = json.loads(info.read_text())
+        address = doc["view"]
     except (ValueError, KeyError, OSError) as exc:
         raise WatchTargetError(f"cannot read {info}: {exc}") from None
+    if doc.get("view_remote") and doc.get("host") not in (None, socket.gethostname()):
+        address = doc["view_remote"]  # a shared run folder, read on another node
     return address, run_dir, _secret(run_dir, secret_file)
 
 
