@@ -4,8 +4,9 @@
 
 Starts `traceml run examples/straggler_demo.py --nproc-per-node=4` (headless, in the
 background), attaches the dashboard to its collector exactly as `traceml watch` does,
-saves SVGs after a few key presses, then stops the job with Ctrl-C (SIGINT). The
-large-scale picture uses a simulated 1,024-rank state (canned, fixed clock).
+saves SVGs after a few key presses (a deep trace included), then stops the job with
+Ctrl-C (SIGINT). The large-scale, multi-node and setup-check pictures use simulated
+states (canned, fixed clock).
 """
 
 from __future__ import annotations
@@ -52,6 +53,15 @@ async def shoot_live(run_dir: Path) -> None:
         await pilot.press("question_mark")
         await pilot.pause(0.3)
         app.save_screenshot("help.svg", str(HERE))
+        await pilot.press("escape", "w", "t")  # deep trace: the worst rank and the median
+        for _ in range(150):
+            await pilot.pause(0.2)
+            cap = app.state.capture if app.state else None
+            if cap and cap.get("text"):
+                break
+        await pilot.press("T")
+        await pilot.pause(0.5)
+        app.save_screenshot("deep-trace.svg", str(HERE))
 
 
 async def shoot_scale() -> None:
@@ -61,6 +71,27 @@ async def shoot_scale() -> None:
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause(1.0)
         app.save_screenshot("nodes-1024.svg", str(HERE))
+
+
+async def shoot_nodes() -> None:
+    """Three nodes of two ranks: node 1 slow as a whole, node 2 not started yet, and a
+    setup finding (canned, fixed clock)."""
+    from traceml_agent.checks import Finding
+
+    found = Finding("accumulation-without-no-sync", "warning", (0, 1, 2, 3),
+                    "4 backward passes per optimizer step each allreduced all gradients "
+                    "(3 steps in a row): 3 of every 4 allreduces wasted",
+                    "Run forward and backward of every micro-batch but the last inside "
+                    "`with model.no_sync():`.")
+    state = make_state(world_size=6, nproc_per_node=2, straggler=2, also_slow=(3,),
+                       silent_nodes=(2,), findings=(found,))
+    app = DashboardApp(StaticSource(state), refresh_s=0.2)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause(1.0)
+        app.save_screenshot("multinode.svg", str(HERE))
+        await pilot.press("c")
+        await pilot.pause(0.3)
+        app.save_screenshot("checks.svg", str(HERE))
 
 
 def main() -> None:
@@ -83,7 +114,9 @@ def main() -> None:
         job.send_signal(signal.SIGINT)
         job.wait(60)
     asyncio.run(shoot_scale())
-    for name in ("dashboard.svg", "pinned.svg", "help.svg", "nodes-1024.svg"):
+    asyncio.run(shoot_nodes())
+    for name in ("dashboard.svg", "pinned.svg", "help.svg", "deep-trace.svg", "nodes-1024.svg",
+                 "multinode.svg", "checks.svg"):
         print(HERE / name)
 
 

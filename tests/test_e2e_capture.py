@@ -53,7 +53,7 @@ def test_capture_the_straggler_and_the_median_rank_then_export_perfetto(tmp_path
         assert any(e.get("name", "").startswith("ProfilerStep") or e.get("ph") == "X"
                    for e in trace["traceEvents"])
     text = cap["text"]
-    assert "rank 2 (worst)" in text and "dataloader_us_per_step" in text
+    assert "rank 2 (worst)" in text and "dataloader per step (ms)" in text
     assert "need a CUDA trace" in text  # on CPU it says what needs a GPU
     saved = json.loads((run_dir / "traces" / f"capture{cap['id']}.json").read_text())
     assert saved["comparison"]["worst_rank"] == 2

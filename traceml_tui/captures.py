@@ -145,16 +145,23 @@ class CaptureBoard:
         return "\n\n".join(parts) + "\n", doc
 
 
-def _comparison_text(comparison: Any, worst: int, median: int) -> str:
-    def cell(v: Any) -> str:
-        if v is None:
-            return "-"
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
+def _metric(name: str) -> tuple[str, float, str]:
+    """How a comparison row reads: µs figures in ms, shares in %."""
+    if "_us" in name:
+        return name.replace("_us", "").replace("_", " ") + " (ms)", 1e-3, ".2f"
+    if name.endswith("_share"):
+        return name.replace("_", " ") + " (%)", 100.0, ".0f"
+    return name.replace("_", " "), 1.0, ".0f"
 
-    lines = [f"{'':<28} {'rank ' + str(worst):>12} {'rank ' + str(median):>12} {'delta':>10}"]
+
+def _comparison_text(comparison: Any, worst: int, median: int) -> str:
+    lines = [f"{'per step, worst vs median':<34} {'rank ' + str(worst):>10} "
+             f"{'rank ' + str(median):>10} {'delta':>10}"]
     for row in comparison.rows:
-        lines.append(f"{row.metric:<28} {cell(row.worst):>12} {cell(row.median):>12} "
-                     f"{cell(row.delta):>10}")
+        label, scale, spec = _metric(row.metric)
+        cells = ["-" if v is None else format(v * scale, spec)
+                 for v in (row.worst, row.median, row.delta)]
+        lines.append(f"{label:<34} {cells[0]:>10} {cells[1]:>10} {cells[2]:>10}")
     for f in comparison.findings:
         title = getattr(f, "title", str(f))
         lines.append(f"* {title}: {getattr(f, 'evidence', '')}")

@@ -171,7 +171,7 @@ class TraceAnalysis:
     window_us: float
     step_stats: tuple[StepStat, ...]
     dataloader_us: float
-    collective_us: float  # collective kernels on GPU traces, gloo spans on CPU ones
+    collective_us: float  # collective kernels on GPU traces; on CPU ones, gloo spans' union
     cpu_ops: tuple[OpStat, ...]  # top cpu_ops by self time
     collectives: tuple[OpStat, ...]
     gpu_busy_share: float | None
@@ -264,8 +264,11 @@ def analyze(trace: dict[str, Any], source: str | None = None) -> TraceAnalysis:
         links = _Links(spans, _flows(events))
         fields.update(_gpu_metrics(spans, gpu, links, main, start, end, notes))
     overlap = fields["comm_overlap"]
-    collective_us = (overlap.collective_us if overlap is not None else
-                     sum(c.total_us for c in collectives if c.name.startswith("gloo:")))
+    # On CPU traces gloo runs collectives on threads of its own, several at once: the time
+    # any was in flight (a union), not their sum, which can exceed the step itself.
+    collective_us = (overlap.collective_us if overlap is not None else sum(
+        b - a for a, b in _union([(s.ts, s.end) for s in spans
+                                  if s.cat in _CPU_CATS and s.name.startswith("gloo:")])))
     analysis = TraceAnalysis(
         source=source, rank=info.get("rank"), world_size=info.get("world_size"),
         steps=tuple(s.step for s in step_stats), window_us=window, step_stats=step_stats,

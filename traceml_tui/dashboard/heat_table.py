@@ -30,7 +30,7 @@ CELL = 8
 def header_text(device: str) -> str:
     util, mem = ("gpu%", "gpu MB") if device == "cuda" else ("cpu%", "rss MB")
     phases = "".join(SHORT[p].rjust(CELL) for p in VIEW_PHASES)
-    return f"{'rank':>6} {'host':<12} {'state':<6}{'steps':>7}{'step':>8}{phases}{util:>6}{mem:>8}"
+    return f"{'rank':>6} {'host':<12} {'state':<7}{'steps':>7}{'step':>8}{phases}{util:>6}{mem:>8}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,7 +262,7 @@ class HeatTable(ScrollView, can_focus=True):
                                                            else Style())))
         segs.append(Segment(f"{row.host[:12]:<12} ", base + self._style("dim")))
         status_style = {STALE: "stale", FAILED: "failed", WAITING: "dim"}.get(row.status)
-        segs.append(Segment(f"{row.status:<6}", base + (self._style(status_style)
+        segs.append(Segment(f"{row.status:<7}", base + (self._style(status_style)
                                                          if status_style else Style())))
         segs.append(Segment(f"{row.steps:>7}", base))
         step_heat = heat(row.step_ms, state.median_step_ms, state.median_step_ms)

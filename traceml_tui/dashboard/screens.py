@@ -64,7 +64,7 @@ class TraceScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         cap = self.capture
-        with Vertical(id="help"):
+        with Vertical(id="trace"):
             yield Label(f"deep trace {cap['id']}: {cap['steps']} steps "
                         f"(docs/deep-trace.md)", id="help-title")
             with VerticalScroll():
