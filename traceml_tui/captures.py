@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import summary, trace_analysis
+from . import summary, trace_analysis, view_state
 
 DEFAULT_STEPS = 5
 # A rank that has not finished its capture after this long (a step can be slow, and the
@@ -52,6 +52,26 @@ class Capture:
                 "errors": {str(r): e for r, e in self.errors.items()},
                 "paths": {str(r): p for r, p in self.paths.items()},
                 "text": self.text, "saved": self.saved}
+
+
+def capture_roles(view: view_state.ViewState | None, asked: list[int] | None
+                  ) -> dict[int, str]:
+    """Which ranks a capture covers, and why: the asked (pinned) rank or the worst one,
+    plus the rank whose local work is the median's, to read beside it."""
+    if view is None:
+        return {}
+    live = [r for r in view.rows if r.step_ms is not None]
+    local = {r.rank: sum(v for i, v in enumerate(r.phase_ms) if v is not None
+                         and view_state.VIEW_PHASES[i] not in ("sync", "wait")) for r in live}
+    roles: dict[int, str] = {}
+    if asked:
+        roles.update({r: "pinned" for r in asked if 0 <= r < view.world_size})
+    elif view.worst is not None:
+        roles[view.worst.rank] = "worst"
+    others = sorted((v, r) for r, v in local.items() if r not in roles)
+    if others and roles:
+        roles[others[len(others) // 2][1]] = "median"
+    return roles
 
 
 class CaptureBoard:

@@ -42,7 +42,7 @@ from traceml_agent.protocol import (
 )
 
 from . import summary, view_state
-from .captures import DEFAULT_STEPS, CaptureBoard
+from .captures import DEFAULT_STEPS, CaptureBoard, capture_roles
 from .state import RunState, Snapshot
 from .step_log import StepLogWriter
 
@@ -104,26 +104,6 @@ def finish_request_error(request: dict[str, Any]) -> str | None:
     if not 0 <= request.get("grace_s", 0) <= 600:
         return "grace_s must be between 0 and 600"
     return None
-
-
-def capture_roles(view: view_state.ViewState | None, asked: list[int] | None
-                  ) -> dict[int, str]:
-    """Which ranks a capture covers, and why: the asked (pinned) rank or the worst one,
-    plus the rank whose local work is the median's, to read beside it."""
-    if view is None:
-        return {}
-    live = [r for r in view.rows if r.step_ms is not None]
-    local = {r.rank: sum(v for i, v in enumerate(r.phase_ms) if v is not None
-                         and view_state.VIEW_PHASES[i] not in ("sync", "wait")) for r in live}
-    roles: dict[int, str] = {}
-    if asked:
-        roles.update({r: "pinned" for r in asked if 0 <= r < view.world_size})
-    elif view.worst is not None:
-        roles[view.worst.rank] = "worst"
-    others = sorted((v, r) for r, v in local.items() if r not in roles)
-    if others and roles:
-        roles[others[len(others) // 2][1]] = "median"
-    return roles
 
 
 def recv_hwm(world_size: int) -> int:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -32,6 +31,7 @@ from traceml_agent import env, keys
 
 from . import summary
 from .collector import COLLECTOR_JSON
+from .job_output import Progress, Tee, parse_root_cause, read_tail
 
 COLLECTOR_START_TIMEOUT_S = 20.0
 DEFAULT_MASTER_PORT = 29500  # torchrun's own default, for multi-node runs
@@ -45,20 +45,6 @@ TERM_GRACE_S = 15.0  # after forwarding SIGTERM, how long torchrun gets before S
 # collective never runs Python's SIGINT handler (torchrun would wait 30 s, then kill):
 # past this, the launcher sends SIGTERM to the rank processes it knows on this host.
 INTERRUPT_GRACE_S = 3.0
-STATUS_EVERY_S = 10.0
-
-
-_ROOT_CAUSE = re.compile(
-    r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)",
-    re.S)
-
-
-def parse_root_cause(text: str) -> tuple[int, int] | None:
-    """torchrun's own record of the first rank that failed: (rank, exit code), where a
-    negative exit code is the signal that killed it. The only witness when a rank is
-    killed outright: it sends no goodbye, while the survivors report errors of their own."""
-    match = _ROOT_CAUSE.search(text)
-    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 class LaunchError(Exception):
@@ -310,69 +296,6 @@ def _fallback_summary(run_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
-class _Progress:
-    """Headless progress: a line when the live diagnosis changes, and every STATUS_EVERY_S."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / summary.LIVE_JSON
-        self.last_key: tuple | None = None
-        self.last_print = time.monotonic()
-        self.mtime = 0
-        self.doc: dict[str, Any] | None = None
-
-    def poll(self) -> None:
-        try:  # the file changes every few seconds: parse it only when it did
-            mtime = self.path.stat().st_mtime_ns
-            if mtime != self.mtime:
-                self.doc, self.mtime = json.loads(self.path.read_text()), mtime
-        except (OSError, ValueError):
-            return
-        doc = self.doc
-        if doc is None:
-            return
-        d = doc["live_diagnosis"]
-        key = (d["label"], d["rank"])
-        now = time.monotonic()
-        if key != self.last_key or now - self.last_print >= STATUS_EVERY_S:
-            run = doc["run"]
-            who = f" rank {d['rank']}" if d["rank"] is not None else ""
-            print(f"[traceml] step {run['steps']} · {run['ranks_reporting']}/{run['world_size']}"
-                  f" ranks · {d['label']}{who}: {d['summary']}", file=sys.stderr, flush=True)
-            self.last_key, self.last_print = key, now
-
-
-class _Tee:
-    """Copies a child's stream to our stderr line by line, keeping the last lines."""
-
-    def __init__(self, stream: Any) -> None:
-        import collections
-        import threading
-
-        self.lines: collections.deque[str] = collections.deque(maxlen=400)
-        self.thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
-        self.thread.start()
-
-    def _run(self, stream: Any) -> None:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode(errors="replace")
-            self.lines.append(line)
-            sys.stderr.write(line)
-            sys.stderr.flush()
-
-    def join(self, timeout: float) -> None:
-        self.thread.join(timeout)
-
-
-def _read_tail(path: Path, limit: int = 64_000) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - limit))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def _signal_ranks(proc: subprocess.Popen, sig: int) -> None:
     """Signal every process torchrun started (the ranks and their DataLoader workers)."""
     import psutil
@@ -388,7 +311,7 @@ def _signal_ranks(proc: subprocess.Popen, sig: int) -> None:
             pass
 
 
-def _wait(proc: subprocess.Popen, signals: _Signals, progress: _Progress | None) -> int:
+def _wait(proc: subprocess.Popen, signals: _Signals, progress: Progress | None) -> int:
     term_deadline = None
     interrupt_deadline = None
     while True:
@@ -460,7 +383,7 @@ def _node_done(opts: RunOptions, run_dir: Path, request: dict[str, Any]) -> dict
 
 
 def _with_dashboard(node: _Node, run_dir: Path, signals: _Signals,
-                    finish: Any, progress: _Progress) -> dict[str, Any]:
+                    finish: Any, progress: Progress) -> dict[str, Any]:
     """The dashboard in the foreground; the job is watched from a thread. Closing (or
     crashing) the viewer leaves the job running: we then go on like --headless."""
     import threading
@@ -537,7 +460,7 @@ def run(opts: RunOptions) -> int:
     where = f", node {opts.node_rank} of {opts.nnodes}" if opts.multinode else ""
     print(f"[traceml] run {name}: {opts.world_size} rank(s){where}, folder {run_dir}",
           file=sys.stderr, flush=True)
-    progress = _Progress(run_dir)
+    progress = Progress(run_dir)
     log = None if opts.headless else open(run_dir / opts.node_file("torchrun", ".log"), "ab")
     with _Signals() as signals:
         # With the dashboard, torchrun's own output goes to a file, not over the screen.
@@ -545,7 +468,7 @@ def run(opts: RunOptions) -> int:
                                 stderr=log if log else subprocess.PIPE,
                                 stdin=subprocess.DEVNULL if log else None)
         signals.proc = proc
-        stderr_tail = _Tee(proc.stderr) if log is None else None
+        stderr_tail = Tee(proc.stderr) if log is None else None
 
         def finish() -> dict[str, Any]:
             rc = _wait(proc, signals, progress if opts.headless else None)
@@ -553,7 +476,7 @@ def run(opts: RunOptions) -> int:
                 stderr_tail.join(5)
                 report = "".join(stderr_tail.lines)
             else:
-                report = _read_tail(run_dir / opts.node_file("torchrun", ".log"))
+                report = read_tail(run_dir / opts.node_file("torchrun", ".log"))
             return _finalize(node, run_dir, opts, rc, signals,
                              parse_root_cause(report) if rc else None)
 
