@@ -116,8 +116,7 @@ def _start(endpoint: str, run_name: str, auto: bool, secret: str | None) -> None
         "env": _distributed_env(),
     }
     observer = StepObserver(ident.rank, ident.world_size) if auto else None
-    capturer = Capturer(ident.rank, os.environ.get(env.RUN_DIR), torch)
-    rec.step_listener = capturer.on_step_end
+    capturer = Capturer(ident.rank, os.environ.get(env.RUN_DIR), torch, rec)
     sender = Sender(endpoint, ident, rec, out, hello, cuda_index, secret, observer, capturer)
     _state["rec"], _state["sender"] = rec, sender
     if auto:

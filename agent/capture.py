@@ -24,8 +24,9 @@ TRACES_DIR = "traces"
 
 
 class Capturer:
-    def __init__(self, rank: int, run_dir: str | None, torch: Any) -> None:
+    def __init__(self, rank: int, run_dir: str | None, torch: Any, rec: Any) -> None:
         self.rank = rank
+        self.rec = rec  # its step_listener is set only while a capture is asked or running
         self.run_dir = run_dir
         self.torch = torch
         self.events: deque[dict[str, Any]] = deque(maxlen=64)  # for the sender thread
@@ -45,6 +46,7 @@ class Capturer:
             return False
         self._busy = True
         self._pending = (capture_id, steps)
+        self.rec.step_listener = self.on_step_end  # off the step path the rest of the time
         return True
 
     # --- training thread ------------------------------------------------------------
@@ -55,6 +57,7 @@ class Capturer:
             self._on_step_end()
         except Exception as exc:  # never into the training loop
             self._prof = None
+            self.rec.step_listener = None
             self._finish(self._id, "failed", error=f"capture failed: {exc!r}")
 
     def _on_step_end(self) -> None:
@@ -80,6 +83,7 @@ class Capturer:
             prof = profiler.profile(activities=activities)
             prof.start()
         except Exception as exc:
+            self.rec.step_listener = None
             self._finish(capture_id, "failed", error=f"could not start the profiler: {exc!r}")
             return
         self._prof, self._id, self._left = prof, capture_id, steps
@@ -110,6 +114,7 @@ class Capturer:
     def _stop(self) -> None:
         prof, capture_id = self._prof, self._id
         self._prof = None
+        self.rec.step_listener = None
         try:
             prof.stop()
         except Exception as exc:

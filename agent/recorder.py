@@ -66,7 +66,8 @@ class Recorder:
         # Progress, read by the heartbeat thread (which needs nothing from this one):
         self.collectives = 0  # explicit torch.distributed collectives entered
         self.parallel: str | None = None  # "ddp" or "fsdp", learned during the first step
-        self.step_listener: Any = None  # called after each closed step (deep-trace capture)
+        # Called after each closed step, only while a deep-trace capture is asked or running.
+        self.step_listener: Any = None
         self.in_collective: str | None = None
         self.last_step_t = perf_counter_ns()
         self.last_wall = 0  # the last step's wall time, ns
