@@ -17,6 +17,7 @@ class ChecksBoard:
         self.findings: dict[int, dict[str, Finding]] = {}
         self.facts: dict[int, tuple[str, dict]] = {}  # rank -> (host, facts)
         self._merged: tuple[Finding, ...] = ()
+        self._batches: dict[int, int] = {}
         self._dirty = False
 
     def add(self, rank: int, host: str, findings: tuple[Finding, ...], facts: dict | None
@@ -35,12 +36,19 @@ class ChecksBoard:
 
     def batch_sizes(self) -> dict[int, int]:
         """Each rank's DataLoader batch size, where its agent saw one (for samples/s)."""
-        return {r: facts["batch_size"] for r, (_, facts) in self.facts.items()
-                if facts.get("batch_size")}
+        self._refresh()
+        return self._batches
 
     def merged(self) -> tuple[Finding, ...]:
         """One finding per check, with all the ranks that reported it, most severe first."""
+        self._refresh()
+        return self._merged
+
+    def _refresh(self) -> None:
+        """Both views of the reports, rebuilt only when a report arrived since."""
         if self._dirty:
+            self._batches = {r: facts["batch_size"] for r, (_, facts) in self.facts.items()
+                             if facts.get("batch_size")}
             found = [f for per_rank in self.findings.values() for f in per_rank.values()]
             cross = (
                 compare_checksums({r: facts["param_checksum"]
@@ -51,4 +59,3 @@ class ChecksBoard:
             found += [c for c in cross if c is not None]
             self._merged = tuple(merge_findings(found, world_size=self.world_size))
             self._dirty = False
-        return self._merged
