@@ -114,6 +114,7 @@ def _start(endpoint: str, run_name: str, auto: bool, secret: str | None) -> None
         "run": run_name[: protocol.MAX_STR],
         "device": f"cuda:{cuda_index}" if cuda_index is not None else "cpu",
         "env": _distributed_env(),
+        "auto": auto,
     }
     observer = StepObserver(ident.rank, ident.world_size) if auto else None
     capturer = Capturer(ident.rank, os.environ.get(env.RUN_DIR), torch, rec)
@@ -201,16 +202,22 @@ class _Phase:
         if self.name == "wait":
             _warn('"wait" is derived (step time minus the other phases); phase("wait") ignored')
             return
-        idx = rec.phase_index(self.name)
-        if idx is None:
-            _warn(f"too many custom phases; phase({self.name!r}) ignored")
-            return
-        self.started = rec.begin(idx, self)
+        try:
+            idx = rec.phase_index(self.name)
+            if idx is None:
+                _warn(f"too many custom phases; phase({self.name!r}) ignored")
+                return
+            self.started = rec.begin(idx, self)
+        except Exception as err:
+            _on_internal_error(err)
 
     def __exit__(self, *exc: Any) -> bool:
         rec = _state["rec"]
         if self.started and rec is not None and rec.active != NO_PHASE:
-            rec.end(self)
+            try:
+                rec.end(self)
+            except Exception as err:
+                _on_internal_error(err)
         self.started = False
         return False
 
@@ -226,6 +233,7 @@ def step() -> _Step:
 
 def phase(name: str) -> _Phase:
     """Context manager timing a phase: one of the standard names or a custom one.
-    Phases do not nest: inside an open phase, another phase is not timed."""
+    Phases nest: time goes to the innermost open phase (a phase inside the DataLoader,
+    or inside the same phase, is not timed separately)."""
     return _Phase(name)
 

@@ -2,20 +2,32 @@
 
 What is hooked, and why there:
   dataloader  `_BaseDataLoaderIter.__next__`: every DataLoader iterator, any worker count.
-  h2d         `Tensor.to` / `Tensor.cuda` in the training loop, only when CUDA exists
-              (on a CPU job there is no host-to-device copy to time, so nothing is patched).
-  forward     the outermost module call. Global module hooks find the root modules
-              (the DDP/FSDP wrapper, the loss) during the first step, then give way to
-              a wrapper on those classes' forward, so later steps pay one Python call
-              per root, not two hook calls per submodule.
+  h2d         `Tensor.to` / `Tensor.cuda` between phases, only when CUDA exists (on a
+              CPU job there is no host-to-device copy to time, so nothing is patched).
+  forward     the outermost module call. Until the first optimizer step, the agent
+              learns the root modules (DDP/FSDP wrappers, `torch.compile`'s
+              OptimizedModule, Lightning's strategy wrapper, the loss) by wrapping
+              `nn.Module.__call__` itself; then it restores it and wraps `__call__` on
+              the roots' classes only, so later steps pay one Python call per root.
+              `__call__`, not `forward`: `torch.compile(model)` puts `forward` on the
+              instance. No global module hook is ever installed (torch.compile warns
+              about them and traces through them).
   backward    `torch.autograd.backward` (Tensor.backward goes through it). A hook on the
               parameter whose gradient is ready first queues an autograd final
               callback, which runs once every gradient is computed and before DDP's
               reducer waits for its allreduces: backward = start..ready (local
               compute), sync = ready..return (the exposed collective wait, often
               waiting for another rank).
+  sync        also every explicit `torch.distributed` collective (an all-gather of a
+              token count, an all-reduce of the loss for logging): exposed collective
+              wait wherever it happens, not residual "wait".
   optimizer   global optimizer step pre/post hooks; the first optimizer that steps
               closes each step, so gradient accumulation counts once.
+
+Phases nest (recorder.py): a forward inside an optimizer closure is forward, an
+optimizer step inside a module's forward is optimizer. Inside code being compiled by
+torch.compile every wrapper steps aside (`torch.compiler.is_compiling()`), so no hook
+is traced into a graph.
 
 Every hook guards the agent's own work: an exception there is reported once and
 the agent uninstalls itself. The user's call always runs, and its exceptions
@@ -28,32 +40,46 @@ from collections.abc import Callable
 from typing import Any
 
 from .checks import StepObserver
-from .recorder import BACKWARD, DATALOADER, FORWARD, H2D, OPTIMIZER, Recorder
+from .recorder import BACKWARD, DATALOADER, FORWARD, H2D, NO_PHASE, OPTIMIZER, SYNC, Recorder
+
+# Root module classes timed after learning; more is a sign of something odd (a model
+# built anew every step), and each costs a class patch.
+MAX_ROOT_CLASSES = 8
+# Root forwards learned without any optimizer step (an evaluation loop, or a framework
+# that steps later): learning stops here so the per-module wrapper does not stay on.
+MAX_LEARNING_FORWARDS = 64
 
 _rec: Recorder | None = None
 _obs: StepObserver | None = None  # the setup checks (checks.py), fed by the same hooks
 _on_error: Callable[[BaseException], None] = print  # replaced by install()
 _queue_callback: Callable[[Callable[[], None]], None] = print  # autograd's, bound at install
+_is_compiling: Callable[[], bool] = bool  # torch.compiler.is_compiling, bound at install
 _undo: list[Callable[[], None]] = []
 _learning = False
+_finish_pending = False  # the first step closed inside a root forward: finish after it
+_depth = 0  # module calls open on the training thread while learning
+_learning_forwards = 0
 _roots: list[Any] = []
-_global_forward: list[Any] = []
 _grad_order: list[Any] = []  # learning: parameters in the order their gradients were ready
 _grad_probes: list[Any] = []  # learning: temporary hooks on the roots' parameters
 _step_optimizer: Any = None
+_BACKWARD_OWNER = object()
+_end_learning_patch: Callable[[], None] = lambda: None  # puts nn.Module.__call__ back
 
 
 def install(rec: Recorder, torch: Any, on_error: Callable[[BaseException], None],
             observer: StepObserver | None = None) -> None:
-    global _rec, _on_error, _learning, _step_optimizer, _obs
+    global _rec, _on_error, _learning, _step_optimizer, _obs, _is_compiling
+    global _finish_pending, _depth, _learning_forwards
     _rec, _on_error, _obs = rec, on_error, observer
-    _learning, _step_optimizer = True, None
+    _learning, _step_optimizer, _finish_pending = True, None, False
+    _depth = _learning_forwards = 0
+    _is_compiling = _compiling_probe(torch)
     _roots.clear()
-    _global_forward.clear()
     _grad_order.clear()
     _grad_probes.clear()
     _patch_dataloader(torch)
-    _hook_forward_global(torch)
+    _learn_roots(torch)
     _patch_backward(torch)
     _hook_optimizer(torch)
     _patch_collectives(torch)
@@ -63,7 +89,8 @@ def install(rec: Recorder, torch: Any, on_error: Callable[[BaseException], None]
 
 def uninstall() -> None:
     """Restore everything. Safe to call twice and from inside a hook."""
-    global _rec
+    global _rec, _learning
+    _learning = False
     while _undo:
         undo = _undo.pop()
         try:
@@ -87,6 +114,31 @@ def _setattr(owner: Any, name: str, value: Any) -> None:
         _undo.append(lambda: setattr(owner, name, original))
 
 
+def _compiling_probe(torch: Any) -> Callable[[], bool]:
+    compiler = getattr(torch, "compiler", None)
+    probe = getattr(compiler, "is_compiling", None)
+    return probe if callable(probe) else bool
+
+
+def _timed(rec: Recorder, idx: int, owner: Any, call: Callable[..., Any], *args: Any,
+           **kwargs: Any) -> Any:
+    """Run `call` as phase `idx`. The agent's own failures never reach the caller."""
+    try:
+        started = rec.begin(idx, owner)
+    except Exception as exc:
+        _fail(exc)
+        started = False
+    if not started:
+        return call(*args, **kwargs)
+    try:
+        return call(*args, **kwargs)
+    finally:
+        try:
+            rec.end(owner)
+        except Exception as exc:
+            _fail(exc)
+
+
 # --- dataloader ---------------------------------------------------------------------
 
 
@@ -98,18 +150,13 @@ def _patch_dataloader(torch: Any) -> None:
 
     def __next__(self: Any) -> Any:
         rec = _rec
-        started = rec is not None and rec.begin(DATALOADER, self)
-        try:
-            batch = original(self)
-            if _obs is not None:
-                _obs.on_loader_batch(self)
-            return batch
-        finally:
-            if started:
-                try:
-                    rec.end(self)
-                except Exception as exc:
-                    _fail(exc)
+        if rec is None:
+            return original(self)
+        batch = _timed(rec, DATALOADER, self, original, self)
+        obs = _obs
+        if obs is not None:
+            obs.on_loader_batch(self)
+        return batch
 
     _setattr(cls, "__next__", __next__)
 
@@ -117,51 +164,82 @@ def _patch_dataloader(torch: Any) -> None:
 # --- forward ------------------------------------------------------------------------
 
 
-def _forward_pre(module: Any, args: Any) -> None:
-    rec = _rec
-    if rec is None:
-        return
+def _learn_roots(torch: Any) -> None:
+    """Until the first step: every module call passes here, and the outermost ones (no
+    module call open around them) are the roots, timed as forward meanwhile."""
+    module_cls = torch.nn.Module
+    original = module_cls.__call__
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global _depth
+        if _is_compiling() or not _learning:
+            return original(self, *args, **kwargs)
+        rec = _rec
+        if _depth or rec is None or rec.active == DATALOADER:  # a module in a collate_fn
+            _depth += 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _depth -= 1
+        _depth = 1
+        try:
+            _learn(self)
+            return _timed(rec, FORWARD, self, original, self, *args, **kwargs)
+        finally:
+            _depth = 0
+            if _finish_pending and _learning:
+                _finish_learning_guarded()
+
+    global _end_learning_patch
+    _setattr(module_cls, "__call__", __call__)
+    _end_learning_patch = lambda: setattr(module_cls, "__call__", original)  # noqa: E731
+
+
+def _learn(root: Any) -> None:
+    global _learning_forwards
     try:
-        if rec.begin(FORWARD, module) and _learning and module not in _roots:
-            _roots.append(module)
-            _probe_gradients(module)
+        _learning_forwards += 1
+        if not any(r is root for r in _roots):
+            _roots.append(root)
+            _probe_gradients(root)
             if _obs is not None:
-                _obs.watch_model(module)
+                _obs.watch_model(root)
+        if _learning_forwards >= MAX_LEARNING_FORWARDS:
+            _schedule_finish()
     except Exception as exc:
         _fail(exc)
 
 
-def _forward_post(module: Any, args: Any, output: Any) -> None:
-    rec = _rec
-    if rec is None:
-        return
+def _schedule_finish() -> None:
+    """Stop learning now, or, inside a root forward, as soon as it returns (removing the
+    learning wrapper while it is on the stack would leave that forward open)."""
+    global _finish_pending
+    if _depth:
+        _finish_pending = True
+    else:
+        _finish_learning_guarded()
+
+
+def _finish_learning_guarded() -> None:
     try:
-        rec.end(module)
+        _finish_learning()
     except Exception as exc:
         _fail(exc)
-
-
-def _hook_forward_global(torch: Any) -> None:
-    from torch.nn.modules import module as mod
-
-    _global_forward.append(mod.register_module_forward_pre_hook(_forward_pre))
-    _global_forward.append(mod.register_module_forward_hook(_forward_post, always_call=True))
-    _undo.extend(handle.remove for handle in _global_forward)
 
 
 def _finish_learning() -> None:
-    """After the first step: time the root modules' classes, drop the global hooks.
+    """Time the root modules' classes from now on, and stop wrapping every module call.
 
-    A class-level `forward` wrapper keeps nn.Module's fast call path (instance hooks
+    A class-level `__call__` wrapper keeps nn.Module's fast call path (instance hooks
     force the slow one) and stores nothing on the instances, so a model saved with
     torch.save(model) never references this package.
     """
-    global _learning
-    _learning = False
-    while _global_forward:
-        _global_forward.pop().remove()  # removing twice (again in uninstall) is harmless
-    for cls in dict.fromkeys(type(root) for root in _roots):
-        _wrap_forward(cls)
+    global _learning, _finish_pending
+    _learning = _finish_pending = False
+    _end_learning_patch()  # (uninstall puts it back again: harmless)
+    classes = list(dict.fromkeys(type(root) for root in _roots))
+    for cls in classes[:MAX_ROOT_CLASSES]:
+        _wrap_call(cls)
     if _rec is not None:
         _rec.parallel = parallel_kind(_roots)
     while _grad_probes:
@@ -176,8 +254,16 @@ def parallel_kind(roots: list[Any]) -> str | None:
     """"fsdp" or "ddp" from the root modules' classes (by name: importing FSDP would cost
     every job the import). Under FSDP, parameter all-gathers run inside forward and
     gradient reduce-scatters inside backward, so the collector must not compare those
-    phases across ranks as if they were local work (docs/fsdp.md)."""
-    names = {c.__name__ for root in roots for c in type(root).__mro__}
+    phases across ranks as if they were local work (docs/fsdp.md). A compiled model is
+    judged by the module it wraps."""
+    names: set[str] = set()
+    for root in roots:
+        inner = getattr(root, "_orig_mod", None)  # torch.compile's OptimizedModule
+        for obj in (root, inner) if inner is not None else (root,):
+            names.update(c.__name__ for c in type(obj).__mro__)
+            module = getattr(obj, "module", None)  # Lightning's wrapper inside DDP etc.
+            if module is not None:
+                names.update(c.__name__ for c in type(module).__mro__)
     if names & {"FSDPModule", "FullyShardedDataParallel"}:
         return "fsdp"
     if "DistributedDataParallel" in names:
@@ -185,20 +271,19 @@ def parallel_kind(roots: list[Any]) -> str | None:
     return None
 
 
-def _wrap_forward(cls: type) -> None:
-    original = cls.forward
+def _wrap_call(cls: type) -> None:
+    original = cls.__call__
 
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():
+            return original(self, *args, **kwargs)
         rec = _rec
-        if rec is None or not rec.begin(FORWARD, self):
+        if rec is None:
             return original(self, *args, **kwargs)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            rec.end(self)
+        return _timed(rec, FORWARD, self, original, self, *args, **kwargs)
 
-    forward.__wrapped__ = original  # type: ignore[attr-defined]
-    _setattr(cls, "forward", forward)
+    __call__.__wrapped__ = original  # type: ignore[attr-defined]
+    _setattr(cls, "__call__", __call__)
 
 
 # --- backward -----------------------------------------------------------------------
@@ -225,15 +310,21 @@ def _record_grad_order(param: Any) -> None:
 def _grads_ready() -> None:
     rec = _rec
     if rec is not None:
-        rec.grads_ready()
+        try:
+            rec.grads_ready()
+        except Exception as exc:
+            _fail(exc)
 
 
 def _on_first_grad(param: Any) -> None:
-    if _obs is not None:  # once per backward that reaches the model's parameters
-        _obs.on_backward()
-    rec = _rec
-    if rec is not None and rec.active == BACKWARD:
-        _queue_callback(_grads_ready)
+    try:
+        if _obs is not None:  # once per backward that reaches the model's parameters
+            _obs.on_backward()
+        rec = _rec
+        if rec is not None and rec.active == BACKWARD:
+            _queue_callback(_grads_ready)
+    except Exception as exc:
+        _fail(exc)
 
 
 def _patch_backward(torch: Any) -> None:
@@ -245,13 +336,20 @@ def _patch_backward(torch: Any) -> None:
 
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         rec = _rec
-        if rec is None or not rec.begin_backward():
+        if rec is None or _is_compiling():  # autograd.backward is never traced
+            return original(tensors, *args, **kwargs)
+        try:
+            started = rec.begin_backward(_BACKWARD_OWNER)
+        except Exception as exc:
+            _fail(exc)
+            started = False
+        if not started:
             return original(tensors, *args, **kwargs)
         try:
             return original(tensors, *args, **kwargs)
         finally:
             try:
-                rec.end_backward()
+                rec.end_backward(_BACKWARD_OWNER)
             except Exception as exc:
                 _fail(exc)
 
@@ -286,7 +384,7 @@ def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
         if optimizer is _step_optimizer and not rec.explicit_steps:
             rec.close_step()
             if _learning:
-                _finish_learning()
+                _schedule_finish()
     except Exception as exc:
         _fail(exc)
 
@@ -302,10 +400,13 @@ def _hook_optimizer(torch: Any) -> None:
 
 # --- collectives --------------------------------------------------------------------
 #
-# Counted for hang detection: a rank that entered fewer collectives than the others is
-# the one they wait for (the opCount comparison of NCCL debug logs, live). Only explicit
-# torch.distributed calls count; DDP's own allreduces happen in every backward of every
-# rank alike, and the phase a rank is in (forward before backward) orders the rest.
+# Timed as "sync" (exposed collective wait) wherever they run, and counted for hang
+# detection: a rank that entered fewer collectives than the others is the one they
+# wait for (the opCount comparison of NCCL debug logs, live). Only explicit
+# torch.distributed calls pass here; DDP's own allreduces run in its C++ reducer (the
+# backward split above times their exposed wait). An async collective
+# (async_op=True) is timed only for its launch; its wait() lands in whichever phase
+# calls it.
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
                "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list",
@@ -323,6 +424,8 @@ def _patch_collectives(torch: Any) -> None:
 
         def wrapper(*args: Any, __original: Any = original, __name: str = name,
                     **kwargs: Any) -> Any:
+            if _is_compiling():
+                return __original(*args, **kwargs)
             rec = _rec
             if rec is None:
                 return __original(*args, **kwargs)
@@ -330,7 +433,7 @@ def _patch_collectives(torch: Any) -> None:
             outer = rec.in_collective
             rec.in_collective = __name
             try:
-                return __original(*args, **kwargs)
+                return _timed(rec, SYNC, __original, __original, *args, **kwargs)
             finally:
                 rec.in_collective = outer
 
@@ -339,6 +442,9 @@ def _patch_collectives(torch: Any) -> None:
 
 
 # --- host-to-device -----------------------------------------------------------------
+#
+# Only between phases (the training loop moving its batch): inside forward, `.to()` is
+# mostly a dtype cast or a layer's own work and stays forward.
 
 
 def _patch_h2d(torch: Any) -> None:
@@ -347,21 +453,34 @@ def _patch_h2d(torch: Any) -> None:
         original = getattr(cls, name)
 
         def wrapper(self: Any, *args: Any, __original: Any = original, **kwargs: Any) -> Any:
-            rec = _rec
-            if rec is None or rec.active != -1 or self.is_cuda:
+            if _is_compiling():
                 return __original(self, *args, **kwargs)
-            started = rec.begin(H2D, self)
+            rec = _rec
+            if rec is None or rec.active != NO_PHASE or self.is_cuda:
+                return __original(self, *args, **kwargs)
+            try:
+                started = rec.begin(H2D, self)
+            except Exception as exc:
+                _fail(exc)
+                started = False
             try:
                 out = __original(self, *args, **kwargs)
             except BaseException:
                 if started:
-                    rec.cancel()
+                    _guarded(rec.cancel)
                 raise
             if started:
                 if out is not self and getattr(out, "is_cuda", False):
-                    rec.end(self)
+                    _guarded(rec.end, self)
                 else:  # a dtype cast or a CPU copy: not a host-to-device transfer
-                    rec.cancel()
+                    _guarded(rec.cancel)
             return out
 
         _setattr(cls, name, wrapper)
+
+
+def _guarded(call: Callable[..., Any], *args: Any) -> None:
+    try:
+        call(*args)
+    except Exception as exc:
+        _fail(exc)

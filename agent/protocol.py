@@ -14,11 +14,14 @@ that starts late, or restarts, can place any message without having seen the
 sender's hello.
 
 Kinds:
-  hello      once at start: run name, device, phase names, distributed env
-  steps      a batch of per-step records (an agent sends at most ~10 a second)
+  hello      once at start: run name, device, distributed env, and whether the
+             zero-code hooks time the loop (`auto`)
+  steps      a batch of per-step records (an agent sends at most ~10 a second), with
+             `forced`: per phase, how many times it was closed for lack of an end hook
   sys        a system sample: CPU %, RSS, GPU utilisation and memory
   heartbeat  liveness and progress, from a thread that does not need training: step,
-             phase, collectives launched, seconds since the last step
+             phase, collectives launched, seconds since the last step, and the training
+             framework seen in the process (for the hint when a phase cannot be timed)
   stacks     every thread's Python stack, sent by a rank that stopped making progress
   goodbye    at exit: exit code and the tail of a traceback, if any
   checks     setup mistakes found in this rank (checks.py), and once its facts for the
@@ -38,7 +41,9 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+# 2: steps carry `forced` (phases closed for lack of an end hook), hello `auto`,
+# heartbeat `framework`: what the collector needs to say when timing is incomplete.
+PROTOCOL_VERSION = 2
 
 # The phases of one optimizer step, in display order. "sync" is the exposed
 # collective wait measured inside backward; "wait" is the residual.
@@ -181,7 +186,9 @@ def _validate(raw: Any) -> Message:
         phases = _phases(raw.get("phases"))
         records = _records(raw.get("records"), len(phases))
         dropped = _int(raw.get("dropped", 0), "dropped", 0, 1 << 62)
-        return Message(kind, ident, seq, t, {"dropped": dropped}, phases, records)
+        forced = _forced(raw.get("forced"), len(phases))
+        return Message(kind, ident, seq, t, {"dropped": dropped, "forced": forced}, phases,
+                       records)
     return Message(kind, ident, seq, t, _BODY_VALIDATORS[kind](raw))
 
 
@@ -199,6 +206,12 @@ def _float(value: Any, name: str, lo: float, hi: float) -> float:
 
 def _opt_float(value: Any, name: str, lo: float, hi: float) -> float | None:
     return None if value is None else _float(value, name, lo, hi)
+
+
+def _bool(value: Any, name: str) -> bool:
+    if type(value) is not bool:
+        raise ProtocolError(f"{name} must be true or false")
+    return value
 
 
 def _str(value: Any, name: str, limit: int = MAX_STR) -> str:
@@ -230,6 +243,14 @@ def _phases(raw: Any) -> tuple[str, ...]:
     return names
 
 
+def _forced(raw: Any, n_phases: int) -> tuple[int, ...]:
+    if raw is None:
+        return (0,) * n_phases
+    if not isinstance(raw, list) or len(raw) != n_phases:
+        raise ProtocolError("forced must be a list with one count per phase")
+    return tuple(_int(v, "forced", 0, 1 << 62) for v in raw)
+
+
 def _records(raw: Any, n_phases: int) -> tuple[StepRecord, ...]:
     if not isinstance(raw, list):
         raise ProtocolError("records must be a list")
@@ -257,6 +278,7 @@ def _hello(raw: dict) -> dict[str, Any]:
         "run": _str(raw.get("run", ""), "run"),
         "device": _str(raw.get("device", "cpu"), "device", 64),
         "backend": _str(raw.get("backend", ""), "backend", 64),
+        "auto": _bool(raw.get("auto", True), "auto"),
         "env": {_str(k, "env key"): _str(v, "env value", 1024) for k, v in env.items()},
     }
 
@@ -275,6 +297,7 @@ def _heartbeat(raw: dict) -> dict[str, Any]:
     phase = raw.get("phase")
     collective = raw.get("in_collective")
     parallel = raw.get("parallel")
+    framework = raw.get("framework")
     return {
         "step": _int(raw.get("step", 0), "step", 0, 1 << 62),
         "phase": None if phase is None else _str(phase, "phase", 64),
@@ -283,6 +306,7 @@ def _heartbeat(raw: dict) -> dict[str, Any]:
         "in_collective": None if collective is None else _str(collective, "in_collective", 64),
         "since_step_s": _opt_float(raw.get("since_step_s"), "since_step_s", 0.0, 1e9),
         "parallel": None if parallel is None else _str(parallel, "parallel", 16),
+        "framework": None if framework is None else _str(framework, "framework", 64),
     }
 
 
@@ -352,11 +376,11 @@ def decode_capture_request(data: bytes) -> tuple[int, int]:
 
 
 _FIELDS = {
-    "hello": _COMMON | {"run", "device", "backend", "env"},
-    "steps": _COMMON | {"phases", "records", "dropped"},
+    "hello": _COMMON | {"run", "device", "backend", "env", "auto"},
+    "steps": _COMMON | {"phases", "records", "dropped", "forced"},
     "sys": _COMMON | {"cpu_pct", "rss_mb", "gpu_util", "gpu_mem_mb", "gpu_mem_total_mb"},
     "heartbeat": _COMMON | {"step", "phase", "in_phase_s", "collectives", "in_collective",
-                            "since_step_s", "parallel"},
+                            "since_step_s", "parallel", "framework"},
     "stacks": _COMMON | {"stacks"},
     "goodbye": _COMMON | {"exit_code", "error", "steps"},
     "checks": _COMMON | {"findings", "facts"},

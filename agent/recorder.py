@@ -1,10 +1,25 @@
 """Per-step phase accounting: the agent's hot path.
 
 Hooks call `begin`/`end` around a phase and `close_step` at each optimizer step.
-Phases do not nest: while one phase is open, any other begin is ignored, so the
-outermost operation wins (a module called inside the DataLoader is input time,
-a `.to()` inside forward is forward time). That one rule replaces depth counters
-in every hook.
+
+Phases nest, because real training code nests them: Lightning runs forward and
+backward inside `optimizer.step(closure)`, manual optimization steps the optimizer
+inside the DDP module's forward, and a step may all-gather a count between
+forward and optimizer. Open phases form a stack, and every nanosecond is charged
+to the *innermost* open phase only (exclusive time): the optimizer's own update is
+"optimizer", its closure's forward and backward are forward and backward.
+
+Two exceptions keep the labels meaning what users expect:
+  * the DataLoader is opaque: whatever runs inside `next(loader)` (a module in a
+    collate function, a collective in a sampler) is input time;
+  * the same phase inside itself (a module calling a module) is one phase.
+
+A phase may stay open across one step boundary (manual optimization closes the
+step inside forward; the rest of that forward belongs to the next step). A phase
+still open at the following boundary lost its closing hook: it is closed there and
+counted in `forced`, which the agent reports, so the recorder can never stay stuck
+and the collector can say which phases could not be timed. An `end` for a phase
+buried under others closes those others the same way.
 
 A finished step is appended to `out` (a bounded deque drained by the sender
 thread) as ``(step, t_end_ns, wall_ns, phase_ns)``, where ``phase_ns[i]`` is the
@@ -26,6 +41,8 @@ MEASURED: tuple[str, ...] = ("dataloader", "h2d", "forward", "backward", "sync",
 DATALOADER, H2D, FORWARD, BACKWARD, SYNC, OPTIMIZER = range(6)
 MAX_CUSTOM_PHASES = 8
 NO_PHASE = -1
+# A stack deeper than this is a hook pairing bug, not real nesting: close the oldest.
+MAX_DEPTH = 32
 
 
 class Recorder:
@@ -36,9 +53,11 @@ class Recorder:
         "names",
         "index",
         "acc",
+        "stack",
         "active",
         "owner",
-        "t0",
+        "t_mark",
+        "forced",
         "step",
         "step_start",
         "t_ready",
@@ -56,9 +75,12 @@ class Recorder:
         self.names: list[str] = list(MEASURED)
         self.index: dict[str, int] = {n: i for i, n in enumerate(self.names)}
         self.acc: list[int | None] = [None] * len(self.names)
-        self.active = NO_PHASE
+        # Open phases, innermost last: (phase index, owner, step it began in).
+        self.stack: list[tuple[int, Any, int]] = []
+        self.active = NO_PHASE  # the innermost open phase (stack[-1]), for cheap checks
         self.owner: Any = None
-        self.t0 = 0
+        self.t_mark = 0  # since when the innermost open phase has been accruing time
+        self.forced: list[int] = [0] * len(self.names)  # phases closed for lack of an end
         self.step = 0
         self.step_start = 0  # 0: the first step starts at its first phase
         self.t_ready = 0  # when backward's gradients were all computed (sync split)
@@ -75,63 +97,142 @@ class Recorder:
     # --- phases -------------------------------------------------------------------
 
     def begin(self, idx: int, owner: Any = None) -> bool:
-        if self.active != NO_PHASE:
+        """Open a phase inside whatever is open. False when it is not timed (inside the
+        DataLoader, or the same phase already innermost): then do not call `end`."""
+        active = self.active
+        if active == DATALOADER or active == idx:
             return False
         t = perf_counter_ns()
         if not self.step_start:
             self.step_start = t
-        self.active = idx
-        self.owner = owner
-        self.t0 = t
+        if active != NO_PHASE:
+            self._charge(active, t)
+        elif len(self.stack) >= MAX_DEPTH:  # unreachable with paired hooks
+            self._force(0, t)
+        self._push(idx, owner, t)
         return True
 
     def end(self, owner: Any = None) -> None:
-        if self.active == NO_PHASE or owner is not self.owner:
+        """Close the phase `owner` opened. Phases opened inside it and never closed are
+        closed with it (and counted as forced); an unknown owner is ignored."""
+        if owner is not self.owner:
+            self._end_buried(owner)
             return
-        self._add(self.active, perf_counter_ns() - self.t0)
-        self.active = NO_PHASE
-        self.owner = None
+        if self.active == NO_PHASE:
+            return
+        t = perf_counter_ns()
+        self._charge(self.active, t)
+        self._pop(t)
 
     def cancel(self) -> None:
-        """Forget the open phase (it turned out not to be one)."""
-        self.active = NO_PHASE
-        self.owner = None
+        """The innermost phase turned out not to be one (a dtype cast, not a copy): its
+        time so far goes back to the phase around it."""
+        if self.active == NO_PHASE:
+            return
+        t = perf_counter_ns()
+        self.stack.pop()
+        self._resume(t)
+        # t_mark is left where the cancelled phase began: the parent accrues that time.
+        if self.active == NO_PHASE:
+            self.t_mark = t
 
-    def _add(self, idx: int, dt: int) -> None:
+    def _push(self, idx: int, owner: Any, t: int) -> None:
+        self.stack.append((idx, owner, self.step))
+        self.active = idx
+        self.owner = owner
+        self.t_mark = t
+
+    def _pop(self, t: int) -> None:
+        self.stack.pop()
+        self._resume(t)
+        self.t_mark = t
+
+    def _resume(self, t: int) -> None:
+        """The phase under the one just removed is innermost again."""
+        if self.stack:
+            idx, owner, _ = self.stack[-1]
+            self.active, self.owner = idx, owner
+        else:
+            self.active, self.owner = NO_PHASE, None
+
+    def _charge(self, idx: int, t: int) -> None:
+        """Time since t_mark belongs to phase `idx` (the innermost open one)."""
         acc = self.acc
         prev = acc[idx]
+        dt = t - self.t_mark
         acc[idx] = dt if prev is None else prev + dt
+
+    def _end_buried(self, owner: Any) -> None:
+        stack = self.stack
+        for pos in range(len(stack) - 2, -1, -1):
+            if stack[pos][1] is owner:
+                t = perf_counter_ns()
+                self._charge(self.active, t)
+                self._force(pos + 1, t)
+                self._pop(t)
+                return
+
+    def _force(self, keep: int, t: int) -> None:
+        """Close every open phase above position `keep` of the stack (their time is
+        already charged), counting each as forced."""
+        stack = self.stack
+        while len(stack) > keep:
+            idx = stack.pop()[0]
+            self.forced[idx] += 1
+        self._resume(t)
+        self.t_mark = t
+
+    # --- the DDP sync split ---------------------------------------------------------
 
     def grads_ready(self) -> None:
         """Called from autograd's final callback: local gradient work is done."""
         self.t_ready = perf_counter_ns()
 
-    def begin_backward(self) -> bool:
-        if not self.begin(BACKWARD):
+    def begin_backward(self, owner: Any) -> bool:
+        if not self.begin(BACKWARD, owner):
             return False
         self.t_ready = 0
         return True
 
-    def end_backward(self) -> None:
-        """Split backward into local compute and exposed collective wait (DDP's reducer
-        waits for its allreduces after the last gradient is ready)."""
-        if self.active != BACKWARD:
-            return
+    def end_backward(self, owner: Any) -> None:
+        """Split backward's last stretch into local compute and exposed collective wait:
+        DDP's reducer waits for its allreduces after the last gradient is ready."""
+        if owner is not self.owner:
+            self._end_buried_to(owner)
+            if owner is not self.owner:
+                return
         t = perf_counter_ns()
-        ready = self.t_ready
-        if ready and self.t0 <= ready <= t:
-            self._add(BACKWARD, ready - self.t0)
-            self._add(SYNC, t - ready)
+        ready, mark = self.t_ready, self.t_mark
+        acc = self.acc
+        if ready and mark <= ready <= t:
+            _add(acc, BACKWARD, ready - mark)
+            _add(acc, SYNC, t - ready)
+        elif ready and ready < mark:  # ready before a phase nested in backward: all wait
+            _add(acc, SYNC, t - mark)
         else:
-            self._add(BACKWARD, t - self.t0)
-        self.active = NO_PHASE
-        self.owner = None
+            _add(acc, BACKWARD, t - mark)
+        self._pop(t)
+
+    def _end_buried_to(self, owner: Any) -> None:
+        """Force-close the phases above `owner`'s, leaving its own open."""
+        stack = self.stack
+        for pos in range(len(stack) - 2, -1, -1):
+            if stack[pos][1] is owner:
+                t = perf_counter_ns()
+                self._charge(self.active, t)
+                self._force(pos + 1, t)
+                return
 
     # --- steps --------------------------------------------------------------------
 
     def close_step(self) -> None:
         t = perf_counter_ns()
         start = self.step_start or t
+        if self.active != NO_PHASE:
+            # Open phases go on into the next step; what they did so far belongs here.
+            self._charge(self.active, t)
+            self.t_mark = t
+            self._close_stale(t)
         self._emit(self.step, t, t - start, self.acc)
         self.step += 1
         self.step_start = t
@@ -142,12 +243,22 @@ class Recorder:
         if listener is not None:
             listener()
 
+    def _close_stale(self, t: int) -> None:
+        """A phase open since before the previous boundary lost its end hook."""
+        stack, step = self.stack, self.step
+        for pos, frame in enumerate(stack):
+            if frame[2] < step:
+                self._force(pos, t)
+                return
+
     def _emit(self, step: int, t: int, wall: int, acc: list[int | None]) -> None:
         self.out.append((step, t, wall, acc))
 
     def open_step(self) -> None:
         """Explicit API: a step starts now (the time before it is not part of any step)."""
-        self.step_start = perf_counter_ns()
+        t = perf_counter_ns()
+        self.step_start = t
+        self.t_mark = t
         self.acc = [None] * len(self.names)
 
     def phase_index(self, name: str) -> int | None:
@@ -157,11 +268,12 @@ class Recorder:
             self.names.append(name)
             self.index[name] = idx
             self.acc.append(None)
+            self.forced.append(0)
         return idx
 
     def in_phase(self) -> tuple[str | None, float]:
         """What the training thread is doing now (read racily by the heartbeat thread)."""
-        idx, t0 = self.active, self.t0
+        idx, t0 = self.active, self.t_mark
         if idx == NO_PHASE:
             return None, 0.0
         return self.names[idx], max(0.0, (perf_counter_ns() - t0) / 1e9)
@@ -170,17 +282,26 @@ class Recorder:
         """Nothing pending on the host clock."""
 
 
+def _add(acc: list, idx: int, dt: int) -> None:
+    prev = acc[idx]
+    acc[idx] = dt if prev is None else prev + dt
+
+
 class CudaRecorder(Recorder):
     """Times device phases with CUDA events, resolved later with `query()`.
 
     The dataloader is host work, timed on the host clock. h2d, forward, backward,
-    sync and optimizer are timed between events recorded on the current stream,
-    and the step time is the device time between consecutive step-end events, so
-    an idle GPU waiting for input shows up as step time the phases do not cover.
+    sync and optimizer are timed between events recorded on the current stream:
+    each time the innermost phase changes to or from a device phase one event is
+    recorded, and the device time between two consecutive events belongs to the
+    phase that was innermost between them (exclusive time, as on the host). The step
+    time is the device time between consecutive step-end events, so an idle GPU
+    waiting for input shows up as step time the phases do not cover.
     """
 
-    __slots__ = ("torch", "pool", "pairs", "pending", "prev_end", "ev0", "ev_ready", "max_pending")
-    DEVICE_PHASES = frozenset({H2D, FORWARD, BACKWARD, OPTIMIZER})
+    __slots__ = ("torch", "pool", "pairs", "pending", "prev_end", "ev_mark", "ev_ready",
+                 "max_pending")
+    DEVICE_PHASES = frozenset({H2D, FORWARD, BACKWARD, SYNC, OPTIMIZER})
 
     def __init__(self, out: deque, torch_module: Any, max_pending: int = 64) -> None:
         super().__init__(out)
@@ -189,7 +310,7 @@ class CudaRecorder(Recorder):
         self.pairs: list[tuple[int, Any, Any]] = []
         self.pending: deque = deque()
         self.prev_end: Any = None
-        self.ev0: Any = None
+        self.ev_mark: Any = None  # event at t_mark, when the innermost phase is on device
         self.ev_ready: Any = None
         self.max_pending = max_pending
 
@@ -198,43 +319,53 @@ class CudaRecorder(Recorder):
         ev.record()
         return ev
 
-    def begin(self, idx: int, owner: Any = None) -> bool:
-        if not super().begin(idx, owner):
-            return False
+    def _charge(self, idx: int, t: int) -> None:
         if idx in self.DEVICE_PHASES:
-            self.ev0 = self._event()
-        return True
-
-    def end(self, owner: Any = None) -> None:
-        idx = self.active
-        if idx == NO_PHASE or owner is not self.owner:
-            return
-        if idx in self.DEVICE_PHASES:
-            self.pairs.append((idx, self.ev0, self._event()))
-            self.active = NO_PHASE
-            self.owner = None
+            ev = self._event()
+            if self.ev_mark is not None:
+                self.pairs.append((idx, self.ev_mark, ev))
+            self.ev_mark = ev
         else:
-            super().end(owner)
+            super()._charge(idx, t)
+
+    def _push(self, idx: int, owner: Any, t: int) -> None:
+        super()._push(idx, owner, t)
+        self._mark(idx)
+
+    def _resume(self, t: int) -> None:
+        super()._resume(t)
+        self._mark(self.active)
+
+    def _mark(self, idx: int) -> None:
+        """The device segment of the (new) innermost phase starts now."""
+        if idx in self.DEVICE_PHASES:
+            if self.ev_mark is None:
+                self.ev_mark = self._event()
+        else:
+            self.ev_mark = None
 
     def grads_ready(self) -> None:
         super().grads_ready()
         self.ev_ready = self._event()
 
-    def begin_backward(self) -> bool:
+    def begin_backward(self, owner: Any) -> bool:
         self.ev_ready = None
-        return super().begin_backward()
+        return super().begin_backward(owner)
 
-    def end_backward(self) -> None:
-        if self.active != BACKWARD:
-            return
+    def end_backward(self, owner: Any) -> None:
+        if owner is not self.owner:
+            self._end_buried_to(owner)
+            if owner is not self.owner:
+                return
         ev_end = self._event()
-        if self.ev_ready is not None:
-            self.pairs.append((BACKWARD, self.ev0, self.ev_ready))
-            self.pairs.append((SYNC, self.ev_ready, ev_end))
-        else:
-            self.pairs.append((BACKWARD, self.ev0, ev_end))
-        self.active = NO_PHASE
-        self.owner = None
+        ready, mark = self.ev_ready, self.ev_mark
+        if ready is not None and mark is not None and self.t_ready >= self.t_mark:
+            self.pairs.append((BACKWARD, mark, ready))
+            self.pairs.append((SYNC, ready, ev_end))
+        elif mark is not None:
+            self.pairs.append((SYNC if ready is not None else BACKWARD, mark, ev_end))
+        self.ev_mark = ev_end
+        self._pop(perf_counter_ns())
 
     def _emit(self, step: int, t: int, wall: int, acc: list[int | None]) -> None:
         """The step's device times are not known yet: park it until its events complete."""
@@ -250,23 +381,30 @@ class CudaRecorder(Recorder):
             step, t, host_wall, acc, pairs, prev_end, end_ev = pending.popleft()
             for idx, a, b in pairs:
                 try:  # an event on another stream may lag the step-end event: skip it
-                    self._add_to(acc, idx, int(a.elapsed_time(b) * 1e6))
+                    _add(acc, idx, int(a.elapsed_time(b) * 1e6))
                 except RuntimeError:
                     continue
-                self.pool.append(a)
             wall = host_wall
             if prev_end is not None:
                 wall = int(prev_end.elapsed_time(end_ev) * 1e6)
-                # prev_end stays referenced by nothing once this step resolved
-                self.pool.append(prev_end)
             self.out.append((step, t, wall, acc))
+            self._recycle(pairs, prev_end)
         while len(pending) > self.max_pending:  # device far behind: drop, never block
             pending.popleft()
 
-    @staticmethod
-    def _add_to(acc: list, idx: int, dt: int) -> None:
-        prev = acc[idx]
-        acc[idx] = dt if prev is None else prev + dt
+    def _recycle(self, pairs: list, prev_end: Any) -> None:
+        """Events of a resolved step go back to the pool, except those a later segment
+        still starts from (a phase open across the step boundary)."""
+        live = {id(e) for e in (self.ev_mark, self.ev_ready, self.prev_end)}
+        for later in self.pending:
+            live.add(id(later[5]))
+            live.update(id(a) for _, a, _ in later[4])
+        live.update(id(a) for _, a, _ in self.pairs)
+        seen = set()
+        for ev in [prev_end, *(e for pair in pairs for e in pair[1:])]:
+            if ev is not None and id(ev) not in live and id(ev) not in seen:
+                seen.add(id(ev))
+                self.pool.append(ev)
 
     def flush(self) -> None:
         """At shutdown: the job is over, so waiting for the device is allowed here."""

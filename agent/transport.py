@@ -146,7 +146,7 @@ class Sender(threading.Thread):
         since_step = max(0.0, (perf_counter_ns() - rec.last_step_t) / 1e9)
         self._send("heartbeat", step=rec.step, phase=phase, in_phase_s=in_phase,
                    collectives=rec.collectives, in_collective=rec.in_collective,
-                   since_step_s=since_step, parallel=rec.parallel)
+                   since_step_s=since_step, parallel=rec.parallel, framework=framework())
         stuck_after = max(STACK_MIN_S, STACK_STEPS * rec.last_wall / 1e9)
         now = time.monotonic()
         if since_step > stuck_after and now - self.stacks_sent_at > STACK_REFRESH_S:
@@ -189,14 +189,18 @@ class Sender(threading.Thread):
         if not out:
             return
         names = list(self.rec.names)
+        forced = list(self.rec.forced)
+        forced.extend([0] * (len(names) - len(forced)))
         records = []
         while out:
             records.append(self._wire_record(out.popleft(), len(names)))
+        std = len(MEASURED)
         ok = self._send(
             "steps",
-            phases=[*protocol.PHASES, *names[len(MEASURED) :]],
+            phases=[*protocol.PHASES, *names[std:]],
             records=records,
             dropped=self.dropped,
+            forced=[*forced[:std], 0, *forced[std:]],  # "wait" is derived: never forced
         )
         if ok:
             self.sent_records += len(records)
@@ -222,6 +226,22 @@ class Sender(threading.Thread):
             wait_ms,
             *phase_ms[std:],
         ]
+
+
+# Training frameworks recognised by their modules, most specific first (Transformers
+# imports Accelerate): named in the hint when a phase cannot be timed.
+FRAMEWORKS = (("lightning", "PyTorch Lightning"), ("pytorch_lightning", "PyTorch Lightning"),
+              ("transformers", "Hugging Face Transformers"), ("accelerate", "Hugging Face Accelerate"),
+              ("deepspeed", "DeepSpeed"))
+
+
+def framework() -> str | None:
+    """The training framework this process imported, if any (a few dict lookups)."""
+    modules = sys.modules
+    for module, name in FRAMEWORKS:
+        if module in modules:
+            return name
+    return None
 
 
 def thread_stacks() -> list[list[str]]:

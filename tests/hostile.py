@@ -42,7 +42,8 @@ def pack(obj: Any) -> bytes:
 
 def template(kind: str, ident: Identity = IDENTS[0], seq: int = 1) -> dict[str, Any]:
     """A valid message of each kind as a plain map, shaped as agent/transport.py sends it."""
-    msg: dict[str, Any] = {"v": 1, "kind": kind, "id": ident.to_wire(), "seq": seq, "t": T0}
+    msg: dict[str, Any] = {"v": protocol.PROTOCOL_VERSION, "kind": kind, "id": ident.to_wire(),
+                           "seq": seq, "t": T0}
     if kind == "hello":
         msg.update(run="fuzz", device="cpu", backend="gloo", env={"MASTER_ADDR": "127.0.0.1"})
     elif kind == "steps":
@@ -272,7 +273,7 @@ def known_bad(rng: random.Random) -> bytes:
     kind = rng.choice(KINDS)
     case = rng.randrange(14)
     if case == 0:
-        return pack(substitute(kind, ("v",), rng.choice([0, 2, 3, -1, (1 << 64) - 1, "1", 1.0,
+        return pack(substitute(kind, ("v",), rng.choice([0, 1, 3, -1, (1 << 64) - 1, "1", 2.0,
                                                          True, None])))
     if case == 1:
         return pack(substitute(kind, ("kind",), rng.choice(

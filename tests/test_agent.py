@@ -122,13 +122,15 @@ def test_uninstall_restores_everything_it_patched(collector):
 
     endpoint, _ = collector
     before = (dl._BaseDataLoaderIter.__next__, torch.autograd.backward,
-              nn.Sequential.__dict__.get("forward"))
+              nn.Sequential.__dict__.get("__call__"), nn.Module.__call__)
     traceml_agent.init(endpoint=endpoint)
-    _train(steps=2)  # learns nn.Sequential as a root and wraps its forward
-    assert nn.Sequential.forward is not before[2]
+    assert nn.Module.__call__ is not before[3]  # learning the roots
+    _train(steps=2)  # learns nn.Sequential as a root and wraps its __call__
+    assert nn.Sequential.__call__ is not before[3]
+    assert nn.Module.__call__ is before[3]  # learning over: every other module is untouched
     traceml_agent.shutdown()
     after = (dl._BaseDataLoaderIter.__next__, torch.autograd.backward,
-             nn.Sequential.__dict__.get("forward"))
+             nn.Sequential.__dict__.get("__call__"), nn.Module.__call__)
     assert after == before
     assert not hooks._undo
 

@@ -22,6 +22,7 @@ from traceml_agent.protocol import (
     MAX_STR,
     MAX_WORLD_SIZE,
     PHASES,
+    PROTOCOL_VERSION,
     Identity,
     Message,
     ProtocolError,
@@ -42,7 +43,7 @@ def pack(obj) -> bytes:
 
 def raw(kind: str = "heartbeat", ident: dict | None = None, **fields) -> dict:
     """A valid message as a plain map; fields override or add keys."""
-    msg = {"v": 1, "kind": kind, "id": ident or IDENT.to_wire(), "seq": 3, "t": T}
+    msg = {"v": PROTOCOL_VERSION, "kind": kind, "id": ident or IDENT.to_wire(), "seq": 3, "t": T}
     if kind == "steps":
         msg.update(phases=list(PHASES), records=[list(RECORD)], dropped=0)
     if kind == "stacks":
@@ -74,11 +75,12 @@ def record(pos: int, value) -> dict:
 
 ROUND_TRIPS = [
     ("hello", {"run": "demo", "device": "cuda:1", "backend": "nccl",
-               "env": {"MASTER_ADDR": "10.0.0.1", "NCCL_DEBUG": "WARN"}}),
+               "env": {"MASTER_ADDR": "10.0.0.1", "NCCL_DEBUG": "WARN"}, "auto": False}),
     ("sys", {"cpu_pct": 312.5, "rss_mb": 2048.0, "gpu_util": 97.0, "gpu_mem_mb": None,
              "gpu_mem_total_mb": 81920.0}),
     ("heartbeat", {"step": 17, "phase": "forward", "in_phase_s": 0.25, "collectives": 40,
-                   "in_collective": "all_reduce", "since_step_s": 12.5, "parallel": "fsdp"}),
+                   "in_collective": "all_reduce", "since_step_s": 12.5, "parallel": "fsdp",
+                   "framework": "PyTorch Lightning"}),
     ("stacks", {"stacks": (("MainThread", "  File \"train.py\", line 9, in <module>\n"),
                            ("traceml-sender", "  ...\n"))}),
     ("goodbye", {"exit_code": -11, "error": "Traceback ...\nRuntimeError: boom", "steps": 99}),
@@ -95,12 +97,22 @@ def test_round_trip(kind, body):
     assert msg.phases == () and msg.records == ()
 
 
+def test_forced_counts_must_match_the_phases():
+    with pytest.raises(ProtocolError):
+        decode(pack(raw("steps", forced=[1, 2])))
+    with pytest.raises(ProtocolError):
+        decode(pack(raw("steps", forced=[-1] * len(PHASES))))
+    assert decode(pack(raw("steps"))).body["forced"] == (0,) * len(PHASES)
+
+
 def test_round_trip_steps():
     records = [list(RECORD), [8, T + 0.1, 90.0, None, None, 30.0, 45.0, 0.0, 8.0, 7.0]]
-    msg = decode(encode("steps", IDENT, 5, T, phases=list(PHASES), records=records, dropped=2))
+    forced = [0, 0, 3, 0, 0, 0, 0]
+    msg = decode(encode("steps", IDENT, 5, T, phases=list(PHASES), records=records, dropped=2,
+                        forced=forced))
     assert (msg.kind, msg.ident, msg.seq, msg.t) == ("steps", IDENT, 5, T)
     assert msg.phases == PHASES
-    assert msg.body == {"dropped": 2}
+    assert msg.body == {"dropped": 2, "forced": tuple(forced)}
     assert msg.records == (
         StepRecord(7, T, 100.0, (5.0, None, 30.0, 50.0, 4.0, 8.0, 3.0)),
         StepRecord(8, T + 0.1, 90.0, (None, None, 30.0, 45.0, 0.0, 8.0, 7.0)),
@@ -109,7 +121,7 @@ def test_round_trip_steps():
 
 def test_defaults_for_optional_body_fields():
     assert decode(encode("hello", IDENT, 0, T)).body == {
-        "run": "", "device": "cpu", "backend": "", "env": {}}
+        "run": "", "device": "cpu", "backend": "", "env": {}, "auto": True}
     assert decode(encode("goodbye", IDENT, 0, T)).body == {
         "exit_code": None, "error": None, "steps": 0}
     assert decode(encode("steps", IDENT, 0, T, phases=["x"], records=[])).records == ()
@@ -150,7 +162,8 @@ BAD = {
     "nil": pack(None),
     # version
     "no-version": pack(without(raw(), "v")),
-    "version-2": pack(raw(v=2)),
+    "version-1": pack(raw(v=1)),  # the protocol before `forced`
+    "version-next": pack(raw(v=PROTOCOL_VERSION + 1)),
     "version-0": pack(raw(v=0)),
     "version-str": pack(raw(v="1")),
     # kind
@@ -262,8 +275,8 @@ def test_oversize_payload_rejected_before_parsing():
     assert len(decode(half).records) == n // 2
 
 
-@pytest.mark.parametrize("version", [True, 1.0], ids=repr)
-def test_version_must_be_the_int_1(version):
+@pytest.mark.parametrize("version", [True, float(PROTOCOL_VERSION)], ids=repr)
+def test_version_must_be_the_int_version(version):
     with pytest.raises(ProtocolError):
         decode(pack(raw(v=version)))
 
