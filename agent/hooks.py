@@ -64,7 +64,7 @@ _grad_order: list[Any] = []  # learning: parameters in the order their gradients
 _grad_probes: list[Any] = []  # learning: temporary hooks on the roots' parameters
 _step_optimizer: Any = None
 _BACKWARD_OWNER = object()
-_end_learning_patch: Callable[[], None] = lambda: None  # puts nn.Module.__call__ back
+_end_learning_patch: Callable[[], None] = lambda: None  # noqa: E731 - restores Module.__call__
 
 
 def install(rec: Recorder, torch: Any, on_error: Callable[[BaseException], None],

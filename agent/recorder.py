@@ -107,8 +107,8 @@ class Recorder:
             self.step_start = t
         if active != NO_PHASE:
             self._charge(active, t)
-        elif len(self.stack) >= MAX_DEPTH:  # unreachable with paired hooks
-            self._force(0, t)
+            if len(self.stack) >= MAX_DEPTH:  # unreachable with paired hooks
+                self._force(0, t)
         self._push(idx, owner, t)
         return True
 

@@ -231,8 +231,8 @@ class Sender(threading.Thread):
 # Training frameworks recognised by their modules, most specific first (Transformers
 # imports Accelerate): named in the hint when a phase cannot be timed.
 FRAMEWORKS = (("lightning", "PyTorch Lightning"), ("pytorch_lightning", "PyTorch Lightning"),
-              ("transformers", "Hugging Face Transformers"), ("accelerate", "Hugging Face Accelerate"),
-              ("deepspeed", "DeepSpeed"))
+              ("transformers", "Hugging Face Transformers"),
+              ("accelerate", "Hugging Face Accelerate"), ("deepspeed", "DeepSpeed"))
 
 
 def framework() -> str | None:

@@ -344,3 +344,71 @@ def test_a_slow_node_whose_worst_rank_alternates_is_one_label():
     live = settle(LiveLabel(first), other)
     assert live.shown is other and live.challenger is None  # refreshed, not challenged
     assert first.subject == other.subject == (INPUT_STRAGGLER, "node", 1)
+
+
+# --- timing incomplete: no verdict from phases that were not seen ---------------------------
+
+NOT_SEEN = (dx.Untimed("forward", "never seen by the hooks"),)
+
+
+def blind(rank: int, untimed=NOT_SEEN, **phases) -> RankTiming:
+    return replace(timing(rank, **phases), untimed=untimed)
+
+
+BLIND_CASES = [
+    # (what, ranks, expected label, expected rank)
+    ("forward unseen, otherwise balanced: not BALANCED",
+     [blind(r, forward=None) for r in range(4)], dx.TIMING_INCOMPLETE, None),
+    ("forward unseen and the residual large: not WAIT-HEAVY",
+     [blind(r, forward=None, wait=part(WAIT_HEAVY_ENTER + 0.1)) for r in range(4)],
+     dx.TIMING_INCOMPLETE, None),
+    ("forward unseen, a rank slow in the compute that was seen: no COMPUTE STRAGGLER",
+     [blind(r, forward=None, backward=50.0 + (40.0 if r == 2 else 0.0)) for r in range(4)],
+     dx.TIMING_INCOMPLETE, None),
+    ("forward unseen, an input straggler from input that was seen: still named",
+     [blind(r, forward=None, dataloader=5.0 + (30.0 if r == 1 else 0.0)) for r in range(4)],
+     INPUT_STRAGGLER, 1),
+    ("one rank blind is enough to withhold a verdict",
+     [blind(0, forward=None)] + [timing(r) for r in range(1, 4)], dx.TIMING_INCOMPLETE, None),
+    ("a phase forced closed counts as untimed too",
+     [blind(r, untimed=(dx.Untimed("optimizer", "closed without its end hook on 9 of 40 "
+                                   "steps"),)) for r in range(4)], dx.TIMING_INCOMPLETE, None),
+]
+
+
+@pytest.mark.parametrize("what, ranks, label, rank", BLIND_CASES,
+                         ids=[c[0] for c in BLIND_CASES])
+def test_timing_incomplete_withholds_the_verdicts_it_cannot_support(what, ranks, label, rank):
+    d = diagnose(ranks, framework="PyTorch Lightning")
+    assert (d.label, d.rank) == (label, rank)
+    if label == dx.TIMING_INCOMPLETE:
+        assert d.severity == WARNING and d.phase in {"forward", "optimizer"}
+        assert "Timing incomplete under PyTorch Lightning" in d.summary
+        assert "rank" in d.summary and "docs/frameworks.md" in d.summary
+
+
+UNTIMED_CASES = [
+    # (what, seen counts, window, forced, steps, auto, expected (phase, why-start))
+    ("all seen", {"forward": 32, "backward": 32, "optimizer": 32}, 32, {}, 100, True, []),
+    ("forward never seen", {"forward": 0, "backward": 32, "optimizer": 32}, 32, {}, 100, True,
+     [("forward", "never seen")]),
+    ("forward on the first step only", {"forward": 1, "backward": 300, "optimizer": 300}, 300,
+     {}, 300, True, [("forward", "seen on only 1 of 300")]),
+    ("half the steps is still a phase of the loop", {"forward": 16, "backward": 32,
+                                                     "optimizer": 32}, 32, {}, 100, True, []),
+    ("explicit API: the user chooses what is timed", {"forward": 0}, 32, {}, 100, False, []),
+    ("too few steps to tell", {"forward": 0}, MIN_STEPS - 1, {}, 7, True, []),
+    ("forced on many steps", {"forward": 32, "backward": 32, "optimizer": 32}, 32,
+     {"forward": 40}, 100, True, [("forward", "closed without its end hook on 40 of 100")]),
+    ("forced rarely: noise", {"forward": 32, "backward": 32, "optimizer": 32}, 32,
+     {"forward": 2}, 1000, True, []),
+]
+
+
+@pytest.mark.parametrize("what, seen, window, forced, steps, auto, expected", UNTIMED_CASES,
+                         ids=[c[0] for c in UNTIMED_CASES])
+def test_which_phases_count_as_untimed(what, seen, window, forced, steps, auto, expected):
+    got = dx.untimed_phases(seen, window, forced, steps, auto)
+    pairs = zip(got, expected, strict=False)
+    assert [(u.phase, u.why[:len(why)]) for u, (_, why) in pairs] == expected
+    assert len(got) == len(expected)

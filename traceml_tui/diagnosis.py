@@ -18,6 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from statistics import median
 
+from traceml_agent.checks import format_ranks
+
 # --- labels and severities ---------------------------------------------------------------
 
 BALANCED = "BALANCED"
@@ -28,8 +30,10 @@ INPUT_BOUND = "INPUT-BOUND"
 WAIT_HEAVY = "WAIT-HEAVY"
 HANG = "HANG"
 WARMUP = "WARMUP"
+# Some phase the verdict depends on could not be timed: better no verdict than a wrong one.
+TIMING_INCOMPLETE = "TIMING INCOMPLETE"
 LABELS = (BALANCED, INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER, INPUT_BOUND, WAIT_HEAVY,
-          HANG, WARMUP)
+          HANG, WARMUP, TIMING_INCOMPLETE)
 
 INFO, WARNING, CRITICAL = "info", "warning", "critical"
 
@@ -62,6 +66,15 @@ INPUT_BOUND_EXIT = 0.22
 # share of the median rank's step is worth a look: logging, checkpointing, stalls.
 WAIT_HEAVY_ENTER = 0.30
 WAIT_HEAVY_EXIT = 0.22
+# The zero-code hooks see these phases in every training loop they time; a rank whose
+# recent steps have none of one (after warm-up) ran it somewhere the hooks are blind to,
+# and its time went to residual "wait".
+EXPECTED_PHASES = ("forward", "backward", "optimizer")
+# A phase closed for lack of its end hook (recorder.py) on this share of a rank's steps
+# is not timed: its time after the missed end went to whatever was open around it. Rare
+# forced closes (an exception unwinding through a hook-less frame) are noise.
+FORCED_SHARE = 0.05
+FORCED_MIN = 3
 # Consecutive evaluations a new live label must win before it replaces the old one.
 CONFIRM_TICKS = 2
 # A whole node is the straggler when every rank on the worst rank's node is behind the
@@ -69,6 +82,14 @@ CONFIRM_TICKS = 2
 # is. Half, because with half the ranks slow the median sits halfway between the two
 # groups: every slow rank is then exactly one worst-gap behind, every fast one ahead.
 NODE_MEMBER_SHARE = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Untimed:
+    """A phase the agent could not time on a rank, and why."""
+
+    phase: str
+    why: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +102,30 @@ class RankTiming:
     phase_ms: Mapping[str, float | None]
     host: str = ""
     node: int = 0
+    untimed: tuple[Untimed, ...] = ()
+
+
+def untimed_phases(seen: Mapping[str, int], window_steps: int, forced: Mapping[str, int],
+                   steps: int, auto: bool) -> tuple[Untimed, ...]:
+    """The phases of one rank that the diagnosis must not rely on. `seen`: of the rank's
+    `window_steps` recent steps, on how many each expected phase was measured; `forced`:
+    per phase, the times it was closed without its end hook in the rank's `steps` steps;
+    `auto`: the zero-code hooks time the loop (with the explicit API the user decides
+    what is timed)."""
+    out = []
+    if auto and window_steps >= MIN_STEPS:
+        for phase in EXPECTED_PHASES:
+            n = seen.get(phase, 0)
+            if n * 2 < window_steps:  # a phase of the loop runs on every step
+                why = ("never seen by the hooks" if n == 0 else
+                       f"seen on only {n} of {window_steps} steps")
+                out.append(Untimed(phase, why))
+    listed = {u.phase for u in out}
+    for phase, count in forced.items():
+        if phase not in listed and count >= max(FORCED_MIN, FORCED_SHARE * steps):
+            out.append(Untimed(phase, f"closed without its end hook on {count} of {steps} "
+                                      f"steps"))
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,10 +237,11 @@ FSDP_COMPUTE_PHASES = ("optimizer",)
 
 
 def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
-             collectives_in_compute: bool = False) -> Diagnosis:
+             collectives_in_compute: bool = False, framework: str | None = None) -> Diagnosis:
     """Classify the window. `active` is the label currently shown: its own condition is
     tested with the lower exit threshold (hysteresis), every other with the enter one.
-    `collectives_in_compute`: an FSDP job (see FSDP_COMPUTE_PHASES)."""
+    `collectives_in_compute`: an FSDP job (see FSDP_COMPUTE_PHASES). `framework`: the
+    training framework the agents saw, named in the hint when timing is incomplete."""
     compute = FSDP_COMPUTE_PHASES if collectives_in_compute else COMPUTE_PHASES
     ready = [r for r in ranks if r.steps >= MIN_STEPS and _finite(r.step_ms) and r.step_ms > 0]
     if not ready:
@@ -203,12 +249,17 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
         return Diagnosis(WARMUP, None, None, INFO,
                          f"Collecting steps: {most} of {MIN_STEPS} needed before judging.")
     step_ms = median([r.step_ms for r in ready])
+    # Untimed local phases: their time sits in "wait", so balance, residual wait and any
+    # comparison of that group cannot be judged; a group fully timed still can.
+    untimed = {u.phase for r in ready for u in r.untimed}
+    input_blind = bool(untimed & set(INPUT_PHASES))
+    compute_blind = bool(untimed & set(COMPUTE_PHASES))
 
     def over(share: float, enter: float, leave: float, *holding: str) -> bool:
         return share >= (leave if active in holding else enter)
 
-    in_skew = _skew(ready, INPUT_PHASES, step_ms)
-    cp_skew = _skew(ready, compute, step_ms)
+    in_skew = None if input_blind else _skew(ready, INPUT_PHASES, step_ms)
+    cp_skew = None if compute_blind else _skew(ready, compute, step_ms)
     in_hit = (in_skew is not None and in_skew.gap_ms >= MIN_GAP_MS
               and over(in_skew.share, SKEW_ENTER, SKEW_EXIT, INPUT_STRAGGLER, STRAGGLER))
     cp_hit = (cp_skew is not None and cp_skew.gap_ms >= MIN_GAP_MS
@@ -229,7 +280,7 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
         return _straggler(COMPUTE_STRAGGLER, cp_skew.rank, phase, cp_skew.gap_ms, cp_skew.share,
                           step_ms, ready, compute)
 
-    input_share = _share(ready, INPUT_PHASES)
+    input_share = 0.0 if input_blind else _share(ready, INPUT_PHASES)
     if over(input_share, INPUT_BOUND_ENTER, INPUT_BOUND_EXIT, INPUT_BOUND):
         phase = max(INPUT_PHASES, key=lambda p: median(
             [r.phase_ms.get(p) for r in ready if _finite(r.phase_ms.get(p))] or [0.0]))
@@ -239,6 +290,8 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
             f"input: speed up the input pipeline on all ranks (more DataLoader workers, "
             f"pin_memory, prefetching, cheaper preprocessing).",
             gap_share=input_share)
+    if untimed:
+        return _incomplete(ready, framework)
     wait_share = _share(ready, ("wait",))
     if over(wait_share, WAIT_HEAVY_ENTER, WAIT_HEAVY_EXIT, WAIT_HEAVY):
         return Diagnosis(
@@ -251,6 +304,24 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
         BALANCED, None, None, INFO,
         f"{len(ready)} rank{'s' if len(ready) != 1 else ''} balanced at a median "
         f"{step_ms:.1f} ms per step; no rank stands out in input or compute.")
+
+
+def _incomplete(ranks: Sequence[RankTiming], framework: str | None) -> Diagnosis:
+    """No verdict from phases that were not seen: say which, where and why instead."""
+    where: dict[tuple[str, str], list[int]] = {}
+    for r in ranks:
+        for u in r.untimed:
+            where.setdefault((u.phase, u.why), []).append(r.rank)
+    parts = [f"{phase} on rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)} ({why})"
+             for (phase, why), rs in sorted(where.items())]
+    first = min(where)[0]
+    under = f" under {framework}" if framework else ""
+    return Diagnosis(
+        TIMING_INCOMPLETE, None, first, WARNING,
+        f"Timing incomplete{under}: could not time {'; '.join(parts)}. That time counts as "
+        f"wait, so no straggler, balance or wait verdict is given from it: time the loop with "
+        f"traceml_agent.phase() (docs/agent-api.md); docs/frameworks.md lists what each "
+        f"framework exposes.")
 
 
 _ADVICE = {

@@ -74,6 +74,7 @@ class RankSnapshot:
     phase: str | None = None
     in_collective: str | None = None
     stacks: tuple[tuple[str, str], ...] = ()
+    untimed: tuple[dx.Untimed, ...] = ()  # phases the agent could not time, and why
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,7 @@ class Snapshot:
     parallel: str | None = None  # "ddp" or "fsdp", as the agents saw the model
     checks: tuple[Finding, ...] = ()  # setup mistakes, merged across ranks
     batch_sizes: dict[int, int] = field(default_factory=dict)  # DataLoader batch per rank
+    framework: str | None = None  # the training framework the agents saw
 
     @property
     def reporting(self) -> int:
@@ -127,6 +129,8 @@ class RankState:
     # agent's own figure after a heartbeat.
     since_step_at_msg_s: float = 0.0
     stacks: tuple[tuple[str, str], ...] = ()
+    forced: dict[str, int] = field(default_factory=dict)  # phases closed without an end
+    auto: bool = True  # the zero-code hooks time this rank (hello says; assumed before it)
 
 
 class RunState:
@@ -154,6 +158,7 @@ class RunState:
         self.hang: hang.HangReport | None = None
         self.hang_since: float | None = None
         self.hang_steps = 0  # steps of all ranks together when the hang was detected
+        self.framework: str | None = None  # named in the hint when timing is incomplete
 
     # --- ingest ---------------------------------------------------------------------
 
@@ -189,10 +194,13 @@ class RunState:
             if kind_seen in ("ddp", "fsdp") and self.parallel != "fsdp":
                 self.parallel = kind_seen
             rs.since_step_at_msg_s = msg.body["since_step_s"] or 0.0
+            self.framework = msg.body.get("framework") or self.framework
         elif kind == "stacks":
             rs.stacks = msg.body["stacks"]
         elif kind == "hello":
             rs.device = msg.body["device"]
+            rs.auto = msg.body.get("auto", True)
+            rs.dirty = True
         elif kind == "checks":
             self.checks.add(ident.rank, ident.host, msg.body["findings"], msg.body["facts"])
         elif kind == "goodbye":
@@ -212,6 +220,9 @@ class RunState:
         self.phases.extend(name for name in msg.phases if name not in self.phases)
         self.counters["agent_dropped"] += max(0, msg.body["dropped"] - rs.dropped)
         rs.dropped = max(rs.dropped, msg.body["dropped"])
+        for name, count in zip(msg.phases, msg.body.get("forced", ()), strict=False):
+            if count:
+                rs.forced[name] = max(rs.forced.get(name, 0), count)
         for rec in msg.records:
             if rec.step <= rs.last_step:  # replayed or out of order: already counted
                 self.counters["duplicate_records"] += 1
@@ -235,13 +246,18 @@ class RunState:
     def _live_timing(self, rs: RankState) -> dx.RankTiming:
         if rs.dirty or rs.live is None:
             step, phases = rs.window.stats(LIVE_STEPS)
+            window = min(rs.window.count, LIVE_STEPS)
+            medians = {k: None if v is None else v.median for k, v in phases.items()}
             rs.live = dx.RankTiming(
-                rs.ident.rank, min(rs.window.count, LIVE_STEPS),
-                None if step is None else step.median,
-                {k: None if v is None else v.median for k, v in phases.items()},
-                rs.ident.host, rs.ident.node)
+                rs.ident.rank, window, None if step is None else step.median, medians,
+                rs.ident.host, rs.ident.node, self._untimed(rs, window))
             rs.dirty = False
         return rs.live
+
+    @staticmethod
+    def _untimed(rs: RankState, window: int) -> tuple[dx.Untimed, ...]:
+        seen = rs.window.seen(dx.EXPECTED_PHASES, window)
+        return dx.untimed_phases(seen, window, rs.forced, rs.steps, rs.auto)
 
     def progress(self, mono_now: float) -> list[hang.RankProgress]:
         out = []
@@ -278,7 +294,8 @@ class RunState:
             self.hang = None
             self.hang_since = None
             active = self.live.shown.label if self.live else None
-            self.live = dx.settle(self.live, dx.diagnose(timings, active, self.parallel == "fsdp"))
+            self.live = dx.settle(self.live, dx.diagnose(timings, active, self.parallel == "fsdp",
+                                                         self.framework))
         shown = self.live.shown
         if before is None or shown.subject != before.subject:
             self._new_episode(shown, self.hang_since if self.hang is not None else now)
@@ -304,9 +321,10 @@ class RunState:
         timings = [
             dx.RankTiming(r.rank, r.window_steps, None if r.step_ms is None else r.step_ms.median,
                           {k: None if v is None else v.median for k, v in r.phase_ms.items()},
-                          r.host, r.node)
+                          r.host, r.node, r.untimed)
             for r in ranks if r.reported]
-        return dx.diagnose(timings, collectives_in_compute=self.parallel == "fsdp")
+        return dx.diagnose(timings, collectives_in_compute=self.parallel == "fsdp",
+                           framework=self.framework)
 
     def snapshot(self, now: float, mono_now: float, full: bool = False) -> Snapshot:
         """Freeze the state. `full` adds whole-window quantiles and the final diagnosis
@@ -321,7 +339,7 @@ class RunState:
             final=self._full_diagnosis(ranks) if full else None,
             timeline=tuple(self.timeline), counters=dict(self.counters), hang=self.hang,
             hang_since=self.hang_since, parallel=self.parallel, checks=self.checks.merged(),
-            batch_sizes=self.checks.batch_sizes())
+            batch_sizes=self.checks.batch_sizes(), framework=self.framework)
 
     def _rank_snapshot(self, rank: int, mono_now: float, full: bool) -> RankSnapshot:
         rs = self.ranks.get(rank)
@@ -336,6 +354,8 @@ class RunState:
         live = self._live_timing(rs)
         step, phases = rs.window.stats() if full else (None, {})
         phase_ms = {p: phases.get(p) for p in self.phases}
+        # Over the whole window for the summary's verdict, as its medians are.
+        untimed = self._untimed(rs, rs.window.count) if full else live.untimed
         return RankSnapshot(
             rank=rank, local_rank=rs.ident.local_rank, node=rs.ident.node, host=rs.ident.host,
             pid=rs.ident.pid, reported=True, steps=rs.steps, window_steps=rs.window.count,
@@ -346,4 +366,4 @@ class RunState:
             exit_code=rs.exit_code,
             error=rs.error, finished=rs.finished, dropped=rs.dropped, device=rs.device,
             collectives=rs.heartbeat.get("collectives", 0), phase=rs.heartbeat.get("phase"),
-            in_collective=rs.heartbeat.get("in_collective"), stacks=rs.stacks)
+            in_collective=rs.heartbeat.get("in_collective"), stacks=rs.stacks, untimed=untimed)

@@ -16,6 +16,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
+from traceml_agent.checks import format_ranks
+
 from . import diagnosis as dx
 from .state import Episode, Snapshot
 from .windows import median
@@ -88,6 +90,7 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
             "progress": {"collectives": r.collectives, "phase": r.phase,
                          "in_collective": r.in_collective, "since_step_s": _round(
                              r.since_step_s, 2)},
+            "untimed": [{"phase": u.phase, "why": u.why} for u in r.untimed],
         })
     return {
         "schema_version": SCHEMA_VERSION,
@@ -108,6 +111,7 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
                     "worst": _round(worst), "worst_rank": worst_rank},
         "ranks": ranks,
         "throughput": _job_throughput(ranks),
+        "timing": _timing(snap),
         "timeline": [_episode(e) for e in snap.timeline],
         "hang": _hang(snap),
         "collector": dict(snap.counters),
@@ -137,6 +141,17 @@ def _job_throughput(ranks: list[dict[str, Any]]) -> dict[str, float | None]:
             "samples_per_s": (_round(sum(samples), 2)
                               if samples and all(v is not None for v in samples) else None),
             "ranks": len(live)}
+
+
+def _timing(snap: Snapshot) -> dict[str, Any]:
+    """Which phases could not be timed, on which ranks and why (docs/frameworks.md)."""
+    where: dict[tuple[str, str], list[int]] = {}
+    for r in snap.ranks:
+        for u in r.untimed:
+            where.setdefault((u.phase, u.why), []).append(r.rank)
+    return {"complete": not where, "framework": snap.framework,
+            "untimed": [{"phase": phase, "why": why, "ranks": ranks}
+                        for (phase, why), ranks in sorted(where.items())]}
 
 
 def _hang(snap: Snapshot) -> dict[str, Any] | None:
@@ -192,6 +207,10 @@ def render_text(doc: dict[str, Any]) -> str:
         f"  {d['summary']}",
         "",
     ]
+    timing = doc.get("timing") or {}
+    for u in timing.get("untimed", []):
+        lines.insert(-1, f"  Not timed: {u['phase']} on rank(s) {format_ranks(u['ranks'])}: "
+                         f"{u['why']}.")
     phases = doc["phases"]
     node = d.get("node")
     blamed = set(node["ranks"]) if node else {d["rank"]}

@@ -118,6 +118,16 @@ class RankWindow:
     def count(self) -> int:
         return self.step_ms.count
 
+    def seen(self, names: Sequence[str], last: int | None = None) -> dict[str, int]:
+        """Of the newest `last` steps (default: the whole window), on how many each named
+        phase was measured."""
+        n = self.count if last is None else min(last, self.count)
+        out = {}
+        for name in names:
+            ring = self.phases.get(name)
+            out[name] = 0 if ring is None else sum(1 for v in ring.last(n) if v == v)
+        return out
+
     def stats(
         self, last: int | None = None
     ) -> tuple[Quantiles | None, dict[str, Quantiles | None]]:

@@ -8,7 +8,8 @@ time on one rank for a range of micro-batches:
     FAULTS="compute:1:60:160,input:2:220:320"
 
     compute:R:A:B   rank R's forward takes EXTRA_MS longer for micro-batches A..B-1
-    input:R:A:B     rank R's batches take INPUT_EXTRA_MS (default EXTRA_MS) longer to load for A..B-1
+    input:R:A:B     rank R's batches take INPUT_EXTRA_MS (default EXTRA_MS) longer to
+                    load for A..B-1
 
 Micro-batches are counted per rank from 0 (a forward in training mode, or a batch
 fetched by the sampler), so with gradient accumulation of k there are k per

@@ -5,6 +5,9 @@ an IterableDataset. Problems are injected by $FAULTS (see _faults.py).
 
     --compile wrap     model = torch.compile(DDP(model))   (the common way)
     --compile method   model = DDP(model); model.compile()
+    --compile step     the loss computation compiled as one function (@torch.compile on a
+                       step function): the forward runs inside compiled code, where no
+                       hook can see it, and traceml says so instead of guessing
     --bf16             forward and loss under torch.autocast("cpu", torch.bfloat16)
     --two-optimizers   body and head each with their own optimizer, both stepped
     --iterable         an IterableDataset split by rank instead of a DistributedSampler
@@ -38,7 +41,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--compile", choices=("none", "wrap", "method"), default="none")
+    p.add_argument("--compile", choices=("none", "wrap", "method", "step"), default="none")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--two-optimizers", action="store_true")
     p.add_argument("--iterable", action="store_true")
@@ -69,17 +72,24 @@ def main() -> None:
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16
                 else contextlib.nullcontext())
 
+    def compute_loss(x, y):
+        with autocast:
+            return loss_fn(model(x), y)
+
+    if args.compile == "step":
+        compute_loss = torch.compile(compute_loss)
+
     steps = 0
     for x, y in loader:
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
-        with autocast:
-            loss = loss_fn(model(x), y)
+        loss = compute_loss(x, y)
         loss.backward()
         for opt in optimizers:
             opt.step()
         steps += 1
     report_steps(steps)
+    dist.barrier()  # leave together: gloo torn down under a peer still sending can hang
     dist.destroy_process_group()
 
 
