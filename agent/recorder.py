@@ -157,20 +157,12 @@ class Recorder:
 
     def _charge(self, idx: int, t: int) -> None:
         """Time since t_mark belongs to phase `idx` (the innermost open one)."""
-        acc = self.acc
-        prev = acc[idx]
-        dt = t - self.t_mark
-        acc[idx] = dt if prev is None else prev + dt
+        _add(self.acc, idx, t - self.t_mark)
 
     def _end_buried(self, owner: Any) -> None:
-        stack = self.stack
-        for pos in range(len(stack) - 2, -1, -1):
-            if stack[pos][1] is owner:
-                t = perf_counter_ns()
-                self._charge(self.active, t)
-                self._force(pos + 1, t)
-                self._pop(t)
-                return
+        self._end_buried_to(owner)
+        if owner is self.owner and self.active != NO_PHASE:
+            self._pop(self.t_mark)  # its time was charged when the phases above it closed
 
     def _force(self, keep: int, t: int) -> None:
         """Close every open phase above position `keep` of the stack (their time is
