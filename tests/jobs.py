@@ -31,10 +31,60 @@ class Finished:
 
 def traceml(*args: str, cwd: Path | None = None, timeout: float = JOB_TIMEOUT_S,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run the real `traceml` command line (as a user would), capturing its output."""
+    """Run the real `traceml` command line (as a user would), capturing its output.
+
+    On a timeout the failure says what every process of the job was doing (state and
+    kernel wait channel), and the whole job is killed: nothing of it may go on loading
+    the machine for the tests after it."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "traceml_tui", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout, env=full_env)
+    proc = subprocess.Popen([sys.executable, "-m", "traceml_tui", *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        tree = process_tree(proc.pid)
+        kill_session(proc)
+        stdout, stderr = proc.communicate()
+        raise subprocess.TimeoutExpired(
+            exc.cmd, timeout, output=stdout,
+            stderr=f"{stderr[-4000:]}\n--- processes at the timeout ---\n{tree}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def process_tree(pid: int) -> str:
+    """`ps` lines (state, wait channel, command) of pid and its descendants."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return "(gone)"
+    pids = ",".join(str(p.pid) for p in procs)
+    return subprocess.run(["ps", "-o", "pid,ppid,stat,wchan:24,etime,args", "-p", pids],
+                          capture_output=True, text=True).stdout
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the job: its process group (start_new_session=True) and every descendant,
+    the collector included (it runs in a session of its own)."""
+    import signal
+
+    import psutil
+
+    try:
+        rest = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        rest = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for child in rest:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
 
 
 def spawn_traceml(*args: str, env: dict[str, str] | None = None,

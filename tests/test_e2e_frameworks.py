@@ -18,8 +18,8 @@ import pytest
 from jobs import EXAMPLES, traceml, validate_schema
 
 FRAMEWORKS = EXAMPLES / "frameworks"
-OPTIMIZER_STEPS = 300
-BASE_FORWARD_MS = 15.0
+OPTIMIZER_STEPS = 200
+BASE_FORWARD_MS = 6.0
 
 # (id, script, script args, micro-batches per optimizer step, extra environment)
 CASES = [
@@ -39,9 +39,10 @@ CASES = [
 
 
 def faults(micro_per_step: int) -> str:
-    """Compute fault on rank 1 for steps 45-135, input fault on rank 2 for 165-255."""
+    """Compute fault on rank 1 for steps 30-90, input fault on rank 2 for 110-170: each
+    twice the live window (32 steps), under a third of the run."""
     m = micro_per_step
-    return f"compute:1:{45 * m}:{135 * m},input:2:{165 * m}:{255 * m}"
+    return f"compute:1:{30 * m}:{90 * m},input:2:{110 * m}:{170 * m}"
 
 
 @pytest.mark.e2e

@@ -17,8 +17,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 
-import torch
+# One compile thread: on a small CPU machine, Inductor's pool of compile worker processes
+# (one per core, per rank) only adds processes that must start and stop with each rank.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
 import torch.distributed as dist
 from _faults import SyntheticData, TinyNet, report_steps, world
 from torch.nn.parallel import DistributedDataParallel as DDP
