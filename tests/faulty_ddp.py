@@ -12,6 +12,9 @@ Faults it can inject:
   --raise-rank R --raise-at-step S   rank R raises RuntimeError at step S (a traceback)
   --ignore-sigterm                   every rank ignores SIGTERM (a job that will not stop)
   --quiet                            print nothing (a job whose output cannot fail it)
+  --break-agent-at S                 from step S the agent's recorder raises on every
+                                     call (an agent bug): it must turn itself off, say
+                                     so, and never be taken for a hang
 """
 
 from __future__ import annotations
@@ -41,6 +44,18 @@ class Net(nn.Module):
         return self.body(x)
 
 
+def break_agent() -> None:
+    import traceml_agent
+
+    rec = traceml_agent._state["rec"]
+
+    def broken(*args: object, **kwargs: object) -> bool:
+        raise RuntimeError("injected agent bug")
+
+    cls = type(rec)  # a slotted instance: the methods are broken on its class
+    cls.begin = cls.end = cls.begin_backward = broken
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=100)
@@ -50,6 +65,7 @@ def main() -> None:
     p.add_argument("--raise-at-step", type=int, default=10)
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--break-agent-at", type=int, default=None, metavar="STEP")
     args = p.parse_args()
 
     if args.ignore_sigterm:
@@ -76,6 +92,8 @@ def main() -> None:
     while step < args.steps:
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
+            if step == args.break_agent_at:
+                break_agent()
             if args.raise_rank == rank and step == args.raise_at_step:
                 raise RuntimeError(f"injected fault on rank {rank} at step {step}")
             loss = loss_fn(model(x), y)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import __version__, slurm
+from . import __version__, slurm, terminal
 from .slurm import SlurmError
 
 RUN_USAGE = "traceml run SCRIPT [options] [-- SCRIPT ARGS...]"
@@ -131,7 +131,10 @@ def _cmd_run(parser: argparse.ArgumentParser, argv: list[str], full_argv: list[s
         run_parser.error(f"unrecognized arguments: {' '.join(unknown)} (arguments for your "
                          f"script go after --, as in: traceml run {args.script} -- "
                          f"{' '.join(unknown)})")
-    headless = args.headless or not sys.stdout.isatty()
+    headless = args.headless or not terminal.owns_foreground()
+    if not args.headless and headless and terminal.is_terminal(sys.stdout):
+        print("[traceml] not the terminal's foreground job: no dashboard, progress lines "
+              "instead (attach one with: traceml watch)", file=sys.stderr, flush=True)
     if args.hang_after is not None and args.hang_after <= 0:
         run_parser.error("--hang-after must be a positive number of seconds")
     try:
@@ -179,6 +182,10 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         address, run_dir, secret = resolve_target(args.target, args.out, args.secret_file)
     except WatchTargetError as exc:
         print(f"traceml watch: error: {exc}", file=sys.stderr)
+        return 2
+    if not terminal.owns_foreground():
+        print("traceml watch: error: the dashboard needs a terminal in the foreground "
+              "(not a background job, not redirected)", file=sys.stderr)
         return 2
     from .dashboard import DashboardApp
 

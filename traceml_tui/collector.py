@@ -159,7 +159,11 @@ class Collector:
         self.view_bytes = b""
         self.stopping = False
         self.done = False
+        self.finishing: tuple[dict[str, Any], bool] | None = None  # (request, reply?)
+        self.finish_deadline = 0.0
+        self.finish_quiet_s = QUIET_S
         self.exit_when_done = False
+        self.parent_pid: int | None = None  # the launcher, watched when given
 
     def _keep_earlier_record(self) -> str | None:
         live = self.run_dir / summary.LIVE_JSON
@@ -208,7 +212,7 @@ class Collector:
             events = dict(self.poller.poll(100))
             if self.ingest in events:
                 self.drain()
-            if self.control in events:
+            if self.control in events and self.finishing is None:  # REP: one at a time
                 self.handle_control()
             if self.view in events:
                 self.handle_view()
@@ -224,11 +228,23 @@ class Collector:
                 self.write_live()
                 done = time.monotonic()
                 next_snap = done + max(SNAPSHOT_INTERVAL_S, SNAPSHOT_BACKOFF * (done - now))
-            if self.stopping and not self.done:  # SIGTERM: write what we have and leave
-                self.finish({"exit_code": None, "complete": False})
+            if self.parent_pid and os.getppid() != self.parent_pid and not self.stopping:
+                # The launcher died without asking us to finish (SIGKILL, OOM): nobody
+                # will; write what we have, marked incomplete, and leave.
+                print("[traceml] collector: the launcher is gone; writing the record",
+                      file=sys.stderr, flush=True)
+                self.stopping = True
+            if self.finishing is not None:
+                if self.finish_ready():
+                    request, reply_to_launcher = self.finishing
+                    reply = self.write_record(request)
+                    if reply_to_launcher:
+                        self.control.send_json(reply)
+            elif self.stopping:  # SIGTERM: write what we have and leave
+                self.start_finish({"exit_code": None, "complete": False})
             elif self.exit_when_done and self.all_ranks_finished():
                 codes = [rs.exit_code for rs in self.state.ranks.values()]
-                self.finish({"torchrun_exit": 0 if not any(codes) else 1, "grace_s": 0})
+                self.start_finish({"torchrun_exit": 0 if not any(codes) else 1, "grace_s": 0})
 
     def all_ranks_finished(self) -> bool:
         ranks = self.state.ranks
@@ -347,26 +363,33 @@ class Collector:
             if problem:  # the record is only ever finished by a well-formed request
                 self.control.send_json({"ok": False, "error": problem})
                 return
-            reply = self.finish(request)
-            self.control.send_json(reply)
+            self.start_finish(request, reply_to_launcher=True)  # answered when written
         else:
             self.control.send_json({"ok": False, "error": f"unknown op {op!r}"})
 
-    def finish(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Wait a bounded time for the ranks' goodbyes, then write the final summary."""
+    def start_finish(self, request: dict[str, Any], reply_to_launcher: bool = False) -> None:
+        """Begin the end of the run: wait (a bounded time) for the ranks' goodbyes while
+        still serving viewers, then `write_record`. Never blocks the serve loop."""
         multinode = self.state.nnodes > 1
         grace = FINISH_GRACE_MULTINODE_S if multinode else FINISH_GRACE_S
-        quiet = QUIET_MULTINODE_S if multinode else QUIET_S
-        deadline = time.monotonic() + float(request.get("grace_s", grace))
-        while time.monotonic() < deadline:
-            self.drain()
-            if self.all_ranks_finished():
-                break
-            if self.ingest.poll(50) == 0 and request.get("torchrun_exit") is not None:
-                # Processes are gone; once the socket is quiet, nothing more will come.
-                if all(r.finished or r.last_seen < time.monotonic() - quiet
-                       for r in self.state.ranks.values()):
-                    break
+        self.finish_quiet_s = QUIET_MULTINODE_S if multinode else QUIET_S
+        self.finish_deadline = time.monotonic() + float(request.get("grace_s", grace))
+        self.finishing = (request, reply_to_launcher)
+
+    def finish_ready(self) -> bool:
+        """Every rank said goodbye, or the grace ran out, or (torchrun has exited) the
+        ranks that did not say goodbye have been quiet long enough to be gone."""
+        assert self.finishing is not None
+        now = time.monotonic()
+        if now >= self.finish_deadline or self.all_ranks_finished():
+            return True
+        if self.finishing[0].get("torchrun_exit") is None:
+            return False
+        quiet_since = now - self.finish_quiet_s
+        return all(r.finished or r.last_seen < quiet_since for r in self.state.ranks.values())
+
+    def write_record(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Write the final summary; the reply the launcher prints."""
         self.drain()
         self.state.evaluate(time.time(), time.monotonic())
         failures = self.state.failures()
@@ -438,6 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hang-after", type=float, default=None, metavar="SECONDS",
                    help="declare a hang after this long without a step (default: derived "
                         "from step times, at least 10 s)")
+    p.add_argument("--parent-pid", type=int, default=None, metavar="PID",
+                   help="the launcher's pid: if it dies, write the record and exit")
     p.add_argument("--exit-when-done", action="store_true",
                    help="write the summary and exit once every rank has said goodbye")
     return p
@@ -475,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.view_port}: {exc}", file=sys.stderr)
         return 2
     collector.exit_when_done = args.exit_when_done
+    collector.parent_pid = args.parent_pid
 
     def on_term(signum: int, frame: Any) -> None:
         collector.stopping = True

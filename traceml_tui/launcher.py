@@ -159,7 +159,7 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
     cmd = [sys.executable, "-m", "traceml_tui.collector", "--run-dir", str(run_dir),
            "--run-name", name, "--world-size", str(opts.world_size),
            "--nnodes", str(opts.nnodes), "--nproc-per-node", str(opts.nproc_per_node),
-           "--started-at", repr(started_at)]
+           "--started-at", repr(started_at), "--parent-pid", str(os.getpid())]
     if opts.multinode:  # other nodes' agents and viewers reach it on fixed ports
         cmd += ["--bind", "0.0.0.0", "--port", str(port), "--view-port", str(port + 1),
                 "--advertise", opts.collector_addr or opts.master_addr]
@@ -215,16 +215,26 @@ def torchrun_command(opts: RunOptions, run_dir: Path, port: int) -> list[str]:
 
 
 class _Signals:
-    """Remembers how the run was stopped and passes the signal on to torchrun."""
+    """Remembers how the run was stopped and passes the signal on to torchrun.
+
+    torchrun runs in a process group of its own (see `_torchrun_preexec`), so the
+    terminal's signals reach only us and we pass each on, as the terminal would have:
+    Ctrl-C (SIGINT), SIGTERM, and SIGHUP (the terminal or SSH connection closed), on
+    which torchrun stops the workers. After a hangup there is no terminal to write to:
+    `on_hangup` (set by the dashboard) closes the viewer, and our own output goes to
+    the run folder."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.interrupted = False
         self.terminated = False
+        self.hangup = False
+        self.on_hangup: Any = None
+        self.hangup_log: Path | None = None  # where our output goes after a hangup
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> _Signals:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -232,9 +242,24 @@ class _Signals:
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
+    @property
+    def exit_code(self) -> int | None:
+        """The exit code the user's signal gives the run (128 + signal), if any."""
+        if self.hangup:
+            return 128 + signal.SIGHUP
+        if self.terminated:
+            return 128 + signal.SIGTERM
+        return None
+
     def _handle(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGINT:
             self.interrupted = True
+        elif signum == signal.SIGHUP:
+            if not self.hangup:
+                self.hangup = True
+                _detach_from_terminal(self.hangup_log)
+                if self.on_hangup is not None:
+                    self.on_hangup()
         else:
             self.terminated = True
         if self.proc is not None and self.proc.poll() is None:
@@ -242,6 +267,39 @@ class _Signals:
                 self.proc.send_signal(signum)
             except ProcessLookupError:
                 pass
+
+
+HANGUP_LOG = "launcher.log"  # in the run folder: our output once the terminal is gone
+
+
+def _detach_from_terminal(path: Path | None) -> None:
+    """The terminal hung up: writing to it would fail (EIO) or stop us (SIGTTOU)."""
+    try:
+        sink = open(path if path is not None else os.devnull, "a")
+    except OSError:
+        sink = open(os.devnull, "w")
+    for fd in (1, 2):
+        try:
+            os.dup2(sink.fileno(), fd)
+        except OSError:
+            pass
+    sink.close()
+
+
+def _torchrun_preexec() -> None:
+    """In torchrun's child before exec: a process group of its own, so job control
+    aimed at the terminal's foreground (SIGTTOU when the dashboard of a background run
+    touches the terminal, Ctrl-Z, the hangup) never stops or kills the training
+    behind our back; and SIGTERM to torchrun if we die without passing a signal on
+    (SIGKILL, the OOM killer), so no rank outlives the launcher."""
+    os.setpgid(0, 0)
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the process group still holds
+        pass
 
 
 def _finish(control: str, request: dict[str, Any], collector: subprocess.Popen,
@@ -326,7 +384,7 @@ def _wait(proc: subprocess.Popen, signals: _Signals, progress: Progress | None) 
         if interrupt_deadline is not None and time.monotonic() > interrupt_deadline:
             interrupt_deadline = float("inf")  # once
             _signal_ranks(proc, signal.SIGTERM)
-        if signals.terminated and term_deadline is None:
+        if (signals.terminated or signals.hangup) and term_deadline is None:
             term_deadline = time.monotonic() + TERM_GRACE_S
         if term_deadline is not None and time.monotonic() > term_deadline:
             # As torchrun itself would, later: nothing of the job may outlive us.
@@ -355,8 +413,8 @@ def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _S
         "extra": {"run_dir": str(run_dir), "logs": str(run_dir / "logs"),
                   "torchrun_exit_code": rc},
     }
-    if signals.terminated:
-        request["exit_code"] = 143
+    if signals.exit_code is not None:
+        request["exit_code"] = signals.exit_code
     if node.collector is None:
         return _node_done(opts, run_dir, request)
     assert node.control is not None
@@ -400,6 +458,16 @@ def _with_dashboard(node: _Node, run_dir: Path, signals: _Signals,
 
     app = DashboardApp(ViewClient(node.view, secret=node.secret), run_dir, stop_job=stop_job)
 
+    def close_viewer() -> None:  # from the SIGHUP handler, on the event loop's thread
+        import asyncio
+
+        try:
+            asyncio.get_running_loop().call_soon_threadsafe(app.exit)
+        except RuntimeError:  # the viewer is not running (yet, or any more)
+            pass
+
+    signals.on_hangup = close_viewer
+
     def watcher() -> None:
         try:
             outcome["reply"] = finish()
@@ -418,12 +486,13 @@ def _with_dashboard(node: _Node, run_dir: Path, signals: _Signals,
         app.run()
     except Exception as exc:
         print(f"[traceml] the dashboard failed ({exc!r}); the job goes on", file=sys.stderr)
-    if thread.is_alive():
+    signals.on_hangup = None
+    if thread.is_alive() and not signals.hangup:
         print(f"[traceml] viewer closed; the job goes on. Re-attach: traceml watch {run_dir}"
               f"   Ctrl-C stops the job.", file=sys.stderr, flush=True)
-        while thread.is_alive():
-            progress.poll()
-            thread.join(0.5)
+    while thread.is_alive():
+        progress.poll()
+        thread.join(0.5)
     if "error" in outcome:
         raise outcome["error"]
     return outcome["reply"]
@@ -463,10 +532,12 @@ def run(opts: RunOptions) -> int:
     progress = Progress(run_dir)
     log = None if opts.headless else open(run_dir / opts.node_file("torchrun", ".log"), "ab")
     with _Signals() as signals:
+        signals.hangup_log = run_dir / opts.node_file(Path(HANGUP_LOG).stem, ".log")
         # With the dashboard, torchrun's own output goes to a file, not over the screen.
         proc = subprocess.Popen(cmd, env=child_env, stdout=log,
                                 stderr=log if log else subprocess.PIPE,
-                                stdin=subprocess.DEVNULL if log else None)
+                                stdin=subprocess.DEVNULL if log else None,
+                                preexec_fn=_torchrun_preexec)
         signals.proc = proc
         stderr_tail = Tee(proc.stderr) if log is None else None
 
