@@ -155,6 +155,9 @@ def _teardown() -> None:
 def _on_internal_error(exc: BaseException) -> None:
     _warn(f"internal error, timing turned off for this run: {exc!r}")
     _state["rec"] = None
+    sender = _state["sender"]
+    if sender is not None:  # the collector hears it: a frozen step count is not a hang
+        sender.agent_off = f"internal error: {exc!r}"[: protocol.MAX_STR]
 
 
 def _warn(message: str) -> None:

@@ -43,6 +43,8 @@ import msgpack
 
 # 2: steps carry `forced` (phases closed for lack of an end hook), hello `auto`,
 # heartbeat `framework`: what the collector needs to say when timing is incomplete.
+# heartbeat `agent_off` (optional): why the agent turned its timing off; its step count
+# stops for that reason, not because the rank is stuck.
 PROTOCOL_VERSION = 2
 
 # The phases of one optimizer step, in display order. "sync" is the exposed
@@ -298,6 +300,7 @@ def _heartbeat(raw: dict) -> dict[str, Any]:
     collective = raw.get("in_collective")
     parallel = raw.get("parallel")
     framework = raw.get("framework")
+    agent_off = raw.get("agent_off")
     return {
         "step": _int(raw.get("step", 0), "step", 0, 1 << 62),
         "phase": None if phase is None else _str(phase, "phase", 64),
@@ -307,6 +310,7 @@ def _heartbeat(raw: dict) -> dict[str, Any]:
         "since_step_s": _opt_float(raw.get("since_step_s"), "since_step_s", 0.0, 1e9),
         "parallel": None if parallel is None else _str(parallel, "parallel", 16),
         "framework": None if framework is None else _str(framework, "framework", 64),
+        "agent_off": None if agent_off is None else _str(agent_off, "agent_off", MAX_STR),
     }
 
 
@@ -380,7 +384,7 @@ _FIELDS = {
     "steps": _COMMON | {"phases", "records", "dropped", "forced"},
     "sys": _COMMON | {"cpu_pct", "rss_mb", "gpu_util", "gpu_mem_mb", "gpu_mem_total_mb"},
     "heartbeat": _COMMON | {"step", "phase", "in_phase_s", "collectives", "in_collective",
-                            "since_step_s", "parallel", "framework"},
+                            "since_step_s", "parallel", "framework", "agent_off"},
     "stacks": _COMMON | {"stacks"},
     "goodbye": _COMMON | {"exit_code", "error", "steps"},
     "checks": _COMMON | {"findings", "facts"},

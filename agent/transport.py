@@ -68,6 +68,8 @@ class Sender(threading.Thread):
         self.sent_records = 0
         self.last_step = -1
         self.stacks_sent_at = 0.0  # monotonic time of the last stacks message
+        self.stacks_step = -1  # the step count when they were taken
+        self.agent_off: str | None = None  # why timing was turned off, once it was
         # Wall clock of perf_counter_ns()'s zero, to stamp records in epoch seconds.
         self._epoch0 = time.time() - perf_counter_ns() / 1e9
 
@@ -146,14 +148,17 @@ class Sender(threading.Thread):
         since_step = max(0.0, (perf_counter_ns() - rec.last_step_t) / 1e9)
         self._send("heartbeat", step=rec.step, phase=phase, in_phase_s=in_phase,
                    collectives=rec.collectives, in_collective=rec.in_collective,
-                   since_step_s=since_step, parallel=rec.parallel, framework=framework())
+                   since_step_s=since_step, parallel=rec.parallel, framework=framework(),
+                   agent_off=self.agent_off)
+        if self.agent_off is not None:
+            return  # no steps will come: no stall, no stacks
         stuck_after = max(STACK_MIN_S, STACK_STEPS * rec.last_wall / 1e9)
         now = time.monotonic()
-        if since_step > stuck_after and now - self.stacks_sent_at > STACK_REFRESH_S:
-            self.stacks_sent_at = now
+        if since_step > stuck_after and (rec.step != self.stacks_step
+                                         or now - self.stacks_sent_at > STACK_REFRESH_S):
+            # A new stall (the rank stepped since the last stacks), or a refresh.
+            self.stacks_sent_at, self.stacks_step = now, rec.step
             self._send("stacks", stacks=thread_stacks())
-        elif since_step <= stuck_after:
-            self.stacks_sent_at = 0.0
 
     def _serve_captures(self) -> None:
         """Requests from the collector (the DEALER hears its ROUTER), then the capture's

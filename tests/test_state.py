@@ -168,3 +168,22 @@ def test_a_sender_inventing_phase_names_cannot_grow_the_collector():
     assert len(state.phases) <= MAX_RUN_PHASES
     assert len(state.ranks[0].window.phases) <= MAX_RUN_PHASES
     assert state.counters["malformed"] >= 200 - MAX_RUN_PHASES
+
+
+def stacks(rank: int, where: str):
+    payload = encode("stacks", ident(rank), 2, T0, stacks=[["MainThread", where]])
+    return decode(payload)
+
+
+def test_stacks_belong_to_the_stall_they_were_taken_in():
+    """A stack taken while a rank was slow to start (imports) is dropped once it steps;
+    a later stall's stack replaces it, never the other way round."""
+    state = RunState("run", world_size=2)
+    state.ingest(stacks(0, "importlib._bootstrap"), now=1.0)
+    assert state.snapshot(T0, mono_now=1.0).ranks[0].stacks  # shown while it is stuck
+    state.ingest(steps(0, range(20)), now=2.0)
+    assert state.ranks[0].stacks == ()  # it stepped: that stall is over
+    state.ingest(stacks(0, "time.sleep in forward"), now=3.0)
+    assert "time.sleep" in state.snapshot(T0, mono_now=3.0).ranks[0].stacks[0][1]
+    state.ingest(steps(0, [20]), now=4.0)
+    assert state.snapshot(T0, mono_now=4.0).ranks[0].stacks == ()

@@ -47,6 +47,7 @@ class RankProgress:
     since_step_s: float  # seconds since this rank last closed a step (its own clock)
     silent_s: float  # seconds since the collector last heard from it
     finished: bool = False
+    agent_off: bool = False  # the agent stopped timing: its step count says nothing
 
     def position(self) -> tuple[int, int, int]:
         return (self.steps, self.collectives, PHASE_ORDER.get(self.phase, 0))
@@ -81,7 +82,7 @@ def _ranks(ranks: Sequence[int]) -> str:
 def detect(progress: Sequence[RankProgress], median_step_ms: float | None,
            override_s: float | None = None) -> HangReport | None:
     """A HangReport when no running rank closed a step for longer than the threshold."""
-    running = [p for p in progress if not p.finished]
+    running = [p for p in progress if not p.finished and not p.agent_off]
     if not running or not any(p.steps > 0 for p in running):
         return None  # nothing stepped yet: loading a model is not a hang
     limit = threshold(median_step_ms, override_s)

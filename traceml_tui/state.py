@@ -75,6 +75,7 @@ class RankSnapshot:
     in_collective: str | None = None
     stacks: tuple[tuple[str, str], ...] = ()
     untimed: tuple[dx.Untimed, ...] = ()  # phases the agent could not time, and why
+    agent_off: str | None = None  # why the agent turned its timing off on this rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +130,7 @@ class RankState:
     # agent's own figure after a heartbeat.
     since_step_at_msg_s: float = 0.0
     stacks: tuple[tuple[str, str], ...] = ()
+    stacks_after_step: int = -1  # the last step before the stacks were taken
     forced: dict[str, int] = field(default_factory=dict)  # phases closed without an end
     auto: bool = True  # the zero-code hooks time this rank (hello says; assumed before it)
 
@@ -196,7 +198,11 @@ class RunState:
             rs.since_step_at_msg_s = msg.body["since_step_s"] or 0.0
             self.framework = msg.body.get("framework") or self.framework
         elif kind == "stacks":
+            # They belong to the stall after the last step seen (a rank's messages arrive
+            # in order): cleared when it steps again, so an old stall's stack is never
+            # shown for a healthy rank or a later hang.
             rs.stacks = msg.body["stacks"]
+            rs.stacks_after_step = rs.last_step
         elif kind == "hello":
             rs.device = msg.body["device"]
             rs.auto = msg.body.get("auto", True)
@@ -234,6 +240,8 @@ class RunState:
             rs.steps += 1
             self.counters["records"] += 1
             rs.dirty = True
+        if rs.stacks and rs.last_step > rs.stacks_after_step:
+            rs.stacks = ()
 
     def failures(self) -> list[tuple[int, int]]:
         """(rank, exit code) of the ranks that reported a non-zero exit, first failure first."""
@@ -266,7 +274,8 @@ class RunState:
             out.append(hang.RankProgress(
                 rs.ident.rank, rs.ident.host, max(rs.steps, hb.get("step", 0)),
                 hb.get("collectives", 0), hb.get("phase"), hb.get("in_collective"),
-                rs.since_step_at_msg_s, max(0.0, mono_now - rs.last_seen), rs.finished))
+                rs.since_step_at_msg_s, max(0.0, mono_now - rs.last_seen), rs.finished,
+                hb.get("agent_off") is not None))
         return out
 
     def evaluate(self, now: float, mono_now: float | None = None) -> dx.Diagnosis:
@@ -366,4 +375,5 @@ class RunState:
             exit_code=rs.exit_code,
             error=rs.error, finished=rs.finished, dropped=rs.dropped, device=rs.device,
             collectives=rs.heartbeat.get("collectives", 0), phase=rs.heartbeat.get("phase"),
-            in_collective=rs.heartbeat.get("in_collective"), stacks=rs.stacks, untimed=untimed)
+            in_collective=rs.heartbeat.get("in_collective"), stacks=rs.stacks, untimed=untimed,
+            agent_off=rs.heartbeat.get("agent_off"))

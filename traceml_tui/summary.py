@@ -91,6 +91,7 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
                          "in_collective": r.in_collective, "since_step_s": _round(
                              r.since_step_s, 2)},
             "untimed": [{"phase": u.phase, "why": u.why} for u in r.untimed],
+            "agent_off": r.agent_off,
         })
     return {
         "schema_version": SCHEMA_VERSION,
@@ -211,6 +212,13 @@ def render_text(doc: dict[str, Any]) -> str:
     for u in timing.get("untimed", []):
         lines.insert(-1, f"  Not timed: {u['phase']} on rank(s) {format_ranks(u['ranks'])}: "
                          f"{u['why']}.")
+    off: dict[str, list[int]] = {}
+    for r in doc["ranks"]:
+        if r.get("agent_off"):
+            off.setdefault(r["agent_off"], []).append(r["rank"])
+    for why, ranks in off.items():
+        lines.insert(-1, f"  Agent off on rank(s) {format_ranks(ranks)} (its steps after "
+                         f"that are not counted): {why}")
     phases = doc["phases"]
     node = d.get("node")
     blamed = set(node["ranks"]) if node else {d["rank"]}

@@ -26,6 +26,11 @@ STALE_STEPS = 5
 STALE_MIN_S = 5.0
 
 OK, STALE, DONE, FAILED, WAITING = "ok", "stale", "done", "failed", "waiting"
+STOPPED = "stopped"
+AGENT_OFF = "agent off"  # the agent turned its timing off (it said why): not a stall
+# A rank that ended on the user's signal was stopped, not failed: KeyboardInterrupt
+# (Ctrl-C, 130), SIGHUP (129) and SIGTERM (143) as exit codes, or the signal itself.
+STOP_EXIT_CODES = frozenset({130, 129, 143, -2, -1, -15})
 
 
 class RankRow(NamedTuple):
@@ -162,7 +167,11 @@ def rank_status(r: RankSnapshot) -> str:
     if not r.reported:
         return WAITING
     if r.finished:
-        return FAILED if r.exit_code else DONE
+        if not r.exit_code:
+            return DONE
+        return STOPPED if r.exit_code in STOP_EXIT_CODES else FAILED
+    if r.agent_off is not None:
+        return AGENT_OFF
     if r.idle_s is not None and r.idle_s > STALE_SILENCE_S:
         return STALE
     step_ms = r.live_step_ms
@@ -189,7 +198,8 @@ def detail(snap: Snapshot, rank: int, view: ViewState, recent: tuple[float, ...]
     row = view.rows[rank]
     stack = r.stacks[0][1] if r.stacks else None  # the agent sends MainThread first
     return RankDetail(rank, r.host, r.live_step_ms, view.median_step_ms, row.phase_ms,
-                      view.median_phase_ms, recent, row.status, r.error, stack)
+                      view.median_phase_ms, recent, row.status,
+                      r.error or (f"agent off: {r.agent_off}" if r.agent_off else None), stack)
 
 
 def build(snap: Snapshot, recent: Callable[[int], tuple[float, ...]] = lambda rank: (),

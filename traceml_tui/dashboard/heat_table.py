@@ -18,7 +18,7 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from ..view_state import FAILED, OK, STALE, VIEW_PHASES, WAITING, RankRow, ViewState
+from ..view_state import FAILED, OK, STALE, STOPPED, VIEW_PHASES, WAITING, RankRow, ViewState
 from .cells import heat, ms
 
 SHORT = {"dataloader": "data", "h2d": "h2d", "forward": "fwd", "backward": "bwd",
@@ -261,7 +261,8 @@ class HeatTable(ScrollView, can_focus=True):
         segs.append(Segment(f"{marker}{name:>5} ", base + (self._style("pinned") if pinned
                                                            else Style())))
         segs.append(Segment(f"{row.host[:12]:<12} ", base + self._style("dim")))
-        status_style = {STALE: "stale", FAILED: "failed", WAITING: "dim"}.get(row.status)
+        status_style = {STALE: "stale", FAILED: "failed", WAITING: "dim",
+                        STOPPED: "dim"}.get(row.status)
         segs.append(Segment(f"{row.status:<7}", base + (self._style(status_style)
                                                          if status_style else Style())))
         segs.append(Segment(f"{row.steps:>7}", base))
