@@ -118,7 +118,9 @@ def _start(endpoint: str, run_name: str, auto: bool, secret: str | None) -> None
     }
     observer = StepObserver(ident.rank, ident.world_size) if auto else None
     capturer = Capturer(ident.rank, os.environ.get(env.RUN_DIR), torch, rec)
-    sender = Sender(endpoint, ident, rec, out, hello, cuda_index, secret, observer, capturer)
+    secret_store = None if secret else os.environ.get(env.SECRET_STORE)
+    sender = Sender(endpoint, ident, rec, out, hello, cuda_index, secret, observer, capturer,
+                    secret_store)
     _state["rec"], _state["sender"] = rec, sender
     if auto:
         hooks.install(rec, torch, _on_internal_error, observer)

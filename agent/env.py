@@ -10,3 +10,6 @@ RUN_DIR = "TRACEML_RUN_DIR"
 DISABLE = "TRACEML_DISABLE"  # "1": the agent does nothing (an escape hatch for users)
 DEBUG = "TRACEML_DEBUG"  # "1": the agent prints what it installs
 SECRET = "TRACEML_SECRET"  # the run's 64-hex-character secret, from which its CURVE keys derive
+# host:port of torchrun's store holding the run's secret (agent/handover.py), for nodes
+# that have neither $TRACEML_SECRET nor a shared run folder.
+SECRET_STORE = "TRACEML_SECRET_STORE"

@@ -19,7 +19,7 @@ from collections import deque
 from time import perf_counter_ns
 from typing import Any
 
-from . import keys, protocol
+from . import handover, keys, protocol
 from .capture import Capturer
 from .checks import StepObserver
 from .recorder import MEASURED, Recorder
@@ -49,6 +49,7 @@ class Sender(threading.Thread):
         secret: str | None = None,
         observer: StepObserver | None = None,
         capturer: Capturer | None = None,
+        secret_store: str | None = None,
     ) -> None:
         super().__init__(name="traceml-sender", daemon=True)
         self.endpoint = endpoint
@@ -58,6 +59,7 @@ class Sender(threading.Thread):
         self.hello = hello
         self.cuda_index = cuda_index
         self.secret = secret
+        self.secret_store = secret_store  # host:port to fetch the secret from (handover.py)
         self.observer = observer
         self.capturer = capturer
         self.stop_event = threading.Event()
@@ -81,6 +83,19 @@ class Sender(threading.Thread):
         except Exception as exc:  # pragma: no cover - pyzmq is a dependency
             print(f"[traceml] agent: pyzmq unavailable ({exc}); not reporting", file=sys.stderr)
             return
+        if not self.secret and self.secret_store:
+            # Another node's launcher holds the secret: wait for it here, never on the
+            # training thread (its steps queue meanwhile).
+            try:
+                host, port = handover.parse_address(self.secret_store)
+                fetched = handover.fetch(host, port, handover.SECRET_KEY,
+                                         self.stop_event.is_set)
+                self.secret = None if fetched is None else keys.check_secret(fetched)
+            except (ValueError, keys.SecretError) as exc:
+                print(f"[traceml] agent: {exc}; not reporting", file=sys.stderr)
+                return
+            if self.secret is None:
+                return  # the run ended first
         # A context of our own, terminated before this thread ends: no libzmq thread may
         # outlive it, or the interpreter's exit can abort in a C++ destructor.
         ctx = zmq.Context(io_threads=1)

@@ -12,6 +12,7 @@ Faults it can inject:
   --raise-rank R --raise-at-step S   rank R raises RuntimeError at step S (a traceback)
   --ignore-sigterm                   every rank ignores SIGTERM (a job that will not stop)
   --quiet                            print nothing (a job whose output cannot fail it)
+  --slow-input-ranks R,R --slow-ms M  those ranks take M ms more to get each batch
   --break-agent-at S                 from step S the agent's recorder raises on every
                                      call (an agent bug): it must turn itself off, say
                                      so, and never be taken for a hang
@@ -44,6 +45,17 @@ class Net(nn.Module):
         return self.body(x)
 
 
+class SlowCollate:
+    """The default collate, then a sleep: a rank whose input pipeline is slow."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __call__(self, batch: list) -> object:
+        time.sleep(self.delay_s)
+        return torch.utils.data.default_collate(batch)
+
+
 def break_agent() -> None:
     import traceml_agent
 
@@ -65,6 +77,8 @@ def main() -> None:
     p.add_argument("--raise-at-step", type=int, default=10)
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--slow-input-ranks", default="", metavar="R,R")
+    p.add_argument("--slow-ms", type=float, default=25.0)
     p.add_argument("--break-agent-at", type=int, default=None, metavar="STEP")
     args = p.parse_args()
 
@@ -80,8 +94,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(3840, 64, generator=g), torch.randint(0, 10, (3840,),
                                                                            generator=g))
+    slow = rank in {int(r) for r in args.slow_input_ranks.split(",") if r}
+    collate = SlowCollate(args.slow_ms / 1000.0) if slow else None
     loader = DataLoader(data, batch_size=16, sampler=DistributedSampler(data, seed=0),
-                        drop_last=True)
+                        drop_last=True, collate_fn=collate)
     torch.manual_seed(0)
     model = DDP(Net(args.step_ms / 1000.0))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

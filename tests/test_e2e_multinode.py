@@ -176,3 +176,49 @@ def test_live_view_shows_the_node_not_started_yet(tmp_path):
     assert rc0 == 0
     doc = json.loads((run_dir / "final_summary.json").read_text())
     assert [r["steps"] for r in doc["ranks"]] == [60] * 4
+
+
+@pytest.mark.parametrize("first", [1, 0], ids=["node1-first", "node0-first"])
+def test_nodes_without_a_shared_folder_or_secret_start_at_once(tmp_path, first):
+    """The seed guide's plain command line on both nodes, each with its own --out (no
+    shared filesystem) and no TRACEML_SECRET: torchrun starts at once on both (the
+    monitor never holds the training back), the secret reaches node 1 through torchrun's
+    own store, and node 0's summary names the input straggler on node 1."""
+    port = free_ports(3)
+    outs = [tmp_path / "node0", tmp_path / "node1"]
+    progress = tmp_path / "progress"
+    script = ("--steps", "140", "--step-ms", "10", "--progress", str(progress),
+              "--slow-input-ranks", "2,3", "--slow-ms", "30")
+    faulty = Path(__file__).resolve().parent / "faulty_ddp.py"
+
+    def node(k: int) -> subprocess.Popen:
+        return spawn_traceml("run", str(faulty), "--nnodes", "2", "--node-rank", str(k),
+                             "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                             "--master-port", str(port), "--run-name", "plain", "--out",
+                             str(outs[k]), "--headless", "--", *script)
+
+    procs = {first: node(first)}
+    time.sleep(3)
+    second_started = time.time()
+    procs[1 - first] = node(1 - first)
+    rc0, out0, err0 = finish(procs[0])
+    rc1, out1, err1 = finish(procs[1])
+    assert (rc0, rc1) == (0, 0), err0[-3000:] + err1[-3000:]
+
+    # The first step of every rank came soon after the last node started: no node
+    # waited for the monitor (before: node 1 waited up to 300 s for a secret file).
+    first_steps = [float((progress / f"rank{r}.txt").read_text().split()[1])
+                   for r in range(4)]
+    delay = max(first_steps) - second_started
+    print(f"first step {delay:.1f} s after the second node started")
+    assert delay < 30, delay
+
+    assert not (outs[1] / "plain" / "final_summary.json").exists()
+    doc = json.loads((outs[0] / "plain" / "final_summary.json").read_text())
+    validate_schema(doc)
+    assert [r["steps"] for r in doc["ranks"]] == [140] * 4  # node 1's agents reported
+    d = doc["diagnosis"]
+    assert (d["label"], d["phase"]) == ("INPUT STRAGGLER", "dataloader"), d
+    assert d["node"] == {"index": 1, "ranks": [2, 3]}, d
+    # Node 1 says where node 0 keeps the summary: node 0's folder, not its own.
+    assert str(outs[0] / "plain" / "final_summary.json") in out1, out1

@@ -80,7 +80,8 @@ ROUND_TRIPS = [
              "gpu_mem_total_mb": 81920.0}),
     ("heartbeat", {"step": 17, "phase": "forward", "in_phase_s": 0.25, "collectives": 40,
                    "in_collective": "all_reduce", "since_step_s": 12.5, "parallel": "fsdp",
-                   "framework": "PyTorch Lightning"}),
+                   "framework": "PyTorch Lightning",
+                   "agent_off": "internal error: RuntimeError('boom')"}),
     ("stacks", {"stacks": (("MainThread", "  File \"train.py\", line 9, in <module>\n"),
                            ("traceml-sender", "  ...\n"))}),
     ("goodbye", {"exit_code": -11, "error": "Traceback ...\nRuntimeError: boom", "steps": 99}),
@@ -247,6 +248,8 @@ BAD = {
     "error-long": pack(raw("goodbye", error="e" * (MAX_ERROR_CHARS + 1))),
     "phase-name-long": pack(raw("steps", phases=["p" * 65], records=[])),
     "heartbeat-phase-long": pack(raw(phase="p" * 65)),
+    "heartbeat-agent-off-long": pack(raw(agent_off="x" * 257)),
+    "heartbeat-agent-off-int": pack(raw(agent_off=3)),
     "giant-extra-string": pack(raw(extra="x" * (MAX_ERROR_CHARS * 4 + 1))),
 }
 

@@ -21,13 +21,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from traceml_agent import env, keys
+from traceml_agent import env, handover, keys
 
 from . import summary
 from .collector import COLLECTOR_JSON
@@ -35,9 +36,9 @@ from .job_output import Progress, Tee, parse_root_cause, read_tail
 
 COLLECTOR_START_TIMEOUT_S = 20.0
 DEFAULT_MASTER_PORT = 29500  # torchrun's own default, for multi-node runs
-# How long a node other than 0 waits for node 0 to create the run's secret on the shared
-# run folder: nodes of one job start within seconds of each other, queues within minutes.
-SECRET_WAIT_S = 300.0
+# How long the dashboard of a node other than 0 waits for the run's secret from node 0
+# (through torchrun's store, once both torchruns are up); its training does not wait.
+SECRET_WAIT_S = 120.0
 WRITE_PROBE_BYTES = 64 << 10
 FINISH_TIMEOUT_S = 20.0
 TERM_GRACE_S = 15.0  # after forwarding SIGTERM, how long torchrun gets before SIGKILL
@@ -122,9 +123,11 @@ def prepare_run_dir(opts: RunOptions) -> tuple[str, Path]:
     return name, run_dir
 
 
-def run_secret(opts: RunOptions, run_dir: Path) -> str:
+def run_secret(opts: RunOptions, run_dir: Path) -> str | None:
     """The run's secret (agent/keys.py): TRACEML_SECRET if set; else node 0 creates
-    RUN_DIR/secret.key and the other nodes wait for it to appear on the shared folder."""
+    RUN_DIR/secret.key; another node reads it there if the folder is shared and node 0
+    already made it. Else None: that node gets it through torchrun's store
+    (agent/handover.py) and nothing waits for it."""
     try:
         secret = keys.secret_from_env()
     except keys.SecretError as exc:
@@ -139,18 +142,46 @@ def run_secret(opts: RunOptions, run_dir: Path) -> str:
         except (OSError, keys.SecretError) as exc:
             raise LaunchError(f"cannot create the run's secret {path}: "
                               f"{getattr(exc, 'strerror', None) or exc}") from None
-    deadline = time.monotonic() + SECRET_WAIT_S
-    print(f"[traceml] node {opts.node_rank}: waiting for node 0 to create {path} "
-          f"(a shared run folder), or set {env.SECRET} on every node", file=sys.stderr,
-          flush=True)
-    while time.monotonic() < deadline:
+    try:
+        return keys.read_secret_file(path)
+    except (OSError, keys.SecretError):  # not shared, or node 0 not there yet
+        return None
+
+
+class _Handover(threading.Thread):
+    """Node 0 writes the secret (unless every node has it from $TRACEML_SECRET) and its
+    run folder into torchrun's store; another node reads them. Off the main thread: the
+    training never waits for it."""
+
+    def __init__(self, opts: RunOptions, port: int, until: Any,
+                 publish: dict[str, str] | None = None) -> None:
+        super().__init__(name="traceml-handover", daemon=True)
+        self.host, self.port, self.until = opts.master_addr, port, until
+        self.publish = publish
+        self.values: dict[str, str] = {}
+        self.start()
+
+    def run(self) -> None:
+        if self.publish is not None:
+            handover.publish(self.host, self.port, self.publish, self.until)
+            return
+        for key in (handover.RUN_DIR_KEY, handover.SECRET_KEY):
+            value = handover.fetch(self.host, self.port, key, self.until)
+            if value is None:
+                return
+            self.values[key] = value
+
+    def wait_secret(self, timeout: float) -> str | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.is_alive():
+            if handover.SECRET_KEY in self.values:
+                break
+            time.sleep(0.1)
+        value = self.values.get(handover.SECRET_KEY)
         try:
-            return keys.read_secret_file(path)
-        except (OSError, keys.SecretError):  # not there yet, or being written
-            time.sleep(0.2)
-    raise LaunchError(f"no run secret after {SECRET_WAIT_S:.0f} s: {path} never appeared. "
-                      f"Put --out on a filesystem all nodes share, or set {env.SECRET} to the "
-                      f"same value on every node (docs/security.md)")
+            return None if value is None else keys.check_secret(value)
+        except keys.SecretError:
+            return None
 
 
 def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: float,
@@ -399,9 +430,10 @@ class _Node:
 
     ingest: str  # where this node's agents send
     view: str  # where this node's dashboard reads
-    secret: str
+    secret: str | None  # None: another node waiting for node 0's, through torchrun's store
     collector: subprocess.Popen | None = None  # node 0 only
     control: str | None = None  # node 0 only
+    handover: _Handover | None = None  # multi-node: what goes through torchrun's store
 
 
 def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _Signals,
@@ -416,28 +448,33 @@ def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _S
     if signals.exit_code is not None:
         request["exit_code"] = signals.exit_code
     if node.collector is None:
-        return _node_done(opts, run_dir, request)
-    assert node.control is not None
+        return _node_done(opts, run_dir, request, node.handover)
+    assert node.control is not None and node.secret is not None
     reply = _finish(node.control, request, node.collector, node.secret)
     if reply is None:
         reply = _fallback_summary(run_dir, request)
     return reply
 
 
-def _node_done(opts: RunOptions, run_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
+def _node_done(opts: RunOptions, run_dir: Path, request: dict[str, Any],
+               handed: _Handover | None) -> dict[str, Any]:
     """A node other than 0 writes no summary: node 0's collector has all ranks. It ends
-    with its own job's exit code, as torchrun on that node would."""
+    with its own job's exit code, as torchrun on that node would, and says where node 0
+    keeps the summary (its folder, as node 0 told through torchrun's store)."""
     root = request["root_cause"]
     failures = [] if root is None else [(root[0], 128 - root[1] if root[1] < 0 else root[1])]
     code, failed = summary.job_exit_code(request["torchrun_exit"], request["interrupted"],
                                          failures)
     code = request.get("exit_code", code)
-    path = run_dir / summary.SUMMARY_JSON
     failed_text = "" if failed is None else f", rank {failed} failed"
+    node0_dir = None if handed is None else handed.values.get(handover.RUN_DIR_KEY)
+    if node0_dir:
+        where = f"to {Path(node0_dir[:4096]) / summary.SUMMARY_JSON} on that host"
+    else:
+        where = f"to {summary.SUMMARY_JSON} in its run folder ({run_dir.name} under its --out)"
     text = (f"node {opts.node_rank}: its ranks ended with exit code {code}{failed_text}.\n"
-            f"The job's summary is written by node 0 ({opts.master_addr}) to its "
-            f"{path}.\n")
-    return {"exit_code": code, "text": text, "path": str(path)}
+            f"The job's summary is written by node 0 ({opts.master_addr}) {where}.\n")
+    return {"exit_code": code, "text": text, "path": None, "node_done": True}
 
 
 def _with_dashboard(node: _Node, run_dir: Path, signals: _Signals,
@@ -504,10 +541,26 @@ def _connect(opts: RunOptions, run_dir: Path, name: str, started_at: float, port
     secret = run_secret(opts, run_dir)
     cport = opts.collector_port or port + 1
     if opts.node_rank == 0:
+        assert secret is not None
         collector, info = start_collector(run_dir, name, opts, started_at, secret, cport)
         return _Node(info["ingest"], info["view"], secret, collector, info["control"])
     host = opts.collector_addr or opts.master_addr
     return _Node(f"tcp://{host}:{cport}", f"tcp://{host}:{cport + 1}", secret)
+
+
+def _start_handover(opts: RunOptions, node: _Node, run_dir: Path, port: int,
+                    torchrun: subprocess.Popen) -> None:
+    """Multi-node: node 0 publishes, the others read (see agent/handover.py)."""
+    if not opts.multinode:
+        return
+    until = lambda: torchrun.poll() is not None  # noqa: E731 - the store ends with it
+    if opts.node_rank == 0:
+        values = {handover.RUN_DIR_KEY: str(run_dir.resolve())}
+        if not os.environ.get(env.SECRET) and node.secret:
+            values[handover.SECRET_KEY] = node.secret
+        node.handover = _Handover(opts, port, until, publish=values)
+    else:
+        node.handover = _Handover(opts, port, until)
 
 
 def run(opts: RunOptions) -> int:
@@ -525,7 +578,15 @@ def run(opts: RunOptions) -> int:
     cmd = torchrun_command(opts, run_dir, port)
     child_env = dict(os.environ)
     child_env.update({env.ENDPOINT: node.ingest, env.RUN_NAME: name,
-                      env.RUN_DIR: str(run_dir.resolve()), env.SECRET: node.secret})
+                      env.RUN_DIR: str(run_dir.resolve())})
+    if node.secret is not None:
+        child_env[env.SECRET] = node.secret
+    else:  # the agents read it from torchrun's store: nobody waits for it
+        child_env.pop(env.SECRET, None)
+        child_env[env.SECRET_STORE] = f"{opts.master_addr}:{port}"
+        print(f"[traceml] node {opts.node_rank}: no shared run folder or {env.SECRET}; the "
+              f"run's secret comes from node 0 through torchrun's store (docs/security.md)",
+              file=sys.stderr, flush=True)
     where = f", node {opts.node_rank} of {opts.nnodes}" if opts.multinode else ""
     print(f"[traceml] run {name}: {opts.world_size} rank(s){where}, folder {run_dir}",
           file=sys.stderr, flush=True)
@@ -540,6 +601,7 @@ def run(opts: RunOptions) -> int:
                                 preexec_fn=_torchrun_preexec)
         signals.proc = proc
         stderr_tail = Tee(proc.stderr) if log is None else None
+        _start_handover(opts, node, run_dir, port, proc)
 
         def finish() -> dict[str, Any]:
             rc = _wait(proc, signals, progress if opts.headless else None)
@@ -551,7 +613,16 @@ def run(opts: RunOptions) -> int:
             return _finalize(node, run_dir, opts, rc, signals,
                              parse_root_cause(report) if rc else None)
 
+        if not opts.headless and node.secret is None and node.handover is not None:
+            print(f"[traceml] node {opts.node_rank}: waiting for node 0's secret to show the "
+                  f"dashboard (the training is not waiting)", file=sys.stderr, flush=True)
+            node.secret = node.handover.wait_secret(SECRET_WAIT_S)
         if opts.headless:
+            reply = finish()
+        elif node.secret is None:
+            print(f"[traceml] node {opts.node_rank}: no secret from node 0 after "
+                  f"{SECRET_WAIT_S:.0f} s; no dashboard here (the job goes on)",
+                  file=sys.stderr, flush=True)
             reply = finish()
         else:
             reply = _with_dashboard(node, run_dir, signals, finish, progress)
@@ -565,7 +636,7 @@ def run(opts: RunOptions) -> int:
     print("\n" + reply["text"], end="", flush=True)
     if reply.get("path"):
         print(f"[traceml] summary: {reply['path']}", file=sys.stderr, flush=True)
-    else:
+    elif not reply.get("node_done"):
         print(f"[traceml] {reply.get('error', 'no summary written')}", file=sys.stderr,
               flush=True)
     code = reply.get("exit_code")

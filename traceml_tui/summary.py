@@ -1,4 +1,5 @@
-"""final_summary.json (../shared/spec/SUMMARY.md) and its text twin, built from a Snapshot.
+"""final_summary.json (docs/spec/SUMMARY.md, tests/data/summary.schema.json) and its
+text twin, built from a Snapshot.
 
 The same function builds the live snapshot file the collector rewrites every few
 seconds, so a run that ends badly (collector killed, machine lost) still leaves a
