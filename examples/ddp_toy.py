@@ -20,6 +20,9 @@ Hangs (for traceml's hang detection):
                                        group of its own, so gloo hangs as NCCL would)
   --checkpoint-every N --checkpoint-s T
                                        every rank spends T s "checkpointing" every N steps
+  --startup-stall-s T                  the hang rank (else rank 0) first spends T s
+                                       "loading" before its first step (a slow start on
+                                       a busy machine: its stack then is not the hang's)
 """
 
 from __future__ import annotations
@@ -91,6 +94,10 @@ def wait_forever() -> None:
         time.sleep(1.0)
 
 
+def slow_startup(seconds: float) -> None:
+    time.sleep(seconds)  # e.g. loading a checkpoint or a tokenizer
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--scenario", choices=SCENARIOS, default="balanced")
@@ -107,12 +114,15 @@ def main() -> None:
     p.add_argument("--hang-at-step", type=int, default=20)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--checkpoint-s", type=float, default=3.0)
+    p.add_argument("--startup-stall-s", type=float, default=0.0)
     args = p.parse_args()
 
     torch.set_num_threads(1)  # several ranks share a few cores
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     me = rank in args.rank
+    if args.startup_stall_s and rank == (args.hang_rank or 0):
+        slow_startup(args.startup_stall_s)
     side_group = dist.new_group() if args.skip_collective_rank is not None else None
     delay = args.delay_ms / 1000.0
 

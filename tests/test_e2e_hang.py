@@ -40,7 +40,10 @@ def _hang_seen(run_dir) -> dict | None:
 
 
 def test_a_rank_sleeping_before_forward_is_named_with_its_stack(tmp_path):
-    proc, run_dir = _start(tmp_path, "sleeper", "--hang-rank", "1", "--hang-at-step", "25")
+    """Rank 1 starts slowly (6 s of "loading": its stack is sent then), steps, and later
+    sleeps forever: the hang shows the later stack, never the start-up one."""
+    proc, run_dir = _start(tmp_path, "sleeper", "--hang-rank", "1", "--hang-at-step", "25",
+                           "--startup-stall-s", "6")
     try:
         wait_for(lambda: live_steps(run_dir) >= 25, 120)
         t_last_step = time.monotonic()
@@ -48,6 +51,12 @@ def test_a_rank_sleeping_before_forward_is_named_with_its_stack(tmp_path):
         seen_after = time.monotonic() - t_last_step
         assert _hang_seen(run_dir)["rank"] == 1
         assert seen_after < 3 + 6  # threshold + heartbeat, evaluation and snapshot cadence
+        # The stack of this stall arrives with the next heartbeat (stall > 3 s); a stack
+        # of the start-up stall must never stand in for it meanwhile.
+        wait_for(lambda: "1" in ((_live(run_dir).get("hang") or {}).get("stacks") or {}),
+                 30, "rank 1's stack")
+        live_stack = _live(run_dir)["hang"]["stacks"]["1"][0]["stack"]
+        assert "wait_forever" in live_stack and "slow_startup" not in live_stack
     finally:
         proc.send_signal(signal.SIGINT)  # the user presses Ctrl-C on the hung job
         output, _ = proc.communicate(timeout=90)
@@ -58,6 +67,7 @@ def test_a_rank_sleeping_before_forward_is_named_with_its_stack(tmp_path):
     assert doc["hang"]["kind"] == "behind" and doc["hang"]["ranks"] == [1]
     stack = doc["hang"]["stacks"]["1"][0]["stack"]
     assert "wait_forever" in stack and "time.sleep" in stack
+    assert "slow_startup" not in stack
     assert {p["rank"]: p["steps"] for p in doc["hang"]["progress"]} == {0: 25, 1: 25, 2: 25}
     assert "Diagnosis: HANG  rank 1" in output and "wait_forever" in output
 
