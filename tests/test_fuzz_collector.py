@@ -286,3 +286,31 @@ def test_decode_and_ingest_raise_nothing_but_protocol_error(payloads):
     assert state.counters["malformed"] >= len(payloads) - decoded
     assert len(state.phases) <= MAX_RUN_PHASES
     assert all(rs.window.count <= state.window_steps for rs in state.ranks.values())
+
+
+def test_viewers_are_served_while_the_collector_waits_for_goodbyes(collector):
+    """`finish` waits (a bounded grace) for ranks that have not said goodbye; viewers go on
+    being answered meanwhile, and the launcher gets its reply once the record is written."""
+    import threading
+
+    from traceml_agent.protocol import Identity, encode
+
+    sock = collector.dealer()  # a rank that reports and never says goodbye
+    sock.send(encode("hello", Identity(0, 0, 0, "h", 1, WORLD), 0, time.time(), run="fuzz",
+                     device="cpu", env={}, auto=True))
+    collector.wait_counted(1)
+    replies: dict[str, Any] = {}
+    launcher = threading.Thread(target=lambda: replies.update(collector.control(
+        {"op": "finish", "grace_s": 3.0, "exit_code": 0}, timeout_s=20)))
+    t0 = time.monotonic()
+    launcher.start()
+    time.sleep(0.3)  # the finish request is in
+    view_times = []
+    while launcher.is_alive() and len(view_times) < 5:
+        t = time.monotonic()
+        collector.summary()
+        view_times.append(time.monotonic() - t)
+    launcher.join(20)
+    assert replies.get("ok") and time.monotonic() - t0 >= 2.5  # it did wait for rank 0
+    assert view_times and max(view_times) < 1.0, view_times  # before: blocked up to the grace
+    sock.close()
