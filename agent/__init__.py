@@ -42,6 +42,25 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {"rec": None, "sender": None, "error_reported": False}
 
 
+def _inert_in_child() -> None:
+    """In a forked child (a DataLoader worker, a user's multiprocessing.Process): the
+    agent is the parent's. Its hooks are inherited but must pass straight through: no
+    recorder call (on CUDA one would create an event, and CUDA cannot be used after a
+    fork), no sender (its thread did not survive the fork). Spawned and forkserver
+    children start a fresh interpreter and never start an agent."""
+    global _lock
+    _lock = threading.Lock()  # it may have been held by another thread at the fork
+    _state["rec"] = None
+    _state["sender"] = None
+    from . import hooks
+
+    hooks.go_inert()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_inert_in_child)
+
+
 def enabled() -> bool:
     """True while the agent is timing this process."""
     return _state["rec"] is not None

@@ -100,6 +100,15 @@ def uninstall() -> None:
     _rec = None
 
 
+def go_inert() -> None:
+    """Every wrapper passes straight through from now on (a forked child's state):
+    nothing is restored or removed, which would touch the parent's objects' copies."""
+    global _rec, _obs, _learning
+    _rec = None
+    _obs = None
+    _learning = False
+
+
 def _fail(exc: BaseException) -> None:
     uninstall()
     _on_error(exc)
@@ -152,7 +161,20 @@ def _patch_dataloader(torch: Any) -> None:
         rec = _rec
         if rec is None:
             return original(self)
-        batch = _timed(rec, DATALOADER, self, original, self)
+        try:  # _timed written out: once per batch
+            started = rec.begin(DATALOADER, self)
+        except Exception as exc:
+            _fail(exc)
+            started = False
+        if not started:
+            return original(self)
+        try:
+            batch = original(self)
+        finally:
+            try:
+                rec.end(self)
+            except Exception as exc:
+                _fail(exc)
         obs = _obs
         if obs is not None:
             obs.on_loader_batch(self)
@@ -275,12 +297,24 @@ def _wrap_call(cls: type) -> None:
     original = cls.__call__
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _is_compiling():
-            return original(self, *args, **kwargs)
+        # _timed written out: this runs for every root call, the hottest wrapper.
         rec = _rec
-        if rec is None:
+        if rec is None or _is_compiling():
             return original(self, *args, **kwargs)
-        return _timed(rec, FORWARD, self, original, self, *args, **kwargs)
+        try:
+            started = rec.begin(FORWARD, self)
+        except Exception as exc:
+            _fail(exc)
+            started = False
+        if not started:
+            return original(self, *args, **kwargs)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            try:
+                rec.end(self)
+            except Exception as exc:
+                _fail(exc)
 
     __call__.__wrapped__ = original  # type: ignore[attr-defined]
     _setattr(cls, "__call__", __call__)

@@ -32,6 +32,7 @@ during the step. "wait" is derived later (wall minus the measured phases).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from time import perf_counter_ns
 from typing import Any
@@ -43,6 +44,7 @@ MAX_CUSTOM_PHASES = 8
 NO_PHASE = -1
 # A stack deeper than this is a hook pairing bug, not real nesting: close the oldest.
 MAX_DEPTH = 32
+FLUSH_DEADLINE_S = 2.0  # at shutdown, how long the device gets to finish timed work
 
 
 class Recorder:
@@ -98,7 +100,53 @@ class Recorder:
 
     def begin(self, idx: int, owner: Any = None) -> bool:
         """Open a phase inside whatever is open. False when it is not timed (inside the
-        DataLoader, or the same phase already innermost): then do not call `end`."""
+        DataLoader, or the same phase already innermost): then do not call `end`.
+
+        This and `end` run several times per step on the training thread, so they are
+        _charge/_push/_pop written out inline (a Python call costs ~0.1 us each);
+        CudaRecorder, which hooks those steps, uses the composed versions."""
+        active = self.active
+        if active == DATALOADER or active == idx:
+            return False
+        t = perf_counter_ns()
+        if not self.step_start:
+            self.step_start = t
+        stack = self.stack
+        if active != NO_PHASE:
+            acc = self.acc
+            prev = acc[active]
+            acc[active] = t - self.t_mark if prev is None else prev + t - self.t_mark
+            if len(stack) >= MAX_DEPTH:  # unreachable with paired hooks
+                self._force(0, t)
+        stack.append((idx, owner, self.step))
+        self.active = idx
+        self.owner = owner
+        self.t_mark = t
+        return True
+
+    def end(self, owner: Any = None) -> None:
+        """Close the phase `owner` opened. Phases opened inside it and never closed are
+        closed with it (and counted as forced); an unknown owner is ignored."""
+        if owner is not self.owner:
+            self._end_buried(owner)
+            return
+        active = self.active
+        if active == NO_PHASE:
+            return
+        t = perf_counter_ns()
+        acc = self.acc
+        prev = acc[active]
+        acc[active] = t - self.t_mark if prev is None else prev + t - self.t_mark
+        stack = self.stack
+        stack.pop()
+        if stack:
+            self.active, self.owner, _ = stack[-1]
+        else:
+            self.active, self.owner = NO_PHASE, None
+        self.t_mark = t
+
+    def _begin_composed(self, idx: int, owner: Any = None) -> bool:
+        """`begin` built from the overridable steps (_charge, _push): CudaRecorder's."""
         active = self.active
         if active == DATALOADER or active == idx:
             return False
@@ -112,9 +160,8 @@ class Recorder:
         self._push(idx, owner, t)
         return True
 
-    def end(self, owner: Any = None) -> None:
-        """Close the phase `owner` opened. Phases opened inside it and never closed are
-        closed with it (and counted as forced); an unknown owner is ignored."""
+    def _end_composed(self, owner: Any = None) -> None:
+        """`end` built from the overridable steps (_charge, _pop): CudaRecorder's."""
         if owner is not self.owner:
             self._end_buried(owner)
             return
@@ -203,7 +250,13 @@ class Recorder:
             _add(acc, SYNC, t - mark)
         else:
             _add(acc, BACKWARD, t - mark)
-        self._pop(t)
+        stack = self.stack  # _pop written out (hot: once per backward)
+        stack.pop()
+        if stack:
+            self.active, self.owner, _ = stack[-1]
+        else:
+            self.active, self.owner = NO_PHASE, None
+        self.t_mark = t
 
     def _end_buried_to(self, owner: Any) -> None:
         """Force-close the phases above `owner`'s, leaving its own open."""
@@ -294,6 +347,8 @@ class CudaRecorder(Recorder):
     __slots__ = ("torch", "pool", "pairs", "pending", "prev_end", "ev_mark", "ev_ready",
                  "max_pending")
     DEVICE_PHASES = frozenset({H2D, FORWARD, BACKWARD, SYNC, OPTIMIZER})
+    begin = Recorder._begin_composed
+    end = Recorder._end_composed
 
     def __init__(self, out: deque, torch_module: Any, max_pending: int = 64) -> None:
         super().__init__(out)
@@ -398,11 +453,16 @@ class CudaRecorder(Recorder):
                 seen.add(id(ev))
                 self.pool.append(ev)
 
-    def flush(self) -> None:
-        """At shutdown: the job is over, so waiting for the device is allowed here."""
+    def flush(self, deadline_s: float = FLUSH_DEADLINE_S) -> None:
+        """At shutdown: resolve what the device finishes within `deadline_s`. Polled, never
+        `synchronize()`: on a GPU stuck in a collective (the hang this tool exists to
+        diagnose) that would keep the rank from ever exiting."""
+        end = perf_counter_ns() + int(deadline_s * 1e9)
         try:
-            if self.pending:
-                self.pending[-1][6].synchronize()
+            while self.pending and perf_counter_ns() < end:
+                self._resolve()
+                if self.pending:
+                    time.sleep(0.01)
             self._resolve()
         except Exception:
             pass

@@ -21,11 +21,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 
-def build(batch: int = 32, dim: int = 64):
+def build(batch: int = 32, dim: int = 64, ddp: bool = True):
+    """The loop's parts; ddp=False leaves the model unwrapped (no process group needed)."""
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(batch * 256, dim), torch.randint(0, 10, (batch * 256,)))
     loader = DataLoader(data, batch_size=batch, shuffle=True, drop_last=True)
-    model = DDP(nn.Sequential(nn.Linear(dim, 128), nn.ReLU(), nn.Linear(128, 10)))
+    model = nn.Sequential(nn.Linear(dim, 128), nn.ReLU(), nn.Linear(128, 10))
+    if ddp:
+        model = DDP(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     return loader, model, opt, nn.CrossEntropyLoss()
 

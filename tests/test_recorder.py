@@ -245,3 +245,33 @@ def test_the_stack_is_bounded_whatever_the_hooks_do(rig):
     for i in range(rmod.MAX_DEPTH * 3):
         rec.begin(FORWARD if i % 2 else SYNC, object())
     assert len(rec.stack) <= rmod.MAX_DEPTH
+
+
+class StuckEvent(FakeEvent):
+    """An event on a GPU stuck in a collective: never completes; synchronize never returns."""
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:  # pragma: no cover - must never be called
+        import threading
+
+        threading.Event().wait()
+
+
+def test_flush_on_a_stuck_device_returns_within_its_deadline():
+    """At shutdown the rank must exit even if the device never finishes (the hang this
+    tool diagnoses): flush polls with a deadline instead of synchronizing."""
+    import time
+
+    clock = Clock()
+    torch_double = FakeTorch(clock)
+    torch_double.cuda.Event = staticmethod(lambda enable_timing=True: StuckEvent(clock))
+    rec = CudaRecorder(deque(), torch_double)
+    rec.begin(FORWARD, OWNER_FWD)
+    rec.end(OWNER_FWD)
+    rec.close_step()
+    assert rec.pending
+    t0 = time.monotonic()
+    rec.flush(deadline_s=0.5)
+    assert time.monotonic() - t0 < 1.5
