@@ -45,6 +45,9 @@ NO_PHASE = -1
 # A stack deeper than this is a hook pairing bug, not real nesting: close the oldest.
 MAX_DEPTH = 32
 FLUSH_DEADLINE_S = 2.0  # at shutdown, how long the device gets to finish timed work
+# Device segments (event pairs) kept for one step: a loop without optimizer steps
+# (evaluation, inference) never reaches a step boundary to resolve them.
+MAX_STEP_PAIRS = 4096
 
 
 class Recorder:
@@ -345,7 +348,7 @@ class CudaRecorder(Recorder):
     """
 
     __slots__ = ("torch", "pool", "pairs", "pending", "prev_end", "ev_mark", "ev_ready",
-                 "max_pending")
+                 "max_pending", "dropped_pairs")
     DEVICE_PHASES = frozenset({H2D, FORWARD, BACKWARD, SYNC, OPTIMIZER})
     begin = Recorder._begin_composed
     end = Recorder._end_composed
@@ -355,6 +358,7 @@ class CudaRecorder(Recorder):
         self.torch = torch_module
         self.pool: list[Any] = []
         self.pairs: list[tuple[int, Any, Any]] = []
+        self.dropped_pairs = 0  # times the pairs of one step were cut to stay bounded
         self.pending: deque = deque()
         self.prev_end: Any = None
         self.ev_mark: Any = None  # event at t_mark, when the innermost phase is on device
@@ -370,7 +374,11 @@ class CudaRecorder(Recorder):
         if idx in self.DEVICE_PHASES:
             ev = self._event()
             if self.ev_mark is not None:
-                self.pairs.append((idx, self.ev_mark, ev))
+                pairs = self.pairs
+                if len(pairs) >= MAX_STEP_PAIRS:  # no step boundary comes (eval, inference)
+                    del pairs[: len(pairs) // 2]  # the oldest half: memory stays bounded
+                    self.dropped_pairs += 1
+                pairs.append((idx, self.ev_mark, ev))
             self.ev_mark = ev
         else:
             super()._charge(idx, t)

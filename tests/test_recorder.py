@@ -13,6 +13,7 @@ import pytest
 
 from traceml_agent import recorder as rmod
 from traceml_agent.recorder import (
+    BACKWARD,
     DATALOADER,
     FORWARD,
     H2D,
@@ -275,3 +276,18 @@ def test_flush_on_a_stuck_device_returns_within_its_deadline():
     t0 = time.monotonic()
     rec.flush(deadline_s=0.5)
     assert time.monotonic() - t0 < 1.5
+
+
+def test_forwards_without_optimizer_steps_keep_the_cuda_recorder_bounded():
+    """An evaluation loop: forward after forward, no step boundary to resolve events."""
+    from traceml_agent.recorder import MAX_STEP_PAIRS
+
+    clock = Clock()
+    rec = CudaRecorder(deque(), FakeTorch(clock))
+    for _ in range(10_000):
+        rec.begin(FORWARD, OWNER_FWD)
+        rec.end(OWNER_FWD)
+        rec.begin(BACKWARD, OWNER_BWD)  # e.g. a hook between the forwards
+        rec.end(OWNER_BWD)
+    assert len(rec.pairs) <= MAX_STEP_PAIRS
+    assert rec.dropped_pairs > 0
