@@ -393,8 +393,8 @@ def device_key(module: Any) -> str | None:
 
 class _PendingChecksum:
     """A checksum started on the training thread and read later without a GPU sync:
-    on GPU the sum is copied to pinned memory behind a CUDA event, and `result()`
-    returns None until the event has completed."""
+    on GPU the sum is copied to pinned memory behind a CUDA event, which the training
+    thread polls at each optimizer step (`poll()`); `value` is None until then."""
 
     __slots__ = ("value", "host", "event")
 
@@ -418,7 +418,9 @@ class _PendingChecksum:
         else:
             self.value = float(total.item())
 
-    def result(self) -> float | None:
+    def poll(self) -> float | None:
+        """On the training thread only: a CUDA call from another thread would create a
+        context on its current device (GPU 0) and break a CUDA graph being captured."""
         if self.value is None and self.event is not None and self.event.query():
             self.value = float(self.host.item())
         return self.value
@@ -550,6 +552,9 @@ class StepObserver:
                 self._judge_accumulation(synced)
             if self._unused_steps >= 0:
                 self._check_unused_parameters()
+            if not self._facts_sent:
+                for pending in self._checksums:
+                    pending.poll()  # the event query on this thread, not the sender's
         except Exception as exc:
             self._fail(exc)
 
@@ -573,7 +578,7 @@ class StepObserver:
         try:
             values = []
             for pending in self._checksums:
-                value = pending.result()
+                value = pending.value  # read only: the training thread polls the GPU copy
                 if value is None:
                     return None  # a GPU copy still in flight: ask again later
                 values.append(value)

@@ -1,4 +1,5 @@
-"""The agent in forked children (DataLoader workers): inherited hooks pass straight
+"""What the agent must never do to the process it lives in (the CUDA rules, checked with
+doubles on CPU). Forked children (DataLoader workers): inherited hooks pass straight
 through. On CUDA any recorder call in a forked child would touch CUDA, which raises
 "Cannot re-initialize CUDA in forked subprocess"; the recorder double here does the
 same, and logs every call's pid to a file, so the test sees calls from any process."""
@@ -94,3 +95,36 @@ if sys.platform != "linux":  # pragma: no cover
     import pytest
 
     pytestmark = pytest.mark.skip("fork is the Linux default this is about")
+
+
+def test_the_gpu_checksum_is_polled_on_the_training_thread_only() -> None:
+    """The weights' checksum is copied behind a CUDA event; the sender thread (which
+    builds the facts message) must never query it: a CUDA call from another thread makes
+    a context on GPU 0 and breaks a CUDA graph being captured on the training thread."""
+    import threading
+
+    from traceml_agent.checks import StepObserver, _PendingChecksum
+
+    queried_on: list[int] = []
+
+    class Event:
+        def query(self) -> bool:
+            queried_on.append(threading.get_ident())
+            return len(queried_on) >= 2  # completes at the second look
+
+    obs = StepObserver(0, 1)
+    obs.watch_model(nn.Linear(4, 2))
+    pending = _PendingChecksum.__new__(_PendingChecksum)
+    pending.value, pending.host, pending.event = None, torch.tensor(5.0), Event()
+    obs._checksums = [pending]  # as on GPU: a copy in flight
+
+    facts: list = []
+    sender = threading.Thread(target=lambda: facts.append(obs.take_facts()))
+    obs.on_optimizer_step()  # first look: still in flight
+    sender.start(), sender.join()
+    assert facts == [None]  # not ready, and the sender did not look
+    obs.on_optimizer_step()  # second look: done
+    sender = threading.Thread(target=lambda: facts.append(obs.take_facts()))
+    sender.start(), sender.join()
+    assert facts[1]["param_checksum"] == 5.0
+    assert set(queried_on) == {threading.get_ident()}
