@@ -10,12 +10,18 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from . import visible_devices
+
+METRIC_FAILURES = 3  # consecutive errors before a GPU metric is given up
+
 
 class SystemSampler:
     def __init__(self, cuda_index: int | None) -> None:
         self._proc = None
         self._nvml = None
         self._handle = None
+        self._failures: dict[str, int] = {}
+        self._dead: set[str] = set()
         try:
             import psutil
 
@@ -31,8 +37,8 @@ class SystemSampler:
             import pynvml
 
             pynvml.nvmlInit()
-            physical = _physical_gpu_index(cuda_index)
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(physical)
+            visible = visible_devices.parse(os.environ.get("CUDA_VISIBLE_DEVICES"))
+            self._handle = visible_devices.nvml_handle(pynvml, cuda_index, visible)
             self._nvml = pynvml
         except Exception:
             self._nvml = None
@@ -53,15 +59,30 @@ class SystemSampler:
             except Exception:
                 self._proc = None
         if self._nvml is not None:
-            try:
-                util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
-                mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
-                out["gpu_util"] = float(util.gpu)
-                out["gpu_mem_mb"] = mem.used / 2**20
-                out["gpu_mem_total_mb"] = mem.total / 2**20
-            except Exception:
-                self._nvml = None
+            # Each metric on its own: utilisation is "not supported" on a MIG instance,
+            # which must not take the memory figures with it.
+            if "util" not in self._dead:
+                try:
+                    util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+                    out["gpu_util"] = float(util.gpu)
+                    self._failures.pop("util", None)
+                except Exception:
+                    self._failed("util")
+            if "mem" not in self._dead:
+                try:
+                    mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+                    out["gpu_mem_mb"] = mem.used / 2**20
+                    out["gpu_mem_total_mb"] = mem.total / 2**20
+                    self._failures.pop("mem", None)
+                except Exception:
+                    self._failed("mem")
         return out
+
+    def _failed(self, metric: str) -> None:
+        """A metric that failed METRIC_FAILURES times in a row is not asked again."""
+        self._failures[metric] = self._failures.get(metric, 0) + 1
+        if self._failures[metric] >= METRIC_FAILURES:
+            self._dead.add(metric)
 
     def close(self) -> None:
         if self._nvml is not None:
@@ -70,14 +91,3 @@ class SystemSampler:
             except Exception:
                 pass
             self._nvml = None
-
-
-def _physical_gpu_index(cuda_index: int) -> int:
-    """NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES renumbers them for torch."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    if not visible:
-        return cuda_index
-    ids = [v.strip() for v in visible.split(",") if v.strip()]
-    if cuda_index < len(ids) and ids[cuda_index].isdigit():
-        return int(ids[cuda_index])
-    return cuda_index
