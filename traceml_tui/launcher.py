@@ -30,7 +30,7 @@ from typing import Any
 
 from traceml_agent import env, handover, keys
 
-from . import summary
+from . import private, summary
 from .collector import COLLECTOR_JSON
 from .job_output import Progress, Tee, parse_root_cause, read_tail
 
@@ -110,7 +110,14 @@ def prepare_run_dir(opts: RunOptions) -> tuple[str, Path]:
             name = f"{stem}-{n}"
         run_dir = opts.out / name
     try:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        opts.out.mkdir(parents=True, exist_ok=True)
+        try:
+            private.make_private_dir(run_dir)
+            private.make_private_dir(run_dir / "logs")
+        except PermissionError as exc:
+            raise LaunchError(f"run folder {exc}: not using it (another user could read the "
+                              f"run's secret or plant files there); choose another "
+                              f"--run-name or --out") from None
         # A full disk accepts an empty file: write what a snapshot would need to start.
         probe = run_dir / f".write-test-{os.getpid()}"
         try:
@@ -186,7 +193,7 @@ class _Handover(threading.Thread):
 
 def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: float,
                     secret: str, port: int) -> tuple[subprocess.Popen, dict[str, Any]]:
-    log = open(run_dir / "collector.log", "ab")
+    log = private.open_private(run_dir / "collector.log")
     cmd = [sys.executable, "-m", "traceml_tui.collector", "--run-dir", str(run_dir),
            "--run-name", name, "--world-size", str(opts.world_size),
            "--nnodes", str(opts.nnodes), "--nproc-per-node", str(opts.nproc_per_node),
@@ -306,7 +313,7 @@ HANGUP_LOG = "launcher.log"  # in the run folder: our output once the terminal i
 def _detach_from_terminal(path: Path | None) -> None:
     """The terminal hung up: writing to it would fail (EIO) or stop us (SIGTTOU)."""
     try:
-        sink = open(path if path is not None else os.devnull, "a")
+        sink = private.open_private(path, "a") if path is not None else open(os.devnull, "w")
     except OSError:
         sink = open(os.devnull, "w")
     for fd in (1, 2):
@@ -591,7 +598,8 @@ def run(opts: RunOptions) -> int:
     print(f"[traceml] run {name}: {opts.world_size} rank(s){where}, folder {run_dir}",
           file=sys.stderr, flush=True)
     progress = Progress(run_dir)
-    log = None if opts.headless else open(run_dir / opts.node_file("torchrun", ".log"), "ab")
+    log = (None if opts.headless
+           else private.open_private(run_dir / opts.node_file("torchrun", ".log")))
     with _Signals() as signals:
         signals.hangup_log = run_dir / opts.node_file(Path(HANGUP_LOG).stem, ".log")
         # With the dashboard, torchrun's own output goes to a file, not over the screen.

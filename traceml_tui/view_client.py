@@ -18,6 +18,7 @@ import zmq
 
 from traceml_agent import keys
 
+from . import private
 from .view_state import RankDetail, ViewState
 
 COLLECTOR_JSON = "collector.json"
@@ -115,6 +116,11 @@ def resolve_target(target: str | None, base: Path = Path("traceml_runs"),
     info = run_dir / COLLECTOR_JSON
     if not info.exists():
         raise WatchTargetError(f"{run_dir} is not a traceml run folder (no {COLLECTOR_JSON})")
+    for path, is_dir in ((run_dir, True), (info, False)):
+        reason = private.not_private(path, is_dir)
+        if reason:
+            raise WatchTargetError(f"{path} {reason}: not attaching (its address and secret "
+                                   f"could be anyone's)")
     if (run_dir / "final_summary.json").exists():
         raise WatchTargetError(f"the run in {run_dir} has ended; its record is "
                                f"{run_dir / 'final_summary.json'}")
@@ -141,6 +147,9 @@ def newest_live_run(base: Path) -> Path | None:
     """The most recently started run folder under `base` that has no final summary yet."""
     if not base.is_dir():
         return None
+    # Only folders and collector.json files that are ours and private: on a shared --out,
+    # another user's folder could point us at their address with their secret.
     live = [d for d in base.iterdir()
-            if (d / COLLECTOR_JSON).exists() and not (d / "final_summary.json").exists()]
+            if not private.not_private(d) and not private.not_private(d / COLLECTOR_JSON, False)
+            and not (d / "final_summary.json").exists()]
     return max(live, key=lambda d: (d / COLLECTOR_JSON).stat().st_mtime, default=None)
