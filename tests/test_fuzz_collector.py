@@ -314,3 +314,23 @@ def test_viewers_are_served_while_the_collector_waits_for_goodbyes(collector):
     assert replies.get("ok") and time.monotonic() - t0 >= 2.5  # it did wait for rank 0
     assert view_times and max(view_times) < 1.0, view_times  # before: blocked up to the grace
     sock.close()
+
+
+def test_a_key_holder_cannot_end_the_record_with_requests_or_counts(collector):
+    """Issue 20, findings 2 and 3, as an attacker with the key would try them: a capture
+    request with a non-integer after the 8th rank, and ranks whose restarts claim 2**62
+    dropped records each, pushing the sum past 2**64. The collector answers and lives."""
+    from traceml_agent.protocol import PHASES, Identity, encode
+
+    reply = msgpack.unpackb(collector.request("view", msgpack.packb(
+        {"op": "capture", "steps": 2, "ranks": list(range(9)) + ["x"]})))
+    assert reply["ok"] is False and "rank numbers" in reply["error"]
+    sock = collector.dealer()
+    for pid in range(8):  # the same rank "restarting" with a new pid, each time 2**62
+        sock.send(encode("steps", Identity(0, 0, 0, "h", 100 + pid, WORLD), 0, time.time(),
+                         phases=list(PHASES), records=[], dropped=1 << 62))
+    collector.wait_counted(8)
+    counters = collector.summary()["collector"]  # the export key's request
+    assert counters["agent_dropped"] == (1 << 63) - 1
+    assert collector.proc.poll() is None
+    sock.close()

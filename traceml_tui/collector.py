@@ -60,6 +60,7 @@ FINISH_GRACE_S = 3.0  # at the end, how long to wait for ranks' last batches
 # gone only after missing its 1 s heartbeat more than twice.
 FINISH_GRACE_MULTINODE_S = 10.0
 QUIET_S, QUIET_MULTINODE_S = 0.5, 2.5
+MAX_CAPTURE_RANKS = 64  # ranks one capture request may name (a pinned rank and a few more)
 DRAIN_BATCH = 5_000  # messages taken per loop turn before looking at the clock
 DRAIN_SLICE_S = 0.05  # ... or this long, so ticks and control requests are never starved
 # A snapshot write may take a while with thousands of ranks: the next one waits at least
@@ -159,6 +160,7 @@ class Collector:
         self.view_bytes = b""
         self.stopping = False
         self.done = False
+        self.view_errors = 0  # view requests whose handler failed (answered with an error)
         self.finishing: tuple[dict[str, Any], bool] | None = None  # (request, reply?)
         self.finish_deadline = 0.0
         self.finish_quiet_s = QUIET_S
@@ -292,12 +294,24 @@ class Collector:
         self.view_bytes = msgpack.packb(self.view_now.to_wire())
 
     def handle_view(self) -> None:
+        """One view request, one reply. Whatever a viewer sends, a handler error becomes
+        an error reply: a viewer (or any key holder) can never end the record."""
         try:
             request = msgpack.unpackb(self.view.recv(), raw=False)
             op = request.get("op")
         except Exception:
             self.view.send(msgpack.packb({"error": "bad request"}))
             return
+        try:
+            self._answer_view(request, op)
+        except Exception as exc:  # a bug or a request no check foresaw
+            self.view_errors += 1
+            try:
+                self.view.send(msgpack.packb({"error": f"request failed: {type(exc).__name__}"}))
+            except zmq.ZMQError:  # the reply was already sent (REP state): nothing to do
+                pass
+
+    def _answer_view(self, request: dict[str, Any], op: Any) -> None:
         if op == "view":
             if self.view_now is None:
                 self.refresh_view()
@@ -324,9 +338,10 @@ class Collector:
         ranks = request.get("ranks")
         if type(steps) is not int or not 1 <= steps <= MAX_CAPTURE_STEPS:
             return {"ok": False, "error": f"steps must be 1-{MAX_CAPTURE_STEPS}"}
-        if ranks is not None and (not isinstance(ranks, list)
-                                  or not all(type(r) is int for r in ranks[:8])):
-            return {"ok": False, "error": "ranks must be a list of rank numbers"}
+        if ranks is not None and (not isinstance(ranks, list) or len(ranks) > MAX_CAPTURE_RANKS
+                                  or not all(type(r) is int for r in ranks)):
+            return {"ok": False, "error": f"ranks must be a list of at most "
+                                          f"{MAX_CAPTURE_RANKS} rank numbers"}
         if self.view_now is None:
             self.refresh_view()
         roles = capture_roles(self.view_now, ranks)

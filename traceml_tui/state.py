@@ -24,6 +24,7 @@ from .windows import Quantiles, RankWindow, median, window_steps_for
 # Steps of each rank that the live diagnosis looks at: enough for a stable median,
 # few enough that a straggler appearing mid-run flips it within ~LIVE_STEPS/2 steps.
 LIVE_STEPS = 32
+COUNTER_MAX = (1 << 63) - 1  # counters saturate here (msgpack and JSON readers take int64)
 SPARKLINE_STEPS = 60
 MAX_EPISODES = 500
 # Distinct phase names a run may use: the standard ones plus the agent's custom limit.
@@ -224,7 +225,10 @@ class RunState:
 
     def _ingest_steps(self, rs: RankState, msg: Message) -> None:
         self.phases.extend(name for name in msg.phases if name not in self.phases)
-        self.counters["agent_dropped"] += max(0, msg.body["dropped"] - rs.dropped)
+        # Saturating: ranks may claim up to 2**62 each (and a restarted rank counts
+        # afresh); the sum must stay an integer every encoder takes.
+        self.counters["agent_dropped"] = min(
+            COUNTER_MAX, self.counters["agent_dropped"] + max(0, msg.body["dropped"] - rs.dropped))
         rs.dropped = max(rs.dropped, msg.body["dropped"])
         for name, count in zip(msg.phases, msg.body.get("forced", ()), strict=False):
             if count:
