@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .sanitize import clean_line, clean_text
+
 # --- finding ids (stable: the collector, the dashboard and docs/checks.md key on them) --
 
 DATA_PARALLEL = "data-parallel"
@@ -86,6 +88,7 @@ CHECKSUM_RTOL = 1e-9
 # Longest evidence or fix text sent over the wire (one line on the dashboard).
 MAX_TEXT = 200
 MAX_ID = 64
+MAX_FINDING_RANKS = 1024  # ranks one finding may name (an agent names its own)
 MAX_RANKS_SHOWN = 8
 
 
@@ -116,14 +119,19 @@ class Finding:
                                                       "fix"}:
             raise ValueError("a finding is a map of id, severity, ranks, evidence, fix")
         ranks = raw["ranks"]
-        if not isinstance(ranks, list) or not all(type(r) is int and r >= 0 for r in ranks):
-            raise ValueError("finding ranks must be a list of non-negative ints")
+        if (not isinstance(ranks, list) or len(ranks) > MAX_FINDING_RANKS
+                or not all(type(r) is int and 0 <= r < 1 << 31 for r in ranks)):
+            raise ValueError(f"finding ranks must be a list of at most {MAX_FINDING_RANKS} "
+                             f"non-negative ints")
         if raw["severity"] not in SEVERITIES:
             raise ValueError(f"unknown severity {raw['severity']!r:.20}")
         for name, limit in (("id", MAX_ID), ("evidence", MAX_TEXT), ("fix", MAX_TEXT)):
             if not isinstance(raw[name], str) or len(raw[name]) > limit:
                 raise ValueError(f"finding {name} must be a string of at most {limit} chars")
-        return cls(raw["id"], raw["severity"], tuple(ranks), raw["evidence"], raw["fix"])
+        if raw["id"] not in CHECKS:  # only the checks this version knows: a bounded set
+            raise ValueError(f"unknown check {raw['id']!r:.40}")
+        return cls(raw["id"], raw["severity"], tuple(ranks), clean_text(raw["evidence"]),
+                   clean_text(raw["fix"]))
 
 
 # Default severity and fix of each check; a few checks raise or lower the severity
@@ -782,5 +790,7 @@ def facts_from_wire(raw: Any) -> dict[str, Any]:
         raise ValueError("param_checksum must be a number or null")
     if device is not None and (not isinstance(device, str) or len(device) > 128):
         raise ValueError("device must be a string of at most 128 chars or null")
+    if device is not None:
+        device = clean_line(device)
     return {"param_checksum": None if checksum is None else float(checksum), "device": device,
             "batch_size": batch}

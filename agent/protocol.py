@@ -41,6 +41,8 @@ from typing import Any
 
 import msgpack
 
+from .sanitize import clean_line, clean_text
+
 # 2: steps carry `forced` (phases closed for lack of an end hook), hello `auto`,
 # heartbeat `framework`: what the collector needs to say when timing is incomplete.
 # heartbeat `agent_off` (optional): why the agent turned its timing off; its step count
@@ -216,10 +218,12 @@ def _bool(value: Any, name: str) -> bool:
     return value
 
 
-def _str(value: Any, name: str, limit: int = MAX_STR) -> str:
+def _str(value: Any, name: str, limit: int = MAX_STR, lines: bool = False) -> str:
+    """A bounded string, cleaned of control characters (sanitize.py); `lines` keeps
+    newlines and tabs (stacks, tracebacks)."""
     if not isinstance(value, str) or len(value) > limit:
         raise ProtocolError(f"{name} must be a string of at most {limit} characters")
-    return value
+    return clean_text(value) if lines else clean_line(value)
 
 
 def _identity(raw: Any) -> Identity:
@@ -322,7 +326,8 @@ def _stacks(raw: dict) -> dict[str, Any]:
     for item in stacks:
         if not isinstance(item, list) or len(item) != 2:
             raise ProtocolError("a stack must be [thread name, text]")
-        out.append((_str(item[0], "thread name", 128), _str(item[1], "stack", MAX_STACK_CHARS)))
+        out.append((_str(item[0], "thread name", 128),
+                    _str(item[1], "stack", MAX_STACK_CHARS, lines=True)))
     return {"stacks": tuple(out)}
 
 
@@ -331,7 +336,7 @@ def _goodbye(raw: dict) -> dict[str, Any]:
     error = raw.get("error")
     return {
         "exit_code": None if code is None else _int(code, "exit_code", -(1 << 31), 1 << 31),
-        "error": None if error is None else _str(error, "error", MAX_ERROR_CHARS),
+        "error": None if error is None else _str(error, "error", MAX_ERROR_CHARS, lines=True),
         "steps": _int(raw.get("steps", 0), "steps", 0, 1 << 62),
     }
 
@@ -359,7 +364,8 @@ def _capture(raw: dict) -> dict[str, Any]:
     return {"capture_id": _int(raw.get("capture_id"), "capture_id", 0, 1 << 62), "state": state,
             "steps": _int(raw.get("steps", 0), "steps", 0, 1 << 20),
             "path": None if path is None else _str(path, "path", MAX_PATH),
-            "error": None if error is None else _str(error, "error", MAX_ERROR_CHARS)}
+            "error": None if error is None else _str(error, "error", MAX_ERROR_CHARS,
+                                                     lines=True)}
 
 
 def encode_capture_request(capture_id: int, steps: int) -> bytes:

@@ -353,3 +353,31 @@ def test_capture_requests_round_trip_and_reject_anything_else():
 def test_a_body_field_cannot_replace_the_envelope():
     with pytest.raises(ValueError, match="envelope"):
         protocol.encode("capture", IDENT, 1, T, id=3)
+
+
+INJECTIONS = [
+    ("title", "\x1b]0;pwned\x07"),
+    ("clear screen", "\x1b[2J"),
+    ("C1 CSI", "\x9b2J"),
+    ("DEL and NUL", "a\x7fb\x00c"),
+]
+
+
+@pytest.mark.parametrize("name, evil", INJECTIONS, ids=[i[0] for i in INJECTIONS])
+def test_remote_text_reaches_nobody_as_terminal_control(name, evil):
+    """Issue 20 finding 7: host names, errors, stacks and phase names arrive cleaned."""
+    ident = Identity(0, 0, 0, f"host{evil}", 1, 2)
+    msgs = [
+        decode(encode("goodbye", ident, 1, T, exit_code=1, error=f"boom{evil}\nline 2",
+                      steps=1)),
+        decode(encode("stacks", ident, 1, T, stacks=[[f"t{evil}", f"  File x\n{evil}\n"]])),
+        decode(encode("steps", ident, 1, T, phases=[f"ph{evil}"], records=[[0, T, 1.0, 1.0]],
+                      dropped=0)),
+    ]
+    texts = [msgs[0].ident.host, msgs[0].body["error"], *msgs[1].body["stacks"][0],
+             msgs[2].phases[0]]
+    for text in texts:
+        assert not any(ord(c) < 0x20 and c not in "\n\t" or 0x7F <= ord(c) < 0xA0
+                       for c in text), repr(text)
+    assert msgs[0].body["error"].endswith("\nline 2")  # a traceback keeps its lines
+    assert "\n" not in msgs[0].ident.host

@@ -65,12 +65,12 @@ class TraceScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         cap = self.capture
         with Vertical(id="trace"):
-            yield Label(f"deep trace {cap['id']}: {cap['steps']} steps "
-                        f"(docs/deep-trace.md)", id="help-title")
+            yield Label(Text(f"deep trace {cap['id']}: {cap['steps']} steps "
+                             f"(docs/deep-trace.md)"), id="help-title")
             with VerticalScroll():
                 yield Static(Text(cap["text"]))
             if cap.get("saved"):
-                yield Label(f"saved: {cap['saved']}; traces open in ui.perfetto.dev",
+                yield Label(Text(f"saved: {cap['saved']}; traces open in ui.perfetto.dev"),
                             classes="hint")
             yield Label("escape closes this screen", classes="hint")
 
