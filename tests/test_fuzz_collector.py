@@ -326,10 +326,13 @@ def test_a_key_holder_cannot_end_the_record_with_requests_or_counts(collector):
         {"op": "capture", "steps": 2, "ranks": list(range(9)) + ["x"]})))
     assert reply["ok"] is False and "rank numbers" in reply["error"]
     sock = collector.dealer()
-    for pid in range(8):  # the same rank "restarting" with a new pid, each time 2**62
-        sock.send(encode("steps", Identity(0, 0, 0, "h", 100 + pid, WORLD), 0, time.time(),
-                         phases=list(PHASES), records=[], dropped=1 << 62))
-    collector.wait_counted(8)
+    for pid in range(8):  # the same rank "restarting" (hello, new pid), each time 2**62
+        ident = Identity(0, 0, 0, "h", 100 + pid, WORLD)
+        sock.send(encode("hello", ident, 0, time.time(), run="fuzz", device="cpu", env={},
+                         auto=True))
+        sock.send(encode("steps", ident, 1, time.time(), phases=list(PHASES), records=[],
+                         dropped=1 << 62))
+    collector.wait_counted(16)
     counters = collector.summary()["collector"]  # the export key's request
     assert counters["agent_dropped"] == (1 << 63) - 1
     assert collector.proc.poll() is None

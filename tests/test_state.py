@@ -72,14 +72,42 @@ def test_message_from_another_world_size_is_foreign():
     assert state.ranks == {}
 
 
+def hello(rank: int, pid: int):
+    return decode(encode("hello", ident(rank, pid=pid), 0, T0, run="run", device="cpu",
+                         env={}, auto=True))
+
+
 def test_restarted_rank_starts_afresh():
     state = RunState("run", world_size=2)
     state.ingest(steps(0, range(10), pid=111), now=1.0)
-    state.ingest(steps(0, range(4), pid=222), now=2.0)  # new process: steps restart at 0
+    state.ingest(hello(0, pid=222), now=2.0)  # a new process says hello first
+    state.ingest(steps(0, range(4), pid=222), now=2.0)  # ... and its steps restart at 0
     rs = state.ranks[0]
     assert rs.ident.pid == 222
     assert rs.steps == 4 and rs.window.count == 4
     assert state.counters["duplicate_records"] == 0
+    assert state.counters["restarts"] == 1
+
+
+def test_another_pid_without_hello_cannot_reset_a_rank():
+    """Issue 20 finding 6: messages for rank 0 from another pid used to reset its record."""
+    state = RunState("run", world_size=2)
+    state.ingest(steps(0, range(10), pid=111), now=1.0)
+    for _ in range(3):
+        assert not state.ingest(steps(0, [0], pid=666), now=2.0)
+    assert state.ranks[0].steps == 10 and state.ranks[0].ident.pid == 111
+    assert state.counters["foreign"] == 3
+
+
+def test_an_absurd_step_number_cannot_swallow_the_real_steps():
+    state = RunState("run", world_size=2)
+    state.ingest(steps(0, range(10)), now=1.0)
+    absurd = [[1 << 62, T0, sum(BALANCED_MS), *BALANCED_MS]]
+    state.ingest(decode(encode("steps", ident(0), 1, T0, phases=list(PHASES), records=absurd,
+                               dropped=0)), now=2.0)
+    state.ingest(steps(0, range(10, 30)), now=3.0)
+    assert state.ranks[0].steps == 30
+    assert state.counters["absurd_steps"] == 1 and state.counters["duplicate_records"] == 0
 
 
 def test_full_snapshot_lists_ranks_that_never_reported():

@@ -24,7 +24,10 @@ from .windows import Quantiles, RankWindow, median, window_steps_for
 # Steps of each rank that the live diagnosis looks at: enough for a stable median,
 # few enough that a straggler appearing mid-run flips it within ~LIVE_STEPS/2 steps.
 LIVE_STEPS = 32
-COUNTER_MAX = (1 << 63) - 1  # counters saturate here (msgpack and JSON readers take int64)
+COUNTER_MAX = (1 << 63) - 1
+# The largest step jump taken as real: an agent drops at most its record queue and
+# socket backlog (well under this) between two batches that reach us.
+MAX_STEP_JUMP = 1 << 20  # counters saturate here (msgpack and JSON readers take int64)
 SPARKLINE_STEPS = 60
 MAX_EPISODES = 500
 # Distinct phase names a run may use: the standard ones plus the agent's custom limit.
@@ -149,7 +152,8 @@ class RunState:
         self.ranks: dict[int, RankState] = {}
         self.phases: list[str] = list(PHASES)
         self.counters = {"messages": 0, "malformed": 0, "foreign": 0, "records": 0,
-                         "duplicate_records": 0, "agent_dropped": 0, "rejected_peers": 0}
+                         "duplicate_records": 0, "agent_dropped": 0, "rejected_peers": 0,
+                         "restarts": 0, "absurd_steps": 0}
         self.live: dx.LiveLabel | None = None
         self.live_since = started_at
         self.timeline: deque[Episode] = deque(maxlen=MAX_EPISODES)
@@ -177,12 +181,19 @@ class RunState:
         if msg.kind == "steps" and not self._phases_fit(msg.phases):
             self.counters["malformed"] += 1
             return False
-        self.counters["messages"] += 1
         rs = self.ranks.get(ident.rank)
-        if rs is None or rs.ident.pid != ident.pid:
-            # New rank, or the rank's process restarted: start its record afresh.
-            if rs is not None:
-                self.checks.forget(ident.rank)
+        if rs is not None and rs.ident.pid != ident.pid:
+            # Another process for a rank we know: a restart only when it says hello
+            # (a new process's first message). Anything else is an impostor or a stale
+            # straggler of the old process, and must not reset the rank's record.
+            if msg.kind != "hello":
+                self.counters["foreign"] += 1
+                return False
+            self.counters["restarts"] += 1
+            self.checks.forget(ident.rank)
+            rs = None
+        self.counters["messages"] += 1
+        if rs is None:
             rs = RankState(ident, RankWindow(self.window_steps))
             self.ranks[ident.rank] = rs
         rs.last_seen = now
@@ -236,6 +247,11 @@ class RunState:
         for rec in msg.records:
             if rec.step <= rs.last_step:  # replayed or out of order: already counted
                 self.counters["duplicate_records"] += 1
+                continue
+            if rs.last_step >= 0 and rec.step > rs.last_step + MAX_STEP_JUMP:
+                # Steps count up by one; an agent loses at most its queues' worth. A jump
+                # to 2**62 would make every later real step look like a duplicate.
+                self.counters["absurd_steps"] += 1
                 continue
             rs.window.append(rec.step_ms, rec.t_end, msg.phases, rec.phase_ms)
             rs.last_step_at = rs.last_seen
