@@ -212,3 +212,34 @@ def test_compare_names_the_straggler_the_others_wait_for(cpu_ranks):
 def test_trace_files_stay_small():
     for path in TRACES.glob("*.json*"):
         assert path.stat().st_size < 300_000, path.name
+
+
+def test_a_ranks_trace_path_is_read_only_inside_the_runs_traces_folder(tmp_path):
+    """Issue 20 finding 5: a rank answering a capture with /dev/zero, a FIFO, a link or a
+    file elsewhere gets an error, quickly, and the collector reads nothing unbounded."""
+    import gzip
+    import json
+    import os
+    import time
+
+    from traceml_tui.trace_analysis import load_trace
+
+    root = tmp_path / "traces"
+    root.mkdir()
+    good = root / "rank0.json"
+    good.write_text(json.dumps({"traceEvents": []}))
+    assert load_trace(good, root) == {"traceEvents": []}
+    os.mkfifo(root / "fifo.json")
+    (root / "link.json").symlink_to(good)
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text("{}")
+    bomb = root / "bomb.json.gz"
+    bomb.write_bytes(gzip.compress(b" " * (3 << 20)))
+    t0 = time.monotonic()
+    for path in ("/dev/zero", root / "fifo.json", root / "link.json", outside,
+                 root / ".." / "elsewhere.json"):
+        with pytest.raises((ValueError, OSError)):
+            load_trace(path, root)
+    with pytest.raises(ValueError, match="decompressed"):
+        load_trace(bomb, root, limit=1 << 20)
+    assert time.monotonic() - t0 < 5

@@ -126,7 +126,8 @@ class CaptureBoard:
                 problems.append(f"rank {rank}: {cap.errors.get(rank) or cap.states.get(rank)}")
                 continue
             try:
-                analyses[rank] = trace_analysis.analyze_file(path)
+                # Only this run's own traces folder: the path is a rank's word.
+                analyses[rank] = trace_analysis.analyze_file(path, self.run_dir / "traces")
             except Exception as exc:  # a trace on another host's disk, or unreadable
                 problems.append(f"rank {rank}: cannot analyse {path}: {exc}")
         text, doc = self._report(cap, analyses, problems)

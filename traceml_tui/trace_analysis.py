@@ -22,8 +22,11 @@ and named in ``needs_gpu``, never reported as zeros.
 from __future__ import annotations
 
 import gzip
+import io
 import json
+import os
 import re
+import stat
 from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
@@ -56,6 +59,7 @@ PAGEABLE_H2D_SHARE = 0.02
 STRAGGLER_EXCESS_SHARE = 0.10
 
 TOP_N = 10  # rows in each "top" table
+MAX_TRACE_BYTES = 512 << 20  # a rank's trace file, on disk and decompressed
 GAPS_N = 5  # idle gaps reported, longest first
 
 # Pattern ids, each one section of seed 001's guide, with its title.
@@ -222,17 +226,42 @@ class _Span(NamedTuple):  # a tuple: traces hold ~10^6 events and dataclasses bu
 # --- reading ---------------------------------------------------------------------------
 
 
-def load_trace(path: str | Path) -> dict[str, Any]:
-    """Parse a Chrome trace file, gzipped or not (told by its magic bytes, not its name)."""
-    raw = Path(path).read_bytes()
+def load_trace(path: str | Path, root: Path | None = None,
+               limit: int = MAX_TRACE_BYTES) -> dict[str, Any]:
+    """Parse a Chrome trace file, gzipped or not (told by its magic bytes, not its name).
+
+    The path comes from a rank, so with `root` it must be a regular file inside that
+    folder, opened without following links and without blocking (a FIFO would wedge
+    the reader, /dev/zero never ends); file and decompressed sizes are capped."""
+    raw = _read_confined(Path(path), root, limit) if root is not None else Path(path).read_bytes()
     if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
+        with gzip.GzipFile(fileobj=io.BytesIO(raw)) as gz:
+            raw = gz.read(limit + 1)
+        if len(raw) > limit:
+            raise ValueError(f"trace larger than {limit >> 20} MiB decompressed")
     doc = json.loads(raw)
     return {"traceEvents": doc} if isinstance(doc, list) else doc
 
 
-def analyze_file(path: str | Path) -> TraceAnalysis:
-    return analyze(load_trace(path), source=str(path))
+def _read_confined(path: Path, root: Path, limit: int) -> bytes:
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([os.path.realpath(path.parent), real_root]) != real_root:
+        raise ValueError(f"not inside {root}")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"trace larger than {limit >> 20} MiB")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit)
+    finally:
+        os.close(fd)
+
+
+def analyze_file(path: str | Path, root: Path | None = None) -> TraceAnalysis:
+    return analyze(load_trace(path, root), source=str(path))
 
 
 # --- analysis --------------------------------------------------------------------------
