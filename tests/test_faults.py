@@ -195,6 +195,7 @@ def test_collector_sigkilled_midrun_costs_the_job_nothing_and_the_record_two_sec
     assert rc == 0, stderr[-3000:]
     assert "Traceback" not in stdout + stderr
     assert "INCOMPLETE" in stdout
+    assert "the record is INCOMPLETE: the collector died" in stderr
     doc = json.loads((run_dir / "final_summary.json").read_text())
     validate_schema(doc)
     assert doc["complete"] is False

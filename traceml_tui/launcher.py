@@ -460,6 +460,11 @@ def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _S
     reply = _finish(node.control, request, node.collector, node.secret)
     if reply is None:
         reply = _fallback_summary(run_dir, request)
+        code = node.collector.poll()
+        why = ("the collector did not answer" if code is None
+               else f"the collector died (exit code {code})")
+        reply["incomplete"] = (f"the record is INCOMPLETE: {why}; the summary was built from "
+                               f"its last snapshot (see {run_dir / 'collector.log'})")
     return reply
 
 
@@ -647,5 +652,7 @@ def run(opts: RunOptions) -> int:
     elif not reply.get("node_done"):
         print(f"[traceml] {reply.get('error', 'no summary written')}", file=sys.stderr,
               flush=True)
+    if reply.get("incomplete"):
+        print(f"[traceml] {reply['incomplete']}", file=sys.stderr, flush=True)
     code = reply.get("exit_code")
     return 1 if code is None else int(code)
