@@ -471,7 +471,7 @@ class StepObserver:
     __slots__ = ("rank", "world_size", "error", "_off", "_findings", "_fired", "_models",
                  "_ddp", "_sync_src", "_last_iter", "_train_pass", "_samplers", "_batch",
                  "_bn_checked", "_synced", "_accum_strikes", "_accum_max", "_unused_steps",
-                 "_checksums", "_device", "_stepped", "_facts_sent")
+                 "_checksums", "_in_flight", "_device", "_stepped", "_facts_sent")
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -496,6 +496,7 @@ class StepObserver:
         self._accum_max = 0
         self._unused_steps = -1  # steps of DDP unused-parameter evidence; -1: not checking
         self._checksums: list[_PendingChecksum] = []
+        self._in_flight: list[_PendingChecksum] = []  # GPU copies not read yet
         self._device: str | None = None
         self._stepped = False  # a step has ended: every root module has been seen
         self._facts_sent = False
@@ -520,6 +521,8 @@ class StepObserver:
             pending = _PendingChecksum.start(module)
             if pending is not None:
                 self._checksums.append(pending)
+                if pending.value is None:  # polled on this thread at the next steps
+                    self._in_flight.append(pending)
             if self._device is None:
                 self._device = device_key(module)
             self._check_batchnorm()
@@ -560,9 +563,8 @@ class StepObserver:
                 self._judge_accumulation(synced)
             if self._unused_steps >= 0:
                 self._check_unused_parameters()
-            if not self._facts_sent:
-                for pending in self._checksums:
-                    pending.poll()  # the event query on this thread, not the sender's
+            if self._in_flight:  # GPU copies only: a CPU checksum is known at once
+                self._in_flight = [p for p in self._in_flight if p.poll() is None]
         except Exception as exc:
             self._fail(exc)
 

@@ -36,6 +36,7 @@ propagate untouched.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,10 @@ _obs: StepObserver | None = None  # the setup checks (checks.py), fed by the sam
 _on_error: Callable[[BaseException], None] = print  # replaced by install()
 _queue_callback: Callable[[Callable[[], None]], None] = print  # autograd's, bound at install
 _is_compiling: Callable[[], bool] = bool  # torch.compiler.is_compiling, bound at install
+# Nothing compiles before torch._dynamo is imported (torch.compile and torch.export do
+# it), so the hottest wrappers ask is_compiling() (two Python calls) only after that.
+_DYNAMO = "torch._dynamo"
+_modules = sys.modules
 _undo: list[Callable[[], None]] = []
 _learning = False
 _finish_pending = False  # the first step closed inside a root forward: finish after it
@@ -299,7 +304,7 @@ def _wrap_call(cls: type) -> None:
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         # _timed written out: this runs for every root call, the hottest wrapper.
         rec = _rec
-        if rec is None or _is_compiling():
+        if rec is None or (_DYNAMO in _modules and _is_compiling()):
             return original(self, *args, **kwargs)
         try:
             started = rec.begin(FORWARD, self)
@@ -370,7 +375,7 @@ def _patch_backward(torch: Any) -> None:
 
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         rec = _rec
-        if rec is None or _is_compiling():  # autograd.backward is never traced
+        if rec is None or (_DYNAMO in _modules and _is_compiling()):  # never traced
             return original(tensors, *args, **kwargs)
         try:
             started = rec.begin_backward(_BACKWARD_OWNER)

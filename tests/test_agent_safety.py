@@ -116,7 +116,7 @@ def test_the_gpu_checksum_is_polled_on_the_training_thread_only() -> None:
     obs.watch_model(nn.Linear(4, 2))
     pending = _PendingChecksum.__new__(_PendingChecksum)
     pending.value, pending.host, pending.event = None, torch.tensor(5.0), Event()
-    obs._checksums = [pending]  # as on GPU: a copy in flight
+    obs._checksums = obs._in_flight = [pending]  # as on GPU: a copy in flight
 
     facts: list = []
     sender = threading.Thread(target=lambda: facts.append(obs.take_facts()))
