@@ -364,7 +364,7 @@ class CudaRecorder(Recorder):
     """
 
     __slots__ = ("torch", "pool", "pairs", "pending", "prev_end", "ev_mark", "ev_ready",
-                 "max_pending", "dropped_pairs")
+                 "max_pending", "dropped_pairs", "capture_skips", "_capturing")
     DEVICE_PHASES = frozenset({H2D, FORWARD, BACKWARD, SYNC, OPTIMIZER})
     begin = Recorder._begin_composed
     end = Recorder._end_composed
@@ -375,6 +375,8 @@ class CudaRecorder(Recorder):
         self.pool: list[Any] = []
         self.pairs: list[tuple[int, Any, Any]] = []
         self.dropped_pairs = 0  # times the pairs of one step were cut to stay bounded
+        self.capture_skips = 0  # events not recorded because a CUDA graph was capturing
+        self._capturing = getattr(torch_module.cuda, "is_current_stream_capturing", None)
         self.pending: deque = deque()
         self.prev_end: Any = None
         self.ev_mark: Any = None  # event at t_mark, when the innermost phase is on device
@@ -382,6 +384,14 @@ class CudaRecorder(Recorder):
         self.max_pending = max_pending
 
     def _event(self) -> Any:
+        """A recorded timing event, or None while the current stream is capturing a CUDA
+        graph: recording then would raise into the user's step (or be baked into the
+        graph). The segments it would have bounded stay untimed (None), which the
+        collector reports as a phase it could not see."""
+        capturing = self._capturing
+        if capturing is not None and capturing():
+            self.capture_skips += 1
+            return None
         ev = self.pool.pop() if self.pool else self.torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev
@@ -389,7 +399,7 @@ class CudaRecorder(Recorder):
     def _charge(self, idx: int, t: int) -> None:
         if idx in self.DEVICE_PHASES:
             ev = self._event()
-            if self.ev_mark is not None:
+            if ev is not None and self.ev_mark is not None:
                 pairs = self.pairs
                 if len(pairs) >= MAX_STEP_PAIRS:  # no step boundary comes (eval, inference)
                     del pairs[: len(pairs) // 2]  # the oldest half: memory stays bounded
@@ -433,7 +443,9 @@ class CudaRecorder(Recorder):
                 return
         ev_end = self._event()
         ready, mark = self.ev_ready, self.ev_mark
-        if ready is not None and mark is not None and self.t_ready >= self.t_mark:
+        if ev_end is None:  # capturing: this stretch is not timed
+            pass
+        elif ready is not None and mark is not None and self.t_ready >= self.t_mark:
             self.pairs.append((BACKWARD, mark, ready))
             self.pairs.append((SYNC, ready, ev_end))
         elif mark is not None:
@@ -451,7 +463,7 @@ class CudaRecorder(Recorder):
 
     def _resolve(self) -> None:
         pending = self.pending
-        while pending and pending[0][6].query():
+        while pending and (pending[0][6] is None or pending[0][6].query()):
             step, t, host_wall, acc, pairs, prev_end, end_ev = pending.popleft()
             for idx, a, b in pairs:
                 try:  # an event on another stream may lag the step-end event: skip it
@@ -459,7 +471,7 @@ class CudaRecorder(Recorder):
                 except RuntimeError:
                     continue
             wall = host_wall
-            if prev_end is not None:
+            if prev_end is not None and end_ev is not None:
                 wall = int(prev_end.elapsed_time(end_ev) * 1e6)
             self.out.append((step, t, wall, acc))
             self._recycle(pairs, prev_end)

@@ -291,3 +291,39 @@ def test_forwards_without_optimizer_steps_keep_the_cuda_recorder_bounded():
         rec.end(OWNER_BWD)
     assert len(rec.pairs) <= MAX_STEP_PAIRS
     assert rec.dropped_pairs > 0
+
+
+def test_nothing_is_recorded_while_a_cuda_graph_is_captured():
+    """torch.compile(mode="reduce-overhead") and torch.cuda.graphs capture the user's
+    forward/backward: recording an event then would raise into the step. Those segments
+    go untimed (None, reported as not seen), nothing raises, and steps keep their order."""
+    clock = Clock()
+    torch_double = FakeTorch(clock)
+    capturing = {"on": False}
+    created: list[FakeEvent] = []
+
+    def event(enable_timing: bool = True) -> FakeEvent:
+        assert not capturing["on"], "an event was created during capture"
+        ev = FakeEvent(clock)
+        created.append(ev)
+        return ev
+
+    torch_double.cuda.Event = staticmethod(event)
+    torch_double.cuda.is_current_stream_capturing = staticmethod(lambda: capturing["on"])
+    out: deque = deque()
+    rec = CudaRecorder(out, torch_double)
+    for step in range(4):
+        capturing["on"] = step in (1, 2)  # steps 1-2 run inside a graph capture
+        clock.at(step * 100.0)
+        rec.begin(FORWARD, OWNER_FWD)
+        clock.at(step * 100.0 + 30.0)
+        rec.end(OWNER_FWD)
+        rec.begin_backward(OWNER_BWD)
+        clock.at(step * 100.0 + 80.0)
+        rec.end_backward(OWNER_BWD)
+        rec.close_step()
+    rec.flush(deadline_s=0.1)
+    assert [r[0] for r in out] == [0, 1, 2, 3]
+    assert phases(out[0])["forward"] == 30.0 and phases(out[3])["forward"] == 30.0
+    assert phases(out[1])["forward"] is None and phases(out[2])["backward"] is None
+    assert rec.capture_skips > 0
