@@ -20,22 +20,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jobs import ROOT
+from jobs import ROOT, traceml, wait_for
 from traceml_tui.summary import LIVE_JSON
 
 FAULTY = Path(__file__).resolve().parent / "faulty_ddp.py"
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
-
-
-def wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 class Tmux:
@@ -188,8 +179,6 @@ def test_an_agent_that_turned_itself_off_is_said_so_and_not_taken_for_a_hang(
     """The agent fails on every rank at step 20 (its recorder raises): the training goes
     on untouched, each rank says its agent is off and why, and the frozen step counts
     never read as a HANG (threshold 2 s here; the job runs 6 s more)."""
-    from jobs import traceml
-
     out = tmp_path / "runs"
     proc = traceml("run", str(FAULTY), "--nproc-per-node", "2", "--headless", "--out",
                    str(out), "--run-name", "off", "--hang-after", "2", "--",
