@@ -28,7 +28,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from . import env, keys, protocol
+from . import device, env, keys, protocol
 from .protocol import PHASES
 from .recorder import NO_PHASE
 
@@ -110,7 +110,7 @@ def _start(endpoint: str, run_name: str, auto: bool, secret: str | None) -> None
     from . import hooks
     from .capture import Capturer
     from .checks import StepObserver
-    from .recorder import CudaRecorder, Recorder
+    from .recorder import LazyCudaRecorder, Recorder
     from .transport import Sender
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -123,23 +123,18 @@ def _start(endpoint: str, run_name: str, auto: bool, secret: str | None) -> None
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
     )
     out: deque = deque(maxlen=RECORD_QUEUE)
-    cuda_index = None
-    if torch.cuda.is_available():
-        cuda_index = local_rank % max(1, torch.cuda.device_count())
-        rec: Recorder = CudaRecorder(out, torch)
-    else:
-        rec = Recorder(out)
+    # No CUDA call here: the device is learned from the script's own use (device.py).
+    rec: Recorder = LazyCudaRecorder(out, torch) if device.cuda_built(torch) else Recorder(out)
     hello = {
         "run": run_name[: protocol.MAX_STR],
-        "device": f"cuda:{cuda_index}" if cuda_index is not None else "cpu",
+        "device": "cpu",  # until the rank's CUDA device is learned ("sys" then says it)
         "env": _distributed_env(),
         "auto": auto,
     }
     observer = StepObserver(ident.rank, ident.world_size) if auto else None
     capturer = Capturer(ident.rank, os.environ.get(env.RUN_DIR), torch, rec)
     secret_store = None if secret else os.environ.get(env.SECRET_STORE)
-    sender = Sender(endpoint, ident, rec, out, hello, cuda_index, secret, observer, capturer,
-                    secret_store)
+    sender = Sender(endpoint, ident, rec, out, hello, secret, observer, capturer, secret_store)
     _state["rec"], _state["sender"] = rec, sender
     if auto:
         hooks.install(rec, torch, _on_internal_error, observer)

@@ -78,7 +78,7 @@ class Capturer:
         try:
             profiler = self.torch.profiler
             activities = [profiler.ProfilerActivity.CPU]
-            if self.torch.cuda.is_available():
+            if self.torch.cuda.is_initialized():  # the script uses CUDA (no CUDA call)
                 activities.append(profiler.ProfilerActivity.CUDA)
             prof = profiler.profile(activities=activities)
             prof.start()

@@ -419,10 +419,13 @@ class _PendingChecksum:
         if total.device.type == "cuda":
             import torch
 
-            self.host = torch.empty((), dtype=torch.float64, pin_memory=True)
-            self.host.copy_(total, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
+            # Under the weights' own device: the current device may be 0 in a script
+            # that never called set_device, and nothing may open a context there.
+            with torch.cuda.device(total.device):
+                self.host = torch.empty((), dtype=torch.float64, pin_memory=True)
+                self.host.copy_(total, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(torch.cuda.current_stream(total.device))
         else:
             self.value = float(total.item())
 

@@ -2,8 +2,9 @@
 
 What is hooked, and why there:
   dataloader  `_BaseDataLoaderIter.__next__`: every DataLoader iterator, any worker count.
-  h2d         `Tensor.to` / `Tensor.cuda` between phases, only when CUDA exists (on a
-              CPU job there is no host-to-device copy to time, so nothing is patched).
+  h2d         `Tensor.to` / `Tensor.cuda` between phases, only when torch is built with
+              CUDA (on a CPU build there is no host-to-device copy to time, so nothing
+              is patched). Asking whether a GPU is there would be a CUDA call.
   forward     the outermost module call. Until the first optimizer step, the agent
               learns the root modules (DDP/FSDP wrappers, `torch.compile`'s
               OptimizedModule, Lightning's strategy wrapper, the loss) by wrapping
@@ -40,6 +41,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from . import device
 from .checks import StepObserver
 from .recorder import BACKWARD, DATALOADER, FORWARD, H2D, NO_PHASE, OPTIMIZER, SYNC, Recorder
 
@@ -88,7 +90,7 @@ def install(rec: Recorder, torch: Any, on_error: Callable[[BaseException], None]
     _patch_backward(torch)
     _hook_optimizer(torch)
     _patch_collectives(torch)
-    if torch.cuda.is_available():
+    if device.cuda_built(torch):  # not is_available(): no CUDA call before the script's
         _patch_h2d(torch)
 
 
@@ -228,6 +230,7 @@ def _learn(root: Any) -> None:
         _learning_forwards += 1
         if not any(r is root for r in _roots):
             _roots.append(root)
+            _add_device_source(root)
             _probe_gradients(root)
             if _obs is not None:
                 _obs.watch_model(root)
@@ -235,6 +238,14 @@ def _learn(root: Any) -> None:
             _schedule_finish()
     except Exception as exc:
         _fail(exc)
+
+
+def _add_device_source(obj: Any) -> None:
+    """The optimizer that steps and the root modules hold the parameters whose device
+    the rank trains on; the recorder reads them only at a step boundary (device.py)."""
+    rec = _rec
+    if rec is not None and len(rec.device_sources) < device.MAX_SOURCES:
+        rec.device_sources.append(obj)
 
 
 def _schedule_finish() -> None:
@@ -420,6 +431,7 @@ def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
             _obs.on_optimizer_step()
         if _step_optimizer is None:
             _step_optimizer = optimizer
+            _add_device_source(optimizer)
         if optimizer is _step_optimizer and not rec.explicit_steps:
             rec.close_step()
             if _learning:

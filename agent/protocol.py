@@ -18,7 +18,8 @@ Kinds:
              zero-code hooks time the loop (`auto`)
   steps      a batch of per-step records (an agent sends at most ~10 a second), with
              `forced`: per phase, how many times it was closed for lack of an end hook
-  sys        a system sample: CPU %, RSS, GPU utilisation and memory
+  sys        a system sample: CPU %, RSS, GPU utilisation and memory, and the CUDA
+             device once the agent has learned it
   heartbeat  liveness and progress, from a thread that does not need training: step,
              phase, collectives launched, seconds since the last step, and the training
              framework seen in the process (for the hint when a phase cannot be timed)
@@ -296,6 +297,8 @@ def _sys(raw: dict) -> dict[str, Any]:
         "gpu_util": _opt_float(raw.get("gpu_util"), "gpu_util", 0.0, 100.0),
         "gpu_mem_mb": _opt_float(raw.get("gpu_mem_mb"), "gpu_mem_mb", 0.0, 1e9),
         "gpu_mem_total_mb": _opt_float(raw.get("gpu_mem_total_mb"), "gpu_mem_total_mb", 0.0, 1e9),
+        # The CUDA device the rank was found to train on (it is learned after hello).
+        "device": None if raw.get("device") is None else _str(raw["device"], "device", 64),
     }
 
 
@@ -388,7 +391,8 @@ def decode_capture_request(data: bytes) -> tuple[int, int]:
 _FIELDS = {
     "hello": _COMMON | {"run", "device", "backend", "env", "auto"},
     "steps": _COMMON | {"phases", "records", "dropped", "forced"},
-    "sys": _COMMON | {"cpu_pct", "rss_mb", "gpu_util", "gpu_mem_mb", "gpu_mem_total_mb"},
+    "sys": _COMMON | {"cpu_pct", "rss_mb", "gpu_util", "gpu_mem_mb", "gpu_mem_total_mb",
+                      "device"},
     "heartbeat": _COMMON | {"step", "phase", "in_phase_s", "collectives", "in_collective",
                             "since_step_s", "parallel", "framework", "agent_off"},
     "stacks": _COMMON | {"stacks"},

@@ -37,6 +37,8 @@ from collections import deque
 from time import perf_counter_ns
 from typing import Any
 
+from . import device
+
 # Phases the recorder measures, by index. "wait" is derived, never recorded.
 MEASURED: tuple[str, ...] = ("dataloader", "h2d", "forward", "backward", "sync", "optimizer")
 DATALOADER, H2D, FORWARD, BACKWARD, SYNC, OPTIMIZER = range(6)
@@ -73,6 +75,7 @@ class Recorder:
         "in_collective",
         "last_step_t",
         "last_wall",
+        "device_sources",
     )
 
     def __init__(self, out: deque) -> None:
@@ -98,6 +101,9 @@ class Recorder:
         self.in_collective: str | None = None
         self.last_step_t = perf_counter_ns()
         self.last_wall = 0  # the last step's wall time, ns
+        # What the hooks saw that may hold the training device (device.py): only a
+        # LazyCudaRecorder reads them, at step boundaries.
+        self.device_sources: list[Any] = []
 
     # --- phases -------------------------------------------------------------------
 
@@ -364,14 +370,16 @@ class CudaRecorder(Recorder):
     """
 
     __slots__ = ("torch", "pool", "pairs", "pending", "prev_end", "ev_mark", "ev_ready",
-                 "max_pending", "dropped_pairs", "capture_skips", "_capturing")
+                 "max_pending", "dropped_pairs", "capture_skips", "_capturing", "device")
     DEVICE_PHASES = frozenset({H2D, FORWARD, BACKWARD, SYNC, OPTIMIZER})
     begin = Recorder._begin_composed
     end = Recorder._end_composed
 
-    def __init__(self, out: deque, torch_module: Any, max_pending: int = 64) -> None:
+    def __init__(self, out: deque, torch_module: Any, max_pending: int = 64,
+                 device: int | None = None) -> None:
         super().__init__(out)
         self.torch = torch_module
+        self.device = device  # the CUDA index the rank trains on (device.py)
         self.pool: list[Any] = []
         self.pairs: list[tuple[int, Any, Any]] = []
         self.dropped_pairs = 0  # times the pairs of one step were cut to stay bounded
@@ -384,16 +392,22 @@ class CudaRecorder(Recorder):
         self.max_pending = max_pending
 
     def _event(self) -> Any:
-        """A recorded timing event, or None while the current stream is capturing a CUDA
-        graph: recording then would raise into the user's step (or be baked into the
-        graph). The segments it would have bounded stay untimed (None), which the
-        collector reports as a phase it could not see."""
+        """A timing event recorded on the current stream of the rank's own device (not
+        the current device, which stays 0 in scripts that never call set_device), or
+        None while that stream captures a CUDA graph: recording then would raise into
+        the user's step (or be baked into the graph). The segments it would have bounded
+        stay untimed (None), which the collector reports as a phase it could not see.
+        Capture is asked only when the current device is the rank's: a capture runs on
+        the current device's stream, and asking about another device's would open a
+        context there."""
+        cuda = self.torch.cuda
+        device = self.device
         capturing = self._capturing
-        if capturing is not None and capturing():
+        if capturing is not None and cuda.current_device() == device and capturing():
             self.capture_skips += 1
             return None
-        ev = self.pool.pop() if self.pool else self.torch.cuda.Event(enable_timing=True)
-        ev.record()
+        ev = self.pool.pop() if self.pool else cuda.Event(enable_timing=True)
+        ev.record(cuda.current_stream(device))
         return ev
 
     def _charge(self, idx: int, t: int) -> None:
@@ -473,6 +487,7 @@ class CudaRecorder(Recorder):
             wall = host_wall
             if prev_end is not None and end_ev is not None:
                 wall = int(prev_end.elapsed_time(end_ev) * 1e6)
+                _expose_input(acc, wall)
             self.out.append((step, t, wall, acc))
             self._recycle(pairs, prev_end)
         while len(pending) > self.max_pending:  # device far behind: drop, never block
@@ -505,3 +520,50 @@ class CudaRecorder(Recorder):
             self._resolve()
         except Exception:
             pass
+
+
+def _expose_input(acc: list, wall: int) -> None:
+    """On the device clock, the batch fetch costs only what the device sat idle for it.
+
+    The fetch is timed on the host; while the host runs ahead of the GPU (the healthy
+    case) it overlaps kernels already queued and costs nothing. The device time of the
+    step outside every device phase is when the device had no work queued: the fetch
+    counts as input time up to that much (docs/diagnosis.md, "Input on a GPU")."""
+    fetched = acc[DATALOADER]
+    if fetched is None:
+        return
+    busy = 0
+    for idx in CudaRecorder.DEVICE_PHASES:
+        v = acc[idx]
+        if v is not None:
+            busy += v
+    acc[DATALOADER] = min(fetched, max(0, wall - busy))
+
+
+class LazyCudaRecorder(CudaRecorder):
+    """A CudaRecorder that times on the host clock until the script has used CUDA and
+    the rank's device is known (device.py), then becomes a CudaRecorder at a step
+    boundary. Until then it makes no CUDA call at all: a script may still set
+    CUDA_VISIBLE_DEVICES itself, and forked workers must find CUDA untouched."""
+
+    __slots__ = ()  # the same layout as CudaRecorder: the class can be switched in place
+    begin = Recorder.begin
+    end = Recorder.end
+    begin_backward = Recorder.begin_backward
+    end_backward = Recorder.end_backward
+    grads_ready = Recorder.grads_ready
+    _charge = Recorder._charge
+    _push = Recorder._push
+    _resume = Recorder._resume
+    _emit = Recorder._emit
+
+    def close_step(self) -> None:
+        Recorder.close_step(self)
+        index = device.learn(self.torch, self.device_sources)
+        if index is not None:
+            self.device = index
+            self.ev_mark = self.ev_ready = None
+            self.__class__ = CudaRecorder  # device phases are timed by events from now on
+
+    def flush(self, deadline_s: float = FLUSH_DEADLINE_S) -> None:
+        """Nothing pending: nothing was timed on the device."""

@@ -16,7 +16,8 @@ METRIC_FAILURES = 3  # consecutive errors before a GPU metric is given up
 
 
 class SystemSampler:
-    def __init__(self, cuda_index: int | None) -> None:
+    def __init__(self, cuda_index: int | None = None) -> None:
+        self.cuda_index: int | None = None
         self._proc = None
         self._nvml = None
         self._handle = None
@@ -30,9 +31,13 @@ class SystemSampler:
         except Exception:
             self._proc = None
         if cuda_index is not None:
-            self._open_nvml(cuda_index)
+            self.open_gpu(cuda_index)
 
-    def _open_nvml(self, cuda_index: int) -> None:
+    def open_gpu(self, cuda_index: int) -> None:
+        """Sample torch's device `cuda_index` from now on (NVML, never CUDA: this runs on
+        the sender thread)."""
+        self.close()
+        self.cuda_index = cuda_index
         try:
             import pynvml
 
@@ -51,6 +56,7 @@ class SystemSampler:
             "gpu_util": None,
             "gpu_mem_mb": None,
             "gpu_mem_total_mb": None,
+            "device": None if self.cuda_index is None else f"cuda:{self.cuda_index}",
         }
         if self._proc is not None:
             try:
@@ -91,3 +97,6 @@ class SystemSampler:
             except Exception:
                 pass
             self._nvml = None
+        self._handle = None
+        self._failures.clear()
+        self._dead.clear()

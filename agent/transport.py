@@ -45,7 +45,6 @@ class Sender(threading.Thread):
         rec: Recorder,
         out: deque,
         hello: dict[str, Any],
-        cuda_index: int | None,
         secret: str | None = None,
         observer: StepObserver | None = None,
         capturer: Capturer | None = None,
@@ -57,7 +56,6 @@ class Sender(threading.Thread):
         self.rec = rec
         self.out = out
         self.hello = hello
-        self.cuda_index = cuda_index
         self.secret = secret
         self.secret_store = secret_store  # host:port to fetch the secret from (handover.py)
         self.observer = observer
@@ -114,7 +112,7 @@ class Sender(threading.Thread):
         self._zmq_again = zmq.Again
         self._noblock = zmq.NOBLOCK
         self._sock = sock
-        sampler = SystemSampler(self.cuda_index)
+        sampler = SystemSampler()
         try:
             self._send("hello", **self.hello)
             next_sys = 0.0
@@ -125,6 +123,11 @@ class Sender(threading.Thread):
                 now = time.monotonic()
                 if now >= next_sys:
                     next_sys = now + SYS_INTERVAL_S
+                    # The recorder learns the device on the training thread (device.py);
+                    # NVML is opened then, with the CUDA_VISIBLE_DEVICES the script left.
+                    index = getattr(self.rec, "device", None)
+                    if index is not None and sampler.cuda_index != index:
+                        sampler.open_gpu(index)
                     self._send("sys", **sampler.sample())
                     self._heartbeat()
             self._send_steps()

@@ -77,7 +77,7 @@ ROUND_TRIPS = [
     ("hello", {"run": "demo", "device": "cuda:1", "backend": "nccl",
                "env": {"MASTER_ADDR": "10.0.0.1", "NCCL_DEBUG": "WARN"}, "auto": False}),
     ("sys", {"cpu_pct": 312.5, "rss_mb": 2048.0, "gpu_util": 97.0, "gpu_mem_mb": None,
-             "gpu_mem_total_mb": 81920.0}),
+             "gpu_mem_total_mb": 81920.0, "device": "cuda:3"}),
     ("heartbeat", {"step": 17, "phase": "forward", "in_phase_s": 0.25, "collectives": 40,
                    "in_collective": "all_reduce", "since_step_s": 12.5, "parallel": "fsdp",
                    "framework": "PyTorch Lightning",

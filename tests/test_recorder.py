@@ -8,8 +8,10 @@ so the exact milliseconds each phase must get are known.
 from __future__ import annotations
 
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
+from cuda_double import CudaDouble
 
 from traceml_agent import recorder as rmod
 from traceml_agent.recorder import (
@@ -38,36 +40,9 @@ class Clock:
         self.t = 1_000 * MS + int(ms * MS)
 
 
-class FakeEvent:
-    """A CUDA event double whose device time is the host clock when it was recorded."""
-
-    def __init__(self, clock: Clock) -> None:
-        self.clock = clock
-        self.t: int | None = None
-
-    def record(self) -> None:
-        self.t = self.clock()
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, other: FakeEvent) -> float:
-        return (other.t - self.t) / MS
-
-    def synchronize(self) -> None:
-        pass
-
-
-class FakeTorch:
-    def __init__(self, clock: Clock) -> None:
-        clock_ref = clock
-
-        class Cuda:
-            @staticmethod
-            def Event(enable_timing: bool = True) -> FakeEvent:  # noqa: N802 - torch's name
-                return FakeEvent(clock_ref)
-
-        self.cuda = Cuda()
+def cuda_torch(clock: Clock) -> SimpleNamespace:
+    """`torch` with the CUDA double (cuda_double.py), whose device clock is `clock`."""
+    return SimpleNamespace(cuda=CudaDouble(device_clock=clock))
 
 
 @pytest.fixture(params=["host", "cuda"])
@@ -75,7 +50,9 @@ def rig(request, monkeypatch):
     clock = Clock()
     monkeypatch.setattr(rmod, "perf_counter_ns", clock)
     out: deque = deque()
-    rec = Recorder(out) if request.param == "host" else CudaRecorder(out, FakeTorch(clock))
+    if request.param == "host":
+        return Recorder(out), clock, out
+    rec = CudaRecorder(out, cuda_torch(clock), device=0)
     return rec, clock, out
 
 
@@ -248,27 +225,14 @@ def test_the_stack_is_bounded_whatever_the_hooks_do(rig):
     assert len(rec.stack) <= rmod.MAX_DEPTH
 
 
-class StuckEvent(FakeEvent):
-    """An event on a GPU stuck in a collective: never completes; synchronize never returns."""
-
-    def query(self) -> bool:
-        return False
-
-    def synchronize(self) -> None:  # pragma: no cover - must never be called
-        import threading
-
-        threading.Event().wait()
-
-
 def test_flush_on_a_stuck_device_returns_within_its_deadline():
     """At shutdown the rank must exit even if the device never finishes (the hang this
     tool diagnoses): flush polls with a deadline instead of synchronizing."""
     import time
 
-    clock = Clock()
-    torch_double = FakeTorch(clock)
-    torch_double.cuda.Event = staticmethod(lambda enable_timing=True: StuckEvent(clock))
-    rec = CudaRecorder(deque(), torch_double)
+    torch_double = cuda_torch(Clock())
+    torch_double.cuda.stuck = True
+    rec = CudaRecorder(deque(), torch_double, device=0)
     rec.begin(FORWARD, OWNER_FWD)
     rec.end(OWNER_FWD)
     rec.close_step()
@@ -276,6 +240,7 @@ def test_flush_on_a_stuck_device_returns_within_its_deadline():
     t0 = time.monotonic()
     rec.flush(deadline_s=0.5)
     assert time.monotonic() - t0 < 1.5
+    assert not any(c.api == "Event.synchronize" for c in torch_double.cuda.calls)
 
 
 def test_forwards_without_optimizer_steps_keep_the_cuda_recorder_bounded():
@@ -283,7 +248,7 @@ def test_forwards_without_optimizer_steps_keep_the_cuda_recorder_bounded():
     from traceml_agent.recorder import MAX_STEP_PAIRS
 
     clock = Clock()
-    rec = CudaRecorder(deque(), FakeTorch(clock))
+    rec = CudaRecorder(deque(), cuda_torch(clock), device=0)
     for _ in range(10_000):
         rec.begin(FORWARD, OWNER_FWD)
         rec.end(OWNER_FWD)
@@ -298,22 +263,12 @@ def test_nothing_is_recorded_while_a_cuda_graph_is_captured():
     forward/backward: recording an event then would raise into the step. Those segments
     go untimed (None, reported as not seen), nothing raises, and steps keep their order."""
     clock = Clock()
-    torch_double = FakeTorch(clock)
-    capturing = {"on": False}
-    created: list[FakeEvent] = []
-
-    def event(enable_timing: bool = True) -> FakeEvent:
-        assert not capturing["on"], "an event was created during capture"
-        ev = FakeEvent(clock)
-        created.append(ev)
-        return ev
-
-    torch_double.cuda.Event = staticmethod(event)
-    torch_double.cuda.is_current_stream_capturing = staticmethod(lambda: capturing["on"])
+    torch_double = cuda_torch(clock)
+    cuda = torch_double.cuda
     out: deque = deque()
-    rec = CudaRecorder(out, torch_double)
+    rec = CudaRecorder(out, torch_double, device=0)
     for step in range(4):
-        capturing["on"] = step in (1, 2)  # steps 1-2 run inside a graph capture
+        cuda.capturing = 0 if step in (1, 2) else None  # steps 1-2: inside a graph capture
         clock.at(step * 100.0)
         rec.begin(FORWARD, OWNER_FWD)
         clock.at(step * 100.0 + 30.0)

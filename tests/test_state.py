@@ -7,7 +7,7 @@ import pytest
 
 from traceml_agent.protocol import PHASES, Identity, decode, encode
 from traceml_tui import diagnosis as dx
-from traceml_tui.state import LIVE_STEPS, RunState
+from traceml_tui.state import LIVE_STEPS, WARMUP_STEPS, RunState
 
 T0 = 1_700_000_000.0
 # Per PHASES order: dataloader, h2d, forward, backward, sync, optimizer, wait (100 ms).
@@ -50,7 +50,7 @@ def test_replayed_and_out_of_order_records_are_not_double_counted():
     state.ingest(steps(0, [3, 20, 17]), now=3.0)  # 3 and 17 are out of order
     rs = state.ranks[0]
     assert rs.steps == 16  # 0..14 and 20
-    assert rs.window.count == 16
+    assert rs.window.count == 15  # step 0 is warm-up: counted, not in the window
     assert rs.last_step == 20
     assert state.counters["duplicate_records"] == 5 + 2
     assert state.counters["records"] == 16
@@ -84,7 +84,7 @@ def test_restarted_rank_starts_afresh():
     state.ingest(steps(0, range(4), pid=222), now=2.0)  # ... and its steps restart at 0
     rs = state.ranks[0]
     assert rs.ident.pid == 222
-    assert rs.steps == 4 and rs.window.count == 4
+    assert rs.steps == 4 and rs.window.count == 3  # its step 0 is warm-up again
     assert state.counters["duplicate_records"] == 0
     assert state.counters["restarts"] == 1
 
@@ -174,8 +174,8 @@ def test_timeline_keeps_a_straggler_episode_that_came_and_went():
     assert state.live.shown.label == dx.BALANCED
 
 
-@pytest.mark.parametrize("n_steps, label", [(dx.MIN_STEPS - 1, dx.WARMUP),
-                                            (dx.MIN_STEPS, dx.BALANCED)])
+@pytest.mark.parametrize("n_steps, label", [(WARMUP_STEPS + dx.MIN_STEPS - 1, dx.WARMUP),
+                                            (WARMUP_STEPS + dx.MIN_STEPS, dx.BALANCED)])
 def test_evaluate_waits_for_min_steps(n_steps, label):
     state = RunState("run", world_size=4)
     _feed(state, 0, n_steps)
@@ -215,3 +215,17 @@ def test_stacks_belong_to_the_stall_they_were_taken_in():
     assert "time.sleep" in state.snapshot(T0, mono_now=3.0).ranks[0].stacks[0][1]
     state.ingest(steps(0, [20]), now=4.0)
     assert state.snapshot(T0, mono_now=4.0).ranks[0].stacks == ()
+
+
+def test_step_zero_is_warm_up_and_never_judged():
+    """Step 0 carries one-off costs (model.to, CUDA context, cudnn autotuning, compile):
+    a 30 s first step on one rank must not make it a straggler in any window."""
+    state = RunState("run", world_size=2)
+    slow_first = [5.0, 1.0, 30_000.0, 50.0, 4.0, 8.0, 2.0]
+    state.ingest(steps(0, [0], phase_ms=slow_first), now=1.0)
+    state.ingest(steps(0, range(1, 12)), now=2.0)
+    state.ingest(steps(1, range(12)), now=2.0)
+    assert state.ranks[0].steps == 12 and state.ranks[0].window.count == 11
+    snap = state.snapshot(3.0, 3.0, full=True)
+    assert snap.ranks[0].phase_ms["forward"].p95 == 30.0
+    assert state.evaluate(3.0).label == dx.BALANCED

@@ -29,6 +29,11 @@ COUNTER_MAX = (1 << 63) - 1
 # socket backlog (well under this) between two batches that reach us.
 MAX_STEP_JUMP = 1 << 20  # counters saturate here (msgpack and JSON readers take int64)
 SPARKLINE_STEPS = 60
+# Steps numbered below this are warm-up: counted and kept in the step log, never in the
+# windows the diagnosis reads. Step 0 carries one-off costs no later step has (model.to,
+# CUDA context and cudnn autotuning, DDP's first bucket rebuild, torch.compile), and on
+# a GPU it is the step timed on the host while the agent learns the device.
+WARMUP_STEPS = 1
 MAX_EPISODES = 500
 # Distinct phase names a run may use: the standard ones plus the agent's custom limit.
 MAX_RUN_PHASES = 24
@@ -202,6 +207,8 @@ class RunState:
             self._ingest_steps(rs, msg)
         elif kind == "sys":
             rs.sys = msg.body
+            if msg.body.get("device"):
+                rs.device = msg.body["device"]
         elif kind == "heartbeat":
             rs.heartbeat = msg.body
             kind_seen = msg.body["parallel"]
@@ -253,7 +260,8 @@ class RunState:
                 # to 2**62 would make every later real step look like a duplicate.
                 self.counters["absurd_steps"] += 1
                 continue
-            rs.window.append(rec.step_ms, rec.t_end, msg.phases, rec.phase_ms)
+            if rec.step >= WARMUP_STEPS:
+                rs.window.append(rec.step_ms, rec.t_end, msg.phases, rec.phase_ms)
             rs.last_step_at = rs.last_seen
             rs.since_step_at_msg_s = 0.0
             rs.last_step = rec.step

@@ -86,7 +86,7 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
             "step_ms": _q(r.step_ms) or {"median": None, "p95": None},
             "phase_ms": {p: _q(r.phase_ms.get(p)) for p in snap.phases},
             "throughput": rate,
-            "sys": {k: _round(v, 2) for k, v in r.sys.items()},
+            "sys": {k: _round(v, 2) for k, v in r.sys.items() if k != "device"},
             "exit_code": r.exit_code, "error": r.error, "dropped_records": r.dropped,
             "progress": {"collectives": r.collectives, "phase": r.phase,
                          "in_collective": r.in_collective, "since_step_s": _round(
