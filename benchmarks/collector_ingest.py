@@ -2,9 +2,10 @@
 
 A real `Collector` runs its real serve() loop (drain; evaluate() every 0.5 s; write_live()
 every 2 s into a temp run dir) in a child process pinned to core 0, timed by subclassing.
-One generator process (other cores) simulates all N ranks over ONE DEALER socket to
-tcp://127.0.0.1 (the collector places messages by their 'id' field, not the ZeroMQ
-identity). Per rank: 'hello', a prefill of window_steps_for(N) steps (so ticks run at their
+One generator process (other cores) simulates all N ranks over CONNECTIONS (64) DEALER
+sockets to tcp://127.0.0.1 (the collector places messages by their 'id' field; its ingest
+pump keeps one queue per connection, and real agents have a connection each).
+Per rank: 'hello', a prefill of window_steps_for(N) steps (so ticks run at their
 steady-state cost; --no-prefill to skip), then --rate 'steps' msgs/s of --records-per-msg
 records PLUS 1 'sys' + 1 'heartbeat' a second (real agent: 10+1+1; --no-sys-hb: none).
 Payloads: protocol.encode() per rank, 16 jittered variants, then seq/t/step/t_end patched in
@@ -158,6 +159,9 @@ def stamp(template: tuple, seq: int, wall: float, step: int, rpm: int) -> bytear
     return b
 
 
+CONNECTIONS = 64
+
+
 def run_generator(addr: str, world: int, rate: int, rpm: int, sys_hb: bool, prefill: int,
                   seconds: float, conn: Connection) -> None:
     pin(OTHER_CORES)
@@ -166,12 +170,16 @@ def run_generator(addr: str, world: int, rate: int, rpm: int, sys_hb: bool, pref
            for r in range(world)]
     tpl = [templates(i, rpm, rng, i.rank == slow) for i in ids]
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.SNDHWM, 500_000)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(addr)
+    socks = []
+    for _ in range(min(world, CONNECTIONS)):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.SNDHWM, 500_000)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        socks.append(sock)
     seq, step, pre = [1] * world, [prefill] * world, world
     for k, ident in enumerate(ids):
+        sock = socks[k % len(socks)]
         sock.send(protocol.encode("hello", ident, 0, time.time(), run="bench",
                                   device="cuda:0", backend="nccl", env={}))
         for s0 in range(0, prefill, PREFILL_BATCH):  # fill the window: steady-state ticks
@@ -207,7 +215,8 @@ def run_generator(addr: str, world: int, rate: int, rpm: int, sys_hb: bool, pref
             step[k] += rpm if kind == 0 else 0
             seq[k], i = seq[k] + 1, i + 1
             try:
-                sock.send(b, zmq.NOBLOCK)  # as agents do: never block, count what is dropped
+                # As agents do: never block, count what is dropped.
+                socks[k % len(socks)].send(b, zmq.NOBLOCK)
                 sent, steps_sent = sent + 1, steps_sent + (kind == 0)
             except zmq.Again:
                 dropped += 1
@@ -215,7 +224,8 @@ def run_generator(addr: str, world: int, rate: int, rpm: int, sys_hb: bool, pref
                "elapsed": time.monotonic() - start})
     if conn.poll(300):  # keep the socket open while the collector drains
         conn.recv()
-    sock.close()
+    for sock in socks:
+        sock.close()
     ctx.term()
 
 

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from traceml_agent import protocol
 from traceml_agent.checks import CHECKS
 from traceml_agent.protocol import PHASES, Identity, ProtocolError, decode
+from traceml_agent.sanitize import clean_line
 
 WORLD = 4
 IDENTS = tuple(Identity(r, r, 0, "fuzz-host", 50_000 + r, WORLD) for r in range(WORLD))
@@ -176,7 +177,10 @@ def valid_messages(draw: st.DrawFn) -> bytes:
     opt = st.none() | _bounded_float(1e9)
     body: dict[str, Any] = {}
     if kind == "steps":
-        names = draw(st.lists(_name(64), min_size=1, max_size=protocol.MAX_PHASES, unique=True))
+        # Unique as the collector sees them: control characters are cleaned on receipt,
+        # so "\x08" and "\x1f" are the same name there (and a repeat is refused).
+        names = draw(st.lists(_name(64), min_size=1, max_size=protocol.MAX_PHASES,
+                              unique_by=clean_line))
         record = st.tuples(big | st.integers(0, 50), _bounded_float(1e11),
                            _bounded_float(protocol.MAX_STEP_MS),
                            st.lists(st.none() | _bounded_float(protocol.MAX_STEP_MS),

@@ -284,3 +284,13 @@ async def test_t_asks_for_a_deep_trace_of_the_pinned_rank_and_T_reads_it():
         assert isinstance(app.screen, TraceScreen)
         shown = " ".join(text_of(w) for w in app.screen.query(Static))
         assert "dataloader_us_per_step" in shown
+
+
+async def test_remote_strings_that_look_like_markup_are_shown_as_they_are():
+    """A host name is whatever a rank says: Rich markup in it is text, never styling
+    or a link (control characters are already stripped on receipt)."""
+    app = DashboardApp(StaticSource(make_state(straggler=2, hosts="[link=x]h[/]")),
+                       refresh_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        assert "[link=x]h[/]000" in panel_text(app, "#worst")

@@ -337,3 +337,100 @@ def test_a_key_holder_cannot_end_the_record_with_requests_or_counts(collector):
     assert counters["agent_dropped"] == (1 << 63) - 1
     assert collector.proc.poll() is None
     sock.close()
+
+
+# --- a key holder's flood: the backlog is bounded in bytes across peers ---------------------
+
+FLOOD_S = 12
+FLOOD_BOUND_MIB = 400  # docs/security.md: 256 MiB of backlog, one frame per peer, decoding
+
+
+def _big_steps(rank: int, pid: int) -> bytes:
+    """A valid steps message as large as the protocol allows: the costliest to decode."""
+    from traceml_agent import protocol
+
+    ident = protocol.Identity(rank, rank, 0, "flood", pid, WORLD)
+    records = [[i, hostile.T0, 1.0, *[0.1] * 7] for i in range(11_000)]
+    frame = protocol.encode("steps", ident, 1, hostile.T0, phases=list(protocol.PHASES),
+                            records=records, dropped=0)
+    assert len(frame) <= MAX_MESSAGE_BYTES
+    return frame
+
+
+def _findings(rank: int, pid: int, seq: int) -> bytes:
+    from traceml_agent import protocol
+    from traceml_agent.checks import CHECKS, MAX_FINDING_RANKS
+
+    ident = protocol.Identity(rank, rank, 0, "flood", pid, WORLD)
+    ids = sorted(CHECKS)
+    findings = [{"id": ids[(seq + i) % len(ids)], "severity": "critical",
+                 "ranks": list(range(MAX_FINDING_RANKS)), "evidence": "e" * 512,
+                 "fix": "f" * 512} for i in range(protocol.MAX_FINDINGS)]
+    return protocol.encode("checks", ident, seq, hostile.T0, findings=findings, facts=None)
+
+
+def test_a_flood_of_1_mib_frames_from_4_connections_costs_no_real_step(collector):
+    """Four connections of a key holder (speaking for rank 0) send valid 1 MiB steps
+    messages and 10,000 checks messages full of findings as fast as they can, while
+    ranks 1-3 step normally: the collector stays within its documented bound, answers
+    viewers, and records every real step."""
+    from traceml_agent import protocol
+
+    peak0 = collector.peak_rss_mib()
+    stop = time.monotonic() + FLOOD_S
+    floods = [_big_steps(0, 4242)] + [_findings(0, 4242, i) for i in range(10_000)]
+    sent = [0] * 4
+
+    def flood(i: int) -> None:
+        sock = collector.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(collector.info["ingest"])
+        n = 0
+        while time.monotonic() < stop:
+            frame = floods[0] if i < 3 else floods[1 + n % 10_000]
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                n += 1
+            except zmq.Again:
+                time.sleep(0.001)
+        sent[i] = n
+        sock.close()
+
+    import threading
+
+    threads = [threading.Thread(target=flood, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    real = {}
+    for rank in (1, 2, 3):
+        sock = collector.dealer()
+        ident = protocol.Identity(rank, rank, 0, "real", 100 + rank, WORLD)
+        sock.send(protocol.encode("hello", ident, 0, hostile.T0, run="fuzz", device="cpu",
+                                  backend="gloo", env={}, auto=True))
+        real[rank] = (sock, ident)
+    step = 0
+    while time.monotonic() < stop:
+        for sock, ident in real.values():
+            records = [[s, hostile.T0 + s, 10.0, 1.0, None, 4.0, 4.0, 0.5, 0.5, 0.0]
+                       for s in range(step, step + 5)]
+            sock.send(protocol.encode("steps", ident, 1 + step, hostile.T0,
+                                      phases=list(protocol.PHASES), records=records,
+                                      dropped=0))
+        step += 5
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert sent[3] >= 1_000 and min(sent[:3]) >= 50, sent  # it was a flood
+    # Every real step, once the collector has worked through what it admitted.
+    deadline = time.monotonic() + 120
+    while True:
+        ranks = collector.summary()["ranks"]
+        steps = [r["steps"] for r in ranks[1:]]
+        if steps == [step] * 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert steps == [step] * 3, (steps, step)
+    growth = collector.peak_rss_mib() - peak0
+    print(f"flood: sent {sent}, real steps {step} per rank, peak RSS +{growth:.0f} MiB")
+    assert growth < FLOOD_BOUND_MIB, f"peak RSS grew {growth:.0f} MiB under the flood"
+    assert collector.proc.poll() is None

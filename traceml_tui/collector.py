@@ -43,6 +43,7 @@ from traceml_agent.protocol import (
 
 from . import summary, view_state
 from .captures import DEFAULT_STEPS, CaptureBoard, capture_roles
+from .ingest_pump import IngestPump
 from .state import RunState, Snapshot
 from .step_log import StepLogWriter
 
@@ -145,8 +146,11 @@ class Collector:
         # Viewers on other hosts need the view socket where agents reach the collector.
         self.view, self.view_addr = bind(zmq.REP, bind_host, view_port)
         self.view_remote: str | None = None  # how other hosts reach the view socket
+        # The ingest socket belongs to its pump thread from here on (ingest_pump.py).
+        self.pump = IngestPump(self.ctx, self.ingest)
+        self.pump.start()
         self.poller = zmq.Poller()
-        self.poller.register(self.ingest, zmq.POLLIN)
+        self.poller.register(self.pump.wake, zmq.POLLIN)
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.view, zmq.POLLIN)
         # A collector started on a folder that already holds a live record (a restart):
@@ -211,8 +215,8 @@ class Collector:
     def serve(self) -> None:
         next_eval = next_snap = time.monotonic()
         while not self.done:
-            events = dict(self.poller.poll(100))
-            if self.ingest in events:
+            events = dict(self.poller.poll(0 if self.pump.pending() else 100))
+            if self.pump.wake in events or self.pump.pending():
                 self.drain()
             if self.control in events and self.finishing is None:  # REP: one at a time
                 self.handle_control()
@@ -221,6 +225,7 @@ class Collector:
             now = time.monotonic()
             if now >= next_eval:
                 self.state.counters["rejected_peers"] = self.rejected_peers
+                self.state.counters["backlog_refused"] = self.pump.refused
                 self.state.evaluate(time.time(), time.monotonic())
                 self.refresh_view()
                 self.step_log.flush_if_due()
@@ -256,34 +261,34 @@ class Collector:
         n = 0
         mono = time.monotonic()
         deadline = mono + DRAIN_SLICE_S
-        while n < limit:
-            if n % 256 == 255:
-                mono = time.monotonic()
-                if mono > deadline:
-                    break
-            try:
-                frames = self.ingest.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
+        while n < limit and mono <= deadline:
+            batch = self.pump.take(min(256, limit - n))
+            if not batch:
                 break
-            n += 1
-            if len(frames) != 2:
-                self.state.count_malformed()
-                continue
-            try:
-                msg = decode(frames[1])
-            except ProtocolError:
-                self.state.count_malformed()
-                continue
-            if not self.state.ingest(msg, mono):
-                continue
-            rank = msg.ident.rank
-            self.routes[rank] = frames[0]
-            kind = msg.kind
-            if kind == "steps":
-                self.step_log.append_records(rank, msg.phases, msg.records)
-            elif kind == "capture":
-                self.captures.on_event(rank, msg.body)
+            n += len(batch)
+            for frames in batch:
+                self._receive(frames, mono)
+            mono = time.monotonic()
         return n
+
+    def _receive(self, frames: list[bytes], mono: float) -> None:
+        if len(frames) != 2:
+            self.state.count_malformed()
+            return
+        try:
+            msg = decode(frames[1])
+        except ProtocolError:
+            self.state.count_malformed()
+            return
+        if not self.state.ingest(msg, mono):
+            return
+        rank = msg.ident.rank
+        self.routes[rank] = frames[0]
+        kind = msg.kind
+        if kind == "steps":
+            self.step_log.append_records(rank, msg.phases, msg.records)
+        elif kind == "capture":
+            self.captures.on_event(rank, msg.body)
 
     def refresh_view(self) -> None:
         """Freeze the state for viewers once per tick; every viewer gets the same bytes."""
@@ -350,8 +355,7 @@ class Collector:
         if cap is None:
             return {"ok": False, "error": error}
         for rank in cap.ranks:
-            self.ingest.send_multipart([self.routes[rank],
-                                        encode_capture_request(cap.id, steps)])
+            self.pump.send(self.routes[rank], encode_capture_request(cap.id, steps))
         return {"ok": True, "id": cap.id, "ranks": list(cap.ranks), "steps": steps}
 
     def write_live(self) -> None:
@@ -444,7 +448,7 @@ class Collector:
         return reply
 
     def close(self) -> None:
-        self.ingest.close()
+        self.pump.stop()  # closes the ingest socket on its own thread
         self.control.close()
         self.view.close()
         if self.auth is not None:

@@ -158,7 +158,7 @@ class RunState:
         self.phases: list[str] = list(PHASES)
         self.counters = {"messages": 0, "malformed": 0, "foreign": 0, "records": 0,
                          "duplicate_records": 0, "agent_dropped": 0, "rejected_peers": 0,
-                         "restarts": 0, "absurd_steps": 0}
+                         "restarts": 0, "absurd_steps": 0, "backlog_refused": 0}
         self.live: dx.LiveLabel | None = None
         self.live_since = started_at
         self.timeline: deque[Episode] = deque(maxlen=MAX_EPISODES)

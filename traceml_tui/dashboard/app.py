@@ -19,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
@@ -146,7 +147,7 @@ class DashboardApp(App[None]):
         if self.state is not None:
             self.query_one(StatusBar).show(self.state, self._view_note(), self.source_note)
         else:
-            self.query_one(Banner).update(f"waiting for the collector... ({reason})")
+            self.query_one(Banner).update(Text(f"waiting for the collector... ({reason})"))
 
     def run_ended(self, exit_code: int | None, summary_path: str) -> None:
         """Called by `traceml run` when the job is over; the viewer stays until quit."""

@@ -1,0 +1,175 @@
+"""The ingest socket's own thread: a receive backlog bounded in bytes across all peers.
+
+libzmq bounds a ROUTER's receive queue per connection and in messages (RCVHWM), not in
+bytes over all connections: four connections sending valid 1 MiB messages, slow to
+decode, held 2.3 GiB after 15 s. This thread takes each frame off the socket as it
+arrives (a few microseconds each, far faster than decoding) into a queue
+per peer, and the collector's loop takes them round-robin, one per peer per turn, so a
+peer that floods only lengthens its own queue. A frame is refused (and counted) when
+its peer already has PEER_BYTES queued, or when all queues together hold BACKLOG_BYTES
+and its peer has something queued already: a peer whose queue is empty always gets
+its next frame in, so an ordinary rank (a few KiB every 100 ms, served every turn)
+never loses a message to somebody else's flood.
+
+Bound: BACKLOG_BYTES, plus at most one frame (≤ 1 MiB, libzmq's MAXMSGSIZE) per
+connected peer; each peer needs the run's key and a connection of its own.
+
+Only this thread ever touches the ROUTER socket (ZeroMQ sockets are not thread-safe):
+the collector's requests to ranks reach it through an inproc pair, which also wakes
+the collector's poll when frames are waiting.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+
+import zmq
+
+BACKLOG_BYTES = 256 << 20  # all peers together
+PEER_BYTES = 8 << 20  # one peer's queue; a rank's normal backlog is a few KiB
+GATHER_S = 0.002
+TAKE_PER_WAKE = 10_000  # frames taken off the socket before looking at requests to send
+BATCH_BYTES = 4 << 20  # received, not yet admitted: refused frames are let go per batch
+_ids = itertools.count()
+
+
+class IngestPump(threading.Thread):
+    def __init__(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
+        super().__init__(name="traceml-ingest", daemon=True)
+        self.sock = sock
+        address = f"inproc://traceml-ingest-{next(_ids)}"
+        self.wake = ctx.socket(zmq.PAIR)  # the collector's end: poll it, send through it
+        self.wake.setsockopt(zmq.LINGER, 0)
+        self.wake.bind(address)
+        self._pump = ctx.socket(zmq.PAIR)
+        self._pump.setsockopt(zmq.LINGER, 0)
+        self._pump.connect(address)
+        self._lock = threading.Lock()
+        self._queues: dict[bytes, deque[list[bytes]]] = {}
+        self._bytes: dict[bytes, int] = {}
+        self._ready: deque[bytes] = deque()  # peers with frames queued, in serving order
+        self.queued_bytes = 0
+        self.peak_bytes = 0
+        self.refused = 0  # frames refused because a queue was full
+        self._halt = threading.Event()
+
+    # --- the pump's thread ------------------------------------------------------------
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._pump, zmq.POLLIN)
+        try:
+            while not self._halt.is_set():
+                events = dict(poller.poll(100))
+                if self._pump in events:
+                    self._forward()
+                if self.sock in events:
+                    # Let a few milliseconds of messages gather: one wake (and one turn
+                    # of the GIL) per batch, not per message, at a few MiB of backlog.
+                    time.sleep(GATHER_S)
+                    self._take()
+        finally:
+            self._pump.close()
+            self.sock.close()
+
+    def _take(self) -> None:
+        """What the socket holds now, admitted under one lock per batch of at most
+        BATCH_BYTES (so refused frames are let go at once). Copied receives: for the
+        few-KiB messages ranks send, cheaper than zero-copy frames, and the bytes
+        counted are the bytes held."""
+        recv = self.sock.recv_multipart
+        woke = not self._ready
+        for _ in range(TAKE_PER_WAKE // 64):
+            got: list[list[bytes]] = []
+            held = 0
+            while held < BATCH_BYTES and len(got) < 64:
+                try:
+                    frames = recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                got.append(frames)
+                held += sum(map(len, frames))
+            if got:
+                self._admit(got)
+            if held < BATCH_BYTES and len(got) < 64:
+                break  # the socket is empty
+        if woke and self._ready:
+            try:
+                self._pump.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # a wake-up is already waiting
+                pass
+
+    def _admit(self, got: list[list[bytes]]) -> None:
+        with self._lock:
+            queues, sizes = self._queues, self._bytes
+            for frames in got:
+                route = frames[0]
+                size = sum(map(len, frames))
+                mine = sizes.get(route, 0)
+                if mine and (mine + size > PEER_BYTES
+                             or self.queued_bytes + size > BACKLOG_BYTES):
+                    self.refused += 1
+                    continue
+                queue = queues.get(route)
+                if queue is None:
+                    queue = queues[route] = deque()
+                    self._ready.append(route)
+                queue.append(frames)
+                sizes[route] = mine + size
+                self.queued_bytes += size
+            self.peak_bytes = max(self.peak_bytes, self.queued_bytes)
+
+    def _forward(self) -> None:
+        while True:
+            try:
+                parts = self._pump.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(parts) == 2:
+                try:
+                    self.sock.send_multipart(parts, zmq.NOBLOCK)
+                except zmq.ZMQError:  # the rank is gone or its pipe is full: a lost request
+                    pass
+
+    # --- the collector's side -----------------------------------------------------------
+
+    def pending(self) -> bool:
+        return bool(self._ready)
+
+    def take(self, limit: int) -> list[list[bytes]]:
+        """Up to `limit` messages, one per peer per turn. Clears the wake-ups."""
+        while True:
+            try:
+                self.wake.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        taken: list[list[bytes]] = []
+        with self._lock:
+            ready, queues, sizes = self._ready, self._queues, self._bytes
+            while ready and len(taken) < limit:
+                route = ready.popleft()
+                queue = queues[route]
+                frames = queue.popleft()
+                size = sum(map(len, frames))
+                self.queued_bytes -= size
+                if queue:
+                    sizes[route] -= size
+                    ready.append(route)
+                else:
+                    del queues[route], sizes[route]
+                taken.append(frames)
+        return taken
+
+    def send(self, route: bytes, payload: bytes) -> None:
+        """A request to the rank behind `route`, sent by the pump's thread."""
+        self.wake.send_multipart([route, payload])
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self.is_alive():
+            self.join(5)
+        self.wake.close()
