@@ -297,6 +297,9 @@ def _sys(raw: dict) -> dict[str, Any]:
         "gpu_util": _opt_float(raw.get("gpu_util"), "gpu_util", 0.0, 100.0),
         "gpu_mem_mb": _opt_float(raw.get("gpu_mem_mb"), "gpu_mem_mb", 0.0, 1e9),
         "gpu_mem_total_mb": _opt_float(raw.get("gpu_mem_total_mb"), "gpu_mem_total_mb", 0.0, 1e9),
+        # This process's own figures from torch's caching allocator (sysmetrics.py).
+        **{name: _opt_float(raw.get(name), name, 0.0, 1e9)
+           for name in ("gpu_alloc_mb", "gpu_reserved_mb", "gpu_peak_mb")},
         # The CUDA device the rank was found to train on (it is learned after hello).
         "device": None if raw.get("device") is None else _str(raw["device"], "device", 64),
     }
@@ -392,7 +395,7 @@ _FIELDS = {
     "hello": _COMMON | {"run", "device", "backend", "env", "auto"},
     "steps": _COMMON | {"phases", "records", "dropped", "forced"},
     "sys": _COMMON | {"cpu_pct", "rss_mb", "gpu_util", "gpu_mem_mb", "gpu_mem_total_mb",
-                      "device"},
+                      "gpu_alloc_mb", "gpu_reserved_mb", "gpu_peak_mb", "device"},
     "heartbeat": _COMMON | {"step", "phase", "in_phase_s", "collectives", "in_collective",
                             "since_step_s", "parallel", "framework", "agent_off"},
     "stacks": _COMMON | {"stacks"},

@@ -1,13 +1,22 @@
 """System samples for one rank: process CPU % and RSS always; GPU utilisation and
-memory through NVML when the rank drives a CUDA device.
+memory through NVML when the rank drives a CUDA device, and this process's own
+figures from torch's caching allocator beside them.
 
 Runs on the agent's sender thread, never on the training thread. Every source is
 optional: a missing psutil or NVML only leaves its fields None.
+
+NVML's device memory counts every process on the GPU; users size batches by their own
+process's allocator numbers (`memory_allocated`, `memory_reserved`, the peak), so both
+are sent. The allocator's counters live in host memory and are read under its own
+lock (`torch.cuda.memory_stats_as_nested_dict(index)` with an explicit index): no CUDA
+driver call, no context, no sync, so they are safe off the training thread and during
+a graph capture.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from . import visible_devices
@@ -56,6 +65,9 @@ class SystemSampler:
             "gpu_util": None,
             "gpu_mem_mb": None,
             "gpu_mem_total_mb": None,
+            "gpu_alloc_mb": None,
+            "gpu_reserved_mb": None,
+            "gpu_peak_mb": None,
             "device": None if self.cuda_index is None else f"cuda:{self.cuda_index}",
         }
         if self._proc is not None:
@@ -82,7 +94,25 @@ class SystemSampler:
                     self._failures.pop("mem", None)
                 except Exception:
                     self._failed("mem")
+        if self.cuda_index is not None and "alloc" not in self._dead:
+            try:
+                self._allocator(out, self.cuda_index)
+                self._failures.pop("alloc", None)
+            except Exception:
+                self._failed("alloc")
         return out
+
+    @staticmethod
+    def _allocator(out: dict[str, Any], index: int) -> None:
+        """This process's allocator figures for torch device `index` (see above)."""
+        cuda = sys.modules["torch"].cuda  # torch is loaded once a device is learned
+        stats = cuda.memory_stats_as_nested_dict(index)
+        if not stats:  # torch says CUDA is not initialised (e.g. in a forked child)
+            return
+        allocated, reserved = stats["allocated_bytes"]["all"], stats["reserved_bytes"]["all"]
+        out["gpu_alloc_mb"] = allocated["current"] / 2**20
+        out["gpu_reserved_mb"] = reserved["current"] / 2**20
+        out["gpu_peak_mb"] = allocated["peak"] / 2**20
 
     def _failed(self, metric: str) -> None:
         """A metric that failed METRIC_FAILURES times in a row is not asked again."""

@@ -93,6 +93,11 @@ class CudaDouble:
         self.visible_at_init: str | None = None
         self.capturing: int | None = None  # the device whose current stream captures
         self.stuck = False  # events never complete (a GPU stuck in a collective)
+        # torch's caching allocator counters per device (bytes): host memory, read under
+        # the allocator's lock, no driver call. Reads are logged apart from CUDA calls.
+        self.allocated: dict[int, tuple[int, int]] = {}  # device -> (current, peak)
+        self.reserved: dict[int, int] = {}
+        self.host_reads: list[Call] = []
         self._initialized = False
         self._pid = os.getpid()
         self._tls = threading.local()
@@ -166,6 +171,19 @@ class CudaDouble:
 
     def synchronize(self, device: Any = None) -> None:
         self._api("synchronize", self._current() if device is None else _index(device))
+
+    def memory_stats_as_nested_dict(self, device: Any = None) -> dict[str, Any]:
+        """As torch's: {} before CUDA is initialised (and so in a forked child); with an
+        explicit index, no driver call (torch._C._cuda_memoryStats reads the caching
+        allocator's counters). Without one it would ask current_device()."""
+        if not self.is_initialized():
+            return {}
+        index = self.current_device() if device is None else _index(device)
+        self.host_reads.append(Call("memory_stats", _calling_module(),
+                                    threading.current_thread().name, os.getpid(), index))
+        current, peak = self.allocated.get(index, (0, 0))
+        return {"allocated_bytes": {"all": {"current": current, "peak": peak}},
+                "reserved_bytes": {"all": {"current": self.reserved.get(index, 0)}}}
 
     # --- what the test's "script" does --------------------------------------------------
 

@@ -117,6 +117,35 @@ def test_no_cuda_call_from_any_thread_but_the_training_thread(cuda, monkeypatch)
     assert {c.thread for c in calls} == {"MainThread"}, {(c.api, c.thread) for c in calls}
 
 
+def test_the_ranks_own_allocator_memory_is_sampled_off_thread_without_a_cuda_call(
+        cuda, monkeypatch) -> None:
+    """NVML's device memory counts every process on the GPU; the sys sample also carries
+    this process's allocator figures for the rank's device (cuda:1 here), read by the
+    sender thread from host-side counters: no CUDA call, no context on device 0."""
+    import threading
+
+    from traceml_agent.sysmetrics import SystemSampler
+
+    cuda.script_uses(1)
+    cuda.allocated[1] = (3 << 30, 5 << 30)
+    cuda.reserved[1] = 6 << 30
+    samples: list = []
+    sampler = SystemSampler()
+    worker = threading.Thread(target=lambda: (sampler.open_gpu(1),
+                                              samples.append(sampler.sample())),
+                              name="traceml-sender")
+    worker.start()
+    worker.join()
+    sample = samples[0]
+    assert (sample["gpu_alloc_mb"], sample["gpu_reserved_mb"], sample["gpu_peak_mb"]) == (
+        3 * 1024, 6 * 1024, 5 * 1024)
+    assert sample["device"] == "cuda:1"
+    assert cuda.agent_calls() == []
+    assert [(r.api, r.thread, r.device) for r in cuda.host_reads] == [
+        ("memory_stats", "traceml-sender", 1)]
+    assert cuda.contexts == {1}
+
+
 class CastingDataset(Dataset):
     def __len__(self) -> int:
         return 256

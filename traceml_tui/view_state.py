@@ -184,8 +184,13 @@ def rank_status(r: RankSnapshot) -> str:
 def _row(r: RankSnapshot) -> RankRow:
     phases = tuple(r.live_phase_ms.get(p) for p in VIEW_PHASES)
     sys = r.sys
+    # GPU memory: the rank's own (torch's allocator, reserved), what a batch size is sized
+    # by; NVML's device figure, which counts every process on the GPU, only without it.
+    gpu_mem = sys.get("gpu_reserved_mb")
+    if gpu_mem is None:
+        gpu_mem = sys.get("gpu_mem_mb")
     return RankRow(r.rank, r.node, r.host, r.steps, r.live_step_ms, phases, sys.get("cpu_pct"),
-                   sys.get("rss_mb"), sys.get("gpu_util"), sys.get("gpu_mem_mb"), r.idle_s,
+                   sys.get("rss_mb"), sys.get("gpu_util"), gpu_mem, r.idle_s,
                    rank_status(r))
 
 
