@@ -462,7 +462,14 @@ def _hook_optimizer(torch: Any) -> None:
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
                "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list",
                "barrier", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter",
-               "monitored_barrier")
+               "monitored_barrier", "all_reduce_coalesced", "all_gather_coalesced",
+               # Issued by the frameworks themselves, inside forward: DDP's buffer
+               # broadcast (broadcast_buffers=True with BatchNorm statistics) and FSDP2's
+               # all-gathers and reduce-scatters. Nested in forward/backward, their time
+               # goes to sync (the innermost phase). FSDP2 issues most of them with
+               # async_op=True: then only the launch is seen here, and the wait stays in
+               # the phase that waits (docs/fsdp.md).
+               "_broadcast_coalesced", "all_gather_single", "reduce_scatter_single")
 
 
 def _patch_collectives(torch: Any) -> None:
@@ -473,7 +480,7 @@ def _patch_collectives(torch: Any) -> None:
         if original is None:
             continue
 
-        def wrapper(*args: Any, __original: Any = original, __name: str = name,
+        def wrapper(*args: Any, __original: Any = original, __name: str = name.lstrip("_"),
                     **kwargs: Any) -> Any:
             if _is_compiling():
                 return __original(*args, **kwargs)

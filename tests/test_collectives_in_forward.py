@@ -1,0 +1,71 @@
+"""Collectives the frameworks issue inside forward are sync, not forward compute.
+
+DDP with broadcast_buffers=True (the default) broadcasts its buffers (BatchNorm
+statistics) from rank 0 at the start of every forward. That is a collective wait: a
+rank that arrives early waits there for rank 0, and counting it as forward blames the
+wrong rank for "compute". Here the broadcast is made slow on purpose (one-rank gloo
+group, the real DDP, the real hooks) and must land in sync, with forward keeping only
+the module's own work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from traceml_agent import hooks
+from traceml_agent.recorder import FORWARD, MEASURED, SYNC, Recorder
+
+BROADCAST_MS = 30.0
+
+
+@pytest.fixture
+def group(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_ddps_buffer_broadcast_inside_forward_is_sync(group, monkeypatch):
+    real = dist._broadcast_coalesced
+    spent: list[float] = []  # each broadcast's own wall time, as DDP's forward saw it
+
+    def slow_broadcast(*args, **kwargs):
+        t0 = time.perf_counter()
+        time.sleep(BROADCAST_MS / 1e3)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            spent.append((time.perf_counter() - t0) * 1e3)
+
+    monkeypatch.setattr(dist, "_broadcast_coalesced", slow_broadcast)
+    model = DDP(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    out: deque = deque()
+    errors: list = []
+    rec = Recorder(out)
+    hooks.install(rec, torch, errors.append, None)
+    try:
+        for _ in range(6):
+            model(torch.randn(16, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        hooks.uninstall()
+    assert errors == []
+    # DDP's construction broadcasts once (before the agent here), then every forward.
+    assert len(out) == 6 and len(spent) == 7
+    for record, broadcast_ms in list(zip(out, spent[1:], strict=True))[2:]:  # roots learned by then
+        ns = dict(zip(MEASURED, record[3], strict=True))
+        forward, sync = ns[MEASURED[FORWARD]], ns[MEASURED[SYNC]]
+        assert forward is not None and sync is not None, ns
+        # The broadcast's whole time is sync (the only collective in the step: DDP's
+        # gradient allreduce is not exposed with one rank), none of it forward.
+        assert abs(sync / 1e6 - broadcast_ms) < 2.0, (ns, broadcast_ms)
