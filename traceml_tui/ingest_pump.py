@@ -170,6 +170,10 @@ class IngestPump(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
+        try:  # one frame, not a request: wakes the pump's poll at once
+            self.wake.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
         if self.is_alive():
             self.join(5)
         self.wake.close()
