@@ -128,10 +128,11 @@ class Capturer:
     def _export(self, prof: Any, capture_id: int) -> None:
         try:
             folder = Path(self.run_dir or ".") / TRACES_DIR
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             path = folder / f"capture{capture_id}-rank{self.rank}.json"
             tmp = path.with_suffix(f".tmp{os.getpid()}.json")
             prof.export_chrome_trace(str(tmp))
+            os.chmod(tmp, 0o600)  # the run folder's files are the user's own
             os.replace(tmp, path)  # the collector never reads a half-written trace
         except Exception as exc:
             self._finish(capture_id, "failed", error=f"could not write the trace: {exc!r}")

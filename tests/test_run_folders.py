@@ -77,9 +77,10 @@ def test_a_new_run_folder_is_private(tmp_path: Path) -> None:
     proc = traceml("run", str(EXAMPLES / "ddp_toy.py"), "--headless", "--out", str(out),
                    "--run-name", "mine", "--", "--steps", "12")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for path in (out / "mine", out / "mine" / "logs"):
+    for path in (out / "mine", out / "mine" / "logs", out / "mine" / "steps"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
-    for name in ("collector.log", "secret.key", "final_summary.json", "collector.json"):
+    for name in ("collector.log", "secret.key", "final_summary.json", "collector.json",
+                 "steps/steps.0.msgpack"):
         assert stat.S_IMODE((out / "mine" / name).stat().st_mode) == 0o600, name
 
 

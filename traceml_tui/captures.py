@@ -134,7 +134,7 @@ class CaptureBoard:
         saved = None
         try:
             folder = self.run_dir / "traces"
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             summary.write_atomic(folder / f"capture{cap.id}.txt", text)
             summary.write_atomic(folder / f"capture{cap.id}.json", json.dumps(doc, indent=1))
             saved = str(folder / f"capture{cap.id}.json")

@@ -21,6 +21,7 @@ Every file re-declares all tables after its header, so each file reads on its ow
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -83,7 +84,7 @@ class StepLogWriter:
         self._size = 0
         self._last_flush = clock()
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             gens = [_generation(self.directory / name) for name in FILE_NAMES]
             # Continue an existing log: keep its newest file, start the next generation
             # in the other one.
@@ -178,7 +179,9 @@ class StepLogWriter:
         # Buffered records may use any table declared so far: re-declare them all.
         preamble = self._pack((_HEADER, FORMAT_VERSION, generation)) + b"".join(
             self._pack((_TABLE, t, list(p))) for p, t in self._tables.items())
-        self._file = open(self.directory / FILE_NAMES[index], "wb")
+        # 0600, never through a link planted where the file goes (docs/security.md).
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+        self._file = os.fdopen(os.open(self.directory / FILE_NAMES[index], flags, 0o600), "wb")
         self._file.write(preamble)
         self._file.flush()
         self._index, self._generation = index, generation
