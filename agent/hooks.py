@@ -472,6 +472,46 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "_broadcast_coalesced", "all_gather_single", "reduce_scatter_single")
 
 
+# Process groups named in the sequences a hang compares: the default group is "world",
+# another one its torch group_name. A job creating groups without end (one per step)
+# cannot grow the heartbeat: past MAX_GROUPS names, the rest count as "other".
+WORLD_GROUP = "world"
+MAX_GROUPS = 32
+_group_names: dict[int, str] = {}
+
+
+def _group_position(func: Any) -> int | None:
+    """Where a collective takes its process group positionally (`group`, or
+    `process_group` for DDP's `_broadcast_coalesced`), read once from its signature."""
+    import inspect
+
+    try:
+        names = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return 0 if getattr(func, "__name__", "") == "_broadcast_coalesced" else None
+    for key in ("group", "process_group"):
+        if key in names:
+            return names.index(key)
+    return None
+
+
+def _group_name(group: Any) -> str:
+    if group is None:
+        return WORLD_GROUP
+    name = _group_names.get(id(group))
+    if name is None:
+        if len(_group_names) >= MAX_GROUPS:
+            return "other"
+        try:
+            import torch.distributed as dist
+
+            name = WORLD_GROUP if group is dist.GroupMember.WORLD else str(group.group_name)
+        except Exception:
+            name = f"group{len(_group_names)}"
+        _group_names[id(group)] = name = name[:64]
+    return name
+
+
 def _patch_collectives(torch: Any) -> None:
     import torch.distributed as dist
 
@@ -481,19 +521,28 @@ def _patch_collectives(torch: Any) -> None:
             continue
 
         def wrapper(*args: Any, __original: Any = original, __name: str = name.lstrip("_"),
-                    **kwargs: Any) -> Any:
+                    __at: int | None = _group_position(original), **kwargs: Any) -> Any:
             if _is_compiling():
                 return __original(*args, **kwargs)
             rec = _rec
             if rec is None:
                 return __original(*args, **kwargs)
+            try:
+                group = kwargs.get("group", kwargs.get("process_group"))
+                if group is None and __at is not None and len(args) > __at:
+                    group = args[__at]
+                gname = _group_name(group)
+                rec.groups[gname] = rec.groups.get(gname, 0) + 1
+            except Exception as exc:
+                _fail(exc)
+                return __original(*args, **kwargs)
             rec.collectives += 1
-            outer = rec.in_collective
-            rec.in_collective = __name
+            outer, outer_group = rec.in_collective, rec.in_group
+            rec.in_collective, rec.in_group = __name, gname
             try:
                 return _timed(rec, SYNC, __original, __original, *args, **kwargs)
             finally:
-                rec.in_collective = outer
+                rec.in_collective, rec.in_group = outer, outer_group
 
         wrapper.__wrapped__ = original  # type: ignore[attr-defined]
         _setattr(dist, name, wrapper)

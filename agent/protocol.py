@@ -305,9 +305,19 @@ def _sys(raw: dict) -> dict[str, Any]:
     }
 
 
+MAX_GROUPS = 33  # the agent's 32 named process groups and "other" (hooks.py)
+
+
+def _groups(raw: Any) -> dict[str, int]:
+    if not isinstance(raw, dict) or len(raw) > MAX_GROUPS:
+        raise ProtocolError(f"groups must be a map of at most {MAX_GROUPS} group counts")
+    return {_str(k, "group", 64): _int(v, "group count", 0, 1 << 62) for k, v in raw.items()}
+
+
 def _heartbeat(raw: dict) -> dict[str, Any]:
     phase = raw.get("phase")
     collective = raw.get("in_collective")
+    group = raw.get("in_group")
     parallel = raw.get("parallel")
     framework = raw.get("framework")
     agent_off = raw.get("agent_off")
@@ -317,6 +327,9 @@ def _heartbeat(raw: dict) -> dict[str, Any]:
         "in_phase_s": _opt_float(raw.get("in_phase_s"), "in_phase_s", 0.0, 1e9),
         "collectives": _int(raw.get("collectives", 0), "collectives", 0, 1 << 62),
         "in_collective": None if collective is None else _str(collective, "in_collective", 64),
+        # Collectives entered per process group, and the group of the one in progress.
+        "groups": _groups(raw.get("groups", {})),
+        "in_group": None if group is None else _str(group, "in_group", 64),
         "since_step_s": _opt_float(raw.get("since_step_s"), "since_step_s", 0.0, 1e9),
         "parallel": None if parallel is None else _str(parallel, "parallel", 16),
         "framework": None if framework is None else _str(framework, "framework", 64),
@@ -397,7 +410,8 @@ _FIELDS = {
     "sys": _COMMON | {"cpu_pct", "rss_mb", "gpu_util", "gpu_mem_mb", "gpu_mem_total_mb",
                       "gpu_alloc_mb", "gpu_reserved_mb", "gpu_peak_mb", "device"},
     "heartbeat": _COMMON | {"step", "phase", "in_phase_s", "collectives", "in_collective",
-                            "since_step_s", "parallel", "framework", "agent_off"},
+                            "groups", "in_group", "since_step_s", "parallel", "framework",
+                            "agent_off"},
     "stacks": _COMMON | {"stacks"},
     "goodbye": _COMMON | {"exit_code", "error", "steps"},
     "checks": _COMMON | {"findings", "facts"},

@@ -73,6 +73,8 @@ class Recorder:
         "parallel",
         "step_listener",
         "in_collective",
+        "groups",
+        "in_group",
         "last_step_t",
         "last_wall",
         "device_sources",
@@ -99,6 +101,10 @@ class Recorder:
         # Called after each closed step, only while a deep-trace capture is asked or running.
         self.step_listener: Any = None
         self.in_collective: str | None = None
+        # Collectives entered per process group (hooks.py names the groups; bounded there),
+        # and the group of the one in progress: a hang compares these sequences.
+        self.groups: dict[str, int] = {}
+        self.in_group: str | None = None
         self.last_step_t = perf_counter_ns()
         self.last_wall = 0  # the last step's wall time, ns
         # What the hooks saw that may hold the training device (device.py): only a

@@ -166,6 +166,7 @@ class Sender(threading.Thread):
         since_step = max(0.0, (perf_counter_ns() - rec.last_step_t) / 1e9)
         self._send("heartbeat", step=rec.step, phase=phase, in_phase_s=in_phase,
                    collectives=rec.collectives, in_collective=rec.in_collective,
+                   groups=dict(rec.groups), in_group=rec.in_group,
                    since_step_s=since_step, parallel=rec.parallel, framework=framework(),
                    agent_off=self.agent_off)
         if self.agent_off is not None:

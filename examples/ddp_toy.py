@@ -111,6 +111,8 @@ def main() -> None:
     p.add_argument("--fail-at-step", type=int, default=10)
     p.add_argument("--hang-rank", type=int, default=None)
     p.add_argument("--skip-collective-rank", type=int, default=None)
+    p.add_argument("--extra-collective-rank", type=int, default=None,
+                   help="this rank alone enters an all_reduce at --hang-at-step")
     p.add_argument("--hang-at-step", type=int, default=20)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--checkpoint-s", type=float, default=3.0)
@@ -123,7 +125,8 @@ def main() -> None:
     me = rank in args.rank
     if args.startup_stall_s and rank == (args.hang_rank or 0):
         slow_startup(args.startup_stall_s)
-    side_group = dist.new_group() if args.skip_collective_rank is not None else None
+    diverges = args.skip_collective_rank is not None or args.extra_collective_rank is not None
+    side_group = dist.new_group() if diverges else None
     delay = args.delay_ms / 1000.0
 
     batch = args.batch * (4 if args.scenario == "batch" and me else 1)
@@ -148,6 +151,8 @@ def main() -> None:
             if args.skip_collective_rank is not None and step == args.hang_at_step:
                 if rank != args.skip_collective_rank:  # a conditional collective
                     dist.all_reduce(torch.ones(1), group=side_group)
+            if args.extra_collective_rank == rank and step == args.hang_at_step:
+                dist.all_reduce(torch.ones(1), group=side_group)  # only this rank's path
             loss = loss_fn(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()

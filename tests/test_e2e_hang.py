@@ -23,11 +23,11 @@ def _live(run_dir) -> dict:
         return {}
 
 
-def _start(tmp_path, name, *script_args, hang_after="3"):
+def _start(tmp_path, name, *script_args, hang_after="3", nproc=3):
     out = tmp_path / "runs"
     proc = subprocess.Popen(
         [sys.executable, "-m", "traceml_tui", "run", str(EXAMPLES / "ddp_toy.py"),
-         "--nproc-per-node", "3", "--headless", "--out", str(out), "--run-name", name,
+         "--nproc-per-node", str(nproc), "--headless", "--out", str(out), "--run-name", name,
          "--hang-after", hang_after, "--", "--steps", "1000000", *script_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -88,6 +88,31 @@ def test_a_rank_skipping_a_collective_is_named(tmp_path):
     assert (doc["diagnosis"]["label"], doc["diagnosis"]["rank"]) == ("HANG", 2)
     progress = {p["rank"]: p for p in doc["hang"]["progress"]}
     assert progress[2]["collectives"] < progress[0]["collectives"]
+    assert doc["hang"]["kind"] == "diverged"
+
+
+def test_a_rank_entering_an_extra_collective_is_named_not_the_ranks_waiting_for_it(tmp_path):
+    """Rank 2 alone calls an all_reduce (a conditional collective on its code path); the
+    others go on into DDP's backward and wait there for rank 2. Rank 2 is *ahead* in
+    collectives, so "who is behind" blamed the healthy three; the asymmetry names it."""
+    proc, run_dir = _start(tmp_path, "extra", "--extra-collective-rank", "2",
+                           "--hang-at-step", "25", nproc=4)
+    try:
+        wait_for(lambda: _hang_seen(run_dir) is not None, 120, "the HANG label")
+        assert _hang_seen(run_dir)["rank"] == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=90)[0]
+    doc = json.loads((run_dir / "final_summary.json").read_text())
+    validate_schema(doc)
+    assert (doc["diagnosis"]["label"], doc["diagnosis"]["rank"]) == ("HANG", 2)
+    assert doc["hang"]["kind"] == "diverged" and doc["hang"]["ranks"] == [2]
+    text = doc["diagnosis"]["summary"]
+    assert "rank 2 (host" in text and "entered all_reduce #1 on group" in text, text
+    assert "ranks 0, 1, 3 never entered" in text, text
+    progress = {p["rank"]: p for p in doc["hang"]["progress"]}
+    assert progress[2]["in_collective"] == "all_reduce"
+    assert "Diagnosis: HANG  rank 2" in output
 
 
 def test_a_killed_rank_is_reported_dead_not_as_a_straggler(tmp_path):

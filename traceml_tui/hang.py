@@ -4,10 +4,17 @@ A job hangs when no rank has finished a step for longer than a threshold derived
 from its recent step times. Then the ranks' progress tells the three cases apart,
 the way a user would compare NCCL opCounts across rank logs, but live:
 
-  behind           some ranks made less progress (fewer steps, fewer collectives
-                   launched, or an earlier phase of the same step): the others are
-                   waiting for them. A conditional collective, or a rank stuck in its
-                   own code (data loading, a deadlock, an infinite loop).
+  diverged         the ranks' collective sequences differ (per process group: how many
+                   collectives each entered, and the one it is in). The rank, or the
+                   minority, whose sequence differs from the majority's took another code
+                   path: a conditional collective only it entered (extra), or one it
+                   skipped (missing). Which side is "behind" does not matter; asymmetry
+                   does (the opCount comparison of NCCL logs). Two sides of equal size
+                   are a tie, and said so.
+  behind           the sequences agree, but some ranks made less progress (fewer steps,
+                   or an earlier phase of the same step): the others are waiting for
+                   them. A rank stuck in its own code (data loading, a deadlock, an
+                   infinite loop) before the collective the others wait in.
   same collective  every rank is at the same point: all stuck in one collective
                    together, which points at the fabric, NCCL, or a shape mismatch.
   dead             a rank stopped sending anything, heartbeats included (they come
@@ -33,7 +40,7 @@ DEAD_SILENCE_S = 5.0
 PHASE_ORDER = {None: 0, "dataloader": 1, "h2d": 2, "forward": 3, "backward": 4, "sync": 5,
                "optimizer": 6}
 
-BEHIND, SAME_COLLECTIVE, DEAD = "behind", "same collective", "dead"
+BEHIND, SAME_COLLECTIVE, DEAD, DIVERGED = "behind", "same collective", "dead", "diverged"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +55,20 @@ class RankProgress:
     silent_s: float  # seconds since the collector last heard from it
     finished: bool = False
     agent_off: bool = False  # the agent stopped timing: its step count says nothing
+    groups: tuple[tuple[str, int], ...] = ()  # collectives entered per process group
+    in_group: str | None = None  # the group of the collective it is in
 
     def position(self) -> tuple[int, int, int]:
         return (self.steps, self.collectives, PHASE_ORDER.get(self.phase, 0))
+
+    def counts(self) -> dict[str, int]:
+        """Collectives entered per group (all of them as one without the per-group
+        figures, as from an older agent)."""
+        return dict(self.groups) if self.groups else {"all": self.collectives}
+
+    def sequence(self) -> tuple:
+        """How far this rank is in the job's collective sequence: what a hang compares."""
+        return (tuple(sorted(self.counts().items())), self.in_collective, self.in_group)
 
     def where(self) -> str:
         if self.in_collective:
@@ -98,6 +116,9 @@ def detect(progress: Sequence[RankProgress], median_step_ms: float | None,
                    f"log and the host (OOM killer, a crash, a hung driver).")
         return HangReport(DEAD, Diagnosis(HANG, dead[0], first.phase, CRITICAL, summary),
                           tuple(dead), stalled, limit)
+    diverged = _diverged(running, stalled, limit)
+    if diverged is not None:
+        return diverged
     ahead = max(p.position() for p in running)
     behind = sorted(p.rank for p in running if p.position() < ahead)
     if behind:
@@ -118,3 +139,61 @@ def detect(progress: Sequence[RankProgress], median_step_ms: float | None,
                f"a network or NCCL problem (try NCCL_DEBUG=INFO, nccl-tests).")
     return HangReport(SAME_COLLECTIVE, Diagnosis(HANG, None, sample.phase, CRITICAL, summary),
                       (), stalled, limit)
+
+
+def _diverged(running: Sequence[RankProgress], stalled: float, limit: float
+              ) -> HangReport | None:
+    """The minority whose collective sequence differs from the majority's, or a tie."""
+    sides: dict[tuple, list[RankProgress]] = {}
+    for p in running:
+        sides.setdefault(p.sequence(), []).append(p)
+    if len(sides) < 2:
+        return None
+    ordered = sorted(sides.values(), key=lambda side: (-len(side), side[0].rank))
+    biggest = ordered[0]
+    if len(ordered[1]) == len(biggest):  # no majority: do not guess a side
+        tied = [side for side in ordered if len(side) == len(biggest)]
+        names = " and ".join(f"rank{'s' if len(side) > 1 else ''} "
+                             f"{_ranks(sorted(p.rank for p in side))} ({_where(side[0])})"
+                             for side in tied)
+        summary = (f"No step anywhere for {limit:.0f}+ s: the ranks' collective sequences "
+                   f"differ, {names}, a tie of {len(biggest)} rank"
+                   f"{'s' if len(biggest) > 1 else ''} each: one side took a code path "
+                   f"with a collective the other does not call. Compare their stacks.")
+        first = tied[0][0]
+        return HangReport(DIVERGED, Diagnosis(HANG, None, first.phase, CRITICAL, summary),
+                          tuple(sorted(side[0].rank for side in tied)), stalled, limit)
+    culprits = sorted(p.rank for side in ordered[1:] for p in side)
+    odd = next(p for p in running if p.rank == culprits[0])
+    usual = biggest[0]
+    majority = _ranks(sorted(p.rank for p in biggest))
+    mine, theirs = odd.counts(), usual.counts()
+    extra = [g for g in sorted(mine) if mine[g] > theirs.get(g, 0)]
+    missing = [g for g in sorted(theirs) if theirs[g] > mine.get(g, 0)]
+    who = f"rank{'s' if len(culprits) > 1 else ''} {_ranks(culprits)} (host {odd.host})"
+    if extra:
+        g = extra[0]
+        op = odd.in_collective if odd.in_group == g else "a collective"
+        what = (f"{who} entered {op} #{mine[g]} on group {g} that rank"
+                f"{'s' if len(biggest) > 1 else ''} {majority} never entered (they are "
+                f"{_where(usual)}): a conditional collective on {who.split(' (')[0]}'s code path")
+    elif missing:
+        g = missing[0]
+        op = usual.in_collective if usual.in_group == g else "a collective"
+        what = (f"rank{'s' if len(biggest) > 1 else ''} {majority} wait in {op} #{theirs[g]} "
+                f"on group {g}, which {who} never entered (it is {_where(odd)}): a collective "
+                f"it skipped, or work stuck before it")
+    else:
+        what = (f"{who} is {_where(odd)} while rank{'s' if len(biggest) > 1 else ''} "
+                f"{majority} are {_where(usual)}, after the same collectives")
+    summary = (f"No step anywhere for {limit:.0f}+ s: {what}. Its stack shows where it "
+               f"went its own way.")
+    return HangReport(DIVERGED, Diagnosis(HANG, culprits[0], odd.phase, CRITICAL, summary),
+                      tuple(culprits), stalled, limit)
+
+
+def _where(p: RankProgress) -> str:
+    if p.in_collective:
+        group = f" on group {p.in_group}" if p.in_group else ""
+        return f"in {p.in_collective}{group}"
+    return p.where()

@@ -84,6 +84,8 @@ class RankSnapshot:
     in_collective: str | None = None
     stacks: tuple[tuple[str, str], ...] = ()
     untimed: tuple[dx.Untimed, ...] = ()  # phases the agent could not time, and why
+    groups: tuple[tuple[str, int], ...] = ()  # collectives entered per process group
+    in_group: str | None = None  # the group of the collective in progress
     agent_off: str | None = None  # why the agent turned its timing off on this rank
 
 
@@ -303,7 +305,8 @@ class RunState:
                 rs.ident.rank, rs.ident.host, max(rs.steps, hb.get("step", 0)),
                 hb.get("collectives", 0), hb.get("phase"), hb.get("in_collective"),
                 rs.since_step_at_msg_s, max(0.0, mono_now - rs.last_seen), rs.finished,
-                hb.get("agent_off") is not None))
+                hb.get("agent_off") is not None, tuple(sorted(hb.get("groups", {}).items())),
+                hb.get("in_group")))
         return out
 
     def evaluate(self, now: float, mono_now: float | None = None) -> dx.Diagnosis:
@@ -404,4 +407,6 @@ class RunState:
             error=rs.error, finished=rs.finished, dropped=rs.dropped, device=rs.device,
             collectives=rs.heartbeat.get("collectives", 0), phase=rs.heartbeat.get("phase"),
             in_collective=rs.heartbeat.get("in_collective"), stacks=rs.stacks, untimed=untimed,
-            agent_off=rs.heartbeat.get("agent_off"))
+            agent_off=rs.heartbeat.get("agent_off"),
+            groups=tuple(sorted(rs.heartbeat.get("groups", {}).items())),
+            in_group=rs.heartbeat.get("in_group"))

@@ -165,7 +165,8 @@ def _hang(snap: Snapshot) -> dict[str, Any] | None:
         "kind": report.kind, "ranks": list(report.culprits), "since": iso(snap.hang_since),
         "stalled_s": round(report.stalled_s, 1), "threshold_s": round(report.threshold_s, 1),
         "progress": [{"rank": r.rank, "host": r.host, "steps": r.steps, "phase": r.phase,
-                      "collectives": r.collectives, "in_collective": r.in_collective}
+                      "collectives": r.collectives, "in_collective": r.in_collective,
+                      "groups": dict(r.groups), "in_group": r.in_group}
                      for r in snap.ranks if r.reported],
         "stacks": {str(r.rank): [{"thread": name, "stack": text} for name, text in r.stacks]
                    for r in snap.ranks if r.stacks},
