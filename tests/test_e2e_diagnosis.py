@@ -58,3 +58,34 @@ def test_waiting_ranks_are_not_blamed_for_their_sync_time(tmp_path):
     # Backward compute stays comparable across ranks: nobody's backward holds the wait.
     bwd = [r["phase_ms"]["backward"]["median"] for r in ranks.values()]
     assert max(bwd) < 15.0, bwd
+
+
+def test_a_straggler_that_recovers_is_cleared_within_10_steps_or_2_s(tmp_path):
+    """Rank 1's forward is 40 ms slower for steps 30-79 only (~128 ms steps). The label
+    follows the newest steps, not only the 32-step window: it is cleared within
+    max(10 steps, 2 s) of the recovery (the window alone took 24 steps, 3.1 s), and the
+    episode stays in the summary with its steps and the time it cost the job."""
+    from jobs import EXAMPLES, traceml
+
+    out = tmp_path / "runs"
+    proc = traceml("run", str(EXAMPLES / "frameworks" / "ddp_variants.py"), "--nproc-per-node",
+                   "3", "--headless", "--out", str(out), "--run-name", "transient", "--",
+                   "--steps", "140",
+                   env={"FAULTS": "compute:1:30:80", "BASE_FORWARD_MS": "120",
+                        "EXTRA_MS": "40"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    doc = json.loads((out / "transient" / "final_summary.json").read_text())
+    validate_schema(doc)
+    episodes = [e for e in doc["timeline"] if e["label"] == "COMPUTE STRAGGLER"]
+    assert [(e["rank"], e["phase"]) for e in episodes] == [(1, "forward")], doc["timeline"]
+    episode = episodes[0]
+    step_ms = doc["ranks"][0]["step_ms"]["median"]
+    promised = max(10, round(2000 / step_ms)) + 2  # + ingest and evaluation cadence
+    assert 80 < episode["end_step"] <= 80 + promised, (episode, step_ms)
+    # It cost about its 40 ms gap on every step it was named (job seconds).
+    named = episode["end_step"] - episode["start_step"]
+    assert 0.5 * named * 0.04 <= episode["lost_s"] <= 1.5 * named * 0.04, episode
+    assert doc["diagnosis"]["label"] == "BALANCED"  # the run as a whole
+    assert "COMPUTE STRAGGLER rank 1  (cost the job" in proc.stdout

@@ -174,6 +174,52 @@ def test_timeline_keeps_a_straggler_episode_that_came_and_went():
     assert state.live.shown.label == dx.BALANCED
 
 
+def test_a_recovered_straggler_is_cleared_by_its_recent_steps_not_the_whole_window():
+    """Rank 2 is slow for 60 steps, then recovers. The 32-step window still holds slow
+    steps for 16 more steps (and hysteresis kept the label longer); the recent steps
+    clear it within dx.RECENT_MAX recovered steps plus the confirmation ticks. The
+    episode stays in the timeline with its steps and the time it cost."""
+    state = RunState("run", world_size=4)
+    _feed(state, 0, 2 * dx.MIN_STEPS)
+    t = _evaluate(state, 0.0)
+    step = 100
+    for _ in range(60):  # one step per evaluation: the label follows every step
+        _feed(state, step, 1, slow_dl=40.0)
+        step += 1
+        t += 0.5
+        state.evaluate(t)
+    assert (state.live.shown.label, state.live.shown.rank) == (dx.INPUT_STRAGGLER, 2)
+    recovered = 0
+    while state.live.shown.label != dx.BALANCED:
+        _feed(state, step, 1)
+        step += 1
+        recovered += 1
+        t += 0.5
+        state.evaluate(t)
+        assert recovered <= 20, "still blamed 20 steps after recovering"
+    # A median of 8 flips after 5 recovered steps; then CONFIRM_TICKS evaluations.
+    assert recovered <= dx.RECENT_MAX // 2 + 1 + dx.CONFIRM_TICKS, recovered
+    episode = [e for e in state.timeline if e.label == dx.INPUT_STRAGGLER][-1]
+    assert episode.rank == 2 and episode.end_step is not None
+    # Named for about the 60 slow steps (entry takes the window's median), at 40 ms each.
+    assert 40 * 0.04 <= episode.lost_s <= 60 * 0.04 + 0.5, episode.lost_s
+
+
+def test_a_straggler_that_stays_is_not_cleared_by_a_few_fast_steps():
+    """The recent check must not make a steady straggler flicker: three fast steps among
+    its slow ones change nothing."""
+    state = RunState("run", world_size=4)
+    _feed(state, 0, LIVE_STEPS, slow_dl=40.0)
+    t = _evaluate(state, 0.0)
+    assert state.live.shown.label == dx.INPUT_STRAGGLER
+    step = LIVE_STEPS
+    for k in range(40):
+        _feed(state, step, 1, slow_dl=0.0 if k % 8 in (0, 3, 5) else 40.0)
+        step += 1
+        t += 0.5
+        assert state.evaluate(t).label == dx.INPUT_STRAGGLER, k
+
+
 @pytest.mark.parametrize("n_steps, label", [(WARMUP_STEPS + dx.MIN_STEPS - 1, dx.WARMUP),
                                             (WARMUP_STEPS + dx.MIN_STEPS, dx.BALANCED)])
 def test_evaluate_waits_for_min_steps(n_steps, label):

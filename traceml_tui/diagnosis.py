@@ -36,6 +36,8 @@ LABELS = (BALANCED, INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER, INPUT_BOUND, 
           HANG, WARMUP, TIMING_INCOMPLETE)
 
 INFO, WARNING, CRITICAL = "info", "warning", "critical"
+# Labels that name a culprit every rank waits for, with its per-step gap.
+STRAGGLER_LABELS = (INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER)
 
 INPUT_PHASES = ("dataloader", "h2d")
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
@@ -77,6 +79,23 @@ FORCED_SHARE = 0.05
 FORCED_MIN = 3
 # Consecutive evaluations a new live label must win before it replaces the old one.
 CONFIRM_TICKS = 2
+# A straggler is named from LIVE_STEPS (32) steps, whose median moves only after 17 of
+# them changed: a rank that recovered kept the banner for tens of steps. So the live
+# label also asks the most recent steps (`recent` in diagnose): the straggler must still
+# be at least SKEW_EXIT behind there. Their number is RECENT_S of steps, between
+# RECENT_MIN and RECENT_MAX: a median of 8 flips after 5 recovered steps and ignores 3
+# noisy ones; with slow steps, 3 steps (2 s of them, at least 3) keep clearing within
+# a few seconds.
+RECENT_MIN, RECENT_MAX = 3, 8
+RECENT_S = 2.0
+
+
+def recent_steps(step_ms: float | None) -> int:
+    """How many of a rank's newest steps the recent check reads."""
+    if step_ms is None or not step_ms > 0:
+        return RECENT_MAX
+    steps = RECENT_S * 1000.0 / step_ms  # inf for a sub-normal step: no round() of it
+    return RECENT_MAX if steps >= RECENT_MAX else max(RECENT_MIN, round(steps))
 # A whole node is the straggler when every rank on the worst rank's node is behind the
 # median rank by at least this share of the worst rank's gap, and no rank on another node
 # is. Half, because with half the ranks slow the median sits halfway between the two
@@ -236,12 +255,33 @@ def _share(ranks: Sequence[RankTiming], phases: Sequence[str]) -> float:
 FSDP_COMPUTE_PHASES = ("optimizer",)
 
 
+def _still_behind(recent: Sequence[RankTiming] | None, rank: int, phases: Sequence[str]
+                  ) -> bool:
+    """Whether `rank` is still at least SKEW_EXIT behind the median rank in `phases` over
+    the most recent steps (see RECENT_S). Without recent timings (the whole-run verdict,
+    offline use) there is nothing to contradict the window."""
+    if recent is None:
+        return True
+    ready = [r for r in recent if r.steps >= RECENT_MIN and _finite(r.step_ms)]
+    values = {r.rank: _group(r, phases) for r in ready}
+    mine = values.get(rank)
+    others = [v for v in values.values() if v is not None]
+    if mine is None or len(others) < 2:
+        return True
+    step_ms = median([r.step_ms for r in ready])
+    gap = mine - median(others)
+    return gap >= MIN_GAP_MS and gap >= SKEW_EXIT * step_ms
+
+
 def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
-             collectives_in_compute: bool = False, framework: str | None = None) -> Diagnosis:
+             collectives_in_compute: bool = False, framework: str | None = None,
+             recent: Sequence[RankTiming] | None = None) -> Diagnosis:
     """Classify the window. `active` is the label currently shown: its own condition is
     tested with the lower exit threshold (hysteresis), every other with the enter one.
     `collectives_in_compute`: an FSDP job (see FSDP_COMPUTE_PHASES). `framework`: the
-    training framework the agents saw, named in the hint when timing is incomplete."""
+    training framework the agents saw, named in the hint when timing is incomplete.
+    `recent`: the same ranks over their newest few steps (RECENT_S): a straggler the
+    window still holds but those steps no longer show has recovered, and is not named."""
     compute = FSDP_COMPUTE_PHASES if collectives_in_compute else COMPUTE_PHASES
     ready = [r for r in ranks if r.steps >= MIN_STEPS and _finite(r.step_ms) and r.step_ms > 0]
     if not ready:
@@ -261,9 +301,11 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
     in_skew = None if input_blind else _skew(ready, INPUT_PHASES, step_ms)
     cp_skew = None if compute_blind else _skew(ready, compute, step_ms)
     in_hit = (in_skew is not None and in_skew.gap_ms >= MIN_GAP_MS
-              and over(in_skew.share, SKEW_ENTER, SKEW_EXIT, INPUT_STRAGGLER, STRAGGLER))
+              and over(in_skew.share, SKEW_ENTER, SKEW_EXIT, INPUT_STRAGGLER, STRAGGLER)
+              and _still_behind(recent, in_skew.rank, INPUT_PHASES))
     cp_hit = (cp_skew is not None and cp_skew.gap_ms >= MIN_GAP_MS
-              and over(cp_skew.share, SKEW_ENTER, SKEW_EXIT, COMPUTE_STRAGGLER, STRAGGLER))
+              and over(cp_skew.share, SKEW_ENTER, SKEW_EXIT, COMPUTE_STRAGGLER, STRAGGLER)
+              and _still_behind(recent, cp_skew.rank, compute))
 
     if in_hit and cp_hit:
         worst = in_skew if in_skew.gap_ms >= cp_skew.gap_ms else cp_skew

@@ -51,6 +51,9 @@ class Episode:
     end_step: int | None
     summary: str
     node: int | None = None  # the episode blames a whole node
+    # Job seconds the culprit cost while the episode lasted: its gap (the time every rank
+    # waits for it each step) times the steps taken. None for labels without a culprit.
+    lost_s: float | None = None
 
     def closed(self, end: float, end_step: int) -> Episode:
         return replace(self, end=end, end_step=end_step)
@@ -137,6 +140,7 @@ class RankState:
     device: str = ""
     dirty: bool = True
     live: dx.RankTiming | None = None
+    recent: dx.RankTiming | None = None  # the newest few steps (dx.recent_steps)
     # Seconds since its last step as of its last message: 0 after a steps batch, the
     # agent's own figure after a heartbeat.
     since_step_at_msg_s: float = 0.0
@@ -162,6 +166,7 @@ class RunState:
                          "duplicate_records": 0, "agent_dropped": 0, "rejected_peers": 0,
                          "restarts": 0, "absurd_steps": 0, "backlog_refused": 0}
         self.live: dx.LiveLabel | None = None
+        self._lost_mark = 0  # steps (summed over ranks) counted into episodes' lost time
         self.live_since = started_at
         self.timeline: deque[Episode] = deque(maxlen=MAX_EPISODES)
         self.hang_after_s = hang_after_s
@@ -289,6 +294,13 @@ class RunState:
             rs.live = dx.RankTiming(
                 rs.ident.rank, window, None if step is None else step.median, medians,
                 rs.ident.host, rs.ident.node, self._untimed(rs, window))
+            # The newest few steps, to see a straggler recover before the window does.
+            n = dx.recent_steps(rs.live.step_ms)
+            step, phases = rs.window.stats(n)
+            rs.recent = dx.RankTiming(
+                rs.ident.rank, min(rs.window.count, n), None if step is None else step.median,
+                {k: None if v is None else v.median for k, v in phases.items()},
+                rs.ident.host, rs.ident.node)
             rs.dirty = False
         return rs.live
 
@@ -334,12 +346,28 @@ class RunState:
             self.hang = None
             self.hang_since = None
             active = self.live.shown.label if self.live else None
+            recent = [rs.recent for rs in self.ranks.values() if rs.recent is not None]
             self.live = dx.settle(self.live, dx.diagnose(timings, active, self.parallel == "fsdp",
-                                                         self.framework))
+                                                         self.framework, recent))
         shown = self.live.shown
         if before is None or shown.subject != before.subject:
             self._new_episode(shown, self.hang_since if self.hang is not None else now)
+        self._count_lost(shown, steps)
         return shown
+
+    def _count_lost(self, shown: dx.Diagnosis, steps: int) -> None:
+        """Add the steps taken since the last evaluation, at the culprit's current gap,
+        to the open episode's lost time. `steps` is the sum over ranks: per job step,
+        one step of each rank."""
+        ranks = max(1, len(self.ranks))
+        taken = (steps - self._lost_mark) / ranks
+        self._lost_mark = steps
+        last = self.timeline[-1] if self.timeline else None
+        if (last is None or last.end is not None or taken <= 0 or shown.gap_ms is None
+                or shown.label not in dx.STRAGGLER_LABELS):
+            return
+        self.timeline[-1] = replace(last, lost_s=(last.lost_s or 0.0) + taken * shown.gap_ms
+                                    / 1000.0)
 
     def _new_episode(self, d: dx.Diagnosis, now: float) -> None:
         step = max((rs.steps for rs in self.ranks.values()), default=0)

@@ -64,7 +64,8 @@ def _who(d: dict[str, Any]) -> str:
 def _episode(e: Episode) -> dict[str, Any]:
     return {"label": e.label, "rank": e.rank, "phase": e.phase, "severity": e.severity,
             "start": iso(e.start), "end": iso(e.end), "start_step": e.start_step,
-            "end_step": e.end_step, "summary": e.summary, "node": e.node}
+            "end_step": e.end_step, "summary": e.summary, "node": e.node,
+            "lost_s": None if e.lost_s is None else round(e.lost_s, 3)}
 
 
 def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
@@ -267,7 +268,9 @@ def render_text(doc: dict[str, Any]) -> str:
             who = f" rank {e['rank']}" if e["rank"] is not None else ""
             if e.get("node") is not None:
                 who = f" node {e['node']}"
-            lines.append(f"  step {e['start_step']:>6}  {e['label']}{who}")
+            until = f"-{e['end_step']}" if e.get("end_step") is not None else "-"
+            lost = (f"  (cost the job {e['lost_s']:.1f} s)" if e.get("lost_s") else "")
+            lines.append(f"  steps {e['start_step']:>6}{until:<7}  {e['label']}{who}{lost}")
     return "\n".join(lines) + "\n"
 
 
