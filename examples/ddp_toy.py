@@ -116,6 +116,8 @@ def main() -> None:
     p.add_argument("--hang-at-step", type=int, default=20)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--checkpoint-s", type=float, default=3.0)
+    p.add_argument("--checkpoint-rank", type=int, default=None,
+                   help="only this rank checkpoints (synchronously, as rank 0 often does)")
     p.add_argument("--startup-stall-s", type=float, default=0.0)
     args = p.parse_args()
 
@@ -159,7 +161,8 @@ def main() -> None:
             opt.step()
             if args.scenario == "stall":
                 time.sleep(delay)  # e.g. synchronous logging or checkpointing every step
-            if args.checkpoint_every and step and step % args.checkpoint_every == 0:
+            if (args.checkpoint_every and step and step % args.checkpoint_every == 0
+                    and args.checkpoint_rank in (None, rank)):
                 time.sleep(args.checkpoint_s)  # a legitimate long step: not a hang
             step += 1
             if args.fail_rank == rank and step == args.fail_at_step:

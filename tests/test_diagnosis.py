@@ -412,3 +412,92 @@ def test_which_phases_count_as_untimed(what, seen, window, forced, steps, auto, 
     pairs = zip(got, expected, strict=False)
     assert [(u.phase, u.why[:len(why)]) for u, (_, why) in pairs] == expected
     assert len(got) == len(expected)
+
+
+# --- periodic stalls and recent steps ------------------------------------------------------
+
+WINDOW = 400  # steps in each rank's window
+
+
+def stalls(rank: int, steps: list[int], ms: float = 250.0, phase: str = "wait"
+           ) -> dx.StallStats:
+    return dx.StallStats(rank, tuple(dx.Stall(s, ms, phase) for s in steps), WINDOW, STEP)
+
+
+def quiet(rank: int) -> dx.StallStats:
+    return dx.StallStats(rank, (), WINDOW, STEP)
+
+
+EVERY_30 = list(range(30, WINDOW, 30))  # 13 stalls
+# (what, per-rank stall stats, expected label, rank, phase)
+STALL_CASES = [
+    ("rank 0 checkpoints every 30 steps; the others wait in sync",
+     [stalls(0, EVERY_30)] + [stalls(r, EVERY_30, phase="sync") for r in (1, 2, 3)],
+     dx.PERIODIC_STALL, 0, "wait"),
+    ("every rank evaluates every 30 steps", [stalls(r, EVERY_30) for r in range(4)],
+     dx.PERIODIC_STALL, None, "wait"),
+    ("a DataLoader that stalls every 30 steps on rank 2",
+     [quiet(0), quiet(1), stalls(2, EVERY_30, phase="dataloader"), quiet(3)],
+     dx.PERIODIC_STALL, 2, "dataloader"),
+    ("one stray gap in the rhythm still counts",
+     [stalls(0, [30, 60, 90, 100, 120, 150, 180, 210, 240, 270])] + [quiet(r) for r in (1, 2)],
+     dx.PERIODIC_STALL, 0, "wait"),
+    ("two stalls are no rhythm", [stalls(0, [30, 60]), quiet(1)], BALANCED, None, None),
+    ("irregular hiccups are noise, not a period",
+     [stalls(0, [3, 17, 21, 70, 71, 190, 260, 301]), quiet(1)], BALANCED, None, None),
+    ("a slow stretch of consecutive steps is no rhythm",
+     [stalls(0, list(range(100, 110))), quiet(1)], BALANCED, None, None),
+    ("the victims alone (their stalls are sync) name nobody",
+     [quiet(0)] + [stalls(r, EVERY_30, phase="sync") for r in (1, 2)], BALANCED, None, None),
+    ("stalls costing under 5% of the time are not worth a label",
+     [stalls(0, EVERY_30, ms=0.04 * STEP * WINDOW / len(EVERY_30))] + [quiet(1)],
+     BALANCED, None, None),
+]
+
+
+@pytest.mark.parametrize("what, stats, label, rank, phase", STALL_CASES,
+                         ids=[c[0] for c in STALL_CASES])
+def test_periodic_stalls(what, stats, label, rank, phase):
+    ranks = [timing(st.rank) for st in stats]
+    d = diagnose(ranks, stalls=stats)
+    assert (d.label, d.rank, d.phase) == (label, rank, phase), d.summary
+
+
+def test_a_periodic_stall_says_its_period_cost_and_what_to_do():
+    stats = [stalls(0, EVERY_30)] + [stalls(r, EVERY_30, phase="sync") for r in (1, 2, 3)]
+    d = diagnose([timing(r) for r in range(4)], stalls=stats)
+    assert "Rank 0 stalls every 30 steps (13 times in the last 400 steps)" in d.summary
+    assert "about 250 ms each" in d.summary and "lost 3.2 s" in d.summary
+    assert "async_save" in d.summary
+    assert d.gap_share == pytest.approx(3250 / (WINDOW * STEP + 3250))
+
+
+def test_stragglers_come_before_a_periodic_stall():
+    stats = [stalls(0, EVERY_30), quiet(1), quiet(2)]
+    ranks = [timing(0), timing(1, dataloader=BASE["dataloader"] + part(0.3)), timing(2)]
+    assert diagnose(ranks, stalls=stats).label == INPUT_STRAGGLER
+
+
+def test_a_shown_periodic_stall_holds_down_to_the_exit_share():
+    ms = 0.04 * STEP * WINDOW / len(EVERY_30)  # 4%: below entry, above exit
+    stats = [stalls(0, EVERY_30, ms=ms), quiet(1)]
+    ranks = [timing(0), timing(1)]
+    assert diagnose(ranks, stalls=stats).label == BALANCED
+    assert diagnose(ranks, dx.PERIODIC_STALL, stalls=stats).label == dx.PERIODIC_STALL
+
+
+@pytest.mark.parametrize("step_ms, n", [(None, dx.RECENT_MAX), (10.0, dx.RECENT_MAX),
+                                        (500.0, 4), (2000.0, dx.RECENT_MIN),
+                                        (5e-324, dx.RECENT_MAX)])
+def test_recent_steps_cover_about_two_seconds(step_ms, n):
+    assert dx.recent_steps(step_ms) == n
+
+
+def test_a_straggler_whose_recent_steps_are_back_to_normal_is_not_named():
+    slow = timing(1, dataloader=BASE["dataloader"] + part(0.3))
+    ranks = [timing(0), slow, timing(2)]
+    assert diagnose(ranks).label == INPUT_STRAGGLER
+    recovered = [timing(r, steps=dx.RECENT_MAX) for r in range(3)]
+    assert diagnose(ranks, INPUT_STRAGGLER, recent=recovered).label == BALANCED
+    still = [timing(0, steps=8), replace(slow, steps=8), timing(2, steps=8)]
+    assert diagnose(ranks, INPUT_STRAGGLER, recent=still).label == INPUT_STRAGGLER

@@ -32,8 +32,11 @@ HANG = "HANG"
 WARMUP = "WARMUP"
 # Some phase the verdict depends on could not be timed: better no verdict than a wrong one.
 TIMING_INCOMPLETE = "TIMING INCOMPLETE"
+# A few steps of one rank (or of every rank) far above its typical step, recurring with
+# a period: a checkpoint, an evaluation, an upload that every other rank waits for.
+PERIODIC_STALL = "PERIODIC STALL"
 LABELS = (BALANCED, INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER, INPUT_BOUND, WAIT_HEAVY,
-          HANG, WARMUP, TIMING_INCOMPLETE)
+          HANG, WARMUP, TIMING_INCOMPLETE, PERIODIC_STALL)
 
 INFO, WARNING, CRITICAL = "info", "warning", "critical"
 # Labels that name a culprit every rank waits for, with its per-step gap.
@@ -96,6 +99,24 @@ def recent_steps(step_ms: float | None) -> int:
         return RECENT_MAX
     steps = RECENT_S * 1000.0 / step_ms  # inf for a sub-normal step: no round() of it
     return RECENT_MAX if steps >= RECENT_MAX else max(RECENT_MIN, round(steps))
+# Periodic stalls are invisible to medians: a few stalled steps in a window of many move
+# no median, yet each costs the whole job its length. A step is a stall when it takes at
+# least STALL_FACTOR times the rank's typical (median) step and STALL_MIN_MS more: a
+# doubled step is far outside a healthy job's step-to-step noise (a few percent), and the
+# floor keeps timer noise of sub-millisecond steps out.
+STALL_FACTOR = 2.0
+STALL_MIN_MS = 5.0
+# The label needs at least this many stalls of one rank in the window, recurring with a
+# period: at least PERIOD_SHARE of the gaps between them within PERIOD_TOLERANCE of
+# their median (one stray hiccup does not break a checkpoint's rhythm; scheduler noise
+# has none) ...
+STALL_MIN_COUNT = 3
+PERIOD_TOLERANCE = 0.2
+PERIOD_SHARE = 0.75
+# ... and stalls costing the job at least this share of the window's time: 5 % is what a
+# user would fix (an async checkpoint recovers it); exit at 3 % against flicker.
+STALL_SHARE_ENTER = 0.05
+STALL_SHARE_EXIT = 0.03
 # A whole node is the straggler when every rank on the worst rank's node is behind the
 # median rank by at least this share of the worst rank's gap, and no rank on another node
 # is. Half, because with half the ranks slow the median sits halfway between the two
@@ -145,6 +166,59 @@ def untimed_phases(seen: Mapping[str, int], window_steps: int, forced: Mapping[s
             out.append(Untimed(phase, f"closed without its end hook on {count} of {steps} "
                                       f"steps"))
     return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """One stalled step of one rank: how much longer than typical, and the phase that
+    holds most of that excess ("sync" on a rank that only waited for another)."""
+
+    step: int
+    excess_ms: float
+    phase: str
+
+
+@dataclass(frozen=True, slots=True)
+class StallStats:
+    """One rank's stalls over its window of `steps` steps of typically `step_ms`."""
+
+    rank: int
+    stalls: tuple[Stall, ...]
+    steps: int
+    step_ms: float
+
+
+def stall_threshold(typical_ms: float | None) -> float | None:
+    """The step time from which a step of this rank is a stall (None: not yet known)."""
+    if typical_ms is None or not typical_ms > 0:
+        return None
+    return max(STALL_FACTOR * typical_ms, typical_ms + STALL_MIN_MS)
+
+
+def stall_of(step: int, step_ms: float, typical_ms: float, names: Sequence[str],
+             values: Sequence[float | None], typical: Mapping[str, float | None]) -> Stall:
+    """The stall in one step: its excess over the typical step, and the phase whose time
+    grew the most over its own median (an unmeasured phase grows by nothing)."""
+    best, grew = "wait", float("-inf")
+    for name, value in zip(names, values, strict=False):
+        if value is None:
+            continue
+        extra = value - (typical.get(name) or 0.0)
+        if extra > grew:
+            best, grew = name, extra
+    return Stall(step, step_ms - typical_ms, best)
+
+
+def period(steps: Sequence[int]) -> int | None:
+    """The period of recurring steps, when they recur regularly (see PERIOD_*)."""
+    if len(steps) < STALL_MIN_COUNT:
+        return None
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+    mid = median(gaps)
+    if mid < 2:
+        return None  # consecutive slow steps are a slow stretch, not a rhythm
+    close = sum(1 for g in gaps if abs(g - mid) <= max(1.0, PERIOD_TOLERANCE * mid))
+    return round(mid) if close >= PERIOD_SHARE * len(gaps) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,13 +349,15 @@ def _still_behind(recent: Sequence[RankTiming] | None, rank: int, phases: Sequen
 
 def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
              collectives_in_compute: bool = False, framework: str | None = None,
-             recent: Sequence[RankTiming] | None = None) -> Diagnosis:
+             recent: Sequence[RankTiming] | None = None,
+             stalls: Sequence[StallStats] | None = None) -> Diagnosis:
     """Classify the window. `active` is the label currently shown: its own condition is
     tested with the lower exit threshold (hysteresis), every other with the enter one.
     `collectives_in_compute`: an FSDP job (see FSDP_COMPUTE_PHASES). `framework`: the
     training framework the agents saw, named in the hint when timing is incomplete.
     `recent`: the same ranks over their newest few steps (RECENT_S): a straggler the
-    window still holds but those steps no longer show has recovered, and is not named."""
+    window still holds but those steps no longer show has recovered, and is not named.
+    `stalls`: each rank's stalled steps over its window (periodic_stall)."""
     compute = FSDP_COMPUTE_PHASES if collectives_in_compute else COMPUTE_PHASES
     ready = [r for r in ranks if r.steps >= MIN_STEPS and _finite(r.step_ms) and r.step_ms > 0]
     if not ready:
@@ -332,6 +408,9 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
             f"input: speed up the input pipeline on all ranks (more DataLoader workers, "
             f"pin_memory, prefetching, cheaper preprocessing).",
             gap_share=input_share)
+    stall = periodic_stall(stalls or (), active)
+    if stall is not None:
+        return stall
     if untimed:
         return _incomplete(ready, framework)
     wait_share = _share(ready, ("wait",))
@@ -346,6 +425,50 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
         BALANCED, None, None, INFO,
         f"{len(ready)} rank{'s' if len(ready) != 1 else ''} balanced at a median "
         f"{step_ms:.1f} ms per step; no rank stands out in input or compute.")
+
+
+_STALL_HINT = {
+    "wait": "outside forward, backward and the optimizer: checkpointing, evaluation, "
+            "logging or uploads between steps",
+    "dataloader": "in the DataLoader: a worker restart, a shard or file opened every few "
+                  "steps",
+}
+
+
+def periodic_stall(stats: Sequence[StallStats], active: str | None) -> Diagnosis | None:
+    """PERIODIC STALL: a rank (or every rank) whose own work stalls with a period, costing
+    the job at least STALL_SHARE_ENTER of the window's time. The ranks that only waited
+    for it stall too, in sync: they are the victims, not the cause."""
+    causes = []
+    for st in stats:
+        own = [s for s in st.stalls if s.phase != "sync"]
+        rhythm = period([s.step for s in own])
+        if len(own) >= STALL_MIN_COUNT and rhythm is not None:
+            causes.append((st, own, rhythm))
+    if not causes:
+        return None
+    window_ms = median([st.steps * st.step_ms for st in stats if st.steps])
+    st, own, rhythm = max(causes, key=lambda c: (sum(s.excess_ms for s in c[1]), -c[0].rank))
+    lost_ms = sum(s.excess_ms for s in own)
+    share = lost_ms / (window_ms + lost_ms) if window_ms > 0 else 0.0
+    if share < (STALL_SHARE_EXIT if active == PERIODIC_STALL else STALL_SHARE_ENTER):
+        return None
+    phases = [s.phase for s in own]
+    phase = max(sorted(set(phases)), key=phases.count)
+    each = lost_ms / len(own)
+    everyone = len(causes) == len(stats) > 1
+    who = "Every rank" if everyone else f"Rank {st.rank}"
+    waits = ("" if everyone else
+             "; the other ranks wait for it in their next collective (their sync)")
+    where = _STALL_HINT.get(phase, f"in {phase}")
+    return Diagnosis(
+        PERIODIC_STALL, None if everyone else st.rank, phase, WARNING,
+        f"{who} stalls every {rhythm} steps ({len(own)} times in the last {st.steps} "
+        f"steps), about {each:.0f} ms each, {where}{waits}: the job lost "
+        f"{lost_ms / 1000:.1f} s, {share:.0%} of its time. Make it asynchronous "
+        f"(torch.distributed.checkpoint.async_save), run evaluation on every rank or off "
+        f"the critical path, log from a background thread.",
+        gap_ms=each, gap_share=share)
 
 
 def _incomplete(ranks: Sequence[RankTiming], framework: str | None) -> Diagnosis:

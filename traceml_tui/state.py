@@ -35,6 +35,10 @@ SPARKLINE_STEPS = 60
 # a GPU it is the step timed on the host while the agent learns the device.
 WARMUP_STEPS = 1
 MAX_EPISODES = 500
+# Stalled steps kept per rank: a window holds at most 512 steps, and a stall is at least
+# two typical steps, so a rank stalling on every other step fills 256; past that the
+# oldest go (they have left the window anyway, or it is no rhythm but a slow rank).
+MAX_STALLS = 256
 # Distinct phase names a run may use: the standard ones plus the agent's custom limit.
 MAX_RUN_PHASES = 24
 
@@ -141,6 +145,10 @@ class RankState:
     dirty: bool = True
     live: dx.RankTiming | None = None
     recent: dx.RankTiming | None = None  # the newest few steps (dx.recent_steps)
+    # Stalled steps (dx.stall_of), found on receipt against the typical step of the last
+    # evaluation; bounded, and read back only over the rank's window.
+    stalls: deque[dx.Stall] = field(default_factory=lambda: deque(maxlen=MAX_STALLS))
+    stall_at_ms: float | None = None
     # Seconds since its last step as of its last message: 0 after a steps batch, the
     # agent's own figure after a heartbeat.
     since_step_at_msg_s: float = 0.0
@@ -269,6 +277,10 @@ class RunState:
                 continue
             if rec.step >= WARMUP_STEPS:
                 rs.window.append(rec.step_ms, rec.t_end, msg.phases, rec.phase_ms)
+                if rs.stall_at_ms is not None and rec.step_ms >= rs.stall_at_ms:
+                    live = rs.live
+                    rs.stalls.append(dx.stall_of(rec.step, rec.step_ms, live.step_ms,
+                                                 msg.phases, rec.phase_ms, live.phase_ms))
             rs.last_step_at = rs.last_seen
             rs.since_step_at_msg_s = 0.0
             rs.last_step = rec.step
@@ -301,8 +313,22 @@ class RunState:
                 rs.ident.rank, min(rs.window.count, n), None if step is None else step.median,
                 {k: None if v is None else v.median for k, v in phases.items()},
                 rs.ident.host, rs.ident.node)
+            if window >= dx.MIN_STEPS:
+                rs.stall_at_ms = dx.stall_threshold(rs.live.step_ms)
             rs.dirty = False
         return rs.live
+
+    def _stall_stats(self) -> list[dx.StallStats]:
+        """Every rank's stalls within its window (the steps the window holds)."""
+        out = []
+        for rs in self.ranks.values():
+            typical = rs.live.step_ms if rs.live is not None else None
+            if typical is None:
+                continue
+            first = rs.last_step - rs.window.count
+            stalls = tuple(st for st in rs.stalls if st.step > first)
+            out.append(dx.StallStats(rs.ident.rank, stalls, rs.window.count, typical))
+        return out
 
     @staticmethod
     def _untimed(rs: RankState, window: int) -> tuple[dx.Untimed, ...]:
@@ -348,7 +374,8 @@ class RunState:
             active = self.live.shown.label if self.live else None
             recent = [rs.recent for rs in self.ranks.values() if rs.recent is not None]
             self.live = dx.settle(self.live, dx.diagnose(timings, active, self.parallel == "fsdp",
-                                                         self.framework, recent))
+                                                         self.framework, recent,
+                                                         self._stall_stats()))
         shown = self.live.shown
         if before is None or shown.subject != before.subject:
             self._new_episode(shown, self.hang_since if self.hang is not None else now)
@@ -392,7 +419,7 @@ class RunState:
                           r.host, r.node, r.untimed)
             for r in ranks if r.reported]
         return dx.diagnose(timings, collectives_in_compute=self.parallel == "fsdp",
-                           framework=self.framework)
+                           framework=self.framework, stalls=self._stall_stats())
 
     def snapshot(self, now: float, mono_now: float, full: bool = False) -> Snapshot:
         """Freeze the state. `full` adds whole-window quantiles and the final diagnosis
