@@ -280,12 +280,31 @@ def _finish_learning() -> None:
         _wrap_call(cls)
     if _rec is not None:
         _rec.parallel = parallel_kind(_roots)
+        if _rec.parallel == "ddp":
+            _rec.grad_bytes = gradient_bytes(_roots)
     while _grad_probes:
         _grad_probes.pop().remove()
     if _grad_order:
         handle = _grad_order[0].register_post_accumulate_grad_hook(_on_first_grad)
         _undo.append(handle.remove)
     _grad_order.clear()
+
+
+def gradient_bytes(roots: list[Any]) -> int:
+    """Bytes of the gradients DDP all-reduces every step: every parameter that needs a
+    gradient, once (a parameter shared by two roots counts once). Read once, after the
+    first step, for the achieved bus bandwidth (docs/network.md)."""
+    seen: set[int] = set()
+    total = 0
+    for root in roots:
+        try:
+            for param in root.parameters():
+                if param.requires_grad and id(param) not in seen:
+                    seen.add(id(param))
+                    total += param.numel() * param.element_size()
+        except Exception:  # a root without parameters() (a loss function object)
+            continue
+    return total
 
 
 def parallel_kind(roots: list[Any]) -> str | None:

@@ -330,6 +330,8 @@ def _heartbeat(raw: dict) -> dict[str, Any]:
         # Collectives entered per process group, and the group of the one in progress.
         "groups": _groups(raw.get("groups", {})),
         "in_group": None if group is None else _str(group, "in_group", 64),
+        # Gradient bytes DDP all-reduces per step (0: not DDP, or not known yet).
+        "grad_bytes": _int(raw.get("grad_bytes", 0), "grad_bytes", 0, 1 << 50),
         "since_step_s": _opt_float(raw.get("since_step_s"), "since_step_s", 0.0, 1e9),
         "parallel": None if parallel is None else _str(parallel, "parallel", 16),
         "framework": None if framework is None else _str(framework, "framework", 64),
@@ -347,7 +349,30 @@ def _stacks(raw: dict) -> dict[str, Any]:
             raise ProtocolError("a stack must be [thread name, text]")
         out.append((_str(item[0], "thread name", 128),
                     _str(item[1], "stack", MAX_STACK_CHARS, lines=True)))
-    return {"stacks": tuple(out)}
+    body: dict[str, Any] = {"stacks": tuple(out)}
+    if "nccl" in raw:
+        body["nccl"] = _nccl(raw["nccl"])
+    return body
+
+
+def _nccl(raw: Any) -> dict[str, Any] | None:
+    """A rank's last collectives per its own NCCL log (nccl_log.py), or None."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not set(raw) <= {"op", "op_count", "comm", "done",
+                                                     "unused"}:
+        raise ProtocolError("nccl must be a map of op, op_count, comm, done, unused")
+
+    def opt(name: str, limit: int) -> str | None:
+        v = raw.get(name)
+        return None if v is None else _str(v, name, limit)
+
+    def count(name: str) -> int | None:
+        v = raw.get(name)
+        return None if v is None else _int(v, name, 0, 1 << 62)
+
+    return {"op": opt("op", 64), "op_count": count("op_count"), "comm": opt("comm", 64),
+            "done": count("done"), "unused": opt("unused", 2000)}
 
 
 def _goodbye(raw: dict) -> dict[str, Any]:
@@ -410,9 +435,9 @@ _FIELDS = {
     "sys": _COMMON | {"cpu_pct", "rss_mb", "gpu_util", "gpu_mem_mb", "gpu_mem_total_mb",
                       "gpu_alloc_mb", "gpu_reserved_mb", "gpu_peak_mb", "device"},
     "heartbeat": _COMMON | {"step", "phase", "in_phase_s", "collectives", "in_collective",
-                            "groups", "in_group", "since_step_s", "parallel", "framework",
-                            "agent_off"},
-    "stacks": _COMMON | {"stacks"},
+                            "groups", "in_group", "grad_bytes", "since_step_s", "parallel",
+                            "framework", "agent_off"},
+    "stacks": _COMMON | {"stacks", "nccl"},
     "goodbye": _COMMON | {"exit_code", "error", "steps"},
     "checks": _COMMON | {"findings", "facts"},
     "capture": _COMMON | {"capture_id", "state", "steps", "path", "error"},

@@ -75,6 +75,7 @@ class Recorder:
         "in_collective",
         "groups",
         "in_group",
+        "grad_bytes",
         "last_step_t",
         "last_wall",
         "device_sources",
@@ -98,6 +99,7 @@ class Recorder:
         # Progress, read by the heartbeat thread (which needs nothing from this one):
         self.collectives = 0  # explicit torch.distributed collectives entered
         self.parallel: str | None = None  # "ddp" or "fsdp", learned during the first step
+        self.grad_bytes = 0  # gradient bytes DDP all-reduces per step (hooks.py)
         # Called after each closed step, only while a deep-trace capture is asked or running.
         self.step_listener: Any = None
         self.in_collective: str | None = None

@@ -12,6 +12,8 @@ send requests back to a rank over the same connection.
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import threading
 import time
@@ -19,7 +21,7 @@ from collections import deque
 from time import perf_counter_ns
 from typing import Any
 
-from . import handover, keys, protocol
+from . import handover, keys, nccl_log, protocol
 from .capture import Capturer
 from .checks import StepObserver
 from .recorder import MEASURED, Recorder
@@ -160,13 +162,19 @@ class Sender(threading.Thread):
         except self._zmq_again:
             return False
 
+    def _nccl(self) -> dict[str, Any]:
+        try:
+            return _own_nccl_state()
+        except Exception:  # evidence only: never worth the stacks themselves
+            return {}
+
     def _heartbeat(self) -> None:
         rec = self.rec
         phase, in_phase = rec.in_phase()
         since_step = max(0.0, (perf_counter_ns() - rec.last_step_t) / 1e9)
         self._send("heartbeat", step=rec.step, phase=phase, in_phase_s=in_phase,
                    collectives=rec.collectives, in_collective=rec.in_collective,
-                   groups=dict(rec.groups), in_group=rec.in_group,
+                   groups=dict(rec.groups), in_group=rec.in_group, grad_bytes=rec.grad_bytes,
                    since_step_s=since_step, parallel=rec.parallel, framework=framework(),
                    agent_off=self.agent_off)
         if self.agent_off is not None:
@@ -177,7 +185,7 @@ class Sender(threading.Thread):
                                          or now - self.stacks_sent_at > STACK_REFRESH_S):
             # A new stall (the rank stepped since the last stacks), or a refresh.
             self.stacks_sent_at, self.stacks_step = now, rec.step
-            self._send("stacks", stacks=thread_stacks())
+            self._send("stacks", stacks=thread_stacks(), **self._nccl())
 
     def _serve_captures(self) -> None:
         """Requests from the collector (the DEALER hears its ROUTER), then the capture's
@@ -266,6 +274,14 @@ def framework() -> str | None:
         if module in modules:
             return name
     return None
+
+
+def _own_nccl_state() -> dict[str, Any]:
+    """With `traceml run --nccl-debug`: what this rank's own NCCL log says of its last
+    collectives (nccl_log.py), read here, off the training thread."""
+    state = nccl_log.read_own(os.environ.get(nccl_log.LOG_DIR_ENV), socket.gethostname(),
+                              os.getpid())
+    return {} if state is None else {"nccl": state.to_wire()}
 
 
 def thread_stacks() -> list[list[str]]:

@@ -39,7 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-SCENARIOS = ("balanced", "input", "forward", "optimizer", "batch", "input-all", "stall")
+SCENARIOS = ("balanced", "input", "forward", "optimizer", "batch", "input-all", "stall",
+             "compute-all")
 
 
 def _ranks(text: str) -> tuple[int, ...]:
@@ -137,7 +138,10 @@ def main() -> None:
     loader = DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, seed=0),
                         collate_fn=SlowCollate(delay if slow_input else 0.0), drop_last=True)
     torch.manual_seed(0)
-    model = DDP(Net(args.dim, delay if args.scenario == "forward" and me else 0.0))
+    # "compute-all": every rank's forward takes --delay-ms longer (a model whose compute
+    # dwarfs its gradient allreduce: sync is then a modest share of the step).
+    extra = (args.scenario == "forward" and me) or args.scenario == "compute-all"
+    model = DDP(Net(args.dim, delay if extra else 0.0))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     if args.scenario == "optimizer" and me:
         opt.register_step_pre_hook(lambda *a: time.sleep(delay))

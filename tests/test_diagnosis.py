@@ -111,8 +111,9 @@ CASES = [
      None, STRAGGLER, 6, "forward"),
     ("waiters-sync-not-blamed", ddp(8, (7,), {"forward": part(0.45)}), None,
      COMPUTE_STRAGGLER, 7, "forward"),
+    # Sync alone never blames a rank; most ranks waiting most of the step is COMM-BOUND.
     ("only-sync-differs", [timing(0)] + [timing(r, sync=300.0) for r in range(1, 8)], None,
-     BALANCED, None, None),
+     dx.COMM_BOUND, None, "sync"),
     ("input-bound", ddp(4, dataloader=INPUT_BOUND_DL), None, INPUT_BOUND, None, "dataloader"),
     ("wait-heavy", ddp(4, wait=part(0.40, STEP - BASE["wait"])), None, WAIT_HEAVY, None,
      "wait"),
@@ -501,3 +502,51 @@ def test_a_straggler_whose_recent_steps_are_back_to_normal_is_not_named():
     assert diagnose(ranks, INPUT_STRAGGLER, recent=recovered).label == BALANCED
     still = [timing(0, steps=8), replace(slow, steps=8), timing(2, steps=8)]
     assert diagnose(ranks, INPUT_STRAGGLER, recent=still).label == INPUT_STRAGGLER
+
+
+# --- COMM-BOUND ------------------------------------------------------------------------------
+
+
+def sync_share_ranks(share: float, n: int = 4, comm_bytes: int = 0, **slow) -> list[RankTiming]:
+    """n ranks whose sync is `share` of their step (the rest as BASE)."""
+    sync = part(share, STEP - BASE["sync"])
+    return [replace(timing(r, sync=sync), comm_bytes=comm_bytes) for r in range(n)]
+
+
+@pytest.mark.parametrize("share, active, label", [
+    (0.20, None, BALANCED),  # a DDP job overlapping well: modest exposed sync
+    (0.45, None, BALANCED),
+    (dx.COMM_BOUND_ENTER, None, dx.COMM_BOUND),
+    (0.83, None, dx.COMM_BOUND),  # the 200 Mbit/s link of the issue: 22 of 26.7 ms
+    (0.45, dx.COMM_BOUND, dx.COMM_BOUND),  # hysteresis: held down to the exit share
+    (dx.COMM_BOUND_EXIT - 0.01, dx.COMM_BOUND, BALANCED),
+])
+def test_comm_bound_needs_most_of_the_step_in_sync(share, active, label):
+    d = diagnose(sync_share_ranks(share), active)
+    assert d.label == label, d.summary
+    if label == dx.COMM_BOUND:
+        assert (d.rank, d.phase) == (None, "sync") and d.gap_share == pytest.approx(share, 0.01)
+
+
+def test_a_stragglers_victims_wait_in_sync_but_the_straggler_is_named_first():
+    ranks = sync_share_ranks(0.7)
+    ranks[2] = replace(ranks[2], phase_ms={**ranks[2].phase_ms, "sync": 1.0,
+                                           "forward": BASE["forward"] + part(0.4)})
+    d = diagnose(ranks)
+    assert (d.label, d.rank) == (COMPUTE_STRAGGLER, 2)
+
+
+def test_comm_bound_gives_the_achieved_bus_bandwidth_and_compares_the_preflight():
+    ranks = sync_share_ranks(0.8, comm_bytes=100_000_000)  # 100 MB of gradients
+    sync_ms = ranks[0].phase_ms["sync"]
+    expected = 100e6 / (sync_ms / 1000) / 1e9 * 2 * 3 / 4
+    assert dx.bus_gbps(100e6, sync_ms, 4) == pytest.approx(expected)
+    d = diagnose(ranks, preflight_busbw=2 * expected)
+    assert f"about {expected:.2f} GB/s of bus bandwidth" in d.summary, d.summary
+    assert "100.0 MB of gradients" in d.summary and "(50% of it)" in d.summary
+    assert "NCCL_SOCKET_IFNAME" in d.summary and "traceml netcheck" in d.summary
+
+
+@pytest.mark.parametrize("nbytes, ms, world", [(0, 5.0, 4), (1e6, 0.0, 4), (1e6, 5.0, 1)])
+def test_no_bus_bandwidth_without_bytes_time_or_peers(nbytes, ms, world):
+    assert dx.bus_gbps(nbytes, ms, world) is None

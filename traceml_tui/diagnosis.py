@@ -35,8 +35,11 @@ TIMING_INCOMPLETE = "TIMING INCOMPLETE"
 # A few steps of one rank (or of every rank) far above its typical step, recurring with
 # a period: a checkpoint, an evaluation, an upload that every other rank waits for.
 PERIODIC_STALL = "PERIODIC STALL"
+# Every rank waits in collectives for most of its step, and no rank is behind: the
+# network (or the collective's size) sets the pace, not any rank's work.
+COMM_BOUND = "COMM-BOUND"
 LABELS = (BALANCED, INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER, INPUT_BOUND, WAIT_HEAVY,
-          HANG, WARMUP, TIMING_INCOMPLETE, PERIODIC_STALL)
+          HANG, WARMUP, TIMING_INCOMPLETE, PERIODIC_STALL, COMM_BOUND)
 
 INFO, WARNING, CRITICAL = "info", "warning", "critical"
 # Labels that name a culprit every rank waits for, with its per-step gap.
@@ -117,6 +120,13 @@ PERIOD_SHARE = 0.75
 # user would fix (an async checkpoint recovers it); exit at 3 % against flicker.
 STALL_SHARE_ENTER = 0.05
 STALL_SHARE_EXIT = 0.03
+# COMM-BOUND when the median rank spends at least this share of its step in exposed
+# collective wait (sync) and no straggler, input or stall rule fired first (a
+# straggler's victims wait in sync too). Half: the accelerators then idle at least half
+# of every step for the network; a DDP job whose allreduces overlap backward well
+# exposes 5-25 % (bigger buckets and overlap are the first advice at 50 %). Exit at 40 %.
+COMM_BOUND_ENTER = 0.50
+COMM_BOUND_EXIT = 0.40
 # A whole node is the straggler when every rank on the worst rank's node is behind the
 # median rank by at least this share of the worst rank's gap, and no rank on another node
 # is. Half, because with half the ranks slow the median sits halfway between the two
@@ -143,6 +153,16 @@ class RankTiming:
     host: str = ""
     node: int = 0
     untimed: tuple[Untimed, ...] = ()
+    comm_bytes: int = 0  # gradient bytes all-reduced per step (DDP), 0 when unknown
+
+
+def bus_gbps(nbytes: float, ms: float, world: int) -> float | None:
+    """nccl-tests' bus bandwidth of an all-reduce of `nbytes` in `ms` among `world`
+    ranks, in GB/s: algorithm bandwidth (bytes / time) x 2(n-1)/n, the share of the data
+    each rank's link carries in a ring, so figures compare across world sizes."""
+    if not nbytes or not ms or ms <= 0 or world < 2:
+        return None
+    return nbytes / (ms / 1000.0) / 1e9 * 2 * (world - 1) / world
 
 
 def untimed_phases(seen: Mapping[str, int], window_steps: int, forced: Mapping[str, int],
@@ -350,14 +370,17 @@ def _still_behind(recent: Sequence[RankTiming] | None, rank: int, phases: Sequen
 def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
              collectives_in_compute: bool = False, framework: str | None = None,
              recent: Sequence[RankTiming] | None = None,
-             stalls: Sequence[StallStats] | None = None) -> Diagnosis:
+             stalls: Sequence[StallStats] | None = None,
+             preflight_busbw: float | None = None) -> Diagnosis:
     """Classify the window. `active` is the label currently shown: its own condition is
     tested with the lower exit threshold (hysteresis), every other with the enter one.
     `collectives_in_compute`: an FSDP job (see FSDP_COMPUTE_PHASES). `framework`: the
     training framework the agents saw, named in the hint when timing is incomplete.
     `recent`: the same ranks over their newest few steps (RECENT_S): a straggler the
     window still holds but those steps no longer show has recovered, and is not named.
-    `stalls`: each rank's stalled steps over its window (periodic_stall)."""
+    `stalls`: each rank's stalled steps over its window (periodic_stall).
+    `preflight_busbw`: the all-reduce bus bandwidth `traceml netcheck` measured before
+    training (GB/s), which COMM-BOUND's evidence compares against."""
     compute = FSDP_COMPUTE_PHASES if collectives_in_compute else COMPUTE_PHASES
     ready = [r for r in ranks if r.steps >= MIN_STEPS and _finite(r.step_ms) and r.step_ms > 0]
     if not ready:
@@ -413,6 +436,9 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
         return stall
     if untimed:
         return _incomplete(ready, framework)
+    sync_share = _share(ready, ("sync",))
+    if over(sync_share, COMM_BOUND_ENTER, COMM_BOUND_EXIT, COMM_BOUND):
+        return comm_bound(ready, sync_share, step_ms, preflight_busbw)
     wait_share = _share(ready, ("wait",))
     if over(wait_share, WAIT_HEAVY_ENTER, WAIT_HEAVY_EXIT, WAIT_HEAVY):
         return Diagnosis(
@@ -425,6 +451,40 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
         BALANCED, None, None, INFO,
         f"{len(ready)} rank{'s' if len(ready) != 1 else ''} balanced at a median "
         f"{step_ms:.1f} ms per step; no rank stands out in input or compute.")
+
+
+def comm_bound(ranks: Sequence[RankTiming], share: float, step_ms: float,
+               preflight_busbw: float | None) -> Diagnosis:
+    """COMM-BOUND, with the achieved bus bandwidth per rank where the gradient bytes are
+    known: bytes all-reduced per step over the rank's exposed sync time. Part of each
+    transfer overlaps backward, so this is an upper bound of what the slowest link did."""
+    world = len(ranks)
+    rates = [(r.rank, bus_gbps(r.comm_bytes, r.phase_ms.get("sync") or 0.0, world))
+             for r in ranks]
+    rates = [(rank, g) for rank, g in rates if g is not None]
+    sync_ms = median([r.phase_ms.get("sync") or 0.0 for r in ranks])
+    evidence = ""
+    if rates:
+        nbytes = median([r.comm_bytes for r in ranks if r.comm_bytes])
+        slow_rank, slow = min(rates, key=lambda x: (x[1], x[0]))
+        mid = median([g for _, g in rates])
+        evidence = (f" DDP all-reduces {nbytes / 1e6:.1f} MB of gradients per step: about "
+                    f"{mid:.2f} GB/s of bus bandwidth over the exposed wait (lowest: rank "
+                    f"{slow_rank}, {slow:.2f} GB/s)")
+        if preflight_busbw:
+            evidence += (f", against {preflight_busbw:.2f} GB/s measured by the preflight "
+                         f"({mid / preflight_busbw:.0%} of it)")
+        evidence += "."
+    return Diagnosis(
+        COMM_BOUND, None, "sync", WARNING,
+        f"Every rank spends about {share:.0%} of its {step_ms:.1f} ms step waiting in "
+        f"collectives ({sync_ms:.1f} ms of exposed sync) and no rank is behind: the job is "
+        f"communication-bound.{evidence} Try larger DDP buckets (bucket_cap_mb) and more "
+        f"overlap (gradient accumulation with no_sync), find_unused_parameters=False, a "
+        f"gradient compression hook (fp16/bf16, PowerSGD); check the interface the "
+        f"backend uses (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) and the links: traceml "
+        f"netcheck (docs/network.md).",
+        gap_share=share)
 
 
 _STALL_HINT = {

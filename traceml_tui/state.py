@@ -93,6 +93,8 @@ class RankSnapshot:
     untimed: tuple[dx.Untimed, ...] = ()  # phases the agent could not time, and why
     groups: tuple[tuple[str, int], ...] = ()  # collectives entered per process group
     in_group: str | None = None  # the group of the collective in progress
+    grad_bytes: int = 0  # gradient bytes DDP all-reduces per step
+    nccl: dict[str, Any] | None = None  # last collectives per its NCCL log (--nccl-debug)
     agent_off: str | None = None  # why the agent turned its timing off on this rank
 
 
@@ -116,6 +118,7 @@ class Snapshot:
     checks: tuple[Finding, ...] = ()  # setup mistakes, merged across ranks
     batch_sizes: dict[int, int] = field(default_factory=dict)  # DataLoader batch per rank
     framework: str | None = None  # the training framework the agents saw
+    preflight_busbw: float | None = None  # GB/s, from `traceml run --preflight`
 
     @property
     def reporting(self) -> int:
@@ -154,6 +157,7 @@ class RankState:
     since_step_at_msg_s: float = 0.0
     stacks: tuple[tuple[str, str], ...] = ()
     stacks_after_step: int = -1  # the last step before the stacks were taken
+    nccl: dict[str, Any] | None = None  # its NCCL log's last collectives, with the stacks
     forced: dict[str, int] = field(default_factory=dict)  # phases closed without an end
     auto: bool = True  # the zero-code hooks time this rank (hello says; assumed before it)
 
@@ -175,6 +179,8 @@ class RunState:
                          "restarts": 0, "absurd_steps": 0, "backlog_refused": 0}
         self.live: dx.LiveLabel | None = None
         self._lost_mark = 0  # steps (summed over ranks) counted into episodes' lost time
+        # All-reduce bus bandwidth (GB/s) the preflight measured (`traceml run --preflight`).
+        self.preflight_busbw: float | None = None
         self.live_since = started_at
         self.timeline: deque[Episode] = deque(maxlen=MAX_EPISODES)
         self.hang_after_s = hang_after_s
@@ -236,6 +242,7 @@ class RunState:
             # in order): cleared when it steps again, so an old stall's stack is never
             # shown for a healthy rank or a later hang.
             rs.stacks = msg.body["stacks"]
+            rs.nccl = msg.body.get("nccl")
             rs.stacks_after_step = rs.last_step
         elif kind == "hello":
             rs.device = msg.body["device"]
@@ -289,6 +296,7 @@ class RunState:
             rs.dirty = True
         if rs.stacks and rs.last_step > rs.stacks_after_step:
             rs.stacks = ()
+            rs.nccl = None
 
     def failures(self) -> list[tuple[int, int]]:
         """(rank, exit code) of the ranks that reported a non-zero exit, first failure first."""
@@ -305,7 +313,8 @@ class RunState:
             medians = {k: None if v is None else v.median for k, v in phases.items()}
             rs.live = dx.RankTiming(
                 rs.ident.rank, window, None if step is None else step.median, medians,
-                rs.ident.host, rs.ident.node, self._untimed(rs, window))
+                rs.ident.host, rs.ident.node, self._untimed(rs, window),
+                rs.heartbeat.get("grad_bytes", 0))
             # The newest few steps, to see a straggler recover before the window does.
             n = dx.recent_steps(rs.live.step_ms)
             step, phases = rs.window.stats(n)
@@ -375,7 +384,8 @@ class RunState:
             recent = [rs.recent for rs in self.ranks.values() if rs.recent is not None]
             self.live = dx.settle(self.live, dx.diagnose(timings, active, self.parallel == "fsdp",
                                                          self.framework, recent,
-                                                         self._stall_stats()))
+                                                         self._stall_stats(),
+                                                         self.preflight_busbw))
         shown = self.live.shown
         if before is None or shown.subject != before.subject:
             self._new_episode(shown, self.hang_since if self.hang is not None else now)
@@ -416,10 +426,11 @@ class RunState:
         timings = [
             dx.RankTiming(r.rank, r.window_steps, None if r.step_ms is None else r.step_ms.median,
                           {k: None if v is None else v.median for k, v in r.phase_ms.items()},
-                          r.host, r.node, r.untimed)
+                          r.host, r.node, r.untimed, r.grad_bytes)
             for r in ranks if r.reported]
         return dx.diagnose(timings, collectives_in_compute=self.parallel == "fsdp",
-                           framework=self.framework, stalls=self._stall_stats())
+                           framework=self.framework, stalls=self._stall_stats(),
+                           preflight_busbw=self.preflight_busbw)
 
     def snapshot(self, now: float, mono_now: float, full: bool = False) -> Snapshot:
         """Freeze the state. `full` adds whole-window quantiles and the final diagnosis
@@ -434,7 +445,8 @@ class RunState:
             final=self._full_diagnosis(ranks) if full else None,
             timeline=tuple(self.timeline), counters=dict(self.counters), hang=self.hang,
             hang_since=self.hang_since, parallel=self.parallel, checks=self.checks.merged(),
-            batch_sizes=self.checks.batch_sizes(), framework=self.framework)
+            batch_sizes=self.checks.batch_sizes(), framework=self.framework,
+            preflight_busbw=self.preflight_busbw)
 
     def _rank_snapshot(self, rank: int, mono_now: float, full: bool) -> RankSnapshot:
         rs = self.ranks.get(rank)
@@ -464,4 +476,5 @@ class RunState:
             in_collective=rs.heartbeat.get("in_collective"), stacks=rs.stacks, untimed=untimed,
             agent_off=rs.heartbeat.get("agent_off"),
             groups=tuple(sorted(rs.heartbeat.get("groups", {}).items())),
-            in_group=rs.heartbeat.get("in_group"))
+            in_group=rs.heartbeat.get("in_group"), grad_bytes=rs.heartbeat.get("grad_bytes", 0),
+            nccl=rs.nccl)

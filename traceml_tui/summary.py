@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
+from traceml_agent import nccl_log
 from traceml_agent.checks import format_ranks
 
 from . import diagnosis as dx
@@ -117,8 +118,29 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
         "timing": _timing(snap),
         "timeline": [_episode(e) for e in snap.timeline],
         "hang": _hang(snap),
+        "comm": _comm(snap),
         "collector": dict(snap.counters),
     }
+
+
+def _comm(snap: Snapshot) -> dict[str, Any]:
+    """The job's collective wait: the median rank's share of its step in sync, and per
+    rank the achieved all-reduce bus bandwidth over its exposed sync time (where DDP's
+    gradient bytes are known). docs/network.md explains the figures."""
+    reported = [r for r in snap.ranks if r.reported and r.step_ms is not None]
+    shares, per_rank = [], []
+    for r in reported:
+        sync = r.phase_ms.get("sync")
+        sync_ms = None if sync is None else sync.median
+        if sync_ms is not None and r.step_ms.median > 0:
+            shares.append(sync_ms / r.step_ms.median)
+        gbps = dx.bus_gbps(r.grad_bytes, sync_ms or 0.0, snap.world_size)
+        per_rank.append({"rank": r.rank, "sync_ms": _round(sync_ms),
+                         "bytes_per_step": r.grad_bytes or None, "busbw_gbps": _round(gbps)})
+    rates = [x["busbw_gbps"] for x in per_rank if x["busbw_gbps"] is not None]
+    return {"sync_share": _round(median(shares)) if shares else None,
+            "busbw_gbps": _round(median(rates)) if rates else None,
+            "preflight_busbw_gbps": snap.preflight_busbw, "ranks": per_rank}
 
 
 # A step shorter than a microsecond is not a measurement: no rate from it (1000 / 5e-324
@@ -167,7 +189,7 @@ def _hang(snap: Snapshot) -> dict[str, Any] | None:
         "stalled_s": round(report.stalled_s, 1), "threshold_s": round(report.threshold_s, 1),
         "progress": [{"rank": r.rank, "host": r.host, "steps": r.steps, "phase": r.phase,
                       "collectives": r.collectives, "in_collective": r.in_collective,
-                      "groups": dict(r.groups), "in_group": r.in_group}
+                      "groups": dict(r.groups), "in_group": r.in_group, "nccl": r.nccl}
                      for r in snap.ranks if r.reported],
         "stacks": {str(r.rank): [{"thread": name, "stack": text} for name, text in r.stacks]
                    for r in snap.ranks if r.stacks},
@@ -241,6 +263,14 @@ def render_text(doc: dict[str, Any]) -> str:
                 tail = threads[0]["stack"].rstrip().splitlines()[-6:]
                 lines += ["", f"Rank {rank}, {threads[0]['thread']}, innermost call last:"] + [
                     f"  {t}" for t in tail]
+    if hang_doc:
+        logged = [p for p in hang_doc.get("progress", []) if p.get("nccl")]
+        if logged:  # --nccl-debug: the seed's opCount comparison, done for the user
+            lines += ["", "NCCL logs, each rank's last collectives:"]
+            for p in logged:
+                lines.append(f"  rank {p['rank']}: {nccl_log.describe(p['nccl'])}")
+                if p["nccl"].get("unused"):
+                    lines.append(f"    DDP: {p['nccl']['unused'][:300]}")
     for r in doc["ranks"]:
         if (r.get("exit_code") or 0) < 0 and not r.get("error"):
             lines += ["", f"Rank {r['rank']} died: killed by signal {-r['exit_code']}"
