@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import __version__, slurm, terminal
+from . import __version__, nccl_debug, slurm, terminal
 from .slurm import SlurmError
 
 RUN_USAGE = "traceml run SCRIPT [options] [-- SCRIPT ARGS...]"
@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: 20 median steps, at least 10 s)")
     run.add_argument("--headless", action="store_true",
                      help="no dashboard: print progress and a text summary at the end")
+    run.add_argument("--nccl-debug", nargs="?", const="INFO", default=None,
+                     type=str.upper, choices=nccl_debug.LEVELS, metavar="LEVEL",
+                     help="NCCL and torch.distributed debug logs per rank in the run folder "
+                          "(WARN, INFO (default), TRACE); a HANG then shows each rank's last "
+                          "NCCL opCount")
 
     watch = sub.add_parser("watch", help="open the dashboard on a running job",
                            description="Attach the dashboard to a run that is going: a run "
@@ -148,6 +153,7 @@ def _cmd_run(parser: argparse.ArgumentParser, argv: list[str], full_argv: list[s
     opts = RunOptions(
         script=Path(args.script), script_args=script_args, out=args.out, headless=headless,
         command=["traceml", *full_argv], hang_after=args.hang_after,
+        nccl_debug=args.nccl_debug,
         collector_addr=args.collector_addr, collector_port=args.collector_port, **nodes)
     try:
         return run(opts)

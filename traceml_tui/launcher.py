@@ -30,7 +30,7 @@ from typing import Any
 
 from traceml_agent import env, handover, keys
 
-from . import private, summary
+from . import nccl_debug, private, summary
 from .collector import COLLECTOR_JSON
 from .job_output import Progress, Tee, parse_root_cause, read_tail
 
@@ -66,6 +66,7 @@ class RunOptions:
     headless: bool = True
     command: list[str] = field(default_factory=list)
     hang_after: float | None = None
+    nccl_debug: str | None = None  # --nccl-debug LEVEL (nccl_debug.py)
     # Multi-node: where node 0's collector listens (default: the master address, the
     # master port + 1; the view socket takes the port after that).
     collector_addr: str | None = None
@@ -591,6 +592,9 @@ def run(opts: RunOptions) -> int:
     child_env = dict(os.environ)
     child_env.update({env.ENDPOINT: node.ingest, env.RUN_NAME: name,
                       env.RUN_DIR: str(run_dir.resolve())})
+    if opts.nccl_debug:
+        private.make_private_dir(run_dir / "logs" / "nccl")
+        child_env.update(nccl_debug.environment(opts.nccl_debug, run_dir))
     if node.secret is not None:
         child_env[env.SECRET] = node.secret
     else:  # the agents read it from torchrun's store: nobody waits for it

@@ -1,0 +1,39 @@
+"""`traceml run --nccl-debug LEVEL`: the debug environment of seed 003, set per rank.
+
+The seed's wrapper sets NCCL_DEBUG, NCCL_DEBUG_SUBSYS and NCCL_DEBUG_FILE for every
+rank and TORCH_DISTRIBUTED_DEBUG=DETAIL, then greps each rank's last opCount by hand.
+Here every rank logs to its own file inside the run folder (never a shared /tmp path:
+the folder is private, docs/security.md), named by NCCL itself from host and pid, and the
+agents read their own tails when they stall (traceml_agent/nccl_log.py), so a HANG shows
+each rank's last started and finished collective. PyTorch's NCCL flight recorder is
+switched on too: on a watchdog timeout every rank dumps its last collectives to
+RUN_DIR/logs/nccl/flight-recorder-rank<N> (docs/network.md says how to read them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from traceml_agent import nccl_log
+
+LEVELS = ("WARN", "INFO", "TRACE")
+# COLL logs each collective's start and DONE (the opCount lines); INIT and NET say which
+# interface and transport each communicator chose, the first thing to check on a slow
+# link.
+SUBSYSTEMS = "INIT,NET,COLL"
+FLIGHT_RECORDER_ENTRIES = 2000
+
+
+def environment(level: str, run_dir: Path) -> dict[str, str]:
+    """The variables for every rank of this node (the folder must exist, 0700)."""
+    logs = run_dir.resolve() / "logs" / "nccl"
+    return {
+        "NCCL_DEBUG": level,
+        "NCCL_DEBUG_SUBSYS": SUBSYSTEMS,
+        "NCCL_DEBUG_FILE": str(logs / nccl_log.FILE_PATTERN),
+        "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(logs / "flight-recorder-rank"),
+        nccl_log.LOG_DIR_ENV: str(logs),
+    }
