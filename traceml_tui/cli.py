@@ -55,18 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Run SCRIPT under torchrun with the agent in every rank.")
     run.add_argument("script", metavar="SCRIPT", help="the training script (unmodified)")
     # Unset node flags (None) are taken from Slurm under srun, else torchrun's defaults.
-    run.add_argument("--nproc-per-node", "--nproc_per_node", type=_positive, default=None,
-                     metavar="N", help="processes on this node (default 1; under srun, the "
-                                       "node's GPUs)")
-    run.add_argument("--nnodes", type=_positive, default=None, metavar="N",
-                     help="nodes in the job (default 1; under srun, the step's nodes)")
-    run.add_argument("--node-rank", "--node_rank", type=_non_negative, default=None,
-                     metavar="K", help="this node's index (default 0; under srun, SLURM_NODEID)")
-    run.add_argument("--master-addr", "--master_addr", default=None, metavar="HOST",
-                     help="node 0's address (default 127.0.0.1; under srun, the first host)")
-    run.add_argument("--master-port", "--master_port", type=_port, default=None, metavar="P",
-                     help="torchrun's port on node 0 (default: a free one on one node, "
-                          "29500 on several)")
+    _node_arguments(run)
     run.add_argument("--collector-addr", default=None, metavar="HOST",
                      help="multi-node: where the other nodes reach node 0's collector "
                           "(default: the master address)")
@@ -114,9 +103,41 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--last-steps", type=_positive, default=None, metavar="N",
                      help="only each rank's last N steps (long runs make big files)")
 
+    net = sub.add_parser("netcheck", help="check the network between the job's nodes",
+                         description="Run on every node with the launch flags of traceml run: "
+                         "checks that every rank comes up, each node's interface, MTU and "
+                         "InfiniBand ports, sweeps all_reduce, all_gather, reduce_scatter and "
+                         "broadcast over sizes (algbw, busbw), times every pair of nodes "
+                         "alone to name a slow node or link, and writes netcheck.json in the "
+                         "run folder on node 0. Exit 0 healthy, 1 not, 3 ranks missing.")
+    _node_arguments(net)
+    net.add_argument("--run-name", default=None, metavar="NAME",
+                     help="the run folder's name (default netcheck and the time); the same on "
+                          "every node")
+    net.add_argument("--out", type=Path, default=Path("traceml_runs"), metavar="DIR",
+                     help="base folder for run folders (default traceml_runs)")
+    net.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+                     help="how long to wait for every rank to come up (default 120)")
+
     sub.add_parser("collector", help="run a collector by hand (see traceml collector -h)",
                    add_help=False)
     return parser
+
+
+def _node_arguments(p: argparse.ArgumentParser) -> None:
+    """The node layout flags `traceml run` and `traceml netcheck` share (torchrun's)."""
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=_positive, default=None,
+                   metavar="N", help="processes on this node (default 1; under srun, the "
+                                     "node's GPUs)")
+    p.add_argument("--nnodes", type=_positive, default=None, metavar="N",
+                   help="nodes in the job (default 1; under srun, the step's nodes)")
+    p.add_argument("--node-rank", "--node_rank", type=_non_negative, default=None,
+                   metavar="K", help="this node's index (default 0; under srun, SLURM_NODEID)")
+    p.add_argument("--master-addr", "--master_addr", default=None, metavar="HOST",
+                   help="node 0's address (default 127.0.0.1; under srun, the first host)")
+    p.add_argument("--master-port", "--master_port", type=_port, default=None, metavar="P",
+                   help="torchrun's port on node 0 (default: a free one on one node, "
+                        "29500 on several)")
 
 
 def _split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -181,6 +202,32 @@ def _node_flags(args: argparse.Namespace, script: Path) -> dict[str, Any]:
     return {k: defaults.get(k) if v is None else v for k, v in given.items()}
 
 
+def _cmd_netcheck(args: argparse.Namespace) -> int:
+    from . import netcheck
+    from .launcher import RunOptions
+
+    if args.timeout <= 0:
+        print("traceml netcheck: error: --timeout must be a positive number of seconds",
+              file=sys.stderr)
+        return 2
+    try:
+        nodes = _node_flags(args, Path("netcheck"))
+    except SlurmError as exc:
+        print(f"traceml netcheck: error: {exc}", file=sys.stderr)
+        return 2
+    if nodes["node_rank"] >= nodes["nnodes"]:
+        print(f"traceml netcheck: error: --node-rank {nodes['node_rank']} must be below "
+              f"--nnodes {nodes['nnodes']}", file=sys.stderr)
+        return 2
+    opts = RunOptions(script=Path("netcheck"), out=args.out, headless=True,
+                      command=["traceml", "netcheck"], **nodes)
+    try:
+        return netcheck.main(opts, args.timeout)
+    except KeyboardInterrupt:
+        print("traceml netcheck: interrupted", file=sys.stderr)
+        return 130
+
+
 def _cmd_watch(args: argparse.Namespace) -> int:
     from .view_client import ViewClient, WatchTargetError, resolve_target
 
@@ -241,5 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_watch(args)
     if args.command == "export":
         return _cmd_export(args)
+    if args.command == "netcheck":
+        return _cmd_netcheck(args)
     parser.print_help()
     return 2

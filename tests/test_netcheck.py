@@ -1,0 +1,135 @@
+"""`traceml netcheck`: its arithmetic as a table (nccl-tests' formulas, the localisation
+rule), a real one-node check, a node that never comes up, and an emulated three-node
+cluster with one node's link shaped (namespaces on a bridge; skipped where the machine
+forbids them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import netns
+import pytest
+
+from jobs import traceml
+from traceml_tui import netcheck_math as nm
+
+GB = 1e9
+
+
+@pytest.mark.parametrize("op, world, factor", [
+    ("all_reduce", 8, 2 * 7 / 8), ("all_reduce", 2, 1.0), ("all_gather", 4, 3 / 4),
+    ("reduce_scatter", 4, 3 / 4), ("broadcast", 16, 1.0), ("all_reduce", 1, 0.0),
+])
+def test_bus_bandwidth_follows_nccl_tests(op, world, factor):
+    alg, bus = nm.bandwidths(op, int(2 * GB), 1.0, world)
+    assert alg == pytest.approx(2.0) and bus == pytest.approx(2.0 * factor)
+
+
+FAST, SLOW = 1.0, 0.1
+HOSTS4 = ["a", "b", "c", "d"]
+
+
+def pairs_with(slow: set[int], n: int, fast: float = FAST, slow_gbps: float = SLOW):
+    return {(a, b): slow_gbps if {a, b} & slow else fast for a, b in nm.node_pairs(n)}
+
+
+@pytest.mark.parametrize("what, gbps, hosts, slow", [
+    ("one slow node of three", pairs_with({2}, 3), HOSTS4[:3], [2]),
+    ("one slow node of four", pairs_with({1}, 4), HOSTS4, [1]),
+    ("all fast", pairs_with(set(), 4), HOSTS4, []),
+    ("all equally slow is no outlier", pairs_with({0, 1, 2, 3}, 4), HOSTS4, []),
+    ("a link at half speed is within the rule", pairs_with({2}, 3, slow_gbps=0.5),
+     HOSTS4[:3], []),
+    ("two nodes cannot say which end", pairs_with({1}, 2), HOSTS4[:2], []),
+    ("a slow node among twenty (neighbour pairs)", pairs_with({7}, 20),
+     [f"h{k}" for k in range(20)], [7]),
+])
+def test_the_slow_node_is_named_from_its_pairs(what, gbps, hosts, slow):
+    found = nm.slow_nodes(gbps, hosts)
+    assert [s.node for s in found] == slow, what
+    for s in found:
+        assert s.host == hosts[s.node] and s.ratio < nm.SLOW_RATIO
+
+
+def test_pairs_are_all_pairs_up_to_16_nodes_then_two_neighbours_each():
+    assert nm.node_pairs(3) == [(0, 1), (0, 2), (1, 2)]
+    assert len(nm.node_pairs(16)) == 120
+    big = nm.node_pairs(100)
+    assert len(big) <= 200 and all(sum(k in p for p in big) >= 2 for k in range(100))
+
+
+def test_an_mtu_mismatch_is_flagged():
+    assert nm.mtu_mismatch({0: 1500, 1: 1500, 2: 1500}) is None
+    text = nm.mtu_mismatch({0: 9000, 1: 1500, 2: 1500})
+    assert text.startswith("MTU mismatch: node 0 use 9000, the others 1500")
+
+
+def _doc(out, name):
+    return json.loads((out / name / "netcheck.json").read_text())
+
+
+def test_one_node_sweeps_every_collective_and_is_healthy(tmp_path):
+    out = tmp_path / "runs"
+    proc = traceml("netcheck", "--nproc-per-node", "2", "--out", str(out), "--run-name", "nc")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    doc = _doc(out, "nc")
+    assert doc["healthy"] and doc["slow"] == [] and doc["backend"] == "gloo"
+    for op in nm.OPS:
+        rows = doc["collectives"][op]
+        assert len(rows) == 4 and all(r["busbw_gbps"] > 0 and r["time_us"] > 0 for r in rows)
+    assert "[netcheck] all_reduce" in proc.stdout  # progress while it runs
+    assert "healthy: no slow node or link" in proc.stdout
+    assert oct((out / "nc" / "netcheck.json").stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_node_that_never_comes_up_is_named(tmp_path):
+    out = tmp_path / "runs"
+    t0 = time.monotonic()
+    proc = traceml("netcheck", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",
+                   "--master-port", "29871", "--run-name", "alone", "--out", str(out),
+                   "--timeout", "5")
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+    assert "missing node(s) 1 (ranks 1)" in proc.stdout, proc.stdout
+    assert _doc(out, "alone")["missing"] == {"nodes": [1], "ranks": [1]}
+
+
+NO_NETNS = netns.unavailable()
+
+
+def _cluster_netcheck(tmp_path, slow):
+    with netns.cluster(3, slow=slow) as nodes:
+        procs = [subprocess.Popen(
+            n.wrap([sys.executable, "-m", "traceml_tui", "netcheck", "--nnodes", "3",
+                    "--node-rank", str(n.index), "--nproc-per-node", "1", "--master-addr",
+                    nodes[0].address, "--master-port", "29861", "--run-name", "nc",
+                    "--out", str(tmp_path / f"node{n.index}"), "--timeout", "60"]),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "GLOO_SOCKET_IFNAME": n.interface}) for n in nodes]
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    return [p.returncode for p in procs], outs, _doc(tmp_path / "node0", "nc")
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(NO_NETNS is not None, reason=f"no emulated cluster: {NO_NETNS}")
+def test_a_shaped_link_names_exactly_that_node(tmp_path):
+    codes, outs, doc = _cluster_netcheck(tmp_path, slow={2: "200mbit"})
+    assert codes[0] == 1, outs[0][-3000:]  # unhealthy
+    assert [(s["node"], s["host"]) for s in doc["slow"]] == [(2, "node2")], doc["pairs"]
+    assert [n["host"] for n in doc["nodes"]] == ["node0", "node1", "node2"]
+    assert "UNHEALTHY: node 2 (node2) is slow" in outs[0]
+    pairs = {tuple(p["nodes"]): p["busbw_gbps"] for p in doc["pairs"]}
+    assert pairs[(0, 2)] < 0.03 and pairs[(1, 2)] < 0.03  # 200 Mbit/s = 0.025 GB/s
+    assert pairs[(0, 1)] > 4 * pairs[(0, 2)]
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(NO_NETNS is not None, reason=f"no emulated cluster: {NO_NETNS}")
+def test_an_unshaped_cluster_is_healthy(tmp_path):
+    codes, outs, doc = _cluster_netcheck(tmp_path, slow=None)
+    assert codes == [0, 0, 0], outs[0][-3000:]
+    assert doc["healthy"] and doc["slow"] == []
