@@ -133,3 +133,34 @@ def test_an_unshaped_cluster_is_healthy(tmp_path):
     codes, outs, doc = _cluster_netcheck(tmp_path, slow=None)
     assert codes == [0, 0, 0], outs[0][-3000:]
     assert doc["healthy"] and doc["slow"] == []
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(NO_NETNS is not None, reason=f"no emulated cluster: {NO_NETNS}")
+def test_a_balanced_job_behind_a_shaped_link_is_comm_bound_with_its_busbw(tmp_path):
+    """The issue's cluster: 3 nodes x 1 rank, node 2's link at 200 Mbit/s, the plain DDP
+    example with --preflight. It read BALANCED; it is COMM-BOUND, with the achieved bus
+    bandwidth beside the preflight's, and the preflight names node 2."""
+    examples = netns.__file__.rsplit("/tests/", 1)[0] + "/examples/ddp_toy.py"
+    with netns.cluster(3, slow={2: "200mbit"}) as nodes:
+        procs = [subprocess.Popen(
+            n.wrap([sys.executable, "-m", "traceml_tui", "run", examples, "--nnodes", "3",
+                    "--node-rank", str(n.index), "--nproc-per-node", "1", "--master-addr",
+                    nodes[0].address, "--master-port", "29851", "--run-name", "cb",
+                    "--out", str(tmp_path / f"node{n.index}"), "--headless", "--preflight",
+                    "--", "--steps", "120"]),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "GLOO_SOCKET_IFNAME": n.interface}) for n in nodes]
+        outs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs[0][-3000:]
+    doc = json.loads((tmp_path / "node0" / "cb" / "final_summary.json").read_text())
+    d = doc["diagnosis"]
+    assert (d["label"], d["rank"], d["phase"]) == ("COMM-BOUND", None, "sync"), d
+    comm = doc["comm"]
+    assert comm["sync_share"] >= 0.5
+    assert 0.005 < comm["busbw_gbps"] < 0.03, comm  # 200 Mbit/s is 0.025 GB/s
+    assert 0.5 < comm["busbw_gbps"] / comm["preflight_busbw_gbps"] < 1.5, comm
+    assert [s["node"] for s in doc["preflight"]["slow"]] == [2]
+    assert "GB/s of bus bandwidth over the exposed wait" in d["summary"]
+    assert "measured by the preflight" in d["summary"]
+    assert "Preflight (traceml netcheck): UNHEALTHY: node 2 (node2) slow" in outs[0]

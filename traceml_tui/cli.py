@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: 20 median steps, at least 10 s)")
     run.add_argument("--headless", action="store_true",
                      help="no dashboard: print progress and a text summary at the end")
+    run.add_argument("--preflight", action="store_true",
+                     help="run traceml netcheck on the same nodes before training; its result "
+                          "goes into the summary and COMM-BOUND's evidence")
     run.add_argument("--nccl-debug", nargs="?", const="INFO", default=None,
                      type=str.upper, choices=nccl_debug.LEVELS, metavar="LEVEL",
                      help="NCCL and torch.distributed debug logs per rank in the run folder "
@@ -174,7 +177,7 @@ def _cmd_run(parser: argparse.ArgumentParser, argv: list[str], full_argv: list[s
     opts = RunOptions(
         script=Path(args.script), script_args=script_args, out=args.out, headless=headless,
         command=["traceml", *full_argv], hang_after=args.hang_after,
-        nccl_debug=args.nccl_debug,
+        nccl_debug=args.nccl_debug, preflight=args.preflight,
         collector_addr=args.collector_addr, collector_port=args.collector_port, **nodes)
     try:
         return run(opts)

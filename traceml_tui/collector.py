@@ -480,11 +480,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hang-after", type=float, default=None, metavar="SECONDS",
                    help="declare a hang after this long without a step (default: derived "
                         "from step times, at least 10 s)")
+    p.add_argument("--preflight", type=Path, default=None, metavar="NETCHECK_JSON",
+                   help="the preflight's netcheck.json (traceml run --preflight)")
     p.add_argument("--parent-pid", type=int, default=None, metavar="PID",
                    help="the launcher's pid: if it dies, write the record and exit")
     p.add_argument("--exit-when-done", action="store_true",
                    help="write the summary and exit once every rank has said goodbye")
     return p
+
+
+def _read_preflight(path: Path) -> dict[str, Any]:
+    """What the summary keeps of the preflight (our own file, written before training)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return {"path": str(path), "error": f"unreadable: {exc}"}
+    largest = (doc.get("collectives") or {}).get("all_reduce") or [{}]
+    return {"path": str(path), "healthy": bool(doc.get("healthy")),
+            "slow": list(doc.get("slow") or []), "mtu_mismatch": doc.get("mtu_mismatch"),
+            "missing": doc.get("missing"), "wall_s": doc.get("wall_s"),
+            "all_reduce_busbw_gbps": largest[-1].get("busbw_gbps"),
+            "all_reduce_bytes": largest[-1].get("bytes")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -509,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     state = RunState(args.run_name or args.run_dir.name, args.world_size, args.nnodes,
                      args.nproc_per_node, args.started_at or time.time(),
                      hang_after_s=args.hang_after)
+    if args.preflight is not None:
+        state.set_preflight(_read_preflight(args.preflight))
     try:
         collector = Collector(args.run_dir, state, args.bind, args.port, args.view_port, secret)
         if args.advertise:

@@ -469,10 +469,10 @@ def comm_bound(ranks: Sequence[RankTiming], share: float, step_ms: float,
         slow_rank, slow = min(rates, key=lambda x: (x[1], x[0]))
         mid = median([g for _, g in rates])
         evidence = (f" DDP all-reduces {nbytes / 1e6:.1f} MB of gradients per step: about "
-                    f"{mid:.2f} GB/s of bus bandwidth over the exposed wait (lowest: rank "
-                    f"{slow_rank}, {slow:.2f} GB/s)")
+                    f"{mid:.3g} GB/s of bus bandwidth over the exposed wait (lowest: rank "
+                    f"{slow_rank}, {slow:.3g} GB/s)")
         if preflight_busbw:
-            evidence += (f", against {preflight_busbw:.2f} GB/s measured by the preflight "
+            evidence += (f", against {preflight_busbw:.3g} GB/s measured by the preflight "
                          f"({mid / preflight_busbw:.0%} of it)")
         evidence += "."
     return Diagnosis(

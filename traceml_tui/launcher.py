@@ -67,6 +67,7 @@ class RunOptions:
     command: list[str] = field(default_factory=list)
     hang_after: float | None = None
     nccl_debug: str | None = None  # --nccl-debug LEVEL (nccl_debug.py)
+    preflight: bool = False  # --preflight: traceml netcheck before training (netcheck.py)
     # Multi-node: where node 0's collector listens (default: the master address, the
     # master port + 1; the view socket takes the port after that).
     collector_addr: str | None = None
@@ -204,6 +205,8 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
                 "--advertise", opts.collector_addr or opts.master_addr]
     if opts.hang_after is not None:
         cmd += ["--hang-after", repr(opts.hang_after)]
+    if opts.preflight:
+        cmd += ["--preflight", str(run_dir / "netcheck.json")]
     # The secret travels in the environment, never on a command line others can read.
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                             start_new_session=True, env={**os.environ, env.SECRET: secret})
@@ -576,6 +579,22 @@ def _start_handover(opts: RunOptions, node: _Node, run_dir: Path, port: int,
         node.handover = _Handover(opts, port, until)
 
 
+def _preflight(opts: RunOptions, run_dir: Path, port: int) -> None:
+    """`traceml netcheck` on the same nodes, in the run's folder, before training: a
+    missing node stops here (the training would wait for it), a slow one is said and the
+    run goes on; the collector puts the result in the summary."""
+    from . import netcheck
+
+    print("[traceml] preflight: checking the network between the nodes first "
+          "(traceml netcheck)", file=sys.stderr, flush=True)
+    status, doc = netcheck.check(opts, run_dir, port)
+    if doc is not None:
+        print(netcheck.render(doc, run_dir / netcheck.NETCHECK_JSON), file=sys.stderr,
+              end="", flush=True)
+    if status == 3:
+        raise LaunchError("preflight: not every node or rank came up; training not started")
+
+
 def run(opts: RunOptions) -> int:
     if not opts.script.is_file():
         raise LaunchError(f"script not found: {opts.script}")
@@ -587,6 +606,8 @@ def run(opts: RunOptions) -> int:
     started_at = time.time()
     name, run_dir = prepare_run_dir(opts)
     port = master_port(opts)
+    if opts.preflight:
+        _preflight(opts, run_dir, port)
     node = _connect(opts, run_dir, name, started_at, port)
     cmd = torchrun_command(opts, run_dir, port)
     child_env = dict(os.environ)

@@ -119,6 +119,7 @@ class Snapshot:
     batch_sizes: dict[int, int] = field(default_factory=dict)  # DataLoader batch per rank
     framework: str | None = None  # the training framework the agents saw
     preflight_busbw: float | None = None  # GB/s, from `traceml run --preflight`
+    preflight: dict[str, Any] | None = None  # its result (collector._read_preflight)
 
     @property
     def reporting(self) -> int:
@@ -179,7 +180,9 @@ class RunState:
                          "restarts": 0, "absurd_steps": 0, "backlog_refused": 0}
         self.live: dx.LiveLabel | None = None
         self._lost_mark = 0  # steps (summed over ranks) counted into episodes' lost time
-        # All-reduce bus bandwidth (GB/s) the preflight measured (`traceml run --preflight`).
+        # What `traceml run --preflight` measured; its largest all-reduce's bus bandwidth
+        # (GB/s) is what COMM-BOUND's evidence compares against.
+        self.preflight: dict[str, Any] | None = None
         self.preflight_busbw: float | None = None
         self.live_since = started_at
         self.timeline: deque[Episode] = deque(maxlen=MAX_EPISODES)
@@ -297,6 +300,11 @@ class RunState:
         if rs.stacks and rs.last_step > rs.stacks_after_step:
             rs.stacks = ()
             rs.nccl = None
+
+    def set_preflight(self, result: dict[str, Any]) -> None:
+        self.preflight = result
+        busbw = result.get("all_reduce_busbw_gbps")
+        self.preflight_busbw = busbw if isinstance(busbw, (int, float)) and busbw > 0 else None
 
     def failures(self) -> list[tuple[int, int]]:
         """(rank, exit code) of the ranks that reported a non-zero exit, first failure first."""
@@ -446,7 +454,7 @@ class RunState:
             timeline=tuple(self.timeline), counters=dict(self.counters), hang=self.hang,
             hang_since=self.hang_since, parallel=self.parallel, checks=self.checks.merged(),
             batch_sizes=self.checks.batch_sizes(), framework=self.framework,
-            preflight_busbw=self.preflight_busbw)
+            preflight_busbw=self.preflight_busbw, preflight=self.preflight)
 
     def _rank_snapshot(self, rank: int, mono_now: float, full: bool) -> RankSnapshot:
         rs = self.ranks.get(rank)

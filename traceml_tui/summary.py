@@ -119,6 +119,7 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
         "timeline": [_episode(e) for e in snap.timeline],
         "hang": _hang(snap),
         "comm": _comm(snap),
+        "preflight": snap.preflight,
         "collector": dict(snap.counters),
     }
 
@@ -233,6 +234,15 @@ def render_text(doc: dict[str, Any]) -> str:
         f"  {d['summary']}",
         "",
     ]
+    pre = doc.get("preflight")
+    if pre:
+        verdict = ("healthy" if pre.get("healthy") else "UNHEALTHY: " + "; ".join(
+            [f"node {x['node']} ({x['host']}) slow, {x['ratio']:.0%} of the median"
+             for x in pre.get("slow") or []] + [pre.get("mtu_mismatch") or ""]).strip("; "))
+        busbw = pre.get("all_reduce_busbw_gbps")
+        lines.insert(-1, f"  Preflight (traceml netcheck): {verdict}"
+                         + (f"; all_reduce busbw {busbw:.3g} GB/s" if busbw else "")
+                         + f" ({pre.get('path')})")
     timing = doc.get("timing") or {}
     for u in timing.get("untimed", []):
         lines.insert(-1, f"  Not timed: {u['phase']} on rank(s) {format_ranks(u['ranks'])}: "
