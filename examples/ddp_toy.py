@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
 
@@ -77,6 +78,18 @@ class SlowCollate:
         return x, y
 
 
+def fake_nccl_log(rank: int, world: int):
+    """Gloo writes no NCCL log: with --fake-nccl-log each step's allreduce is logged the
+    way NCCL_DEBUG=INFO would (start, then DONE), to the file NCCL_DEBUG_FILE names, so
+    `traceml run --nccl-debug` can be tried on CPU."""
+    pattern = os.environ.get("NCCL_DEBUG_FILE")
+    if not pattern:
+        return lambda line: None
+    host, pid = socket.gethostname().split(".")[0], os.getpid()
+    log = open(pattern.replace("%h", host).replace("%p", str(pid)), "a", buffering=1)  # noqa: SIM115
+    return lambda line: log.write(f"{host}:{pid}:{pid} [{rank}] NCCL INFO {line}\n")
+
+
 class Net(nn.Module):
     def __init__(self, dim: int, extra_forward_s: float = 0.0) -> None:
         super().__init__()
@@ -115,6 +128,8 @@ def main() -> None:
     p.add_argument("--extra-collective-rank", type=int, default=None,
                    help="this rank alone enters an all_reduce at --hang-at-step")
     p.add_argument("--hang-at-step", type=int, default=20)
+    p.add_argument("--fake-nccl-log", action="store_true",
+                   help="log each step's allreduce as NCCL_DEBUG=INFO would (gloo has none)")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--checkpoint-s", type=float, default=3.0)
     p.add_argument("--checkpoint-rank", type=int, default=None,
@@ -147,6 +162,7 @@ def main() -> None:
         opt.register_step_pre_hook(lambda *a: time.sleep(delay))
     loss_fn = nn.CrossEntropyLoss()
 
+    nccl = fake_nccl_log(rank, world) if args.fake_nccl_log else (lambda line: None)
     step, epoch = 0, 0
     t0 = time.perf_counter()
     while step < args.steps:
@@ -154,6 +170,8 @@ def main() -> None:
         for x, y in loader:
             if args.hang_rank == rank and step == args.hang_at_step:
                 wait_forever()  # e.g. a deadlock in this rank's own code
+            nccl(f"AllReduce: opCount {step:x} size 4 datatype 7 op 0 root 0 comm 0x5a5a "
+                 f"[nranks={world}] stream 0x0")
             if args.skip_collective_rank is not None and step == args.hang_at_step:
                 if rank != args.skip_collective_rank:  # a conditional collective
                     dist.all_reduce(torch.ones(1), group=side_group)
@@ -168,6 +186,7 @@ def main() -> None:
             if (args.checkpoint_every and step and step % args.checkpoint_every == 0
                     and args.checkpoint_rank in (None, rank)):
                 time.sleep(args.checkpoint_s)  # a legitimate long step: not a hang
+            nccl(f"AllReduce: opCount {step:x} DONE")
             step += 1
             if args.fail_rank == rank and step == args.fail_at_step:
                 print(f"rank {rank}: simulated failure at step {step}", file=sys.stderr)

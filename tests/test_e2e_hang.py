@@ -143,3 +143,37 @@ def test_a_long_checkpoint_step_is_not_a_hang(tmp_path):
     assert doc["diagnosis"]["label"] != "HANG"
     assert all(e["label"] != "HANG" for e in doc["timeline"])
     assert doc["hang"] is None
+
+
+def test_nccl_debug_puts_each_ranks_last_opcount_beside_the_hang(tmp_path):
+    """`--nccl-debug`: every rank logs to its own file in the run folder; when the job
+    hangs, each agent reads its own log's tail and the summary compares the last opCounts
+    as seed 003 does by hand. Gloo writes no NCCL log, so the example writes NCCL's lines
+    itself (--fake-nccl-log): what is tested is the plumbing, from the variables each rank
+    gets to the lines the user reads."""
+    out = tmp_path / "runs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceml_tui", "run", str(EXAMPLES / "ddp_toy.py"),
+         "--nproc-per-node", "3", "--headless", "--out", str(out), "--run-name", "ncclhang",
+         "--hang-after", "3", "--nccl-debug", "--", "--steps", "1000000", "--hang-rank", "1",
+         "--hang-at-step", "25", "--fake-nccl-log"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run_dir = out / "ncclhang"
+    try:
+        wait_for(lambda: _hang_seen(run_dir) is not None, 120, "the HANG label")
+        wait_for(lambda: all(p.get("nccl") for p in (_live(run_dir).get("hang") or {})
+                             .get("progress", [{}])), 30, "every rank's NCCL state")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=90)[0]
+    logs = sorted((run_dir / "logs" / "nccl").glob("nccl-*.log"))
+    assert len(logs) == 3  # one per rank, in the private run folder
+    assert oct((run_dir / "logs" / "nccl").stat().st_mode & 0o777) == "0o700"
+    doc = json.loads((run_dir / "final_summary.json").read_text())
+    nccl = {p["rank"]: p["nccl"] for p in doc["hang"]["progress"]}
+    assert nccl[1]["op_count"] == 24 and nccl[1]["done"] == 24  # never started step 25
+    assert nccl[0]["op_count"] == 25 and nccl[0]["done"] == 24  # waiting inside it
+    assert "NCCL logs, each rank's last collectives:" in output
+    assert "rank 0: last started AllReduce opCount 19 (comm 0x5a5a), last DONE opCount 18: " \
+           "stuck in it" in output
