@@ -72,7 +72,8 @@ class RankProgress:
 
     def where(self) -> str:
         if self.in_collective:
-            return f"in {self.in_collective}"
+            group = f" on group {self.in_group}" if self.in_group else ""
+            return f"in {self.in_collective}{group}"
         return f"in {self.phase}" if self.phase else "between phases"
 
 
@@ -154,7 +155,7 @@ def _diverged(running: Sequence[RankProgress], stalled: float, limit: float
     if len(ordered[1]) == len(biggest):  # no majority: do not guess a side
         tied = [side for side in ordered if len(side) == len(biggest)]
         names = " and ".join(f"rank{'s' if len(side) > 1 else ''} "
-                             f"{_ranks(sorted(p.rank for p in side))} ({_where(side[0])})"
+                             f"{_ranks(sorted(p.rank for p in side))} ({side[0].where()})"
                              for side in tied)
         summary = (f"No step anywhere for {limit:.0f}+ s: the ranks' collective sequences "
                    f"differ, {names}, a tie of {len(biggest)} rank"
@@ -170,30 +171,25 @@ def _diverged(running: Sequence[RankProgress], stalled: float, limit: float
     mine, theirs = odd.counts(), usual.counts()
     extra = [g for g in sorted(mine) if mine[g] > theirs.get(g, 0)]
     missing = [g for g in sorted(theirs) if theirs[g] > mine.get(g, 0)]
-    who = f"rank{'s' if len(culprits) > 1 else ''} {_ranks(culprits)} (host {odd.host})"
+    name = f"rank{'s' if len(culprits) > 1 else ''} {_ranks(culprits)}"
+    who = f"{name} (host {odd.host})"
     if extra:
         g = extra[0]
         op = odd.in_collective if odd.in_group == g else "a collective"
         what = (f"{who} entered {op} #{mine[g]} on group {g} that rank"
                 f"{'s' if len(biggest) > 1 else ''} {majority} never entered (they are "
-                f"{_where(usual)}): a conditional collective on {who.split(' (')[0]}'s code path")
+                f"{usual.where()}): a conditional collective on {name}'s code path")
     elif missing:
         g = missing[0]
         op = usual.in_collective if usual.in_group == g else "a collective"
         what = (f"rank{'s' if len(biggest) > 1 else ''} {majority} wait in {op} #{theirs[g]} "
-                f"on group {g}, which {who} never entered (it is {_where(odd)}): a collective "
+                f"on group {g}, which {who} never entered (it is {odd.where()}): a collective "
                 f"it skipped, or work stuck before it")
     else:
-        what = (f"{who} is {_where(odd)} while rank{'s' if len(biggest) > 1 else ''} "
-                f"{majority} are {_where(usual)}, after the same collectives")
+        what = (f"{who} is {odd.where()} while rank{'s' if len(biggest) > 1 else ''} "
+                f"{majority} are {usual.where()}, after the same collectives")
     summary = (f"No step anywhere for {limit:.0f}+ s: {what}. Its stack shows where it "
                f"went its own way.")
     return HangReport(DIVERGED, Diagnosis(HANG, culprits[0], odd.phase, CRITICAL, summary),
                       tuple(culprits), stalled, limit)
 
-
-def _where(p: RankProgress) -> str:
-    if p.in_collective:
-        group = f" on group {p.in_group}" if p.in_group else ""
-        return f"in {p.in_collective}{group}"
-    return p.where()

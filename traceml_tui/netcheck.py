@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import netcheck_math as nm
+from . import summary
 from .launcher import LaunchError, RunOptions, master_port, prepare_run_dir
 from .netcheck_worker import OUT_ENV, TIMEOUT_ENV
 
@@ -63,16 +64,10 @@ def nodes_came_up(opts: RunOptions, port: int, timeout_s: float, run_dir: Path
     missing = [k for k in range(opts.nnodes) if k not in present]
     ranks = [r for k in missing for r in range(k * opts.nproc_per_node,
                                                 (k + 1) * opts.nproc_per_node)]
-    _write(run_dir / NETCHECK_JSON, {"healthy": False, "missing": {"nodes": missing,
-                                                                   "ranks": ranks},
-                                     "present": {str(k): h for k, h in present.items()}})
+    summary.write_atomic(run_dir / NETCHECK_JSON, json.dumps(
+        {"healthy": False, "missing": {"nodes": missing, "ranks": ranks},
+         "present": {str(k): h for k, h in present.items()}}, indent=1))
     return present
-
-
-def _write(path: Path, doc: dict[str, Any]) -> None:
-    from . import summary
-
-    summary.write_atomic(path, json.dumps(doc, indent=1))
 
 
 def check(opts: RunOptions, run_dir: Path, port: int, timeout_s: float = 120.0

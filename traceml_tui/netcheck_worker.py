@@ -209,13 +209,10 @@ def barrier_ms(dist: Any) -> float:
 
 
 def write(doc: dict[str, Any]) -> None:
-    path = Path(os.environ[OUT_ENV])
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
-                 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
+    """Atomically, 0600, in the run folder (the summary's writer)."""
+    from .summary import write_atomic
+
+    write_atomic(Path(os.environ[OUT_ENV]), json.dumps(doc, indent=1))
 
 
 def main() -> int:
