@@ -19,7 +19,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from jobs import traceml  # noqa: E402
 from test_e2e_frameworks import (  # noqa: E402
     BASE_FORWARD_MS,
     CASES,
@@ -27,6 +26,8 @@ from test_e2e_frameworks import (  # noqa: E402
     OPTIMIZER_STEPS,
     faults,
 )
+
+from jobs import traceml  # noqa: E402
 
 PHASES = ("dataloader", "forward", "backward", "sync", "optimizer")
 
