@@ -14,7 +14,7 @@ wrong ranks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from statistics import median
 
@@ -349,13 +349,17 @@ def _share(ranks: Sequence[RankTiming], phases: Sequence[str]) -> float:
 FSDP_COMPUTE_PHASES = ("optimizer",)
 
 
-def _still_behind(recent: Sequence[RankTiming] | None, rank: int, phases: Sequence[str]
-                  ) -> bool:
+Recent = Sequence[RankTiming] | Callable[[], Sequence[RankTiming]] | None
+
+
+def _still_behind(recent: Recent, rank: int, phases: Sequence[str]) -> bool:
     """Whether `rank` is still at least SKEW_EXIT behind the median rank in `phases` over
     the most recent steps (see RECENT_S). Without recent timings (the whole-run verdict,
     offline use) there is nothing to contradict the window."""
     if recent is None:
         return True
+    if callable(recent):
+        recent = recent()
     ready = [r for r in recent if r.steps >= RECENT_MIN and _finite(r.step_ms)]
     values = {r.rank: _group(r, phases) for r in ready}
     mine = values.get(rank)
@@ -369,14 +373,15 @@ def _still_behind(recent: Sequence[RankTiming] | None, rank: int, phases: Sequen
 
 def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
              collectives_in_compute: bool = False, framework: str | None = None,
-             recent: Sequence[RankTiming] | None = None,
+             recent: Recent = None,
              stalls: Sequence[StallStats] | None = None,
              preflight_busbw: float | None = None) -> Diagnosis:
     """Classify the window. `active` is the label currently shown: its own condition is
     tested with the lower exit threshold (hysteresis), every other with the enter one.
     `collectives_in_compute`: an FSDP job (see FSDP_COMPUTE_PHASES). `framework`: the
     training framework the agents saw, named in the hint when timing is incomplete.
-    `recent`: the same ranks over their newest few steps (RECENT_S): a straggler the
+    `recent`: the same ranks over their newest few steps (RECENT_S), or a function that
+    gives them (asked only when a straggler rule holds on the window): a straggler the
     window still holds but those steps no longer show has recovered, and is not named.
     `stalls`: each rank's stalled steps over its window (periodic_stall).
     `preflight_busbw`: the all-reduce bus bandwidth `traceml netcheck` measured before

@@ -323,17 +323,24 @@ class RunState:
                 rs.ident.rank, window, None if step is None else step.median, medians,
                 rs.ident.host, rs.ident.node, self._untimed(rs, window),
                 rs.heartbeat.get("grad_bytes", 0))
-            # The newest few steps, to see a straggler recover before the window does.
-            n = dx.recent_steps(rs.live.step_ms)
+            rs.recent = None  # computed only when a straggler rule asks (_recent_timing)
+            if window >= dx.MIN_STEPS:
+                rs.stall_at_ms = dx.stall_threshold(rs.live.step_ms)
+            rs.dirty = False
+        return rs.live
+
+    def _recent_timing(self, rs: RankState) -> dx.RankTiming:
+        """The rank's newest few steps (dx.recent_steps), to see a straggler recover before
+        the window does. Costs a second stats() per rank, so only a straggler rule that
+        holds on the window asks for it."""
+        if rs.recent is None:
+            n = dx.recent_steps(rs.live.step_ms if rs.live is not None else None)
             step, phases = rs.window.stats(n)
             rs.recent = dx.RankTiming(
                 rs.ident.rank, min(rs.window.count, n), None if step is None else step.median,
                 {k: None if v is None else v.median for k, v in phases.items()},
                 rs.ident.host, rs.ident.node)
-            if window >= dx.MIN_STEPS:
-                rs.stall_at_ms = dx.stall_threshold(rs.live.step_ms)
-            rs.dirty = False
-        return rs.live
+        return rs.recent
 
     def _stall_stats(self) -> list[dx.StallStats]:
         """Every rank's stalls within its window (the steps the window holds)."""
@@ -389,7 +396,9 @@ class RunState:
             self.hang = None
             self.hang_since = None
             active = self.live.shown.label if self.live else None
-            recent = [rs.recent for rs in self.ranks.values() if rs.recent is not None]
+            def recent() -> list[dx.RankTiming]:
+                return [self._recent_timing(rs) for rs in self.ranks.values()]
+
             self.live = dx.settle(self.live, dx.diagnose(timings, active, self.parallel == "fsdp",
                                                          self.framework, recent,
                                                          self._stall_stats(),
