@@ -26,7 +26,7 @@ import socket
 import sys
 import threading
 from collections import deque
-from typing import Any
+from typing import Any, Literal
 
 from . import device, env, keys, protocol
 from .protocol import PHASES
@@ -196,7 +196,7 @@ class _Step:
             rec.explicit_steps = True
             rec.open_step()
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         rec = _state["rec"]
         if rec is not None and rec.explicit_steps:
             try:
@@ -230,7 +230,7 @@ class _Phase:
         except Exception as err:
             _on_internal_error(err)
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         rec = _state["rec"]
         if self.started and rec is not None and rec.active != NO_PHASE:
             try:

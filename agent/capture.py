@@ -19,8 +19,10 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from . import vocab
+
 MAX_CAPTURE_STEPS = 50  # a deep trace is for reading, not for a whole run: files stay small
-TRACES_DIR = "traces"
+TRACES_DIR = vocab.TRACES_DIR
 
 
 class Capturer:

@@ -32,11 +32,12 @@ import math
 import os
 import weakref
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .sanitize import clean_line, clean_text
+from .vocab import CRITICAL, INFO, SEVERITIES, WARNING
 
 # --- finding ids (stable: the collector, the dashboard and docs/checks.md key on them) --
 
@@ -52,7 +53,6 @@ PARAMS_DIFFER = "params-differ-across-ranks"
 UNEVEN_SHARDS = "uneven-shards"
 PARTIAL_FINAL_BATCH = "partial-final-batch"
 
-SEVERITIES: tuple[str, ...] = ("info", "warning", "critical")  # in increasing order
 
 # --- thresholds, and why ------------------------------------------------------------------
 
@@ -79,11 +79,6 @@ UNEVEN_WARN_FRACTION = 0.01
 # checkpoint loaded on some ranks change every element, so a few dozen per tensor are
 # plenty, and the cost stays one small gather per tensor whatever the model size.
 CHECKSUM_SAMPLES = 64
-
-# Identical parameters give identical checksums on identical hardware; the tolerance only
-# absorbs float64 summation-order noise (~1e-16 relative) across unlike nodes. Different
-# weights move the sum by about sigma * sqrt(samples), far above it.
-CHECKSUM_RTOL = 1e-9
 
 # Longest evidence or fix text sent over the wire (one line on the dashboard).
 MAX_TEXT = 200
@@ -138,66 +133,61 @@ class Finding:
 # from what they saw (DataParallel in one process, a tiny padding).
 CHECKS: dict[str, tuple[str, str]] = {
     DATA_PARALLEL: (
-        "critical",
+        CRITICAL,
         "Launch one process per GPU with torchrun and wrap the model in "
         "DistributedDataParallel, not nn.DataParallel.",
     ),
     NO_DISTRIBUTED_SAMPLER: (
-        "critical",
+        CRITICAL,
         "Pass sampler=DistributedSampler(dataset) to the DataLoader (and shuffle in the "
         "sampler, not with shuffle=True).",
     ),
     SAMPLER_SHARD_MISMATCH: (
-        "critical",
+        CRITICAL,
         "Build DistributedSampler without num_replicas/rank (it reads the process group), "
         "or pass dist.get_world_size() and dist.get_rank().",
     ),
     SET_EPOCH_NOT_CALLED: (
-        "warning",
+        WARNING,
         "Call loader.sampler.set_epoch(epoch) at the start of every epoch, before "
         "iterating the loader.",
     ),
     BATCHNORM_NOT_SYNCED: (
-        "warning",
+        WARNING,
         "Use nn.SyncBatchNorm.convert_sync_batchnorm(model) before DDP (GPU backends), or "
         "a larger per-rank batch, or GroupNorm/LayerNorm.",
     ),
     FIND_UNUSED_UNNEEDED: (
-        "warning",
+        WARNING,
         "Construct DDP with find_unused_parameters=False (the default), or static_graph=True "
         "if the graph never changes.",
     ),
     ACCUMULATION_WITHOUT_NO_SYNC: (
-        "warning",
+        WARNING,
         "Run forward and backward of every micro-batch but the last inside "
         "`with model.no_sync():`.",
     ),
     SAME_DEVICE: (
-        "critical",
+        CRITICAL,
         "Pick each rank's GPU from LOCAL_RANK: torch.cuda.set_device(local_rank), "
         "model.to(local_rank), DDP(model, device_ids=[local_rank]).",
     ),
     PARAMS_DIFFER: (
-        "critical",
+        CRITICAL,
         "Give every rank the same weights before training: load checkpoints on every rank, "
         "or before wrapping in DDP (which broadcasts rank 0's).",
     ),
     UNEVEN_SHARDS: (
-        "info",
+        INFO,
         "Use DistributedSampler(drop_last=True) or a dataset size divisible by the world "
         "size; count padded duplicates out of evaluation metrics.",
     ),
     PARTIAL_FINAL_BATCH: (
-        "info",
+        INFO,
         "Pass drop_last=True to the DataLoader, or a batch size that divides each rank's "
         "share of the dataset.",
     ),
 }
-
-# Checks whose finding is only true when every rank reports it: one rank that does have
-# an unused parameter makes find_unused_parameters=True necessary for the whole job.
-NEEDS_ALL_RANKS = frozenset({FIND_UNUSED_UNNEEDED})
-
 
 def finding(check: str, ranks: Iterable[int], evidence: str,
             severity: str | None = None) -> Finding:
@@ -688,97 +678,6 @@ class StepObserver:
         self._off = True
         self._ddp = self._sync_src = None
         self._unused_steps = -1
-
-
-# --- cross-rank functions (collector side: no torch) -------------------------------------
-
-
-def format_ranks(ranks: Iterable[int]) -> str:
-    """Sorted ranks as compact ranges: 0-3,5,7-9."""
-    out: list[str] = []
-    run: list[int] = []
-    for r in sorted(set(ranks)):
-        if run and r == run[-1] + 1:
-            run.append(r)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [r]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
-
-
-def _same_checksum(a: float, b: float) -> bool:
-    if math.isnan(a) or math.isnan(b):
-        return math.isnan(a) and math.isnan(b)
-    return math.isclose(a, b, rel_tol=CHECKSUM_RTOL, abs_tol=1e-300)
-
-
-def compare_checksums(per_rank: Mapping[int, float | None]) -> Finding | None:
-    """Ranks whose parameter checksum differs from the majority (ties: the group holding
-    the lowest rank is the reference). Ranks that sent None are left out."""
-    values = {r: v for r, v in per_rank.items() if v is not None}
-    groups: list[list[int]] = []
-    for r in sorted(values):
-        for g in groups:
-            if _same_checksum(values[g[0]], values[r]):
-                g.append(r)
-                break
-        else:
-            groups.append([r])
-    if len(groups) < 2:
-        return None
-    reference = max(groups, key=lambda g: (len(g), -g[0]))
-    odd = sorted(r for g in groups if g is not reference for r in g)
-    first = odd[0]
-    return finding(PARAMS_DIFFER, odd,
-                   f"parameter checksum {values[first]:.9g} on rank {first} vs "
-                   f"{values[reference[0]]:.9g} on rank(s) {format_ranks(reference)}; "
-                   f"{len(odd)} of {len(values)} ranks differ")
-
-
-def compare_devices(per_rank: Mapping[int, tuple[str, str | int | None]]) -> Finding | None:
-    """Ranks sharing one GPU: the same (host, device) pair. Device None (CPU) is skipped.
-    Devices should be `device_key` strings (GPU UUIDs), so two ranks that both call
-    their GPU cuda:0 behind different CUDA_VISIBLE_DEVICES are not flagged."""
-    groups: dict[tuple[str, Any], list[int]] = {}
-    for r, (host, device) in per_rank.items():
-        if device is not None:
-            groups.setdefault((host, device), []).append(r)
-    shared = sorted((sorted(rs) for rs in groups.values() if len(rs) > 1), key=lambda g: g[0])
-    if not shared:
-        return None
-    ranks = sorted(r for g in shared for r in g)
-    first = shared[0]
-    host, device = next(k for k, v in groups.items() if sorted(v) == first)
-    more = f"; {len(shared) - 1} more shared device(s)" if len(shared) > 1 else ""
-    return finding(SAME_DEVICE, ranks,
-                   f"ranks {format_ranks(first)} all run on {device} of host {host}{more}")
-
-
-def merge_findings(findings: Iterable[Finding], world_size: int | None = None) -> list[Finding]:
-    """One Finding per check id, with every rank that reported it, most severe first.
-    Evidence is the lowest rank's; when other ranks saw other numbers, it says so.
-    With world_size, checks in NEEDS_ALL_RANKS are kept only once every rank reported."""
-    by_id: dict[str, list[Finding]] = {}
-    for f in findings:
-        by_id.setdefault(f.id, []).append(f)
-    order = {s: i for i, s in enumerate(SEVERITIES)}
-    out = []
-    for fid, group in by_id.items():
-        ranks = tuple(sorted({r for f in group for r in f.ranks}))
-        if world_size is not None and fid in NEEDS_ALL_RANKS and len(ranks) < world_size:
-            continue
-        group.sort(key=lambda f: min(f.ranks, default=0))
-        evidence = group[0].evidence
-        if any(f.evidence != evidence for f in group[1:]):
-            where = f"rank {min(group[0].ranks)}: " if group[0].ranks else ""
-            evidence = f"{where}{evidence} (other ranks: other numbers)"
-        severity = max((f.severity for f in group), key=lambda s: order.get(s, 0))
-        out.append(Finding(fid, severity, ranks, evidence[:MAX_TEXT], group[0].fix))
-    out.sort(key=lambda f: (-order.get(f.severity, 0), f.id))
-    return out
 
 
 def facts_from_wire(raw: Any) -> dict[str, Any]:

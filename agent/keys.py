@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import env
+from . import env, vocab
 
-SECRET_FILE = "secret.key"
+SECRET_FILE = vocab.SECRET_KEY
 _HEX = frozenset("0123456789abcdef")
 
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import msgpack
 
+from . import vocab
 from .sanitize import clean_line, clean_text
 
 # 2: steps carry `forced` (phases closed for lack of an end hook), hello `auto`,
@@ -50,9 +51,8 @@ from .sanitize import clean_line, clean_text
 # stops for that reason, not because the rank is stuck.
 PROTOCOL_VERSION = 2
 
-# The phases of one optimizer step, in display order. "sync" is the exposed
-# collective wait measured inside backward; "wait" is the residual.
-PHASES: tuple[str, ...] = ("dataloader", "h2d", "forward", "backward", "sync", "optimizer", "wait")
+# The phases of one optimizer step, in wire order (vocab.py says what each is).
+PHASES = vocab.PHASES
 
 KINDS = frozenset({"hello", "steps", "sys", "heartbeat", "stacks", "goodbye", "checks",
                    "capture"})

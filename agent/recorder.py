@@ -37,10 +37,10 @@ from collections import deque
 from time import perf_counter_ns
 from typing import Any
 
-from . import device
+from . import device, vocab
 
 # Phases the recorder measures, by index. "wait" is derived, never recorded.
-MEASURED: tuple[str, ...] = ("dataloader", "h2d", "forward", "backward", "sync", "optimizer")
+MEASURED = vocab.MEASURED_PHASES
 DATALOADER, H2D, FORWARD, BACKWARD, SYNC, OPTIMIZER = range(6)
 MAX_CUSTOM_PHASES = 8
 NO_PHASE = -1
@@ -571,7 +571,8 @@ class LazyCudaRecorder(CudaRecorder):
         if index is not None:
             self.device = index
             self.ev_mark = self.ev_ready = None
-            self.__class__ = CudaRecorder  # device phases are timed by events from now on
+            # Device phases are timed by events from now on (same slots, so this is safe).
+            self.__class__ = CudaRecorder  # type: ignore[assignment]
 
     def flush(self, deadline_s: float = FLUSH_DEADLINE_S) -> None:
         """Nothing pending: nothing was timed on the device."""

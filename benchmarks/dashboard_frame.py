@@ -16,12 +16,16 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import msgpack
 
-from traceml_tui.canned import StaticSource, make_state, make_view
-from traceml_tui.view_state import VIEW_PHASES, ViewState
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # canned states
+
+from canned import StaticSource, make_state, make_view  # noqa: E402
+from traceml_tui.view_state import VIEW_PHASES, ViewState  # noqa: E402
 
 
 async def frame_times(world: int, frames: int, nodes_view: bool) -> list[float]:

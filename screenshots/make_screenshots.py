@@ -21,9 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from traceml_tui.canned import StaticSource, make_state
-from traceml_tui.dashboard import DashboardApp
-from traceml_tui.view_client import ViewClient, resolve_target
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # canned states
+
+from canned import StaticSource, make_state  # noqa: E402
+from traceml_tui.dashboard import DashboardApp  # noqa: E402
+from traceml_tui.view_client import ViewClient, resolve_target  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

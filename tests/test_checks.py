@@ -27,16 +27,14 @@ from traceml_agent.checks import (
     FIND_UNUSED_STEPS,
     Finding,
     StepObserver,
-    compare_checksums,
-    compare_devices,
     facts_from_wire,
-    format_ranks,
     inspect_batchnorm,
     inspect_loader,
     inspect_model,
-    merge_findings,
     param_checksum,
 )
+from traceml_agent.vocab import format_ranks
+from traceml_tui.setup_checks import compare_checksums, compare_devices, merge_findings
 
 WORLD = 2  # the world size the checks are told about
 

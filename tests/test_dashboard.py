@@ -7,7 +7,7 @@ import json
 import pytest
 from textual.widgets import Static
 
-from traceml_tui.canned import StaticSource, make_state
+from canned import StaticSource, make_state
 from traceml_tui.dashboard import DashboardApp
 from traceml_tui.dashboard.banner import Banner
 from traceml_tui.dashboard.heat_table import HeatTable

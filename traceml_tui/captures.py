@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import summary, trace_analysis, view_state
+from traceml_agent.vocab import WAITING_PHASES
+
+from . import private, trace_analysis, view_state
 
 DEFAULT_STEPS = 5
 # A rank that has not finished its capture after this long (a step can be slow, and the
@@ -62,7 +64,7 @@ def capture_roles(view: view_state.ViewState | None, asked: list[int] | None
         return {}
     live = [r for r in view.rows if r.step_ms is not None]
     local = {r.rank: sum(v for i, v in enumerate(r.phase_ms) if v is not None
-                         and view_state.VIEW_PHASES[i] not in ("sync", "wait")) for r in live}
+                         and view_state.VIEW_PHASES[i] not in WAITING_PHASES) for r in live}
     roles: dict[int, str] = {}
     if asked:
         roles.update({r: "pinned" for r in asked if 0 <= r < view.world_size})
@@ -135,8 +137,8 @@ class CaptureBoard:
         try:
             folder = self.run_dir / "traces"
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            summary.write_atomic(folder / f"capture{cap.id}.txt", text)
-            summary.write_atomic(folder / f"capture{cap.id}.json", json.dumps(doc, indent=1))
+            private.write_atomic(folder / f"capture{cap.id}.txt", text)
+            private.write_atomic(folder / f"capture{cap.id}.json", json.dumps(doc, indent=1))
             saved = str(folder / f"capture{cap.id}.json")
         except OSError as exc:
             problems.append(f"could not save the analysis: {exc}")

@@ -154,7 +154,7 @@ def _cmd_run(parser: argparse.ArgumentParser, argv: list[str], full_argv: list[s
     from .launcher import LaunchError, RunOptions, run
 
     ours, script_args = _split_script_args(argv)
-    run_parser = parser._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+    run_parser = parser._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr,index]
     args, unknown = run_parser.parse_known_args(ours[1:])
     if unknown:
         run_parser.error(f"unrecognized arguments: {' '.join(unknown)} (arguments for your "

@@ -40,15 +40,14 @@ from traceml_agent.protocol import (
     decode,
     encode_capture_request,
 )
+from traceml_agent.vocab import COLLECTOR_JSON, STEP_LOG_DIR
 
-from . import summary, view_state
+from . import private, summary, view_build, view_state
 from .captures import DEFAULT_STEPS, CaptureBoard, capture_roles
 from .ingest_pump import IngestPump
 from .state import RunState, Snapshot
 from .step_log import StepLogWriter
 
-COLLECTOR_JSON = "collector.json"
-STEP_LOG_DIR = "steps"  # every rank's step records, bounded (step_log.py), for exports
 EVAL_INTERVAL_S = 0.5  # live diagnosis cadence: a change shows within ~1-2 s
 # With thousands of ranks one evaluation (diagnosis + the viewers' frozen state) costs
 # ~170 ms at 4,096 ranks: ticks are spaced at least this many times their cost apart,
@@ -117,7 +116,7 @@ class Collector:
                  port: int = 0, view_port: int = 0, secret: str | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.state = state
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
         self.auth: Any = None
         self.rejected_peers = 0  # handshakes refused: a peer without the run's keys
         run_keys = None if secret is None else self._start_auth(secret)
@@ -210,7 +209,7 @@ class Collector:
         info = {"ingest": self.ingest_addr, "control": self.control_addr, "view": self.view_addr,
                 "pid": os.getpid(), "run_name": self.state.run_name,
                 "host": socket.gethostname(), "view_remote": self.view_remote}
-        summary.write_atomic(self.run_dir / COLLECTOR_JSON, json.dumps(info, indent=2) + "\n")
+        private.write_atomic(self.run_dir / COLLECTOR_JSON, json.dumps(info, indent=2) + "\n")
 
     def serve(self) -> None:
         next_eval = next_snap = time.monotonic()
@@ -294,7 +293,7 @@ class Collector:
         """Freeze the state for viewers once per tick; every viewer gets the same bytes."""
         snap = self.state.snapshot(time.time(), time.monotonic())
         self.view_snap = snap
-        self.view_now = replace(view_state.build(snap, self.state.recent_steps),
+        self.view_now = replace(view_build.build(snap, self.state.recent_steps),
                                 capture=self.captures.view())
         self.view_bytes = msgpack.packb(self.view_now.to_wire())
 
@@ -322,8 +321,8 @@ class Collector:
                 self.refresh_view()
             pinned = request.get("rank")
             extra = None
-            if type(pinned) is int and self.view_snap is not None:
-                d = view_state.detail(self.view_snap, pinned, self.view_now,
+            if type(pinned) is int and self.view_snap is not None and self.view_now is not None:
+                d = view_build.detail(self.view_snap, pinned, self.view_now,
                                       self.state.recent_steps(pinned))
                 extra = None if d is None else d.to_wire()
             self.view.send_multipart([self.view_bytes, msgpack.packb(extra)])
@@ -362,7 +361,7 @@ class Collector:
         try:
             snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
             doc = summary.build(snap, summary.RunMeta(complete=False))
-            summary.write_atomic(self.run_dir / summary.LIVE_JSON, json.dumps(doc) + "\n")
+            private.write_atomic(self.run_dir / summary.LIVE_JSON, json.dumps(doc) + "\n")
         except OSError as exc:  # a full disk costs the snapshot, not the collector
             print(f"[traceml] collector: could not write snapshot: {exc}", file=sys.stderr)
 
@@ -421,8 +420,8 @@ class Collector:
             rs = self.state.ranks[rank]
             if rs.exit_code is None:
                 rs.exit_code = exitcode
-                code = 128 - exitcode if exitcode < 0 else exitcode
-                failures = [(rank, code)] + [f for f in failures if f[0] != rank]
+                rank_code = 128 - exitcode if exitcode < 0 else exitcode
+                failures = [(rank, rank_code)] + [f for f in failures if f[0] != rank]
         code, failed = summary.job_exit_code(
             request.get("torchrun_exit"), bool(request.get("interrupted")), failures)
         if request.get("exit_code") is not None:

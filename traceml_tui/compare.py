@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from traceml_agent.vocab import COMPUTE_PHASES, INPUT_PHASES
+
 from .windows import median
 
 # Step-time medians of repeated identical runs on a shared machine differ by a few
@@ -22,8 +24,8 @@ NOISE_SHARE = 0.05
 # row below them; beyond 16, the 16 row.
 EXPECTED_EFFICIENCY = {2: (0.90, 0.95), 4: (0.85, 0.95), 8: (0.80, 0.90), 16: (0.75, 0.90)}
 
-INPUT = ("dataloader", "h2d")
-COMPUTE = ("forward", "backward", "optimizer")
+INPUT = INPUT_PHASES
+COMPUTE = COMPUTE_PHASES
 
 
 class CompareError(Exception):
@@ -43,8 +45,7 @@ def load(path: Path) -> dict[str, Any]:
 
 
 def _group_ms(rank: dict[str, Any], phases: tuple[str, ...]) -> float | None:
-    vals = [(rank["phase_ms"].get(p) or {}).get("median") for p in phases]
-    vals = [v for v in vals if v is not None]
+    vals = [v for p in phases if (v := (rank["phase_ms"].get(p) or {}).get("median")) is not None]
     return sum(vals) if vals else None
 
 
@@ -55,7 +56,7 @@ def metrics(doc: dict[str, Any]) -> dict[str, float | None]:
         return median([v for r in ranks if (v := _group_ms(r, phases)) is not None])
     return {
         "step_ms": doc["step_ms"].get("median"),
-        "skew_ms": (max(local) - median(local)) if local else None,
+        "skew_ms": (max(local) - mid) if (mid := median(local)) is not None else None,
         "input_ms": across(INPUT),
         "compute_ms": across(COMPUTE),
         "sync_ms": across(("sync",)),

@@ -17,37 +17,33 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from statistics import median
+from typing import TypeGuard
 
-from traceml_agent.checks import format_ranks
-
-# --- labels and severities ---------------------------------------------------------------
-
-BALANCED = "BALANCED"
-INPUT_STRAGGLER = "INPUT STRAGGLER"
-COMPUTE_STRAGGLER = "COMPUTE STRAGGLER"
-STRAGGLER = "STRAGGLER"
-INPUT_BOUND = "INPUT-BOUND"
-WAIT_HEAVY = "WAIT-HEAVY"
-HANG = "HANG"
-WARMUP = "WARMUP"
-# Some phase the verdict depends on could not be timed: better no verdict than a wrong one.
-TIMING_INCOMPLETE = "TIMING INCOMPLETE"
-# A few steps of one rank (or of every rank) far above its typical step, recurring with
-# a period: a checkpoint, an evaluation, an upload that every other rank waits for.
-PERIODIC_STALL = "PERIODIC STALL"
-# Every rank waits in collectives for most of its step, and no rank is behind: the
-# network (or the collective's size) sets the pace, not any rank's work.
-COMM_BOUND = "COMM-BOUND"
-LABELS = (BALANCED, INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER, INPUT_BOUND, WAIT_HEAVY,
-          HANG, WARMUP, TIMING_INCOMPLETE, PERIODIC_STALL, COMM_BOUND)
-
-INFO, WARNING, CRITICAL = "info", "warning", "critical"
-# Labels that name a culprit every rank waits for, with its per-step gap.
-STRAGGLER_LABELS = (INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER)
-
-INPUT_PHASES = ("dataloader", "h2d")
-COMPUTE_PHASES = ("forward", "backward", "optimizer")
-LOCAL_PHASES = INPUT_PHASES + COMPUTE_PHASES
+# The labels, severities and phase groups are the product's vocabulary (vocab.py); they
+# are re-exported here because the rules below are where they get their meaning.
+from traceml_agent.vocab import (  # noqa: F401 (re-exported)
+    BALANCED,
+    COMM_BOUND,
+    COMPUTE_PHASES,
+    COMPUTE_STRAGGLER,
+    CRITICAL,
+    HANG,
+    INFO,
+    INPUT_BOUND,
+    INPUT_PHASES,
+    INPUT_STRAGGLER,
+    LABELS,
+    LOCAL_PHASES,
+    PERIODIC_STALL,
+    STRAGGLER,
+    STRAGGLER_LABELS,
+    TIMING_INCOMPLETE,
+    WAIT,
+    WAIT_HEAVY,
+    WARMUP,
+    WARNING,
+    format_ranks,
+)
 
 # --- thresholds (docs/diagnosis.md gives the reasoning) -------------------------------------
 
@@ -77,7 +73,7 @@ WAIT_HEAVY_EXIT = 0.22
 # The zero-code hooks see these phases in every training loop they time; a rank whose
 # recent steps have none of one (after warm-up) ran it somewhere the hooks are blind to,
 # and its time went to residual "wait".
-EXPECTED_PHASES = ("forward", "backward", "optimizer")
+EXPECTED_PHASES = COMPUTE_PHASES
 # A phase closed for lack of its end hook (recorder.py) on this share of a rank's steps
 # is not timed: its time after the missed end went to whatever was open around it. Rare
 # forced closes (an exception unwinding through a hook-less frame) are noise.
@@ -219,7 +215,7 @@ def stall_of(step: int, step_ms: float, typical_ms: float, names: Sequence[str],
              values: Sequence[float | None], typical: Mapping[str, float | None]) -> Stall:
     """The stall in one step: its excess over the typical step, and the phase whose time
     grew the most over its own median (an unmeasured phase grows by nothing)."""
-    best, grew = "wait", float("-inf")
+    best, grew = WAIT, float("-inf")
     for name, value in zip(names, values, strict=False):
         if value is None:
             continue
@@ -280,14 +276,13 @@ class Diagnosis:
 # --- helpers -----------------------------------------------------------------------------
 
 
-def _finite(value: float | None) -> bool:
+def _finite(value: float | None) -> TypeGuard[float]:
     return value is not None and value == value and value not in (float("inf"), float("-inf"))
 
 
 def _group(timing: RankTiming, phases: Sequence[str]) -> float | None:
     """Sum of the measured phases of a group; None when none of them was measured."""
-    vals = [timing.phase_ms.get(p) for p in phases]
-    vals = [v for v in vals if _finite(v)]
+    vals = [v for v in (timing.phase_ms.get(p) for p in phases) if _finite(v)]
     return sum(vals) if vals else None
 
 
@@ -300,8 +295,7 @@ class _Skew:
 
 def _skew(ranks: Sequence[RankTiming], phases: Sequence[str], step_ms: float) -> _Skew | None:
     """Worst rank vs median rank for a group of phases. Ties go to the lowest rank."""
-    values = [(r.rank, _group(r, phases)) for r in ranks]
-    values = [(rank, v) for rank, v in values if v is not None]
+    values = [(r.rank, v) for r in ranks if (v := _group(r, phases)) is not None]
     if len(values) < 2:
         return None
     mid = median([v for _, v in values])
@@ -316,8 +310,7 @@ def phase_gaps(ranks: Sequence[RankTiming], rank: int, phases: Sequence[str]) ->
     gaps = {}
     for p in phases:
         mine = me.phase_ms.get(p)
-        others = [r.phase_ms.get(p) for r in ranks]
-        others = [v for v in others if _finite(v)]
+        others = [v for v in (r.phase_ms.get(p) for r in ranks) if _finite(v)]
         if _finite(mine) and others:
             gaps[p] = mine - median(others)
     return gaps
@@ -335,8 +328,9 @@ def _share(ranks: Sequence[RankTiming], phases: Sequence[str]) -> float:
     shares = []
     for r in ranks:
         value = _group(r, phases)
-        if value is not None and _finite(r.step_ms) and r.step_ms > 0:
-            shares.append(value / r.step_ms)
+        step_ms = r.step_ms
+        if value is not None and _finite(step_ms) and step_ms > 0:
+            shares.append(value / step_ms)
     return median(shares) if shares else 0.0
 
 
@@ -366,7 +360,7 @@ def _still_behind(recent: Recent, rank: int, phases: Sequence[str]) -> bool:
     others = [v for v in values.values() if v is not None]
     if mine is None or len(others) < 2:
         return True
-    step_ms = median([r.step_ms for r in ready])
+    step_ms = median([r.step_ms for r in ready if r.step_ms is not None])
     gap = mine - median(others)
     return gap >= MIN_GAP_MS and gap >= SKEW_EXIT * step_ms
 
@@ -392,7 +386,7 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
         most = max((r.steps for r in ranks), default=0)
         return Diagnosis(WARMUP, None, None, INFO,
                          f"Collecting steps: {most} of {MIN_STEPS} needed before judging.")
-    step_ms = median([r.step_ms for r in ready])
+    step_ms = median([r.step_ms for r in ready if r.step_ms is not None])
     # Untimed local phases: their time sits in "wait", so balance, residual wait and any
     # comparison of that group cannot be judged; a group fully timed still can.
     untimed = {u.phase for r in ready for u in r.untimed}
@@ -411,17 +405,17 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
               and over(cp_skew.share, SKEW_ENTER, SKEW_EXIT, COMPUTE_STRAGGLER, STRAGGLER)
               and _still_behind(recent, cp_skew.rank, compute))
 
-    if in_hit and cp_hit:
+    if in_hit and cp_hit and in_skew is not None and cp_skew is not None:
         worst = in_skew if in_skew.gap_ms >= cp_skew.gap_ms else cp_skew
         phase = _worst_phase(ready, worst.rank, INPUT_PHASES + compute)
         gap = in_skew.gap_ms + cp_skew.gap_ms if in_skew.rank == cp_skew.rank else worst.gap_ms
         return _straggler(STRAGGLER, worst.rank, phase, gap, gap / step_ms, step_ms, ready,
                           INPUT_PHASES + compute)
-    if in_hit:
+    if in_hit and in_skew is not None:
         phase = _worst_phase(ready, in_skew.rank, INPUT_PHASES)
         return _straggler(INPUT_STRAGGLER, in_skew.rank, phase, in_skew.gap_ms, in_skew.share,
                           step_ms, ready, INPUT_PHASES)
-    if cp_hit:
+    if cp_hit and cp_skew is not None:
         phase = _worst_phase(ready, cp_skew.rank, compute)
         return _straggler(COMPUTE_STRAGGLER, cp_skew.rank, phase, cp_skew.gap_ms, cp_skew.share,
                           step_ms, ready, compute)
@@ -429,7 +423,7 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
     input_share = 0.0 if input_blind else _share(ready, INPUT_PHASES)
     if over(input_share, INPUT_BOUND_ENTER, INPUT_BOUND_EXIT, INPUT_BOUND):
         phase = max(INPUT_PHASES, key=lambda p: median(
-            [r.phase_ms.get(p) for r in ready if _finite(r.phase_ms.get(p))] or [0.0]))
+            [v for r in ready if _finite(v := r.phase_ms.get(p))] or [0.0]))
         return Diagnosis(
             INPUT_BOUND, None, phase, WARNING,
             f"Every rank spends about {input_share:.0%} of its {step_ms:.1f} ms step waiting for "
@@ -444,10 +438,10 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
     sync_share = _share(ready, ("sync",))
     if over(sync_share, COMM_BOUND_ENTER, COMM_BOUND_EXIT, COMM_BOUND):
         return comm_bound(ready, sync_share, step_ms, preflight_busbw)
-    wait_share = _share(ready, ("wait",))
+    wait_share = _share(ready, (WAIT,))
     if over(wait_share, WAIT_HEAVY_ENTER, WAIT_HEAVY_EXIT, WAIT_HEAVY):
         return Diagnosis(
-            WAIT_HEAVY, None, "wait", WARNING,
+            WAIT_HEAVY, None, WAIT, WARNING,
             f"About {wait_share:.0%} of each {step_ms:.1f} ms step is outside the timed phases "
             f"on every rank: look for logging, checkpointing, validation, .item()/CPU syncs or "
             f"other work between optimizer steps.",
@@ -464,9 +458,8 @@ def comm_bound(ranks: Sequence[RankTiming], share: float, step_ms: float,
     known: bytes all-reduced per step over the rank's exposed sync time. Part of each
     transfer overlaps backward, so this is an upper bound of what the slowest link did."""
     world = len(ranks)
-    rates = [(r.rank, bus_gbps(r.comm_bytes, r.phase_ms.get("sync") or 0.0, world))
-             for r in ranks]
-    rates = [(rank, g) for rank, g in rates if g is not None]
+    rates = [(r.rank, g) for r in ranks
+             if (g := bus_gbps(r.comm_bytes, r.phase_ms.get("sync") or 0.0, world)) is not None]
     sync_ms = median([r.phase_ms.get("sync") or 0.0 for r in ranks])
     evidence = ""
     if rates:
@@ -577,8 +570,7 @@ def slow_node(ranks: Sequence[RankTiming], worst_rank: int, phases: Sequence[str
     """(node, its ranks) when the worst rank's whole node is behind and nobody else is."""
     if len({r.node for r in ranks}) < 2:
         return None
-    values = [(r, _group(r, phases)) for r in ranks]
-    values = [(r, v) for r, v in values if v is not None]
+    values = [(r, v) for r in ranks if (v := _group(r, phases)) is not None]
     mid = median([v for _, v in values])
     node = next(r.node for r in ranks if r.rank == worst_rank)
     slow = {r.rank for r, v in values if v - mid >= NODE_MEMBER_SHARE * gap_ms}

@@ -13,8 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from traceml_agent.vocab import STEP_LOG_DIR
+
 from . import perfetto, summary
-from .collector import STEP_LOG_DIR
 from .step_log import read_steps
 
 

@@ -29,9 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from traceml_agent import env, handover, keys
+from traceml_agent.vocab import (
+    COLLECTOR_JSON,
+    COLLECTOR_LOG,
+    LAUNCHER_LOG,
+    LOGS_DIR,
+    NETCHECK_JSON,
+)
 
 from . import nccl_debug, private, summary
-from .collector import COLLECTOR_JSON
 from .job_output import Progress, Tee, parse_root_cause, read_tail
 
 COLLECTOR_START_TIMEOUT_S = 20.0
@@ -115,7 +121,7 @@ def prepare_run_dir(opts: RunOptions) -> tuple[str, Path]:
         opts.out.mkdir(parents=True, exist_ok=True)
         try:
             private.make_private_dir(run_dir)
-            private.make_private_dir(run_dir / "logs")
+            private.make_private_dir(run_dir / LOGS_DIR)
         except PermissionError as exc:
             raise LaunchError(f"run folder {exc}: not using it (another user could read the "
                               f"run's secret or plant files there); choose another "
@@ -195,7 +201,7 @@ class _Handover(threading.Thread):
 
 def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: float,
                     secret: str, port: int) -> tuple[subprocess.Popen, dict[str, Any]]:
-    log = private.open_private(run_dir / "collector.log")
+    log = private.open_private(run_dir / COLLECTOR_LOG)
     cmd = [sys.executable, "-m", "traceml_tui.collector", "--run-dir", str(run_dir),
            "--run-name", name, "--world-size", str(opts.world_size),
            "--nnodes", str(opts.nnodes), "--nproc-per-node", str(opts.nproc_per_node),
@@ -206,7 +212,7 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
     if opts.hang_after is not None:
         cmd += ["--hang-after", repr(opts.hang_after)]
     if opts.preflight:
-        cmd += ["--preflight", str(run_dir / "netcheck.json")]
+        cmd += ["--preflight", str(run_dir / NETCHECK_JSON)]
     # The secret travels in the environment, never on a command line others can read.
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                             start_new_session=True, env={**os.environ, env.SECRET: secret})
@@ -220,7 +226,7 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
             break
         time.sleep(0.05)
     proc.kill()
-    tail = (run_dir / "collector.log").read_text(errors="replace")[-2000:]
+    tail = (run_dir / COLLECTOR_LOG).read_text(errors="replace")[-2000:]
     raise LaunchError(f"the collector did not start; its log ({run_dir / 'collector.log'}):\n"
                       f"{tail}")
 
@@ -244,7 +250,7 @@ def _port_free(port: int) -> bool:
 
 
 def torchrun_command(opts: RunOptions, run_dir: Path, port: int) -> list[str]:
-    logs = run_dir / "logs" / (f"node{opts.node_rank}" if opts.multinode else "")
+    logs = run_dir / LOGS_DIR / (f"node{opts.node_rank}" if opts.multinode else "")
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc-per-node", str(opts.nproc_per_node),
@@ -311,7 +317,7 @@ class _Signals:
                 pass
 
 
-HANGUP_LOG = "launcher.log"  # in the run folder: our output once the terminal is gone
+HANGUP_LOG = LAUNCHER_LOG  # in the run folder: our output once the terminal is gone
 
 
 def _detach_from_terminal(path: Path | None) -> None:
@@ -351,7 +357,7 @@ def _finish(control: str, request: dict[str, Any], collector: subprocess.Popen,
 
     if collector.poll() is not None:
         return None
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     keys.secure_client(sock, keys.derive(secret))
@@ -453,7 +459,7 @@ def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _S
         "op": "finish", "torchrun_exit": rc, "interrupted": signals.interrupted,
         "root_cause": None if root_cause is None else list(root_cause),
         "command": opts.command, "ended_at": time.time(),
-        "extra": {"run_dir": str(run_dir), "logs": str(run_dir / "logs"),
+        "extra": {"run_dir": str(run_dir), "logs": str(run_dir / LOGS_DIR),
                   "torchrun_exit_code": rc},
     }
     if signals.exit_code is not None:
@@ -589,7 +595,7 @@ def _preflight(opts: RunOptions, run_dir: Path, port: int) -> None:
           "(traceml netcheck)", file=sys.stderr, flush=True)
     status, doc = netcheck.check(opts, run_dir, port)
     if doc is not None:
-        print(netcheck.render(doc, run_dir / netcheck.NETCHECK_JSON), file=sys.stderr,
+        print(netcheck.render(doc, run_dir / NETCHECK_JSON), file=sys.stderr,
               end="", flush=True)
     if status == 3:
         raise LaunchError("preflight: not every node or rank came up; training not started")
@@ -614,7 +620,7 @@ def run(opts: RunOptions) -> int:
     child_env.update({env.ENDPOINT: node.ingest, env.RUN_NAME: name,
                       env.RUN_DIR: str(run_dir.resolve())})
     if opts.nccl_debug:
-        private.make_private_dir(run_dir / "logs" / "nccl")
+        private.make_private_dir(run_dir / LOGS_DIR / "nccl")
         child_env.update(nccl_debug.environment(opts.nccl_debug, run_dir))
     if node.secret is not None:
         child_env[env.SECRET] = node.secret

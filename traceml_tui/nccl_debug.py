@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from traceml_agent import nccl_log
+from traceml_agent.vocab import LOGS_DIR
 
 LEVELS = ("WARN", "INFO", "TRACE")
 # COLL logs each collective's start and DONE (the opCount lines); INIT and NET say which
@@ -33,7 +34,7 @@ TORCH_DEBUG = {"WARN": "INFO", "INFO": "INFO", "TRACE": "DETAIL"}
 
 def environment(level: str, run_dir: Path) -> dict[str, str]:
     """The variables for every rank of this node (the folder must exist, 0700)."""
-    logs = run_dir.resolve() / "logs" / "nccl"
+    logs = run_dir.resolve() / LOGS_DIR / "nccl"
     return {
         "NCCL_DEBUG": level,
         "NCCL_DEBUG_SUBSYS": SUBSYSTEMS,

@@ -19,12 +19,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from traceml_agent.vocab import NETCHECK_JSON
+
 from . import netcheck_math as nm
-from . import summary
+from . import private
 from .launcher import LaunchError, RunOptions, master_port, prepare_run_dir
 from .netcheck_worker import OUT_ENV, TIMEOUT_ENV
 
-NETCHECK_JSON = "netcheck.json"
 NODE_KEY = "traceml-netcheck/node/"
 
 
@@ -64,7 +65,7 @@ def nodes_came_up(opts: RunOptions, port: int, timeout_s: float, run_dir: Path
     missing = [k for k in range(opts.nnodes) if k not in present]
     ranks = [r for k in missing for r in range(k * opts.nproc_per_node,
                                                 (k + 1) * opts.nproc_per_node)]
-    summary.write_atomic(run_dir / NETCHECK_JSON, json.dumps(
+    private.write_atomic(run_dir / NETCHECK_JSON, json.dumps(
         {"healthy": False, "missing": {"nodes": missing, "ranks": ranks},
          "present": {str(k): h for k, h in present.items()}}, indent=1))
     return present

@@ -55,8 +55,11 @@ def node_pairs(nnodes: int) -> list[tuple[int, int]]:
         return []
     if nnodes <= MAX_ALL_PAIRS_NODES:
         return [(a, b) for a in range(nnodes) for b in range(a + 1, nnodes)]
-    pairs = {tuple(sorted((k, (k + step) % nnodes))) for k in range(nnodes)
-             for step in (1, nnodes // 2)}
+    pairs: set[tuple[int, int]] = set()
+    for k in range(nnodes):
+        for step in (1, nnodes // 2):
+            j = (k + step) % nnodes
+            pairs.add((min(k, j), max(k, j)))
     return sorted(p for p in pairs if p[0] != p[1])
 
 

@@ -210,7 +210,7 @@ def barrier_ms(dist: Any) -> float:
 
 def write(doc: dict[str, Any]) -> None:
     """Atomically, 0600, in the run folder (the summary's writer)."""
-    from .summary import write_atomic
+    from .private import write_atomic
 
     write_atomic(Path(os.environ[OUT_ENV]), json.dumps(doc, indent=1))
 

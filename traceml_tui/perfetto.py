@@ -37,8 +37,8 @@ from typing import Any
 from traceml_agent.protocol import MAX_WORLD_SIZE, PHASES
 
 from . import diagnosis as dx
+from .private import write_atomic_with
 from .step_log import LoggedStep
-from .summary import write_atomic_with
 
 DIAGNOSIS_PID = MAX_WORLD_SIZE  # ranks are < MAX_WORLD_SIZE, so this pid is never a rank's
 STEP_TID = 0  # a rank's step track; phase i of the export's phase order is tid i + 1

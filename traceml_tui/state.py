@@ -287,8 +287,9 @@ class RunState:
                 continue
             if rec.step >= WARMUP_STEPS:
                 rs.window.append(rec.step_ms, rec.t_end, msg.phases, rec.phase_ms)
-                if rs.stall_at_ms is not None and rec.step_ms >= rs.stall_at_ms:
-                    live = rs.live
+                live = rs.live
+                if (rs.stall_at_ms is not None and rec.step_ms >= rs.stall_at_ms
+                        and live is not None and live.step_ms is not None):
                     rs.stalls.append(dx.stall_of(rec.step, rec.step_ms, live.step_ms,
                                                  msg.phases, rec.phase_ms, live.phase_ms))
             rs.last_step_at = rs.last_seen
@@ -310,7 +311,7 @@ class RunState:
         """(rank, exit code) of the ranks that reported a non-zero exit, first failure first."""
         failed = [rs for rs in self.ranks.values() if rs.finished and rs.exit_code]
         failed.sort(key=lambda rs: rs.finished_at)
-        return [(rs.ident.rank, rs.exit_code) for rs in failed]
+        return [(rs.ident.rank, rs.exit_code) for rs in failed if rs.exit_code]
 
     # --- live diagnosis -------------------------------------------------------------
 
@@ -403,9 +404,13 @@ class RunState:
                                                          self.framework, recent,
                                                          self._stall_stats(),
                                                          self.preflight_busbw))
-        shown = self.live.shown
+        live = self.live
+        if live is None:  # a latched hang always set it; the type checker cannot see that
+            live = self.live = dx.LiveLabel(dx.diagnose(timings))
+        shown = live.shown
         if before is None or shown.subject != before.subject:
-            self._new_episode(shown, self.hang_since if self.hang is not None else now)
+            hang_since = self.hang_since if self.hang is not None else None
+            self._new_episode(shown, now if hang_since is None else hang_since)
         self._count_lost(shown, steps)
         return shown
 
@@ -452,13 +457,12 @@ class RunState:
     def snapshot(self, now: float, mono_now: float, full: bool = False) -> Snapshot:
         """Freeze the state. `full` adds whole-window quantiles and the final diagnosis
         (costlier: used for the snapshot file and the summary, not every live tick)."""
-        if self.live is None:
-            self.evaluate(now)
+        shown = self.live.shown if self.live is not None else self.evaluate(now)
         ranks = tuple(self._rank_snapshot(r, mono_now, full) for r in range(self.world_size))
         return Snapshot(
             run_name=self.run_name, world_size=self.world_size, nnodes=self.nnodes,
             started_at=self.started_at, now=now, phases=tuple(self.phases), ranks=ranks,
-            live=self.live.shown, live_since=self.live_since,
+            live=shown, live_since=self.live_since,
             final=self._full_diagnosis(ranks) if full else None,
             timeline=tuple(self.timeline), counters=dict(self.counters), hang=self.hang,
             hang_since=self.hang_since, parallel=self.parallel, checks=self.checks.merged(),

@@ -88,11 +88,12 @@ class StepLogWriter:
             gens = [_generation(self.directory / name) for name in FILE_NAMES]
             # Continue an existing log: keep its newest file, start the next generation
             # in the other one.
-            newest = max(range(2), key=lambda i: -1 if gens[i] is None else gens[i])
-            if gens[newest] is None:
+            newest = max(range(2), key=lambda i: g if (g := gens[i]) is not None else -1)
+            generation = gens[newest]
+            if generation is None:
                 self._open(0, 0)
             else:
-                self._open(1 - newest, gens[newest] + 1)
+                self._open(1 - newest, generation + 1)
         except OSError:
             self._fail()
 

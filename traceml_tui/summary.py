@@ -9,25 +9,21 @@ record of the same shape, marked ``"complete": false``.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from traceml_agent import nccl_log
-from traceml_agent.checks import format_ranks
+from traceml_agent.vocab import LIVE_SNAPSHOT_JSON, SUMMARY_JSON, SUMMARY_TXT, format_ranks
 
 from . import diagnosis as dx
+from .private import write_atomic
 from .state import Episode, Snapshot
 from .windows import median
 
 SCHEMA_VERSION = "1"
-SUMMARY_JSON = "final_summary.json"
-SUMMARY_TXT = "final_summary.txt"
-LIVE_JSON = "live_snapshot.json"
+LIVE_JSON = LIVE_SNAPSHOT_JSON
 
 
 @dataclass(frozen=True)
@@ -48,7 +44,7 @@ def iso(epoch: float | None) -> str | None:
     return datetime.fromtimestamp(epoch, tz=timezone.utc).isoformat(timespec="milliseconds")
 
 
-def _q(q: Any) -> dict[str, float] | None:
+def _q(q: Any) -> dict[str, float | None] | None:
     return None if q is None else q.to_json()
 
 
@@ -73,8 +69,8 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
     """The summary document. `snap` must be a full snapshot (whole-window quantiles)."""
     # A hang at the end is the verdict; otherwise the whole window's diagnosis.
     diagnosis = snap.live if snap.live.label == dx.HANG else (snap.final or snap.live)
-    reported = [r for r in snap.ranks if r.reported and r.step_ms is not None]
-    step_medians = [(r.rank, r.step_ms.median) for r in reported]
+    step_medians = [(r.rank, r.step_ms.median) for r in snap.ranks
+                    if r.reported and r.step_ms is not None]
     worst_rank, worst = (max(step_medians, key=lambda x: (x[1], -x[0]))
                          if step_medians else (None, None))
     ranks = []
@@ -128,9 +124,10 @@ def _comm(snap: Snapshot) -> dict[str, Any]:
     """The job's collective wait: the median rank's share of its step in sync, and per
     rank the achieved all-reduce bus bandwidth over its exposed sync time (where DDP's
     gradient bytes are known). docs/network.md explains the figures."""
-    reported = [r for r in snap.ranks if r.reported and r.step_ms is not None]
     shares, per_rank = [], []
-    for r in reported:
+    for r in snap.ranks:
+        if not r.reported or r.step_ms is None:
+            continue
         sync = r.phase_ms.get("sync")
         sync_ms = None if sync is None else sync.median
         if sync_ms is not None and r.step_ms.median > 0:
@@ -298,8 +295,8 @@ def render_text(doc: dict[str, Any]) -> str:
     if checks:
         lines += ["", f"Setup checks: {len(checks)} finding(s)"]
         for c in checks:
-            ranks = ",".join(map(str, c["ranks"][:8])) + ("..." if len(c["ranks"]) > 8 else "")
-            lines += [f"  [{c['severity']}] {c['id']} (rank {ranks}): {c['evidence']}",
+            named = ",".join(map(str, c["ranks"][:8])) + ("..." if len(c["ranks"]) > 8 else "")
+            lines += [f"  [{c['severity']}] {c['id']} (rank {named}): {c['evidence']}",
                       f"      fix: {c['fix']}"]
     episodes = [e for e in doc["timeline"] if e["label"] not in (dx.WARMUP,)]
     if len(episodes) > 1:
@@ -324,27 +321,6 @@ def _signal_name(signum: int) -> str:
 
 
 # --- files -----------------------------------------------------------------------------
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder and rename: readers never see half a file."""
-    write_atomic_with(path, lambda f: f.write(text))
-
-
-def write_atomic_with(path: Path, write: Callable[[IO[str]], Any]) -> None:
-    """The same, for content streamed into the file by `write(f)` (large exports)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def write_summary(run_dir: Path, doc: dict[str, Any]) -> Path:

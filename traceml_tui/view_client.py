@@ -17,11 +17,11 @@ import msgpack
 import zmq
 
 from traceml_agent import keys
+from traceml_agent.vocab import COLLECTOR_JSON, SUMMARY_JSON
 
 from . import private
 from .view_state import RankDetail, ViewState
 
-COLLECTOR_JSON = "collector.json"
 REQUEST_TIMEOUT_S = 2.0
 
 
@@ -35,7 +35,7 @@ class ViewClient:
         self.address = address
         self.keys = None if secret is None else keys.derive(secret)
         self.timeout_ms = int(timeout_s * 1000)
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         # The poller and an export may ask at once; a REQ socket takes one request at a time.
         self.lock = threading.Lock()
@@ -121,7 +121,7 @@ def resolve_target(target: str | None, base: Path = Path("traceml_runs"),
         if reason:
             raise WatchTargetError(f"{path} {reason}: not attaching (its address and secret "
                                    f"could be anyone's)")
-    if (run_dir / "final_summary.json").exists():
+    if (run_dir / SUMMARY_JSON).exists():
         raise WatchTargetError(f"the run in {run_dir} has ended; its record is "
                                f"{run_dir / 'final_summary.json'}")
     try:
@@ -151,5 +151,5 @@ def newest_live_run(base: Path) -> Path | None:
     # another user's folder could point us at their address with their secret.
     live = [d for d in base.iterdir()
             if not private.not_private(d) and not private.not_private(d / COLLECTOR_JSON, False)
-            and not (d / "final_summary.json").exists()]
+            and not (d / SUMMARY_JSON).exists()]
     return max(live, key=lambda d: (d / COLLECTOR_JSON).stat().st_mtime, default=None)

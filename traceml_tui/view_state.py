@@ -1,22 +1,21 @@
 """What a dashboard draws: a frozen, compact view of the collector's state.
 
-The collector builds one `ViewState` per evaluation tick (from a `Snapshot`) and
+The collector builds one `ViewState` per evaluation tick (view_build.py) and
 serves it to any number of viewers; a viewer decodes it and replaces its whole
 state at once. Rows are plain tuples so 8,192 ranks encode and decode in a few
-milliseconds. Data side: nothing here imports the dashboard.
+milliseconds. This module is the view model only: it imports neither the
+dashboard nor the collector's state, so a viewer carries none of the collector.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .state import RankSnapshot, Snapshot
-from .windows import median
+from traceml_agent.vocab import PHASES
 
 # Columns of the heat rows, in order.
-VIEW_PHASES = ("dataloader", "h2d", "forward", "backward", "sync", "optimizer", "wait")
+VIEW_PHASES = PHASES
 # A rank is stale when no message arrived for this long (agents send ~10 a second and a
 # heartbeat every second, so 3 s of silence means its sender or its host is gone) ...
 STALE_SILENCE_S = 3.0
@@ -51,7 +50,7 @@ class RankRow(NamedTuple):
     status: str
 
     def to_wire(self) -> list:
-        w = list(self)
+        w: list[Any] = list(self)
         w[5] = list(self.phase_ms)
         return w
 
@@ -158,91 +157,3 @@ class ViewState:
             w.get("finished", False), w.get("exit_code"), w.get("node"),
             tuple((c[0], c[1], tuple(c[2]), c[3], c[4]) for c in w.get("checks", ())),
             w.get("capture"))
-
-
-# --- building from the collector's snapshot ---------------------------------------------
-
-
-def rank_status(r: RankSnapshot) -> str:
-    if not r.reported:
-        return WAITING
-    if r.finished:
-        if not r.exit_code:
-            return DONE
-        return STOPPED if r.exit_code in STOP_EXIT_CODES else FAILED
-    if r.agent_off is not None:
-        return AGENT_OFF
-    if r.idle_s is not None and r.idle_s > STALE_SILENCE_S:
-        return STALE
-    step_ms = r.live_step_ms
-    if r.since_step_s is not None and step_ms:
-        if r.since_step_s > max(STALE_MIN_S, STALE_STEPS * step_ms / 1000.0):
-            return STALE
-    return OK
-
-
-def _row(r: RankSnapshot) -> RankRow:
-    phases = tuple(r.live_phase_ms.get(p) for p in VIEW_PHASES)
-    sys = r.sys
-    # GPU memory: the rank's own (torch's allocator, reserved), what a batch size is sized
-    # by; NVML's device figure, which counts every process on the GPU, only without it.
-    gpu_mem = sys.get("gpu_reserved_mb")
-    if gpu_mem is None:
-        gpu_mem = sys.get("gpu_mem_mb")
-    return RankRow(r.rank, r.node, r.host, r.steps, r.live_step_ms, phases, sys.get("cpu_pct"),
-                   sys.get("rss_mb"), sys.get("gpu_util"), gpu_mem, r.idle_s,
-                   rank_status(r))
-
-
-def detail(snap: Snapshot, rank: int, view: ViewState, recent: tuple[float, ...]
-           ) -> RankDetail | None:
-    """The panel for one rank: its live timings beside the median rank's."""
-    if not 0 <= rank < len(snap.ranks):
-        return None
-    r = snap.ranks[rank]
-    row = view.rows[rank]
-    stack = r.stacks[0][1] if r.stacks else None  # the agent sends MainThread first
-    return RankDetail(rank, r.host, r.live_step_ms, view.median_step_ms, row.phase_ms,
-                      view.median_phase_ms, recent, row.status,
-                      r.error or (f"agent off: {r.agent_off}" if r.agent_off else None), stack)
-
-
-def build(snap: Snapshot, recent: Callable[[int], tuple[float, ...]] = lambda rank: (),
-          finished: bool = False, exit_code: int | None = None) -> ViewState:
-    """`recent(rank)`: that rank's recent step times, fetched only for the worst rank."""
-    rows = tuple(_row(r) for r in snap.ranks)
-    live = [r for r in rows if r.step_ms is not None]
-    med_step = median([r.step_ms for r in live])
-    med_phases = tuple(
-        median([r.phase_ms[i] for r in live if r.phase_ms[i] is not None])
-        for i in range(len(VIEW_PHASES)))
-    d = snap.live
-    devices = {r.device for r in snap.ranks if r.device}
-    view = ViewState(
-        run_name=snap.run_name, world_size=snap.world_size, nnodes=snap.nnodes,
-        elapsed_s=max(0.0, snap.now - snap.started_at), steps=snap.total_steps,
-        # No rank steps during a hang: the rate of the last steps would be a lie.
-        steps_per_s=0.0 if snap.hang is not None else (1000.0 / med_step) if med_step else None,
-        label=d.label, rank=d.rank,
-        phase=d.phase, severity=d.severity, summary=d.summary,
-        label_for_s=max(0.0, snap.now - snap.live_since), rows=rows, median_step_ms=med_step,
-        median_phase_ms=med_phases, worst=None,
-        device="cuda" if any(x.startswith("cuda") for x in devices) else "cpu",
-        finished=finished, exit_code=exit_code, node=d.node,
-        checks=tuple((f.id, f.severity, f.ranks, f.evidence, f.fix) for f in snap.checks))
-    worst_rank = d.rank if d.rank is not None else _slowest(rows)
-    if worst_rank is None:
-        return view
-    return replace(view, worst=detail(snap, worst_rank, view, recent(worst_rank)))
-
-
-def _slowest(rows: tuple[RankRow, ...]) -> int | None:
-    """Without a straggler label, the worst-rank panel shows the rank with most local work."""
-    best, worst = None, -1.0
-    for r in rows:
-        local = sum(v for i, v in enumerate(r.phase_ms)
-                    if v is not None and VIEW_PHASES[i] not in ("sync", "wait"))
-        if r.step_ms is not None and local > worst:
-            best, worst = r.rank, local
-    return best
-

@@ -25,7 +25,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import Footer, Static
 
-from ..summary import write_atomic
+from ..private import write_atomic
 from ..view_state import RankDetail, ViewState
 from .banner import Banner
 from .heat_table import SORT_KEYS, HeatTable, header_text
@@ -265,7 +265,7 @@ class DashboardApp(App[None]):
     def action_help(self) -> None:
         keys = [(b.key, b.description) for b in self.BINDINGS
                 if isinstance(b, Binding) and b.action != "stop_job"]
-        keys += [(b.key, b.description) for b in HeatTable.BINDINGS]
+        keys += [(b.key, b.description) for b in HeatTable.BINDINGS if isinstance(b, Binding)]
         if self.stop_job is not None:
             keys.append(("ctrl+c", "Stop the training job (SIGINT), summary is written"))
         self.push_screen(HelpScreen(keys))

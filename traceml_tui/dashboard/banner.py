@@ -5,13 +5,15 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
+from traceml_agent.vocab import SEVERITIES
+
 from ..view_state import ViewState
 from .cells import duration
 
 
 class Banner(Static):
     def show(self, state: ViewState) -> None:
-        for severity in ("info", "warning", "critical"):
+        for severity in SEVERITIES:
             self.set_class(state.severity == severity, f"-{severity}")
         head = Text(f" {state.label} ", style="bold reverse")
         if state.node is not None:

@@ -13,10 +13,9 @@ from typing import Any
 
 from traceml_agent.checks import Finding
 from traceml_agent.protocol import PHASES, Identity, Message, StepRecord
-
-from . import summary, view_state
-from .state import RunState
-from .view_state import RankDetail, ViewState
+from traceml_tui import summary, view_build
+from traceml_tui.state import RunState
+from traceml_tui.view_state import RankDetail, ViewState
 
 T0 = 1_700_000_000.0  # a fixed clock: canned states never read the real one
 BASE_MS = {"dataloader": 0.3, "h2d": None, "forward": 1.0, "backward": 1.5, "sync": 2.0,
@@ -71,7 +70,7 @@ def make_state(world_size: int = 8, nproc_per_node: int = 4, steps: int = 40,
 
 def make_view(state: RunState, now_offset: float = 75.0) -> ViewState:
     snap = state.snapshot(T0 + now_offset, 0.5)
-    return view_state.build(snap, state.recent_steps)
+    return view_build.build(snap, state.recent_steps)
 
 
 class StaticSource:
@@ -89,10 +88,10 @@ class StaticSource:
         self.index += 1
         self.fetches += 1
         snap = state.snapshot(T0 + 75.0, 0.5)
-        view = replace(view_state.build(snap, state.recent_steps), capture=self.capture_view)
+        view = replace(view_build.build(snap, state.recent_steps), capture=self.capture_view)
         detail = None
         if pinned is not None:
-            detail = view_state.detail(snap, pinned, view, state.recent_steps(pinned))
+            detail = view_build.detail(snap, pinned, view, state.recent_steps(pinned))
         return view, detail
 
     def summary(self) -> dict[str, Any]:
