@@ -66,6 +66,8 @@ def test_ddps_buffer_broadcast_inside_forward_is_sync(group, monkeypatch):
         ns = dict(zip(MEASURED, record[3], strict=True))
         forward, sync = ns[MEASURED[FORWARD]], ns[MEASURED[SYNC]]
         assert forward is not None and sync is not None, ns
-        # The broadcast's whole time is sync (the only collective in the step: DDP's
-        # gradient allreduce is not exposed with one rank), none of it forward.
-        assert abs(sync / 1e6 - broadcast_ms) < 2.0, (ns, broadcast_ms)
+        # The broadcast's whole time is sync, none of it forward. Sync also holds DDP's
+        # one-rank gradient allreduce (well under a millisecond idle, a few under load),
+        # so it is bounded by half the broadcast again, not by a fixed 2 ms.
+        assert broadcast_ms - 0.5 <= sync / 1e6 < 1.5 * broadcast_ms, (ns, broadcast_ms)
+        assert forward / 1e6 < 0.5 * broadcast_ms, (ns, broadcast_ms)

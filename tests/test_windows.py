@@ -1,5 +1,6 @@
-"""Bounded per-rank windows: the ring buffer, quantiles, phase alignment and the memory
-budget that sizes each rank's window."""
+"""Bounded windows: quantiles, phase alignment, the memory budget that sizes each rank's
+window, and the vectorised block checked against the pure-Python rings it replaced
+(tests/window_reference.py) on random traffic."""
 
 from __future__ import annotations
 
@@ -7,14 +8,19 @@ import math
 from collections import deque
 
 import pytest
+import window_reference as ref
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from window_reference import Ring
 
 from traceml_tui.windows import (
     MAX_WINDOW_STEPS,
     MIN_WINDOW_STEPS,
+    STANDARD_SERIES,
     WINDOW_VALUE_BUDGET,
     Quantiles,
     RankWindow,
-    Ring,
+    WindowBlock,
     median,
     quantiles,
     window_steps_for,
@@ -117,60 +123,80 @@ def test_quantiles_ignore_infinities():
     assert quantiles([1.0, 3.0, math.inf, -math.inf]) == Quantiles(2.0, 3.0)
 
 
-# --- RankWindow ----------------------------------------------------------------------------
+# --- RankWindow (one rank of a WindowBlock) ---------------------------------------------
 
 
-def aligned(win: RankWindow) -> bool:
-    return all(ring.count == win.step_ms.count for ring in win.phases.values())
+def window(size: int) -> RankWindow:
+    return WindowBlock(1, size).view(0)
 
 
 def test_phase_appearing_late_has_nan_history():
-    win = RankWindow(8)
-    for i in range(3):
-        win.append(100.0, float(i), ["forward"], [60.0])
-    win.append(110.0, 3.0, ["forward", "dataloader"], [60.0, 10.0])
-    assert aligned(win)
-    assert same(win.phases["dataloader"].last(4), [NAN, NAN, NAN, 10.0])
-    assert win.phases["forward"].last(4) == [60.0] * 4
-    assert win.step_ms.last(4) == [100.0, 100.0, 100.0, 110.0]
+    win = window(8)
+    for _ in range(3):
+        win.append(100.0, ["forward"], [60.0])
+    win.append(110.0, ["forward", "dataloader"], [60.0, 10.0])
+    assert same(win.last("dataloader", 4), [NAN, NAN, NAN, 10.0])
+    assert win.last("forward", 4) == [60.0] * 4
+    assert win.last("step", 4) == [100.0, 100.0, 100.0, 110.0]
 
 
 def test_phase_appearing_late_in_a_full_window_stays_aligned():
-    win = RankWindow(4)
+    win = window(4)
     for i in range(6):
-        win.append(float(i), float(i), ["forward"], [1.0])
-    win.append(6.0, 6.0, ["forward", "optimizer"], [1.0, 2.0])
-    assert aligned(win)
-    assert same(win.phases["optimizer"].last(4), [NAN, NAN, NAN, 2.0])
-    assert win.step_ms.last(4) == [3.0, 4.0, 5.0, 6.0]
+        win.append(float(i), ["forward"], [1.0])
+    win.append(6.0, ["forward", "optimizer"], [1.0, 2.0])
+    assert same(win.last("optimizer", 4), [NAN, NAN, NAN, 2.0])
+    assert win.last("step", 4) == [3.0, 4.0, 5.0, 6.0]
+
+
+def test_a_phase_new_to_the_run_has_nan_history_on_every_rank():
+    block = WindowBlock(3, 4)
+    for rank in range(3):
+        for _ in range(5):
+            block.append(rank, 10.0, ["forward"], [5.0])
+    block.append(1, 12.0, ["forward", "optimizer"], [5.0, 1.0])
+    assert same(block.last(0, "optimizer", 4), [NAN] * 4)  # rank 0 never sent it
+    assert same(block.last(1, "optimizer", 4), [NAN, NAN, NAN, 1.0])
+    assert block.view(0).stats()[1] == {"forward": Quantiles(5.0, 5.0)}
 
 
 def test_phase_absent_on_some_steps_is_nan_there():
-    win = RankWindow(8)
-    win.append(100.0, 0.0, ["forward", "sync"], [60.0, 8.0])
-    win.append(100.0, 1.0, ["forward"], [60.0])  # sync not sent at all
-    win.append(100.0, 2.0, ["forward", "sync"], [60.0, None])  # sent, not measured
-    assert aligned(win)
-    assert same(win.phases["sync"].last(3), [8.0, NAN, NAN])
+    win = window(8)
+    win.append(100.0, ["forward", "sync"], [60.0, 8.0])
+    win.append(100.0, ["forward"], [60.0])  # sync not sent at all
+    win.append(100.0, ["forward", "sync"], [60.0, None])  # sent, not measured
+    assert same(win.last("sync", 3), [8.0, NAN, NAN])
+
+
+def test_a_restarted_rank_starts_an_empty_window():
+    block = WindowBlock(2, 4)
+    for _ in range(3):
+        block.append(1, 10.0, ["forward"], [5.0])
+    block.reset(1)
+    assert block.view(1).count == 0 and block.view(1).stats() == (None, {})
+    block.append(1, 20.0, ["sync"], [3.0])
+    assert block.view(1).stats() == (Quantiles(20.0, 20.0), {"sync": Quantiles(3.0, 3.0)})
 
 
 def test_stats_count_absent_steps_as_zero_once_a_phase_was_seen():
-    win = RankWindow(8)
-    win.append(100.0, 0.0, ["forward", "sync"], [60.0, 8.0])
-    win.append(110.0, 1.0, ["forward"], [70.0])
-    win.append(120.0, 2.0, ["forward", "sync", "h2d"], [80.0, None, None])
+    win = window(8)
+    win.append(100.0, ["forward", "sync"], [60.0, 8.0])
+    win.append(110.0, ["forward"], [70.0])
+    win.append(120.0, ["forward", "sync", "h2d"], [80.0, None, None])
     step, phases = win.stats()
     assert step == Quantiles(110.0, 120.0)
     assert phases["forward"] == Quantiles(70.0, 80.0)
     assert phases["sync"] == Quantiles(0.0, 8.0)  # [8, 0, 0]
     assert phases["h2d"] is None  # reported but never measured: not a made-up 0
+    assert win.seen(["forward", "sync", "h2d", "optimizer"]) == {
+        "forward": 3, "sync": 1, "h2d": 0, "optimizer": 0}
 
 
 def test_stats_over_the_newest_steps_only():
-    win = RankWindow(16)
-    win.append(500.0, 0.0, ["forward", "sync"], [400.0, 9.0])
-    for i in range(1, 5):
-        win.append(100.0, float(i), ["forward"], [60.0])
+    win = window(16)
+    win.append(500.0, ["forward", "sync"], [400.0, 9.0])
+    for _ in range(1, 5):
+        win.append(100.0, ["forward"], [60.0])
     step, phases = win.stats(last=4)
     assert step == Quantiles(100.0, 100.0)
     assert phases["forward"] == Quantiles(60.0, 60.0)
@@ -180,20 +206,56 @@ def test_stats_over_the_newest_steps_only():
 
 
 def test_empty_window_stats():
-    assert RankWindow(4).stats() == (None, {})
+    assert window(4).stats() == (None, {})
 
 
 @pytest.mark.parametrize("size", [MIN_WINDOW_STEPS, 100, MAX_WINDOW_STEPS])
 def test_window_memory_is_bounded(size):
-    win = RankWindow(size)
+    block = WindowBlock(2, size)
+    win = block.view(1)
     names = ["dataloader", "forward", "backward"]
     for i in range(10 * size):
-        win.append(float(i), float(i), names, [1.0, None, float(i)])
+        win.append(float(i), names, [1.0, None, float(i)])
     assert win.count == size
-    assert aligned(win)
-    for ring in (win.step_ms, win.t_end, *win.phases.values()):
-        assert ring.count == size and len(ring.data) == size
+    assert [a.shape for a in block.series] == [(2, size)] * 4  # step + 3 phases, fixed
     assert win.stats()[1]["backward"].median == 9.5 * size - 0.5
+
+
+# --- the block against the reference rings -------------------------------------------------
+
+NAMES = ["dataloader", "forward", "backward", "sync", "custom"]
+value = st.one_of(st.none(), st.floats(0.0, 1e6, allow_nan=False, allow_infinity=False),
+                  st.sampled_from([0.0, 1.0, 2.5]))
+record = st.tuples(
+    st.integers(0, 2),  # rank
+    st.floats(0.001, 1e6, allow_nan=False, allow_infinity=False),  # step time
+    st.lists(st.tuples(st.sampled_from(NAMES), value), max_size=5,
+             unique_by=lambda nv: nv[0]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 9), st.lists(record, max_size=60),
+       st.one_of(st.none(), st.integers(0, 12)))
+def test_the_block_computes_what_the_per_rank_rings_computed(size, records, last):
+    """Any traffic: every rank's quantiles and seen-counts from the vectorised block equal
+    the pure-Python rings' (the code the block replaced), bit for bit."""
+    block = WindowBlock(3, size)
+    rings = {r: ref.RankWindow(size) for r in range(3)}
+    for rank, step_ms, phases in records:
+        names, values = [n for n, _ in phases], [v for _, v in phases]
+        block.append(rank, step_ms, names, values)
+        rings[rank].append(step_ms, 0.0, names, values)
+    for rank in range(3):
+        assert block.view(rank).stats(last) == rings[rank].stats(last), rank
+        assert block.view(rank).seen(NAMES, last) == rings[rank].seen(NAMES, last)
+    # All ranks at once, each with its own `last`, give the same as one at a time.
+    lasts = [3, size, 1]
+    together = block.stats([2, 0, 1], [lasts[2], lasts[0], lasts[1]]).rows()
+    for row, rank in enumerate([2, 0, 1]):
+        step, phases = rings[rank].stats(lasts[rank])
+        assert together[row][0] == step
+        assert {k: v for k, v in together[row][1].items() if v is not None} == {
+            k: v for k, v in phases.items() if v is not None}
 
 
 # --- window_steps_for ----------------------------------------------------------------------
@@ -213,7 +275,7 @@ def test_huge_worlds_keep_at_least_the_minimum(world):
 def test_8192_ranks_fit_the_budget():
     steps = window_steps_for(8192)
     assert steps >= 32
-    assert 8192 * 9 * steps <= WINDOW_VALUE_BUDGET
+    assert 8192 * STANDARD_SERIES * steps <= WINDOW_VALUE_BUDGET
 
 
 def test_window_shrinks_monotonically_with_world_size():

@@ -19,7 +19,7 @@ from traceml_agent.protocol import PHASES, Identity, Message
 from . import diagnosis as dx
 from . import hang
 from .setup_checks import ChecksBoard
-from .windows import Quantiles, RankWindow, median, window_steps_for
+from .windows import BlockStats, Quantiles, RankWindow, WindowBlock, median, window_steps_for
 
 # Steps of each rank that the live diagnosis looks at: enough for a stable median,
 # few enough that a straggler appearing mid-run flips it within ~LIVE_STEPS/2 steps.
@@ -173,6 +173,8 @@ class RunState:
         self.nproc_per_node = nproc_per_node or max(1, world_size // max(1, nnodes))
         self.started_at = started_at
         self.window_steps = window_steps or window_steps_for(world_size)
+        # Every rank's window in one block: statistics for all ranks in one numpy pass.
+        self.block = WindowBlock(world_size, self.window_steps)
         self.ranks: dict[int, RankState] = {}
         self.phases: list[str] = list(PHASES)
         self.counters = {"messages": 0, "malformed": 0, "foreign": 0, "records": 0,
@@ -223,7 +225,8 @@ class RunState:
             rs = None
         self.counters["messages"] += 1
         if rs is None:
-            rs = RankState(ident, RankWindow(self.window_steps))
+            self.block.reset(ident.rank)
+            rs = RankState(ident, self.block.view(ident.rank))
             self.ranks[ident.rank] = rs
         rs.last_seen = now
         kind = msg.kind
@@ -286,7 +289,7 @@ class RunState:
                 self.counters["absurd_steps"] += 1
                 continue
             if rec.step >= WARMUP_STEPS:
-                rs.window.append(rec.step_ms, rec.t_end, msg.phases, rec.phase_ms)
+                rs.window.append(rec.step_ms, msg.phases, rec.phase_ms)
                 live = rs.live
                 if (rs.stall_at_ms is not None and rec.step_ms >= rs.stall_at_ms
                         and live is not None and live.step_ms is not None):
@@ -317,31 +320,41 @@ class RunState:
 
     def _live_timing(self, rs: RankState) -> dx.RankTiming:
         if rs.dirty or rs.live is None:
-            step, phases = rs.window.stats(LIVE_STEPS)
-            window = min(rs.window.count, LIVE_STEPS)
-            medians = {k: None if v is None else v.median for k, v in phases.items()}
-            rs.live = dx.RankTiming(
-                rs.ident.rank, window, None if step is None else step.median, medians,
-                rs.ident.host, rs.ident.node, self._untimed(rs, window),
-                rs.heartbeat.get("grad_bytes", 0))
-            rs.recent = None  # computed only when a straggler rule asks (_recent_timing)
-            if window >= dx.MIN_STEPS:
-                rs.stall_at_ms = dx.stall_threshold(rs.live.step_ms)
-            rs.dirty = False
+            self._refresh_live()
+        assert rs.live is not None  # _refresh_live sets every dirty rank's
         return rs.live
 
-    def _recent_timing(self, rs: RankState) -> dx.RankTiming:
-        """The rank's newest few steps (dx.recent_steps), to see a straggler recover before
-        the window does. Costs a second stats() per rank, so only a straggler rule that
-        holds on the window asks for it."""
-        if rs.recent is None:
-            n = dx.recent_steps(rs.live.step_ms if rs.live is not None else None)
-            step, phases = rs.window.stats(n)
-            rs.recent = dx.RankTiming(
-                rs.ident.rank, min(rs.window.count, n), None if step is None else step.median,
-                {k: None if v is None else v.median for k, v in phases.items()},
-                rs.ident.host, rs.ident.node)
-        return rs.recent
+    def _refresh_live(self) -> None:
+        """The live timings of every rank that stepped since the last evaluation, over its
+        newest LIVE_STEPS steps, computed together (one WindowBlock.stats call)."""
+        todo = [rs for rs in self.ranks.values() if rs.dirty or rs.live is None]
+        if not todo:
+            return
+        stats = self.block.stats([rs.ident.rank for rs in todo], LIVE_STEPS)
+        for row, (rs, (step_ms, medians)) in enumerate(zip(todo, stats.medians(), strict=True)):
+            window = int(stats.steps[row])
+            rs.live = dx.RankTiming(
+                rs.ident.rank, window, step_ms, medians, rs.ident.host, rs.ident.node,
+                self._untimed(rs, window, stats, row), rs.heartbeat.get("grad_bytes", 0))
+            rs.recent = None  # computed only when a straggler rule asks (_recent_timings)
+            if window >= dx.MIN_STEPS:
+                rs.stall_at_ms = dx.stall_threshold(step_ms)
+            rs.dirty = False
+
+    def _recent_timings(self) -> list[dx.RankTiming]:
+        """Every rank's newest few steps (dx.recent_steps), to see a straggler recover
+        before the window does. A second pass over the block, so only a straggler rule
+        that holds on the window asks for it."""
+        todo = [rs for rs in self.ranks.values() if rs.recent is None]
+        if todo:
+            lasts = [dx.recent_steps(rs.live.step_ms if rs.live is not None else None)
+                     for rs in todo]
+            stats = self.block.stats([rs.ident.rank for rs in todo], lasts)
+            for row, (rs, (step_ms, medians)) in enumerate(
+                    zip(todo, stats.medians(), strict=True)):
+                rs.recent = dx.RankTiming(rs.ident.rank, int(stats.steps[row]), step_ms,
+                                          medians, rs.ident.host, rs.ident.node)
+        return [rs.recent for rs in self.ranks.values() if rs.recent is not None]
 
     def _stall_stats(self) -> list[dx.StallStats]:
         """Every rank's stalls within its window (the steps the window holds)."""
@@ -356,8 +369,9 @@ class RunState:
         return out
 
     @staticmethod
-    def _untimed(rs: RankState, window: int) -> tuple[dx.Untimed, ...]:
-        seen = rs.window.seen(dx.EXPECTED_PHASES, window)
+    def _untimed(rs: RankState, window: int, stats: BlockStats, row: int
+                 ) -> tuple[dx.Untimed, ...]:
+        seen = stats.seen_of(row, dx.EXPECTED_PHASES)
         return dx.untimed_phases(seen, window, rs.forced, rs.steps, rs.auto)
 
     def progress(self, mono_now: float) -> list[hang.RankProgress]:
@@ -397,8 +411,7 @@ class RunState:
             self.hang = None
             self.hang_since = None
             active = self.live.shown.label if self.live else None
-            def recent() -> list[dx.RankTiming]:
-                return [self._recent_timing(rs) for rs in self.ranks.values()]
+            recent = self._recent_timings
 
             self.live = dx.settle(self.live, dx.diagnose(timings, active, self.parallel == "fsdp",
                                                          self.framework, recent,
@@ -439,7 +452,7 @@ class RunState:
     def recent_steps(self, rank: int) -> tuple[float, ...]:
         """The rank's last step times, oldest first (for a sparkline)."""
         rs = self.ranks.get(rank)
-        return () if rs is None else tuple(rs.window.step_ms.last(SPARKLINE_STEPS))
+        return () if rs is None else tuple(rs.window.last("step", SPARKLINE_STEPS))
 
     # --- snapshots ------------------------------------------------------------------
 
@@ -458,7 +471,14 @@ class RunState:
         """Freeze the state. `full` adds whole-window quantiles and the final diagnosis
         (costlier: used for the snapshot file and the summary, not every live tick)."""
         shown = self.live.shown if self.live is not None else self.evaluate(now)
-        ranks = tuple(self._rank_snapshot(r, mono_now, full) for r in range(self.world_size))
+        whole: dict[int, int] = {}  # rank -> its row in `stats`
+        stats = None
+        if full:  # every rank's whole window in one pass
+            stats = self.block.stats(list(self.ranks), None)
+            whole = {rank: row for row, rank in enumerate(self.ranks)}
+        rows = stats.rows() if stats is not None else []
+        ranks = tuple(self._rank_snapshot(r, mono_now, stats, whole.get(r), rows)
+                      for r in range(self.world_size))
         return Snapshot(
             run_name=self.run_name, world_size=self.world_size, nnodes=self.nnodes,
             started_at=self.started_at, now=now, phases=tuple(self.phases), ranks=ranks,
@@ -469,7 +489,9 @@ class RunState:
             batch_sizes=self.checks.batch_sizes(), framework=self.framework,
             preflight_busbw=self.preflight_busbw, preflight=self.preflight)
 
-    def _rank_snapshot(self, rank: int, mono_now: float, full: bool) -> RankSnapshot:
+    def _rank_snapshot(self, rank: int, mono_now: float, stats: BlockStats | None,
+                       row: int | None, rows: list) -> RankSnapshot:
+        """`stats`, `row`, `rows`: the whole-window statistics of a full snapshot."""
         rs = self.ranks.get(rank)
         if rs is None:
             return RankSnapshot(
@@ -480,10 +502,13 @@ class RunState:
                 since_step_s=None, exit_code=None, error=None, finished=False, dropped=0,
                 device="")
         live = self._live_timing(rs)
-        step, phases = rs.window.stats() if full else (None, {})
+        if stats is not None and row is not None:
+            step, phases = rows[row]
+            # Over the whole window for the summary's verdict, as its medians are.
+            untimed = self._untimed(rs, int(stats.steps[row]), stats, row)
+        else:
+            step, phases, untimed = None, {}, live.untimed
         phase_ms = {p: phases.get(p) for p in self.phases}
-        # Over the whole window for the summary's verdict, as its medians are.
-        untimed = self._untimed(rs, rs.window.count) if full else live.untimed
         return RankSnapshot(
             rank=rank, local_rank=rs.ident.local_rank, node=rs.ident.node, host=rs.ident.host,
             pid=rs.ident.pid, reported=True, steps=rs.steps, window_steps=rs.window.count,
