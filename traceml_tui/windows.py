@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -130,14 +131,36 @@ class WindowBlock:
     def __init__(self, ranks: int, size: int) -> None:
         self.size = size
         self.ranks = ranks
-        self.pos = np.zeros(ranks, dtype=np.int64)
-        self.count = np.zeros(ranks, dtype=np.int64)
-        self.names: list[str] = ["step"]
+        # Write positions and counts as Python lists: ingest touches them per record, and
+        # a list item is cheaper to read and write than a numpy scalar. stats() converts.
+        self.pos: list[int] = [0] * ranks
+        self.count: list[int] = [0] * ranks
+        self.names: list[str] = []  # series 0 is "step", the step time
         self.index: dict[str, int] = {}
         # np.empty: pages are committed only for the ranks that report (reset fills them).
-        self.series: list[np.ndarray] = [np.empty((ranks, size))]
+        self.series: list[np.ndarray] = []
+        # Each series as a flat memoryview: a Python float stored in ~40 ns, where a
+        # numpy item assignment costs several times that (ingest writes ~8 per record).
+        self.flat: list[Any] = []  # memoryviews of doubles (typeshed types them as ints)
         self.known: list[set[str]] = [set() for _ in range(ranks)]  # phases each rank sent
+        self.last_names: list[tuple[str, ...] | None] = [None] * ranks
         self.started = np.zeros(ranks, dtype=bool)
+        # For each tuple of phase names a batch carries: the series each name writes and
+        # the series it leaves unmeasured (NaN). Rebuilt when the run gets a new series.
+        self.plans: dict[tuple[str, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._add_series("step")
+
+    def _add_series(self, name: str) -> int:
+        arr = np.empty((self.ranks, self.size))
+        arr[self.started] = NAN
+        self.series.append(arr)
+        self.flat.append(arr.data.cast("B").cast("d"))
+        self.names.append(name)
+        idx = len(self.series) - 1
+        if idx:
+            self.index[name] = idx
+        self.plans.clear()
+        return idx
 
     def reset(self, rank: int) -> None:
         """A rank's first message (or a restarted process): an empty window."""
@@ -145,50 +168,51 @@ class WindowBlock:
             arr[rank].fill(NAN)
         self.pos[rank] = self.count[rank] = 0
         self.known[rank] = set()
+        self.last_names[rank] = None
         self.started[rank] = True
 
-    def _series_of(self, name: str) -> int:
-        idx = self.index.get(name)
-        if idx is None:
-            arr = np.empty((self.ranks, self.size))
-            arr[self.started] = NAN
-            self.series.append(arr)
-            self.names.append(name)
-            idx = self.index[name] = len(self.series) - 1
-        return idx
+    def _plan(self, names: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        for name in names:
+            if name not in self.index:
+                self._add_series(name)
+        cols = tuple(self.index[name] for name in names)
+        missing = tuple(i for i in range(1, len(self.series)) if i not in set(cols))
+        self.plans[names] = (cols, missing)
+        return cols, missing
 
     def append(self, rank: int, step_ms: float, phase_names: Sequence[str],
                phase_ms: Sequence[float | None]) -> None:
         if not self.started[rank]:
             self.reset(rank)
-        pos = int(self.pos[rank])
-        series = self.series
-        series[0][rank, pos] = step_ms
-        written = {0}
-        known = self.known[rank]
-        for name, value in zip(phase_names, phase_ms, strict=False):
-            idx = self.index.get(name)
-            if idx is None:
-                idx = self._series_of(name)
-                series = self.series
-            known.add(name)
-            series[idx][rank, pos] = NAN if value is None else value
-            written.add(idx)
-        if len(written) < len(series):  # a series this record did not carry: not measured
-            for idx in range(1, len(series)):
-                if idx not in written:
-                    series[idx][rank, pos] = NAN
-        self.pos[rank] = (pos + 1) % self.size
+        names = phase_names if type(phase_names) is tuple else tuple(phase_names)
+        plan = self.plans.get(names)
+        cols, missing = plan if plan is not None else self._plan(names)
+        if self.last_names[rank] != names:
+            self.known[rank].update(names)
+            self.last_names[rank] = names
+        pos = self.pos[rank]
+        at = rank * self.size + pos
+        flat = self.flat
+        flat[0][at] = step_ms
+        for col, value in zip(cols, phase_ms, strict=False):
+            flat[col][at] = NAN if value is None else value
+        for col in missing:  # a series this record did not carry: not measured
+            flat[col][at] = NAN
+        if len(phase_ms) < len(cols):  # names without a value: not measured either
+            for col in cols[len(phase_ms):]:
+                flat[col][at] = NAN
+        pos += 1
+        self.pos[rank] = 0 if pos == self.size else pos
         if self.count[rank] < self.size:
             self.count[rank] += 1
 
     def last(self, rank: int, name: str, n: int) -> list[float]:
         """One series' newest n values of a rank, oldest first."""
-        n = min(n, int(self.count[rank]))
+        n = min(n, self.count[rank])
         idx = 0 if name == "step" else self.index.get(name)
         if n <= 0 or idx is None:
             return []
-        cols = (int(self.pos[rank]) - n + np.arange(n)) % self.size
+        cols = (self.pos[rank] - n + np.arange(n)) % self.size
         return self.series[idx][rank, cols].tolist()
 
     def stats(self, ranks: Sequence[int] | np.ndarray,
@@ -196,7 +220,7 @@ class WindowBlock:
         """Quantiles of each rank's newest `last` steps (a number, one per rank, or None
         for the whole window), for all the given ranks in one pass per series."""
         r = np.asarray(ranks, dtype=np.int64)
-        count = self.count[r]
+        count = np.asarray(self.count, dtype=np.int64)[r]
         n = count if last is None else np.minimum(np.asarray(last, dtype=np.int64), count)
         width = int(n.max()) if len(r) else 0
         k, s = len(r), len(self.series)
@@ -205,7 +229,8 @@ class WindowBlock:
         seen = np.zeros((k, s), dtype=np.int64)
         if width > 0:
             steps = np.arange(width)
-            cols = (self.pos[r][:, None] - width + steps[None, :]) % self.size
+            cols = (np.asarray(self.pos, dtype=np.int64)[r][:, None] - width
+                    + steps[None, :]) % self.size
             inside = steps[None, :] >= (width - n)[:, None]  # the rank's own n newest
             rows = r[:, None]
             for i, arr in enumerate(self.series):
@@ -234,7 +259,7 @@ class RankWindow:
 
     @property
     def count(self) -> int:
-        return int(self.block.count[self.rank])
+        return self.block.count[self.rank]
 
     @property
     def phases(self) -> frozenset[str]:
