@@ -2,8 +2,9 @@
 
 This is the only module that knows how messages look on the wire. Both sides
 import it: the agent to encode, the collector to decode and validate. Messages
-are msgpack maps (never pickle: a collector must be safe to expose to a socket)
-and every field is checked on receipt, so a malformed or hostile message is
+are msgpack maps (never pickle: a collector must be safe to expose to a socket),
+described once as msgspec Structs (below): the decoder checks every type and bound,
+refuses unknown fields, NaN and infinities, and a malformed or hostile message is
 rejected with a `ProtocolError` instead of reaching the collector's state.
 
 Every message carries the protocol version ``v``, its ``kind``, the sender's
@@ -36,20 +37,20 @@ And one request goes the other way, collector to agent, on the same connection:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-import msgpack
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+from msgspec.structs import asdict, force_setattr
 
 from . import vocab
 from .sanitize import clean_line, clean_text
 
-# 2: steps carry `forced` (phases closed for lack of an end hook), hello `auto`,
-# heartbeat `framework`: what the collector needs to say when timing is incomplete.
-# heartbeat `agent_off` (optional): why the agent turned its timing off; its step count
-# stops for that reason, not because the rank is stuck.
-PROTOCOL_VERSION = 2
+# 3: the wire is described by the msgspec Structs below (same msgpack maps as 2, whose
+# fields it keeps); 2 added steps `forced`, hello `auto`, heartbeat `framework` and
+# `agent_off`.
+PROTOCOL_VERSION = 3
 
 # The phases of one optimizer step, in wire order (vocab.py says what each is).
 PHASES = vocab.PHASES
@@ -71,32 +72,64 @@ MAX_ERROR_CHARS = 8_000
 MAX_THREADS = 32
 MAX_STACK_CHARS = 6_000
 MAX_FINDINGS = 32  # per message; a rank reports each of ~a dozen checks at most once
+MAX_GROUPS = 33  # the agent's 32 named process groups and "other" (hooks.py)
 # One step longer than a day is not a measurement, it is corruption.
 MAX_STEP_MS = 86_400_000.0
+MAX_COUNT = 1 << 62
 
 
 class ProtocolError(ValueError):
     """A message that does not follow this protocol. The collector counts and drops it."""
 
 
-@dataclass(frozen=True, slots=True)
-class Identity:
-    rank: int
-    local_rank: int
-    node: int
-    host: str
-    pid: int
-    world_size: int
+# --- field types: the bounds live in the type ---------------------------------------------
+
+
+Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
+Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]  # durations (NaN and inf fail the bound)
+Epoch = Annotated[float, Meta(ge=0.0, le=1e11)]
+Megabytes = Annotated[float, Meta(ge=0.0, le=1e9)]
+Short = Annotated[str, Meta(max_length=64)]
+Line = Annotated[str, Meta(max_length=MAX_STR)]
+EnvValue = Annotated[str, Meta(max_length=1024)]
+Tiny = Annotated[str, Meta(max_length=16)]
+ThreadName = Annotated[str, Meta(max_length=128)]
+StackText = Annotated[str, Meta(max_length=MAX_STACK_CHARS)]
+ErrorText = Annotated[str, Meta(max_length=MAX_ERROR_CHARS)]
+PathText = Annotated[str, Meta(max_length=MAX_PATH)]
+UnusedText = Annotated[str, Meta(max_length=2000)]
+
+
+def _clean_fields(obj: Struct, lines: tuple[str, ...] = (), texts: tuple[str, ...] = ()
+                  ) -> None:
+    """Replace control characters in string fields (sanitize.py), in place after decoding:
+    `lines` are one-line fields, `texts` keep newlines (stacks, tracebacks)."""
+    for name in lines:
+        v = getattr(obj, name)
+        if isinstance(v, str) and not v.isprintable():
+            force_setattr(obj, name, clean_line(v))
+    for name in texts:
+        v = getattr(obj, name)
+        if isinstance(v, str) and not v.isprintable():
+            force_setattr(obj, name, clean_text(v))
+
+
+class Identity(Struct, frozen=True, forbid_unknown_fields=True):
+    """Who sent a message. Carried by every message, so a collector that starts late or
+    restarts can place any message without having seen the sender's hello."""
+
+    rank: Annotated[int, Meta(ge=0, lt=MAX_WORLD_SIZE)]
+    local_rank: Annotated[int, Meta(ge=0, le=MAX_WORLD_SIZE)]
+    node: Annotated[int, Meta(ge=0, le=MAX_WORLD_SIZE)]
+    host: Line
+    pid: Annotated[int, Meta(ge=0, le=1 << 31)]
+    world_size: Annotated[int, Meta(ge=1, le=MAX_WORLD_SIZE)]
+
+    def __post_init__(self) -> None:
+        _clean_fields(self, lines=("host",))
 
     def to_wire(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "local_rank": self.local_rank,
-            "node": self.node,
-            "host": self.host,
-            "pid": self.pid,
-            "world_size": self.world_size,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +145,9 @@ class StepRecord:
 
 @dataclass(frozen=True, slots=True)
 class Message:
+    """A validated message as the collector reads it: the envelope, the kind's fields as
+    a plain map (`body`), and for steps the phase names and records."""
+
     kind: str
     ident: Identity
     seq: int
@@ -122,6 +158,128 @@ class Message:
     records: tuple[StepRecord, ...] = ()
 
 
+# --- the messages (agent -> collector), one Struct per kind ---------------------------------
+
+
+class _Wire(Struct, tag_field="kind", forbid_unknown_fields=True, kw_only=True):
+    v: int
+    id: Identity
+    seq: Count
+    t: Epoch
+
+
+class Hello(_Wire, tag="hello", kw_only=True):
+    run: Line = ""
+    device: Short = "cpu"
+    backend: Short = ""
+    auto: bool = True
+    env: Annotated[dict[Line, EnvValue], Meta(max_length=MAX_ENV_ENTRIES)] = {}
+
+    def __post_init__(self) -> None:
+        _clean_fields(self, lines=("run", "device", "backend"))
+        if not all(k.isprintable() and v.isprintable() for k, v in self.env.items()):
+            force_setattr(self, "env", {clean_line(k): clean_line(v)
+                                        for k, v in self.env.items()})
+
+
+class Steps(_Wire, tag="steps", kw_only=True):
+    phases: Annotated[list[Short], Meta(min_length=1, max_length=MAX_PHASES)]
+    # Each record is [step, t_end, step_ms, *phase_ms]: checked in _records (its length
+    # depends on the phases).
+    records: Annotated[list[list[int | float | None]], Meta(max_length=MAX_RECORDS_PER_BATCH)]
+    dropped: Count = 0
+    forced: list[Count] | None = None
+
+
+class Sys(_Wire, tag="sys", kw_only=True):
+    cpu_pct: Annotated[float, Meta(ge=0.0, le=1e5)] | None = None
+    rss_mb: Megabytes | None = None
+    gpu_util: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
+    gpu_mem_mb: Megabytes | None = None
+    gpu_mem_total_mb: Megabytes | None = None
+    # This process's own figures from torch's caching allocator (sysmetrics.py).
+    gpu_alloc_mb: Megabytes | None = None
+    gpu_reserved_mb: Megabytes | None = None
+    gpu_peak_mb: Megabytes | None = None
+    # The CUDA device the rank was found to train on (it is learned after hello).
+    device: Short | None = None
+
+    def __post_init__(self) -> None:
+        _clean_fields(self, lines=("device",))
+
+
+class Heartbeat(_Wire, tag="heartbeat", kw_only=True):
+    step: Count = 0
+    phase: Short | None = None
+    in_phase_s: Seconds | None = None
+    collectives: Count = 0
+    in_collective: Short | None = None
+    # Collectives entered per process group, and the group of the one in progress.
+    groups: Annotated[dict[Short, Count], Meta(max_length=MAX_GROUPS)] = {}
+    in_group: Short | None = None
+    # Gradient bytes DDP all-reduces per step (0: not DDP, or not known yet).
+    grad_bytes: Annotated[int, Meta(ge=0, le=1 << 50)] = 0
+    since_step_s: Seconds | None = None
+    parallel: Tiny | None = None
+    framework: Short | None = None
+    agent_off: Line | None = None
+
+    def __post_init__(self) -> None:
+        _clean_fields(self, lines=("phase", "in_collective", "in_group", "parallel",
+                                   "framework", "agent_off"))
+        if not all(k.isprintable() for k in self.groups):
+            force_setattr(self, "groups", {clean_line(k): v for k, v in self.groups.items()})
+
+
+class NcclState(Struct, forbid_unknown_fields=True):
+    """A rank's last collectives per its own NCCL log (nccl_log.py)."""
+
+    op: Short | None = None
+    op_count: Count | None = None
+    comm: Short | None = None
+    done: Count | None = None
+    unused: UnusedText | None = None
+
+    def __post_init__(self) -> None:
+        _clean_fields(self, lines=("op", "comm", "unused"))
+
+
+class Stacks(_Wire, tag="stacks", kw_only=True):
+    stacks: Annotated[list[tuple[ThreadName, StackText]],
+                      Meta(max_length=MAX_THREADS)]
+    nccl: NcclState | None | UnsetType = UNSET
+
+
+class Goodbye(_Wire, tag="goodbye", kw_only=True):
+    exit_code: Annotated[int, Meta(ge=-(1 << 31), le=1 << 31)] | None = None
+    error: ErrorText | None = None
+    steps: Count = 0
+
+    def __post_init__(self) -> None:
+        _clean_fields(self, texts=("error",))
+
+
+class Checks(_Wire, tag="checks", kw_only=True):
+    # Validated against the checks this version knows (checks.Finding.from_wire).
+    findings: Annotated[list[dict[Short, str | list[int]]],
+                        Meta(max_length=MAX_FINDINGS)] = []
+    facts: dict[Short, float | int | str | None] | None = None
+
+
+class Capture(_Wire, tag="capture", kw_only=True):
+    capture_id: Count
+    state: Literal["started", "done", "failed", "refused"]
+    steps: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
+    path: PathText | None = None
+    error: ErrorText | None = None
+
+    def __post_init__(self) -> None:
+        _clean_fields(self, lines=("path",), texts=("error",))
+
+
+WireMessage = Hello | Steps | Sys | Heartbeat | Stacks | Goodbye | Checks | Capture
+_DECODER = msgspec.msgpack.Decoder(WireMessage)
+_ENCODER = msgspec.msgpack.Encoder()
 _ENVELOPE = frozenset({"v", "kind", "id", "seq", "t"})
 
 # --- encoding (agent side) -------------------------------------------------------------
@@ -133,14 +291,10 @@ def encode(kind: str, ident: Identity, seq: int, t: float, **body: Any) -> bytes
         raise ValueError(f"body fields {sorted(_ENVELOPE & body.keys())} are envelope names")
     msg = {"v": PROTOCOL_VERSION, "kind": kind, "id": ident.to_wire(), "seq": seq, "t": t}
     msg.update(body)
-    return msgpack.packb(msg, use_bin_type=True)
+    return _ENCODER.encode(msg)
 
 
 # --- decoding and validation (collector side) ------------------------------------------
-
-
-def _reject_ext(code: int, data: bytes) -> Any:
-    raise ProtocolError(f"msgpack extension type {code} is not allowed")
 
 
 def decode(payload: bytes) -> Message:
@@ -150,298 +304,126 @@ def decode(payload: bytes) -> Message:
     if len(payload) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(payload)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
-        raw = msgpack.unpackb(
-            payload,
-            raw=False,
-            strict_map_key=True,
-            ext_hook=_reject_ext,
-            max_str_len=MAX_ERROR_CHARS * 4,
-            max_bin_len=0,
-            max_array_len=MAX_RECORDS_PER_BATCH,
-            max_map_len=MAX_ENV_ENTRIES * 2,
-        )
-    except ProtocolError:
-        raise
-    except Exception as exc:  # msgpack raises many types for bad input
+        wire = _DECODER.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"invalid message: {exc}"[:300]) from None
+    except Exception as exc:  # not msgpack at all, or nested past the decoder's limit
         raise ProtocolError(f"not valid msgpack: {type(exc).__name__}") from None
     try:
-        return _validate(raw)
+        return _message(wire)
     except ProtocolError:
         raise
     except Exception as exc:  # a shape we did not anticipate is still just a bad message
         raise ProtocolError(f"invalid message: {type(exc).__name__}: {exc}") from None
 
 
-def _validate(raw: Any) -> Message:
-    if not isinstance(raw, dict):
-        raise ProtocolError("message is not a map")
-    version = raw.get("v")
-    if type(version) is not int or version != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {version!r:.40}")
-    kind = raw.get("kind")
-    if kind not in KINDS:
-        raise ProtocolError(f"unknown kind {kind!r:.40}")
-    unknown = raw.keys() - _FIELDS[kind]
-    if unknown:  # every field is checked; new fields come with a new protocol version
-        raise ProtocolError(f"unknown fields for {kind}: {sorted(map(str, unknown))[:5]}")
-    ident = _identity(raw.get("id"))
-    seq = _int(raw.get("seq"), "seq", 0, 1 << 62)
-    t = _float(raw.get("t"), "t", 0.0, 1e11)
-    if kind == "steps":
-        phases = _phases(raw.get("phases"))
-        records = _records(raw.get("records"), len(phases))
-        dropped = _int(raw.get("dropped", 0), "dropped", 0, 1 << 62)
-        forced = _forced(raw.get("forced"), len(phases))
-        return Message(kind, ident, seq, t, {"dropped": dropped, "forced": forced}, phases,
-                       records)
-    return Message(kind, ident, seq, t, _BODY_VALIDATORS[kind](raw))
+def _message(wire: WireMessage) -> Message:
+    if wire.v != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {wire.v!r:.40}")
+    ident = wire.id
+    if ident.rank >= ident.world_size:
+        raise ProtocolError(f"id.rank {ident.rank} is not below id.world_size")
+    kind = type(wire).__struct_config__.tag
+    if isinstance(wire, Steps):
+        phases = _phases(wire.phases)
+        n = len(phases)
+        if wire.forced is None:
+            forced: tuple[int, ...] = (0,) * n
+        elif len(wire.forced) != n:
+            raise ProtocolError("forced must be a list with one count per phase")
+        else:
+            forced = tuple(wire.forced)
+        return Message("steps", ident, wire.seq, wire.t,
+                       {"dropped": wire.dropped, "forced": forced}, phases,
+                       _records(wire.records, n))
+    body = {k: v for k, v in asdict(wire).items() if k not in _ENVELOPE and v is not UNSET}
+    if isinstance(wire, Stacks):
+        body["stacks"] = tuple((clean_line(name), clean_text(text))
+                               for name, text in wire.stacks)
+        if isinstance(wire.nccl, NcclState):
+            body["nccl"] = asdict(wire.nccl)
+    elif isinstance(wire, Checks):
+        body = _checks(wire)
+    return Message(str(kind), ident, wire.seq, wire.t, body)
 
 
-def _int(value: Any, name: str, lo: int, hi: int) -> int:
-    if type(value) is not int or not lo <= value <= hi:
-        raise ProtocolError(f"{name} must be an int in [{lo}, {hi}], got {value!r:.40}")
-    return value
+_NUMBER = (float, int)
 
 
-def _float(value: Any, name: str, lo: float, hi: float) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value) or not lo <= value <= hi:
-        raise ProtocolError(f"{name} must be a finite number in [{lo}, {hi}], got {value!r:.40}")
-    return float(value)
-
-
-def _opt_float(value: Any, name: str, lo: float, hi: float) -> float | None:
-    return None if value is None else _float(value, name, lo, hi)
-
-
-def _bool(value: Any, name: str) -> bool:
-    if type(value) is not bool:
-        raise ProtocolError(f"{name} must be true or false")
-    return value
-
-
-def _str(value: Any, name: str, limit: int = MAX_STR, lines: bool = False) -> str:
-    """A bounded string, cleaned of control characters (sanitize.py); `lines` keeps
-    newlines and tabs (stacks, tracebacks)."""
-    if not isinstance(value, str) or len(value) > limit:
-        raise ProtocolError(f"{name} must be a string of at most {limit} characters")
-    return clean_text(value) if lines else clean_line(value)
-
-
-def _identity(raw: Any) -> Identity:
-    if not isinstance(raw, dict):
-        raise ProtocolError("id must be a map")
-    world = _int(raw.get("world_size"), "id.world_size", 1, MAX_WORLD_SIZE)
-    return Identity(
-        rank=_int(raw.get("rank"), "id.rank", 0, world - 1),
-        local_rank=_int(raw.get("local_rank"), "id.local_rank", 0, MAX_WORLD_SIZE),
-        node=_int(raw.get("node"), "id.node", 0, MAX_WORLD_SIZE),
-        host=_str(raw.get("host"), "id.host"),
-        pid=_int(raw.get("pid"), "id.pid", 0, 1 << 31),
-        world_size=world,
-    )
-
-
-def _phases(raw: Any) -> tuple[str, ...]:
-    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_PHASES:
-        raise ProtocolError(f"phases must be a list of 1..{MAX_PHASES} names")
-    names = tuple(_str(p, "phase name", 64) for p in raw)
-    if len(set(names)) != len(names):
-        raise ProtocolError("phase names repeat")
-    return names
-
-
-def _forced(raw: Any, n_phases: int) -> tuple[int, ...]:
-    if raw is None:
-        return (0,) * n_phases
-    if not isinstance(raw, list) or len(raw) != n_phases:
-        raise ProtocolError("forced must be a list with one count per phase")
-    return tuple(_int(v, "forced", 0, 1 << 62) for v in raw)
-
-
-def _records(raw: Any, n_phases: int) -> tuple[StepRecord, ...]:
-    if not isinstance(raw, list):
-        raise ProtocolError("records must be a list")
+def _records(raw: list[list[int | float | None]], n_phases: int) -> tuple[StepRecord, ...]:
+    """[step, t_end, step_ms, *phase_ms] lists as StepRecords: an int step, finite
+    non-negative times within their bounds (NaN fails every comparison)."""
+    width = 3 + n_phases
     out = []
     for rec in raw:
-        if not isinstance(rec, list) or len(rec) != 3 + n_phases:
+        if len(rec) != width:
             raise ProtocolError("a record must be [step, t_end, step_ms, *phase_ms]")
-        values = tuple(_opt_float(v, "phase_ms", 0.0, MAX_STEP_MS) for v in rec[3:])
-        out.append(
-            StepRecord(
-                step=_int(rec[0], "step", 0, 1 << 62),
-                t_end=_float(rec[1], "t_end", 0.0, 1e11),
-                step_ms=_float(rec[2], "step_ms", 0.0, MAX_STEP_MS),
-                phase_ms=values,
-            )
-        )
+        step, t_end, step_ms = rec[0], rec[1], rec[2]
+        if type(step) is not int or not 0 <= step <= MAX_COUNT:
+            raise ProtocolError(f"step must be an int in [0, {MAX_COUNT}]")
+        if type(t_end) not in _NUMBER or not 0.0 <= t_end <= 1e11:  # type: ignore[operator]
+            raise ProtocolError("t_end must be a finite epoch time")
+        if type(step_ms) not in _NUMBER or not 0.0 <= step_ms <= MAX_STEP_MS:  # type: ignore[operator]
+            raise ProtocolError(f"step_ms must be a finite number in [0, {MAX_STEP_MS}]")
+        values = rec[3:]
+        for v in values:
+            if v is not None and (type(v) not in _NUMBER or not 0.0 <= v <= MAX_STEP_MS):
+                raise ProtocolError(f"phase_ms must be null or in [0, {MAX_STEP_MS}]")
+        out.append(StepRecord(step, float(t_end), float(step_ms),  # type: ignore[arg-type]
+                              tuple(v if v is None else float(v) for v in values)))
     return tuple(out)
 
 
-def _hello(raw: dict) -> dict[str, Any]:
-    env = raw.get("env", {})
-    if not isinstance(env, dict) or len(env) > MAX_ENV_ENTRIES:
-        raise ProtocolError("env must be a map of at most 64 entries")
-    return {
-        "run": _str(raw.get("run", ""), "run"),
-        "device": _str(raw.get("device", "cpu"), "device", 64),
-        "backend": _str(raw.get("backend", ""), "backend", 64),
-        "auto": _bool(raw.get("auto", True), "auto"),
-        "env": {_str(k, "env key"): _str(v, "env value", 1024) for k, v in env.items()},
-    }
+# Phase-name lists seen, validated: agents send the same list in every batch.
+_PHASE_LISTS: dict[tuple[str, ...], tuple[str, ...]] = {}
+_MAX_PHASE_LISTS = 64
 
 
-def _sys(raw: dict) -> dict[str, Any]:
-    return {
-        "cpu_pct": _opt_float(raw.get("cpu_pct"), "cpu_pct", 0.0, 1e5),
-        "rss_mb": _opt_float(raw.get("rss_mb"), "rss_mb", 0.0, 1e9),
-        "gpu_util": _opt_float(raw.get("gpu_util"), "gpu_util", 0.0, 100.0),
-        "gpu_mem_mb": _opt_float(raw.get("gpu_mem_mb"), "gpu_mem_mb", 0.0, 1e9),
-        "gpu_mem_total_mb": _opt_float(raw.get("gpu_mem_total_mb"), "gpu_mem_total_mb", 0.0, 1e9),
-        # This process's own figures from torch's caching allocator (sysmetrics.py).
-        **{name: _opt_float(raw.get(name), name, 0.0, 1e9)
-           for name in ("gpu_alloc_mb", "gpu_reserved_mb", "gpu_peak_mb")},
-        # The CUDA device the rank was found to train on (it is learned after hello).
-        "device": None if raw.get("device") is None else _str(raw["device"], "device", 64),
-    }
+def _phases(raw: list[str]) -> tuple[str, ...]:
+    key = tuple(raw)
+    phases = _PHASE_LISTS.get(key)
+    if phases is None:
+        phases = tuple(p if p.isprintable() else clean_line(p) for p in key)
+        if len(set(phases)) != len(phases):
+            raise ProtocolError("phase names repeat")
+        if len(_PHASE_LISTS) >= _MAX_PHASE_LISTS:  # bounded whatever senders invent
+            _PHASE_LISTS.clear()
+        _PHASE_LISTS[key] = phases
+    return phases
 
 
-MAX_GROUPS = 33  # the agent's 32 named process groups and "other" (hooks.py)
-
-
-def _groups(raw: Any) -> dict[str, int]:
-    if not isinstance(raw, dict) or len(raw) > MAX_GROUPS:
-        raise ProtocolError(f"groups must be a map of at most {MAX_GROUPS} group counts")
-    return {_str(k, "group", 64): _int(v, "group count", 0, 1 << 62) for k, v in raw.items()}
-
-
-def _heartbeat(raw: dict) -> dict[str, Any]:
-    phase = raw.get("phase")
-    collective = raw.get("in_collective")
-    group = raw.get("in_group")
-    parallel = raw.get("parallel")
-    framework = raw.get("framework")
-    agent_off = raw.get("agent_off")
-    return {
-        "step": _int(raw.get("step", 0), "step", 0, 1 << 62),
-        "phase": None if phase is None else _str(phase, "phase", 64),
-        "in_phase_s": _opt_float(raw.get("in_phase_s"), "in_phase_s", 0.0, 1e9),
-        "collectives": _int(raw.get("collectives", 0), "collectives", 0, 1 << 62),
-        "in_collective": None if collective is None else _str(collective, "in_collective", 64),
-        # Collectives entered per process group, and the group of the one in progress.
-        "groups": _groups(raw.get("groups", {})),
-        "in_group": None if group is None else _str(group, "in_group", 64),
-        # Gradient bytes DDP all-reduces per step (0: not DDP, or not known yet).
-        "grad_bytes": _int(raw.get("grad_bytes", 0), "grad_bytes", 0, 1 << 50),
-        "since_step_s": _opt_float(raw.get("since_step_s"), "since_step_s", 0.0, 1e9),
-        "parallel": None if parallel is None else _str(parallel, "parallel", 16),
-        "framework": None if framework is None else _str(framework, "framework", 64),
-        "agent_off": None if agent_off is None else _str(agent_off, "agent_off", MAX_STR),
-    }
-
-
-def _stacks(raw: dict) -> dict[str, Any]:
-    stacks = raw.get("stacks")
-    if not isinstance(stacks, list) or len(stacks) > MAX_THREADS:
-        raise ProtocolError(f"stacks must be a list of at most {MAX_THREADS} [thread, text]")
-    out = []
-    for item in stacks:
-        if not isinstance(item, list) or len(item) != 2:
-            raise ProtocolError("a stack must be [thread name, text]")
-        out.append((_str(item[0], "thread name", 128),
-                    _str(item[1], "stack", MAX_STACK_CHARS, lines=True)))
-    body: dict[str, Any] = {"stacks": tuple(out)}
-    if "nccl" in raw:
-        body["nccl"] = _nccl(raw["nccl"])
-    return body
-
-
-def _nccl(raw: Any) -> dict[str, Any] | None:
-    """A rank's last collectives per its own NCCL log (nccl_log.py), or None."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict) or not set(raw) <= {"op", "op_count", "comm", "done",
-                                                     "unused"}:
-        raise ProtocolError("nccl must be a map of op, op_count, comm, done, unused")
-
-    def opt(name: str, limit: int) -> str | None:
-        v = raw.get(name)
-        return None if v is None else _str(v, name, limit)
-
-    def count(name: str) -> int | None:
-        v = raw.get(name)
-        return None if v is None else _int(v, name, 0, 1 << 62)
-
-    return {"op": opt("op", 64), "op_count": count("op_count"), "comm": opt("comm", 64),
-            "done": count("done"), "unused": opt("unused", 2000)}
-
-
-def _goodbye(raw: dict) -> dict[str, Any]:
-    code = raw.get("exit_code")
-    error = raw.get("error")
-    return {
-        "exit_code": None if code is None else _int(code, "exit_code", -(1 << 31), 1 << 31),
-        "error": None if error is None else _str(error, "error", MAX_ERROR_CHARS, lines=True),
-        "steps": _int(raw.get("steps", 0), "steps", 0, 1 << 62),
-    }
-
-
-_COMMON = {"v", "kind", "id", "seq", "t"}
-def _checks(raw: dict) -> dict[str, Any]:
+def _checks(wire: Checks) -> dict[str, Any]:
     from .checks import Finding, facts_from_wire
 
-    findings = raw.get("findings", [])
-    if not isinstance(findings, list) or len(findings) > MAX_FINDINGS:
-        raise ProtocolError(f"findings must be a list of at most {MAX_FINDINGS}")
-    facts = raw.get("facts")
     try:
-        return {"findings": tuple(Finding.from_wire(f) for f in findings),
-                "facts": None if facts is None else facts_from_wire(facts)}
+        return {"findings": tuple(Finding.from_wire(f) for f in wire.findings),
+                "facts": None if wire.facts is None else facts_from_wire(wire.facts)}
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise ProtocolError(f"bad checks: {exc}") from None
 
 
-def _capture(raw: dict) -> dict[str, Any]:
-    state = raw.get("state")
-    if state not in CAPTURE_STATES:
-        raise ProtocolError(f"capture state must be one of {sorted(CAPTURE_STATES)}")
-    path, error = raw.get("path"), raw.get("error")
-    return {"capture_id": _int(raw.get("capture_id"), "capture_id", 0, 1 << 62), "state": state,
-            "steps": _int(raw.get("steps", 0), "steps", 0, 1 << 20),
-            "path": None if path is None else _str(path, "path", MAX_PATH),
-            "error": None if error is None else _str(error, "error", MAX_ERROR_CHARS,
-                                                     lines=True)}
+# --- the one request the other way (collector -> agent) -------------------------------------
+
+
+class CaptureRequest(Struct, forbid_unknown_fields=True):
+    op: Literal["capture"]
+    id: Count
+    steps: Annotated[int, Meta(ge=1, le=1 << 20)]
+
+
+_REQUEST_DECODER = msgspec.msgpack.Decoder(CaptureRequest)
 
 
 def encode_capture_request(capture_id: int, steps: int) -> bytes:
-    return msgpack.packb({"op": "capture", "id": capture_id, "steps": steps})
+    return _ENCODER.encode(CaptureRequest("capture", capture_id, steps))
 
 
 def decode_capture_request(data: bytes) -> tuple[int, int]:
     """(capture id, steps) of a request from the collector. Raises ProtocolError."""
-    try:
-        raw = msgpack.unpackb(data, raw=False, ext_hook=_reject_ext, max_bin_len=0,
-                              max_array_len=16, max_map_len=16)
-    except Exception as exc:
-        raise ProtocolError(f"not msgpack: {exc}") from None
-    if not isinstance(raw, dict) or raw.get("op") != "capture" or set(raw) != {"op", "id",
-                                                                              "steps"}:
+    if len(data) > 256:
         raise ProtocolError("not a capture request")
-    return _int(raw["id"], "id", 0, 1 << 62), _int(raw["steps"], "steps", 1, 1 << 20)
-
-
-_FIELDS = {
-    "hello": _COMMON | {"run", "device", "backend", "env", "auto"},
-    "steps": _COMMON | {"phases", "records", "dropped", "forced"},
-    "sys": _COMMON | {"cpu_pct", "rss_mb", "gpu_util", "gpu_mem_mb", "gpu_mem_total_mb",
-                      "gpu_alloc_mb", "gpu_reserved_mb", "gpu_peak_mb", "device"},
-    "heartbeat": _COMMON | {"step", "phase", "in_phase_s", "collectives", "in_collective",
-                            "groups", "in_group", "grad_bytes", "since_step_s", "parallel",
-                            "framework", "agent_off"},
-    "stacks": _COMMON | {"stacks", "nccl"},
-    "goodbye": _COMMON | {"exit_code", "error", "steps"},
-    "checks": _COMMON | {"findings", "facts"},
-    "capture": _COMMON | {"capture_id", "state", "steps", "path", "error"},
-}
-
-_BODY_VALIDATORS = {"hello": _hello, "sys": _sys, "heartbeat": _heartbeat, "stacks": _stacks,
-                    "goodbye": _goodbye, "checks": _checks, "capture": _capture}
+    try:
+        req = _REQUEST_DECODER.decode(data)
+    except Exception as exc:
+        raise ProtocolError(f"not a capture request: {exc}"[:200]) from None
+    return req.id, req.steps

@@ -277,8 +277,10 @@ def known_bad(rng: random.Random) -> bytes:
     kind = rng.choice(KINDS)
     case = rng.randrange(14)
     if case == 0:
-        return pack(substitute(kind, ("v",), rng.choice([0, 1, 3, -1, (1 << 64) - 1, "1", 2.0,
-                                                         True, None])))
+        version = protocol.PROTOCOL_VERSION
+        return pack(substitute(kind, ("v",), rng.choice([0, version - 1, version + 1, -1,
+                                                         (1 << 64) - 1, str(version),
+                                                         float(version), True, None])))
     if case == 1:
         return pack(substitute(kind, ("kind",), rng.choice(
             ["", "shutdown", "HELLO", "steps\x00", 7, None, ["hello"], {"k": 1}])))
