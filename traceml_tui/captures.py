@@ -4,14 +4,18 @@ A viewer asks for a capture of N steps on some ranks (by default the worst rank 
 the median rank, to read side by side). The collector sends the request down each
 rank's connection; each agent reports "started", then "done" with the trace file
 (or "failed"/"refused"). When every rank is done, the traces are analysed
-(trace_analysis.py) on a thread of this module's, so ingest never waits for it, and
-the result is saved as RUN_DIR/traces/captureN.json and .txt. While a capture runs, a
-second request is refused politely.
+(trace_analysis.py) in a child process (`python -m traceml_tui.captures`): parsing
+profiler traces of hundreds of MB is CPU work that would hold the collector's GIL
+against ingest; a thread only waits for the child. The result is saved as
+RUN_DIR/traces/captureN.json and .txt. While a capture runs, a second request is
+refused politely.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +27,9 @@ from traceml_agent.vocab import WAITING_PHASES
 from . import private, trace_analysis, view_state
 
 DEFAULT_STEPS = 5
+# The analysis of one capture gets this long in its child process (a few large traces
+# take seconds; a pathological one must not keep the slot forever).
+ANALYSIS_TIMEOUT_S = 300.0
 # A rank that has not finished its capture after this long (a step can be slow, and the
 # profiler slows it further; a hung rank never gets there) frees the slot for a new one.
 CAPTURE_TIMEOUT_S = 120.0
@@ -110,16 +117,40 @@ class CaptureBoard:
             cap.errors[rank] = body["error"]
         if all(cap.states.get(r) in FINAL_STATES for r in cap.ranks) and not cap.analysing:
             cap.analysing = True
-            threading.Thread(target=self._analyse, args=(cap,), name="traceml-analysis",
-                             daemon=True).start()
+            threading.Thread(target=self._analyse_in_child, args=(cap,),
+                             name="traceml-analysis", daemon=True).start()
 
     def view(self) -> dict[str, Any] | None:
         with self._lock:
             return None if self.current is None else self.current.to_wire()
 
-    # --- analysis thread ------------------------------------------------------------
+    # --- analysis: a thread that waits for a child process ----------------------------
 
-    def _analyse(self, cap: Capture) -> None:
+    def _analyse_in_child(self, cap: Capture) -> None:
+        job = {"run_dir": str(self.run_dir), "id": cap.id, "steps": cap.steps,
+               "ranks": list(cap.ranks), "roles": {str(r): v for r, v in cap.roles.items()},
+               "states": {str(r): v for r, v in cap.states.items()},
+               "paths": {str(r): v for r, v in cap.paths.items()},
+               "errors": {str(r): v for r, v in cap.errors.items()}}
+        text, saved = "", None
+        try:
+            done = subprocess.run([sys.executable, "-m", "traceml_tui.captures"],
+                                  input=json.dumps(job), capture_output=True, text=True,
+                                  timeout=ANALYSIS_TIMEOUT_S, check=False)
+            if done.returncode == 0:
+                result = json.loads(done.stdout)
+                text, saved = str(result["text"]), result["saved"]
+            else:
+                tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+                text = f"Deep trace {cap.id}: the analysis failed: {tail[0][:300]}\n"
+        except (OSError, ValueError, KeyError, subprocess.TimeoutExpired) as exc:
+            text = f"Deep trace {cap.id}: the analysis failed: {exc}\n"
+        with self._lock:
+            cap.text, cap.saved, cap.analysing = text, saved, False
+
+    def _analyse(self, cap: Capture) -> tuple[str, str | None]:
+        """In the child process: analyse the traces, save the report, return (text,
+        where the JSON report was saved)."""
         analyses: dict[int, trace_analysis.TraceAnalysis] = {}
         problems = []
         for rank in cap.ranks:
@@ -142,8 +173,8 @@ class CaptureBoard:
             saved = str(folder / f"capture{cap.id}.json")
         except OSError as exc:
             problems.append(f"could not save the analysis: {exc}")
-        with self._lock:
-            cap.text, cap.saved, cap.analysing = text, saved, False
+            text += f"problem: could not save the analysis: {exc}\n"
+        return text, saved
 
     @staticmethod
     def _report(cap: Capture, analyses: dict[int, trace_analysis.TraceAnalysis],
@@ -189,3 +220,22 @@ def _comparison_text(comparison: Any, worst: int, median: int) -> str:
         title = getattr(f, "title", str(f))
         lines.append(f"* {title}: {getattr(f, 'evidence', '')}")
     return "\n".join(lines)
+
+
+def _child_main() -> None:
+    """`python -m traceml_tui.captures`: a capture's analysis job on stdin (JSON), its
+    text and saved path on stdout (JSON)."""
+    job = json.load(sys.stdin)
+    ranks = tuple(int(r) for r in job["ranks"])
+    cap = Capture(int(job["id"]), int(job["steps"]), ranks, 0.0,
+                  {int(r): v for r, v in job["roles"].items()},
+                  {int(r): v for r, v in job["states"].items()},
+                  {int(r): v for r, v in job["paths"].items()},
+                  {int(r): v for r, v in job["errors"].items()})
+    board = CaptureBoard(Path(job["run_dir"]))
+    text, saved = board._analyse(cap)
+    json.dump({"text": text, "saved": saved}, sys.stdout)
+
+
+if __name__ == "__main__":
+    _child_main()

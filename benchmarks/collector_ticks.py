@@ -1,0 +1,61 @@
+"""The collector's periodic work at N ranks, in-process and without traffic: one live
+evaluation (every rank's recent window, the diagnosis), a full snapshot (every rank's
+whole window) and the live snapshot file's content (snapshot + summary + JSON), from a
+state holding --steps steps of every rank (tests/canned.py: synthetic records through
+the real protocol and RunState). CPU milliseconds, median of 5. One JSON line.
+
+Usage: python benchmarks/collector_ticks.py [--ranks N] [--steps K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # canned states
+
+from canned import make_state  # noqa: E402
+from traceml_tui import summary, view_build  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ranks", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=600, help="steps per rank (fills the window)")
+    args = p.parse_args()
+    state = make_state(world_size=args.ranks, nproc_per_node=8, steps=args.steps,
+                       straggler=args.ranks // 3)
+    now = 1_700_000_100.0
+
+    def cpu_ms(fn) -> float:
+        times = []
+        for _ in range(5):
+            t0 = time.process_time()
+            fn()
+            times.append((time.process_time() - t0) * 1000)
+        return round(statistics.median(times), 1)
+
+    def evaluate() -> None:
+        for rs in state.ranks.values():
+            rs.dirty = True  # as after a tick in which every rank stepped
+        state.evaluate(now)
+
+    def live_file() -> None:
+        snap = state.snapshot(now, 0.0, full=True)
+        json.dumps(summary.build(snap, summary.RunMeta(complete=False)))
+
+    def view() -> None:
+        view_build.build(state.snapshot(now, 0.0), state.recent_steps).to_wire()
+
+    print(json.dumps({"ranks": args.ranks, "window_steps": state.window_steps,
+                      "evaluate_ms": cpu_ms(evaluate),
+                      "full_snapshot_ms": cpu_ms(lambda: state.snapshot(now, 0.0, full=True)),
+                      "live_file_ms": cpu_ms(live_file), "view_ms": cpu_ms(view)}))
+
+
+if __name__ == "__main__":
+    main()
