@@ -20,12 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-import msgpack
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # canned states
 
 from canned import StaticSource, make_state, make_view  # noqa: E402
-from traceml_tui.view_state import VIEW_PHASES, ViewState  # noqa: E402
+from traceml_tui.view_state import VIEW_PHASES, decode_view, encode_view  # noqa: E402
 
 
 async def frame_times(world: int, frames: int, nodes_view: bool) -> list[float]:
@@ -33,7 +31,7 @@ async def frame_times(world: int, frames: int, nodes_view: bool) -> list[float]:
 
     states = [make_state(world_size=world, nproc_per_node=8, steps=16, straggler=world // 3,
                          seed=s) for s in (1, 2)]
-    payloads = [msgpack.packb(make_view(st, 75.0 + i).to_wire()) for i, st in enumerate(states)]
+    payloads = [encode_view(make_view(st, 75.0 + i)) for i, st in enumerate(states)]
     app = DashboardApp(StaticSource(states[0]), refresh_s=3600)  # we drive the refreshes
     times = []
     async with app.run_test(size=(160, 50)) as pilot:
@@ -41,7 +39,7 @@ async def frame_times(world: int, frames: int, nodes_view: bool) -> list[float]:
         app.nodes_only = nodes_view
         for i in range(frames):
             t0 = time.process_time()
-            view = ViewState.from_wire(msgpack.unpackb(payloads[i % 2], raw=False))
+            view = decode_view(payloads[i % 2])
             app.apply(view, None, "")
             await pilot.pause()  # let Textual lay out and draw the screen
             times.append((time.process_time() - t0) * 1000)

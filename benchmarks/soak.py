@@ -310,11 +310,10 @@ class FrozenViews:
         self.payloads, self.i = payloads, 0
 
     def fetch(self, pinned: int | None) -> tuple[Any, None]:
-        from traceml_tui.view_state import ViewState
+        from traceml_tui.view_state import decode_view
 
         self.i += 1
-        wire = msgpack.unpackb(self.payloads[self.i % len(self.payloads)], raw=False)
-        return ViewState.from_wire(wire), None
+        return decode_view(self.payloads[self.i % len(self.payloads)]), None
 
     def summary(self) -> dict[str, Any]:
         return {}

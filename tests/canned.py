@@ -8,8 +8,9 @@ for the same numbers from a live job.
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from typing import Any
+
+from msgspec.structs import replace
 
 from traceml_agent.checks import Finding
 from traceml_agent.protocol import PHASES, Identity, Message, StepRecord

@@ -25,12 +25,12 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import zmq
+from msgspec.structs import replace
 
 from traceml_agent import keys
 from traceml_agent.capture import MAX_CAPTURE_STEPS
@@ -295,7 +295,7 @@ class Collector:
         self.view_snap = snap
         self.view_now = replace(view_build.build(snap, self.state.recent_steps),
                                 capture=self.captures.view())
-        self.view_bytes = msgpack.packb(self.view_now.to_wire())
+        self.view_bytes = view_state.encode_view(self.view_now)
 
     def handle_view(self) -> None:
         """One view request, one reply. Whatever a viewer sends, a handler error becomes
@@ -322,10 +322,9 @@ class Collector:
             pinned = request.get("rank")
             extra = None
             if type(pinned) is int and self.view_snap is not None and self.view_now is not None:
-                d = view_build.detail(self.view_snap, pinned, self.view_now,
-                                      self.state.recent_steps(pinned))
-                extra = None if d is None else d.to_wire()
-            self.view.send_multipart([self.view_bytes, msgpack.packb(extra)])
+                extra = view_build.detail(self.view_snap, pinned, self.view_now,
+                                          self.state.recent_steps(pinned))
+            self.view.send_multipart([self.view_bytes, view_state.encode_detail(extra)])
         elif op == "capture":
             self.view.send(msgpack.packb(self.start_capture(request)))
         elif op == "summary":

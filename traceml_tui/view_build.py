@@ -7,7 +7,8 @@ knows both it and the collector's state, so viewers never import the collector.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+
+from msgspec.structs import replace
 
 from traceml_agent.vocab import WAITING_PHASES
 

@@ -20,7 +20,7 @@ from traceml_agent import keys
 from traceml_agent.vocab import COLLECTOR_JSON, SUMMARY_JSON
 
 from . import private
-from .view_state import RankDetail, ViewState
+from .view_state import RankDetail, ViewState, decode_detail, decode_view
 
 REQUEST_TIMEOUT_S = 2.0
 
@@ -65,14 +65,15 @@ class ViewClient:
 
     def fetch(self, pinned: int | None = None) -> tuple[ViewState, RankDetail | None]:
         frames = self._request({"op": "view", "rank": pinned})
+        if len(frames) == 1:  # a failed request: the collector says why
+            try:
+                error = msgpack.unpackb(frames[0], raw=False)["error"]
+            except Exception:
+                error = "unreadable reply"
+            raise ViewUnavailable(f"the collector could not answer: {str(error)[:200]}")
         try:
-            wire = msgpack.unpackb(frames[0], raw=False)
-            if "error" in wire:
-                raise ViewUnavailable(wire["error"])
-            detail = msgpack.unpackb(frames[1], raw=False) if len(frames) > 1 else None
-            return ViewState.from_wire(wire), (
-                None if detail is None else RankDetail.from_wire(detail))
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            return decode_view(frames[0]), decode_detail(frames[1])
+        except ValueError as exc:
             raise ViewUnavailable(f"unreadable view from the collector: {exc}") from None
 
     def summary(self) -> dict[str, Any]:
