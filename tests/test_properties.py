@@ -102,13 +102,13 @@ def test_every_view_and_control_request_gets_one_reply_and_the_collector_lives(
     run_dir = Path(tmp_path_factory.mktemp("run"))
     state, _ = state_from(payloads)
     coll = collector_mod.Collector(run_dir, state)
-    real_view, real_control = coll.view, coll.control
+    real_view, real_control = coll.views.sock, coll.control
     try:
         for request in view_requests:
-            coll.view = FakeSocket(request)
-            coll.handle_view()
-            assert len(coll.view.replies) == 1
-            for frame in coll.view.replies[0]:
+            coll.views.sock = FakeSocket(request)
+            coll.views.handle()
+            assert len(coll.views.sock.replies) == 1
+            for frame in coll.views.sock.replies[0]:
                 msgpack.unpackb(frame)
         for request in control_requests:  # never "finish": that ends the record, by design
             coll.control = FakeSocket(request)
@@ -116,5 +116,5 @@ def test_every_view_and_control_request_gets_one_reply_and_the_collector_lives(
             assert len(coll.control.replies) == 1
             json.loads(coll.control.replies[0][0])
     finally:
-        coll.view, coll.control = real_view, real_control
+        coll.views.sock, coll.control = real_view, real_control
         coll.close()

@@ -8,7 +8,12 @@ Sockets (addresses are written to RUN_DIR/collector.json once bound):
            ViewState of the last tick (encoded once, shared by all viewers) and the
            detail of the viewer's pinned rank; "summary" returns a summary document
            of the current state (for snapshot export). Viewers only read: a viewer
-           that hangs or crashes never touches the job or the record.
+           that hangs or crashes never touches the job or the record (view_server.py).
+
+Its parts: the ingest pump owns the ingest socket (ingest_pump.py), RunState keeps and
+judges the ranks' records (state.py), the view server answers viewers, the capture
+board runs deep traces (captures.py); this module binds the sockets, schedules the
+ticks and writes the record at the end.
 
 Every few seconds it rewrites RUN_DIR/live_snapshot.json atomically (the same
 shape as the final summary, marked incomplete), so the record survives even if
@@ -28,25 +33,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import zmq
-from msgspec.structs import replace
 
 from traceml_agent import keys
-from traceml_agent.capture import MAX_CAPTURE_STEPS
 from traceml_agent.protocol import (
     MAX_MESSAGE_BYTES,
     ProtocolError,
     decode,
-    encode_capture_request,
 )
 from traceml_agent.vocab import COLLECTOR_JSON, STEP_LOG_DIR
 
-from . import private, summary, view_build, view_state
-from .captures import DEFAULT_STEPS, CaptureBoard, capture_roles
+from . import private, summary
+from .captures import CaptureBoard
 from .ingest_pump import IngestPump
-from .state import RunState, Snapshot
+from .state import RunState
 from .step_log import StepLogWriter
+from .view_server import ViewServer
 
 EVAL_INTERVAL_S = 0.5  # live diagnosis cadence: a change shows within ~1-2 s
 # With thousands of ranks one evaluation (diagnosis + the viewers' frozen state) costs
@@ -60,7 +62,6 @@ FINISH_GRACE_S = 3.0  # at the end, how long to wait for ranks' last batches
 # gone only after missing its 1 s heartbeat more than twice.
 FINISH_GRACE_MULTINODE_S = 10.0
 QUIET_S, QUIET_MULTINODE_S = 0.5, 2.5
-MAX_CAPTURE_RANKS = 64  # ranks one capture request may name (a pinned rank and a few more)
 DRAIN_BATCH = 5_000  # messages taken per loop turn before looking at the clock
 DRAIN_SLICE_S = 0.05  # ... or this long, so ticks and control requests are never starved
 # A snapshot write may take a while with thousands of ranks: the next one waits at least
@@ -158,12 +159,9 @@ class Collector:
         self.routes: dict[int, bytes] = {}  # rank -> its connection, to send it requests
         self.captures = CaptureBoard(self.run_dir)
         self.step_log = StepLogWriter(self.run_dir / STEP_LOG_DIR)
-        self.view_snap: Snapshot | None = None
-        self.view_now: view_state.ViewState | None = None
-        self.view_bytes = b""
+        self.views = ViewServer(self.view, state, self.captures, self.routes, self.pump.send)
         self.stopping = False
         self.done = False
-        self.view_errors = 0  # view requests whose handler failed (answered with an error)
         self.finishing: tuple[dict[str, Any], bool] | None = None  # (request, reply?)
         self.finish_deadline = 0.0
         self.finish_quiet_s = QUIET_S
@@ -220,13 +218,13 @@ class Collector:
             if self.control in events and self.finishing is None:  # REP: one at a time
                 self.handle_control()
             if self.view in events:
-                self.handle_view()
+                self.views.handle()
             now = time.monotonic()
             if now >= next_eval:
                 self.state.counters["rejected_peers"] = self.rejected_peers
                 self.state.counters["backlog_refused"] = self.pump.refused
                 self.state.evaluate(time.time(), time.monotonic())
-                self.refresh_view()
+                self.views.refresh()
                 self.step_log.flush_if_due()
                 cost = time.monotonic() - now
                 next_eval = now + max(EVAL_INTERVAL_S, EVAL_BACKOFF * cost)
@@ -288,73 +286,6 @@ class Collector:
             self.step_log.append_records(rank, msg.phases, msg.records)
         elif kind == "capture":
             self.captures.on_event(rank, msg.body)
-
-    def refresh_view(self) -> None:
-        """Freeze the state for viewers once per tick; every viewer gets the same bytes."""
-        snap = self.state.snapshot(time.time(), time.monotonic())
-        self.view_snap = snap
-        self.view_now = replace(view_build.build(snap, self.state.recent_steps),
-                                capture=self.captures.view())
-        self.view_bytes = view_state.encode_view(self.view_now)
-
-    def handle_view(self) -> None:
-        """One view request, one reply. Whatever a viewer sends, a handler error becomes
-        an error reply: a viewer (or any key holder) can never end the record."""
-        try:
-            request = msgpack.unpackb(self.view.recv(), raw=False)
-            op = request.get("op")
-        except Exception:
-            self.view.send(msgpack.packb({"error": "bad request"}))
-            return
-        try:
-            self._answer_view(request, op)
-        except Exception as exc:  # a bug or a request no check foresaw
-            self.view_errors += 1
-            try:
-                self.view.send(msgpack.packb({"error": f"request failed: {type(exc).__name__}"}))
-            except zmq.ZMQError:  # the reply was already sent (REP state): nothing to do
-                pass
-
-    def _answer_view(self, request: dict[str, Any], op: Any) -> None:
-        if op == "view":
-            if self.view_now is None:
-                self.refresh_view()
-            pinned = request.get("rank")
-            extra = None
-            if type(pinned) is int and self.view_snap is not None and self.view_now is not None:
-                extra = view_build.detail(self.view_snap, pinned, self.view_now,
-                                          self.state.recent_steps(pinned))
-            self.view.send_multipart([self.view_bytes, view_state.encode_detail(extra)])
-        elif op == "capture":
-            self.view.send(msgpack.packb(self.start_capture(request)))
-        elif op == "summary":
-            snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
-            doc = summary.build(snap, summary.RunMeta(complete=False))
-            self.view.send(msgpack.packb(doc))
-        else:
-            self.view.send(msgpack.packb({"error": f"unknown op {op!r}"}))
-
-    def start_capture(self, request: dict[str, Any]) -> dict[str, Any]:
-        """A viewer asks for a deep trace: of the ranks it names (the pinned one; the median
-        rank is added to compare with), else of the worst and the median rank."""
-        steps = request.get("steps", DEFAULT_STEPS)
-        ranks = request.get("ranks")
-        if type(steps) is not int or not 1 <= steps <= MAX_CAPTURE_STEPS:
-            return {"ok": False, "error": f"steps must be 1-{MAX_CAPTURE_STEPS}"}
-        if ranks is not None and (not isinstance(ranks, list) or len(ranks) > MAX_CAPTURE_RANKS
-                                  or not all(type(r) is int for r in ranks)):
-            return {"ok": False, "error": f"ranks must be a list of at most "
-                                          f"{MAX_CAPTURE_RANKS} rank numbers"}
-        if self.view_now is None:
-            self.refresh_view()
-        roles = capture_roles(self.view_now, ranks)
-        roles = {r: role for r, role in roles.items() if r in self.routes}
-        cap, error = self.captures.start(roles, steps)
-        if cap is None:
-            return {"ok": False, "error": error}
-        for rank in cap.ranks:
-            self.pump.send(self.routes[rank], encode_capture_request(cap.id, steps))
-        return {"ok": True, "id": cap.id, "ranks": list(cap.ranks), "steps": steps}
 
     def write_live(self) -> None:
         try:
