@@ -68,6 +68,8 @@ def test_ddps_buffer_broadcast_inside_forward_is_sync(group, monkeypatch):
         assert forward is not None and sync is not None, ns
         # The broadcast's whole time is sync, none of it forward. Sync also holds DDP's
         # one-rank gradient allreduce (well under a millisecond idle, a few under load),
-        # so it is bounded by half the broadcast again, not by a fixed 2 ms.
+        # so it is bounded by half the broadcast again, not by a fixed 2 ms. Forward
+        # would hold the whole sleep if the broadcast were counted there; its own work is
+        # under a millisecond idle and well under the broadcast on a starved VM (17 ms).
         assert broadcast_ms - 0.5 <= sync / 1e6 < 1.5 * broadcast_ms, (ns, broadcast_ms)
-        assert forward / 1e6 < 0.5 * broadcast_ms, (ns, broadcast_ms)
+        assert forward / 1e6 < broadcast_ms, (ns, broadcast_ms)

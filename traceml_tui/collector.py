@@ -74,6 +74,12 @@ SNAPSHOT_BACKOFF = 4.0
 RECV_BACKLOG_BYTES = 64 << 20
 QUEUED_MESSAGE_BYTES = 8 << 10
 MIN_RECV_HWM = 8
+# ... and never more than this many per connection: a key holder's frames may be 1 MiB
+# each, and while the ingest pump waits for the GIL (a long decode on the main thread)
+# libzmq keeps filling the pipe up to the limit: at 2,048 (the budget's figure for a
+# 4-rank run) four flooding connections took the collector to +1.9 GiB; at 16, +130 MiB.
+# 16 messages is over a second of an agent's traffic; the pump empties pipes in ms.
+MAX_RECV_HWM = 16
 # Frames above this are refused by libzmq at the header: one message of the protocol's
 # largest size, plus room for the envelope.
 TRANSPORT_FRAME_LIMIT = MAX_MESSAGE_BYTES + 1024
@@ -109,7 +115,8 @@ def finish_request_error(request: dict[str, Any]) -> str | None:
 
 
 def recv_hwm(world_size: int) -> int:
-    return max(MIN_RECV_HWM, RECV_BACKLOG_BYTES // QUEUED_MESSAGE_BYTES // max(1, world_size))
+    return min(MAX_RECV_HWM, max(MIN_RECV_HWM,
+                                 RECV_BACKLOG_BYTES // QUEUED_MESSAGE_BYTES // max(1, world_size)))
 
 
 class Collector:

@@ -12,7 +12,9 @@ its next frame in, so an ordinary rank (a few KiB every 100 ms, served every tur
 never loses a message to somebody else's flood.
 
 Bound: BACKLOG_BYTES, plus at most one frame (≤ 1 MiB, libzmq's MAXMSGSIZE) per
-connected peer; each peer needs the run's key and a connection of its own.
+connected peer, plus libzmq's own pipe of at most 16 frames per connection (the
+collector's RCVHWM) while this thread waits for the GIL; each peer needs the run's
+key and a connection of its own.
 
 Only this thread ever touches the ROUTER socket (ZeroMQ sockets are not thread-safe):
 the collector's requests to ranks reach it through an inproc pair, which also wakes
