@@ -64,8 +64,7 @@ async def test_pin_with_cursor_and_enter_then_unpin():
         await started(app, pilot)
         await pilot.press("down", "down", "down", "down")  # past node 0's header: rank 3
         await pilot.press("enter")
-        await pilot.pause(0.3)
-        assert app.pinned == 3
+        await until(pilot, lambda: app.pinned == 3, "rank 3 was not pinned")
         assert app.query_one("#pinned", RankPanel).display
         assert "rank 3" in panel_text(app, "#pinned")
         await pilot.press("enter")  # the same rank again: unpin
@@ -78,8 +77,7 @@ async def test_w_jumps_to_the_worst_rank_and_pins_it():
     async with app.run_test(size=SIZE) as pilot:
         await started(app, pilot)
         await pilot.press("w")
-        await pilot.pause(0.3)
-        assert app.pinned == 6
+        await until(pilot, lambda: app.pinned == 6, "the worst rank was not pinned")
         assert app.query_one(HeatTable).cursor_rank == 6
         assert "rank 6" in panel_text(app, "#pinned")
 
@@ -91,8 +89,7 @@ async def test_g_types_a_rank_number_and_rejects_nonsense():
         await pilot.press("g")
         assert isinstance(app.screen, PromptScreen)
         await pilot.press("5", "enter")
-        await pilot.pause(0.2)
-        assert app.pinned == 5
+        await until(pilot, lambda: app.pinned == 5, "rank 5 was not pinned")
         await pilot.press("g", "9", "9", "enter")  # no rank 99 in an 8-rank run
         await pilot.pause(0.2)
         assert app.pinned == 5
@@ -119,9 +116,12 @@ async def test_filter_shows_matching_ranks_only():
         for ch in "4-5":
             await pilot.press(ch)
         await pilot.press("enter")
-        await pilot.pause(0.2)
-        ranks = [line.rank for line in app.query_one(HeatTable).lines if hasattr(line, "rank")]
-        assert ranks == [4, 5]
+
+        def shown() -> list[int]:
+            return [line.rank for line in app.query_one(HeatTable).lines
+                    if hasattr(line, "rank")]
+
+        await until(pilot, lambda: shown() == [4, 5], "the filter did not apply")
 
 
 async def test_stale_ranks_are_shown_as_such():
@@ -149,11 +149,11 @@ async def test_export_writes_a_summary_shaped_json_and_says_where(tmp_path):
 
         validate_schema(doc)
         assert doc["diagnosis"]["label"] == "INPUT STRAGGLER"
-        await pilot.pause(0.1)
-        assert any(str(files[0]) in str(n.message) for n in app._notifications)
+        await until(pilot, lambda: any(str(files[0]) in str(n.message)
+                                       for n in app._notifications), "no notification")
         await pilot.press("v")
-        await pilot.pause(0.2)
-        assert list((tmp_path / "snapshots").glob("dashboard-*.svg"))
+        await until(pilot, lambda: bool(list((tmp_path / "snapshots").glob("dashboard-*.svg"))),
+                    "no screenshot saved")
 
 
 async def test_help_lists_every_key_and_q_quits():
@@ -244,16 +244,15 @@ async def test_setup_checks_are_counted_and_c_shows_evidence_and_fix():
         await started(app, pilot)
         assert "setup checks: 1 (c)" in text_of(app.query_one(StatusBar))
         await pilot.press("c")
-        await pilot.pause(0.1)
+        await until(pilot, lambda: isinstance(app.screen, ChecksScreen), "no checks screen")
         screen = app.screen
-        assert isinstance(screen, ChecksScreen)
         shown = " ".join(text_of(w) for w in screen.query(Static))
         assert "no-distributed-sampler" in shown and "rank(s) 0, 1" in shown
         assert "every rank reads all 512 samples" in shown
         assert "DistributedSampler(dataset)" in shown
         await pilot.press("escape")
-        await pilot.pause(0.1)
-        assert not isinstance(app.screen, ChecksScreen)
+        await until(pilot, lambda: not isinstance(app.screen, ChecksScreen),
+                    "the checks screen stayed")
 
 
 async def test_t_asks_for_a_deep_trace_of_the_pinned_rank_and_T_reads_it():
@@ -264,10 +263,10 @@ async def test_t_asks_for_a_deep_trace_of_the_pinned_rank_and_T_reads_it():
     async with app.run_test(size=SIZE) as pilot:
         await started(app, pilot)
         await pilot.press("t")  # nothing pinned: the worst and the median rank
-        await pilot.pause(0.2)
+        await until(pilot, lambda: len(source.captures) == 1, "no capture asked")
         app.pin(5)
         await pilot.press("t")
-        await pilot.pause(0.2)
+        await until(pilot, lambda: len(source.captures) == 2, "no second capture asked")
         assert source.captures == [(None, 5), ([5], 5)]
         await pilot.press("T")  # nothing analysed yet: said, no screen
         await pilot.pause(0.1)
@@ -277,11 +276,10 @@ async def test_t_asks_for_a_deep_trace_of_the_pinned_rank_and_T_reads_it():
                    "text": "Deep trace 2: 5 steps\ndataloader_us_per_step  30000  300",
                    "saved": "/run/traces/capture2.json"}
         source.capture_view = capture  # the collector's next view carries the analysis
-        await pilot.pause(0.2)
-        assert "trace 2 ready (T)" in text_of(app.query_one(StatusBar))
+        await until(pilot, lambda: "trace 2 ready (T)" in text_of(app.query_one(StatusBar)),
+                    "the trace was not announced")
         await pilot.press("T")
-        await pilot.pause(0.1)
-        assert isinstance(app.screen, TraceScreen)
+        await until(pilot, lambda: isinstance(app.screen, TraceScreen), "no trace screen")
         shown = " ".join(text_of(w) for w in app.screen.query(Static))
         assert "dataloader_us_per_step" in shown
 
