@@ -292,3 +292,26 @@ async def test_remote_strings_that_look_like_markup_are_shown_as_they_are():
     async with app.run_test(size=SIZE) as pilot:
         await started(app, pilot)
         assert "[link=x]h[/]000" in panel_text(app, "#worst")
+
+
+async def test_run_ended_marks_the_state_finished_and_says_so():
+    """`traceml run` calls run_ended when the job is over; the viewer stays, and the banner
+    says the run ended with its exit code (the view model is immutable: a new state)."""
+    app = DashboardApp(StaticSource(make_state()), refresh_s=3600)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        app.run_ended(3, "/runs/x/final_summary.json")
+        assert app.state.finished and app.state.exit_code == 3
+        await until(pilot, lambda: "run ended (exit code 3)" in text_of(app.query_one(Banner)),
+                    "the banner does not say the run ended")
+
+
+async def test_a_view_that_lands_while_widgets_are_gone_is_skipped():
+    """A refresh that arrives while the app tears its screen down (quit) finds no
+    widgets: it is skipped, never an exception that ends the viewer with a traceback."""
+    app = DashboardApp(StaticSource(make_state()), refresh_s=3600)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        await app.query_one(StatusBar).remove()
+        app.redraw()
+        app.lost("collector gone")

@@ -19,10 +19,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from msgspec.structs import replace
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
+from textual.css.query import NoMatches
 from textual.widgets import Footer, Static
 
 from ..private import write_atomic
@@ -144,22 +146,29 @@ class DashboardApp(App[None]):
 
     def lost(self, reason: str) -> None:
         self.source_note = "collector not answering, retrying" if not self.ended_note else ""
-        if self.state is not None:
-            self.query_one(StatusBar).show(self.state, self._view_note(), self.source_note)
-        else:
-            self.query_one(Banner).update(Text(f"waiting for the collector... ({reason})"))
+        try:
+            if self.state is not None:
+                self.query_one(StatusBar).show(self.state, self._view_note(), self.source_note)
+            else:
+                self.query_one(Banner).update(Text(f"waiting for the collector... ({reason})"))
+        except NoMatches:  # the screen is being torn down (quit): nothing left to show
+            pass
 
     def run_ended(self, exit_code: int | None, summary_path: str) -> None:
         """Called by `traceml run` when the job is over; the viewer stays until quit."""
         self.ended_note = f"run ended, exit code {exit_code}: {summary_path}"
         self.notify(self.ended_note, title="traceml", timeout=30)
         if self.state is not None:
-            from dataclasses import replace
-
             self.state = replace(self.state, finished=True, exit_code=exit_code)
             self.redraw()
 
     def redraw(self) -> None:
+        try:
+            self._draw()
+        except NoMatches:  # a view that lands while the app quits finds no widgets: skip it
+            pass
+
+    def _draw(self) -> None:
         state = self.state
         if state is None:
             return
