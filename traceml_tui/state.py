@@ -331,14 +331,11 @@ class RunState:
         if not todo:
             return
         stats = self.block.stats([rs.ident.rank for rs in todo], LIVE_STEPS)
-        for row, (rs, (step_ms, medians)) in enumerate(zip(todo, stats.medians(), strict=True)):
-            window = int(stats.steps[row])
-            rs.live = dx.RankTiming(
-                rs.ident.rank, window, step_ms, medians, rs.ident.host, rs.ident.node,
-                self._untimed(rs, window, stats, row), rs.heartbeat.get("grad_bytes", 0))
+        for rs, timing in zip(todo, self._timings(todo, stats, live=True), strict=True):
+            rs.live = timing
             rs.recent = None  # computed only when a straggler rule asks (_recent_timings)
-            if window >= dx.MIN_STEPS:
-                rs.stall_at_ms = dx.stall_threshold(step_ms)
+            if timing.steps >= dx.MIN_STEPS:
+                rs.stall_at_ms = dx.stall_threshold(timing.step_ms)
             rs.dirty = False
 
     def _recent_timings(self) -> list[dx.RankTiming]:
@@ -350,11 +347,22 @@ class RunState:
             lasts = [dx.recent_steps(rs.live.step_ms if rs.live is not None else None)
                      for rs in todo]
             stats = self.block.stats([rs.ident.rank for rs in todo], lasts)
-            for row, (rs, (step_ms, medians)) in enumerate(
-                    zip(todo, stats.medians(), strict=True)):
-                rs.recent = dx.RankTiming(rs.ident.rank, int(stats.steps[row]), step_ms,
-                                          medians, rs.ident.host, rs.ident.node)
+            for rs, timing in zip(todo, self._timings(todo, stats, live=False), strict=True):
+                rs.recent = timing
         return [rs.recent for rs in self.ranks.values() if rs.recent is not None]
+
+    def _timings(self, ranks: list[RankState], stats: BlockStats, live: bool
+                 ) -> list[dx.RankTiming]:
+        """The diagnosis's view of each rank's statistics (medians, in ms); `live` adds
+        the untimed phases and the gradient bytes the live rules read."""
+        out = []
+        for row, (rs, steps, (step_ms, medians)) in enumerate(
+                zip(ranks, stats.steps.tolist(), stats.medians(), strict=True)):
+            extra = ((self._untimed(rs, steps, stats, row), rs.heartbeat.get("grad_bytes", 0))
+                     if live else ())
+            out.append(dx.RankTiming(rs.ident.rank, steps, step_ms, medians, rs.ident.host,
+                                     rs.ident.node, *extra))
+        return out
 
     def _stall_stats(self) -> list[dx.StallStats]:
         """Every rank's stalls within its window (the steps the window holds)."""
@@ -412,15 +420,12 @@ class RunState:
             self.hang_since = None
             active = self.live.shown.label if self.live else None
             recent = self._recent_timings
-
             self.live = dx.settle(self.live, dx.diagnose(timings, active, self.parallel == "fsdp",
                                                          self.framework, recent,
                                                          self._stall_stats(),
                                                          self.preflight_busbw))
-        live = self.live
-        if live is None:  # a latched hang always set it; the type checker cannot see that
-            live = self.live = dx.LiveLabel(dx.diagnose(timings))
-        shown = live.shown
+        assert self.live is not None  # set above, or by the hang that latched
+        shown = self.live.shown
         if before is None or shown.subject != before.subject:
             hang_since = self.hang_since if self.hang is not None else None
             self._new_episode(shown, now if hang_since is None else hang_since)
@@ -452,7 +457,7 @@ class RunState:
     def recent_steps(self, rank: int) -> tuple[float, ...]:
         """The rank's last step times, oldest first (for a sparkline)."""
         rs = self.ranks.get(rank)
-        return () if rs is None else tuple(rs.window.last("step", SPARKLINE_STEPS))
+        return () if rs is None else tuple(rs.window.last(None, SPARKLINE_STEPS))
 
     # --- snapshots ------------------------------------------------------------------
 
@@ -471,13 +476,17 @@ class RunState:
         """Freeze the state. `full` adds whole-window quantiles and the final diagnosis
         (costlier: used for the snapshot file and the summary, not every live tick)."""
         shown = self.live.shown if self.live is not None else self.evaluate(now)
-        whole: dict[int, int] = {}  # rank -> its row in `stats`
-        stats = None
-        if full:  # every rank's whole window in one pass
-            stats = self.block.stats(list(self.ranks), None)
-            whole = {rank: row for row, rank in enumerate(self.ranks)}
-        rows = stats.rows() if stats is not None else []
-        ranks = tuple(self._rank_snapshot(r, mono_now, stats, whole.get(r), rows)
+        # Full: every rank's whole window, in one pass: rank -> (step, phases, untimed).
+        whole: dict[int, tuple[Quantiles | None, dict[str, Quantiles | None],
+                               tuple[dx.Untimed, ...]]] = {}
+        if full:
+            reported = list(self.ranks.values())
+            stats = self.block.stats([rs.ident.rank for rs in reported], None)
+            for row, (rs, (step, phases)) in enumerate(zip(reported, stats.rows(),
+                                                           strict=True)):
+                untimed = self._untimed(rs, int(stats.steps[row]), stats, row)
+                whole[rs.ident.rank] = (step, phases, untimed)
+        ranks = tuple(self._rank_snapshot(r, mono_now, whole.get(r))
                       for r in range(self.world_size))
         return Snapshot(
             run_name=self.run_name, world_size=self.world_size, nnodes=self.nnodes,
@@ -489,9 +498,10 @@ class RunState:
             batch_sizes=self.checks.batch_sizes(), framework=self.framework,
             preflight_busbw=self.preflight_busbw, preflight=self.preflight)
 
-    def _rank_snapshot(self, rank: int, mono_now: float, stats: BlockStats | None,
-                       row: int | None, rows: list) -> RankSnapshot:
-        """`stats`, `row`, `rows`: the whole-window statistics of a full snapshot."""
+    def _rank_snapshot(self, rank: int, mono_now: float,
+                       whole: tuple[Quantiles | None, dict[str, Quantiles | None],
+                                    tuple[dx.Untimed, ...]] | None) -> RankSnapshot:
+        """`whole`: the rank's whole-window statistics, in a full snapshot."""
         rs = self.ranks.get(rank)
         if rs is None:
             return RankSnapshot(
@@ -502,12 +512,8 @@ class RunState:
                 since_step_s=None, exit_code=None, error=None, finished=False, dropped=0,
                 device="")
         live = self._live_timing(rs)
-        if stats is not None and row is not None:
-            step, phases = rows[row]
-            # Over the whole window for the summary's verdict, as its medians are.
-            untimed = self._untimed(rs, int(stats.steps[row]), stats, row)
-        else:
-            step, phases, untimed = None, {}, live.untimed
+        # Over the whole window for the summary's verdict, as its medians are.
+        step, phases, untimed = whole if whole is not None else (None, {}, live.untimed)
         phase_ms = {p: phases.get(p) for p in self.phases}
         return RankSnapshot(
             rank=rank, local_rank=rs.ident.local_rank, node=rs.ident.node, host=rs.ident.host,

@@ -69,41 +69,38 @@ def median(values: Sequence[float]) -> float | None:
 @dataclass(frozen=True, slots=True)
 class BlockStats:
     """Quantiles of some ranks' newest steps, one row per rank asked for, one column per
-    series (0: the step time, then `names[1:]`). NaN where a series had no value.
+    series (0: the step time, then the phases at their `index`). NaN where none had a value.
 
     A phase seen on at least one of a rank's steps counts 0 on the steps where it did
     not occur (it was hooked and took no time there); a phase never seen is NaN: not
     measured, never a made-up 0. `seen` counts the steps that measured each series."""
 
-    ranks: np.ndarray  # (k,) the ranks, in the order asked
-    steps: np.ndarray  # (k,) steps the statistics cover
-    names: tuple[str, ...]
+    steps: np.ndarray  # (k,) steps the statistics cover, per rank asked for
+    index: dict[str, int]  # phase name -> column (column 0 is the step time)
     median: np.ndarray  # (k, series)
     p95: np.ndarray  # (k, series)
     seen: np.ndarray  # (k, series)
 
     def rows(self) -> list[tuple[Quantiles | None, dict[str, Quantiles | None]]]:
         """Per rank asked for: (step quantiles, {phase: quantiles}) in plain Python."""
-        med, p95 = self.median.tolist(), self.p95.tolist()
-        out = []
-        for m, p in zip(med, p95, strict=True):
-            q = [None if a != a else Quantiles(a, b) for a, b in zip(m, p, strict=True)]
-            out.append((q[0], dict(zip(self.names[1:], q[1:], strict=True))))
-        return out
+        return self._per_rank([[None if a != a else Quantiles(a, b)
+                                for a, b in zip(m, p, strict=True)]
+                               for m, p in zip(self.median.tolist(), self.p95.tolist(),
+                                               strict=True)])
 
     def medians(self) -> list[tuple[float | None, dict[str, float | None]]]:
         """Per rank asked for: (step median, {phase: median}); None for NaN."""
-        out = []
-        for m in self.median.tolist():
-            vals = [None if v != v else v for v in m]
-            out.append((vals[0], dict(zip(self.names[1:], vals[1:], strict=True))))
-        return out
+        return self._per_rank([[None if v != v else v for v in m]
+                               for m in self.median.tolist()])
+
+    def _per_rank(self, values: list[list[Any]]) -> list[tuple[Any, dict[str, Any]]]:
+        phases = list(self.index)  # in column order: series are only ever appended
+        return [(row[0], dict(zip(phases, row[1:], strict=True))) for row in values]
 
     def seen_of(self, row: int, names: Sequence[str]) -> dict[str, int]:
         """Of the steps row `row` covers, on how many each named phase was measured."""
-        index = {n: i for i, n in enumerate(self.names)}
         seen = self.seen[row]
-        return {n: int(seen[index[n]]) if n in index else 0 for n in names}
+        return {n: int(seen[i]) if (i := self.index.get(n)) is not None else 0 for n in names}
 
 
 def _nan_quantiles(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -135,7 +132,8 @@ class WindowBlock:
         # a list item is cheaper to read and write than a numpy scalar. stats() converts.
         self.pos: list[int] = [0] * ranks
         self.count: list[int] = [0] * ranks
-        self.names: list[str] = []  # series 0 is "step", the step time
+        # Phase name -> its series; series 0, the step time, has no name (any string may
+        # be a phase's).
         self.index: dict[str, int] = {}
         # np.empty: pages are committed only for the ranks that report (reset fills them).
         self.series: list[np.ndarray] = []
@@ -148,16 +146,15 @@ class WindowBlock:
         # For each tuple of phase names a batch carries: the series each name writes and
         # the series it leaves unmeasured (NaN). Rebuilt when the run gets a new series.
         self.plans: dict[tuple[str, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
-        self._add_series("step")
+        self._add_series(None)
 
-    def _add_series(self, name: str) -> int:
+    def _add_series(self, name: str | None) -> int:
         arr = np.empty((self.ranks, self.size))
         arr[self.started] = NAN
         self.series.append(arr)
         self.flat.append(arr.data.cast("B").cast("d"))
-        self.names.append(name)
         idx = len(self.series) - 1
-        if idx:
+        if name is not None:
             self.index[name] = idx
         self.plans.clear()
         return idx
@@ -176,7 +173,8 @@ class WindowBlock:
             if name not in self.index:
                 self._add_series(name)
         cols = tuple(self.index[name] for name in names)
-        missing = tuple(i for i in range(1, len(self.series)) if i not in set(cols))
+        sent = set(cols)
+        missing = tuple(i for i in range(1, len(self.series)) if i not in sent)
         self.plans[names] = (cols, missing)
         return cols, missing
 
@@ -206,10 +204,10 @@ class WindowBlock:
         if self.count[rank] < self.size:
             self.count[rank] += 1
 
-    def last(self, rank: int, name: str, n: int) -> list[float]:
-        """One series' newest n values of a rank, oldest first."""
+    def last(self, rank: int, name: str | None, n: int) -> list[float]:
+        """One series' newest n values of a rank, oldest first (name None: step times)."""
         n = min(n, self.count[rank])
-        idx = 0 if name == "step" else self.index.get(name)
+        idx = 0 if name is None else self.index.get(name)
         if n <= 0 or idx is None:
             return []
         cols = (self.pos[rank] - n + np.arange(n)) % self.size
@@ -241,7 +239,7 @@ class WindowBlock:
                 if i:  # a phase seen in the window took no time on its other steps
                     data[inside & ~measured & (seen[:, i] > 0)[:, None]] = 0.0
                 med[:, i], p95[:, i] = _nan_quantiles(data)
-        return BlockStats(r, n, tuple(self.names), med, p95, seen)
+        return BlockStats(n, dict(self.index), med, p95, seen)
 
     def view(self, rank: int) -> RankWindow:
         return RankWindow(self, rank)
@@ -270,7 +268,8 @@ class RankWindow:
                phase_ms: Sequence[float | None]) -> None:
         self.block.append(self.rank, step_ms, phase_names, phase_ms)
 
-    def last(self, name: str, n: int) -> list[float]:
+    def last(self, name: str | None, n: int) -> list[float]:
+        """A phase's newest n values, or with name None the step times."""
         return self.block.last(self.rank, name, n)
 
     def seen(self, names: Sequence[str], last: int | None = None) -> dict[str, int]:
