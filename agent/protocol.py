@@ -249,6 +249,11 @@ class Stacks(_Wire, tag="stacks", kw_only=True):
                       Meta(max_length=MAX_THREADS)]
     nccl: NcclState | None | UnsetType = UNSET
 
+    def __post_init__(self) -> None:
+        if not all(name.isprintable() and text.isprintable() for name, text in self.stacks):
+            force_setattr(self, "stacks", [(clean_line(name), clean_text(text))
+                                           for name, text in self.stacks])
+
 
 class Goodbye(_Wire, tag="goodbye", kw_only=True):
     exit_code: Annotated[int, Meta(ge=-(1 << 31), le=1 << 31)] | None = None
@@ -323,7 +328,7 @@ def _message(wire: WireMessage) -> Message:
     ident = wire.id
     if ident.rank >= ident.world_size:
         raise ProtocolError(f"id.rank {ident.rank} is not below id.world_size")
-    kind = type(wire).__struct_config__.tag
+    kind = str(type(wire).__struct_config__.tag)
     if isinstance(wire, Steps):
         phases = _phases(wire.phases)
         n = len(phases)
@@ -336,15 +341,14 @@ def _message(wire: WireMessage) -> Message:
         return Message("steps", ident, wire.seq, wire.t,
                        {"dropped": wire.dropped, "forced": forced}, phases,
                        _records(wire.records, n))
+    if isinstance(wire, Checks):
+        return Message(kind, ident, wire.seq, wire.t, _checks(wire))
     body = {k: v for k, v in asdict(wire).items() if k not in _ENVELOPE and v is not UNSET}
-    if isinstance(wire, Stacks):
-        body["stacks"] = tuple((clean_line(name), clean_text(text))
-                               for name, text in wire.stacks)
+    if isinstance(wire, Stacks):  # plain values for the collector's state: tuples, a map
+        body["stacks"] = tuple(wire.stacks)
         if isinstance(wire.nccl, NcclState):
             body["nccl"] = asdict(wire.nccl)
-    elif isinstance(wire, Checks):
-        body = _checks(wire)
-    return Message(str(kind), ident, wire.seq, wire.t, body)
+    return Message(kind, ident, wire.seq, wire.t, body)
 
 
 _NUMBER = (float, int)

@@ -53,7 +53,8 @@ from collector_ingest import stamp, templates
 
 from traceml_agent import protocol
 from traceml_agent.protocol import Identity
-from traceml_tui.summary import LIVE_JSON, SUMMARY_JSON
+from traceml_agent.vocab import LIVE_SNAPSHOT_JSON
+from traceml_tui.summary import SUMMARY_JSON
 from traceml_tui.windows import window_steps_for
 
 SEND_HWM = 2_000  # per rank, as agent/transport.py
@@ -192,7 +193,7 @@ class CollectorProcess:
 
     def live(self) -> tuple[float, dict[str, int]] | None:
         """(epoch time of the collector's latest live snapshot, its counters)."""
-        path = self.run_dir / LIVE_JSON
+        path = self.run_dir / LIVE_SNAPSHOT_JSON
         try:
             mtime = path.stat().st_mtime
             if mtime != self.snap_mtime:

@@ -34,7 +34,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from traceml_agent.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode
-from traceml_tui import summary, view_build
+from traceml_tui import summary, view_build, view_state
 from traceml_tui.collector import TRANSPORT_FRAME_LIMIT as TRANSPORT_LIMIT
 from traceml_tui.state import MAX_RUN_PHASES, RunState
 
@@ -281,7 +281,7 @@ def test_decode_and_ingest_raise_nothing_but_protocol_error(payloads):
     snap = state.snapshot(now, mono + 60.0, full=True)
     doc = summary.build(snap, summary.RunMeta(complete=False))
     json.dumps(doc, allow_nan=False)  # strict JSON: no NaN or infinity reached the record
-    msgpack.packb(view_build.build(snap, state.recent_steps).to_wire())
+    view_state.encode_view(view_build.build(snap, state.recent_steps))
     assert state.counters["messages"] + state.counters["foreign"] == decoded
     assert state.counters["malformed"] >= len(payloads) - decoded
     assert len(state.phases) <= MAX_RUN_PHASES

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from jobs import validate_schema
 from traceml_agent.protocol import ProtocolError, decode
 from traceml_tui import collector as collector_mod
-from traceml_tui import summary, view_build
+from traceml_tui import summary, view_build, view_state
 from traceml_tui.state import RunState
 
 # C0 and C1 controls except newline (lines) and tab; DEL too. A terminal acts on these.
@@ -51,7 +51,7 @@ def test_the_summary_of_any_received_traffic_is_valid_strict_and_terminal_safe(p
     text = summary.render_text(doc)
     assert not CONTROL.search(text), repr(CONTROL.search(text))
     view = view_build.build(snap, state.recent_steps)
-    msgpack.packb(view.to_wire())
+    view_state.decode_view(view_state.encode_view(view))
 
 
 class FakeSocket:

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from jobs import ROOT, traceml, wait_for
-from traceml_tui.summary import LIVE_JSON
+from traceml_agent.vocab import LIVE_SNAPSHOT_JSON
 
 FAULTY = Path(__file__).resolve().parent / "faulty_ddp.py"
 
@@ -124,7 +124,7 @@ def test_closing_the_terminal_stops_the_job_and_leaves_a_record_and_no_process(
 
     def stepping() -> bool:
         try:
-            return json.loads((run_dir / LIVE_JSON).read_text())["run"]["steps"] >= 20
+            return json.loads((run_dir / LIVE_SNAPSHOT_JSON).read_text())["run"]["steps"] >= 20
         except (OSError, ValueError, KeyError):
             return False
 
@@ -156,7 +156,7 @@ def test_a_launcher_killed_outright_leaves_a_record_and_no_process(tmp_path: Pat
     try:
         def stepping() -> bool:
             try:
-                return json.loads((run_dir / LIVE_JSON).read_text())["run"]["steps"] >= 20
+                return json.loads((run_dir / LIVE_SNAPSHOT_JSON).read_text())["run"]["steps"] >= 20
             except (OSError, ValueError, KeyError):
                 return False
 

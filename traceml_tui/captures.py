@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from traceml_agent.vocab import WAITING_PHASES
 
 from . import private, trace_analysis, view_state
@@ -127,15 +129,11 @@ class CaptureBoard:
     # --- analysis: a thread that waits for a child process ----------------------------
 
     def _analyse_in_child(self, cap: Capture) -> None:
-        job = {"run_dir": str(self.run_dir), "id": cap.id, "steps": cap.steps,
-               "ranks": list(cap.ranks), "roles": {str(r): v for r, v in cap.roles.items()},
-               "states": {str(r): v for r, v in cap.states.items()},
-               "paths": {str(r): v for r, v in cap.paths.items()},
-               "errors": {str(r): v for r, v in cap.errors.items()}}
         text, saved = "", None
         try:
-            done = subprocess.run([sys.executable, "-m", "traceml_tui.captures"],
-                                  input=json.dumps(job), capture_output=True, text=True,
+            done = subprocess.run([sys.executable, "-m", "traceml_tui.captures",
+                                   str(self.run_dir)], input=msgspec.json.encode(cap).decode(),
+                                  capture_output=True, text=True,
                                   timeout=ANALYSIS_TIMEOUT_S, check=False)
             if done.returncode == 0:
                 result = json.loads(done.stdout)
@@ -223,17 +221,10 @@ def _comparison_text(comparison: Any, worst: int, median: int) -> str:
 
 
 def _child_main() -> None:
-    """`python -m traceml_tui.captures`: a capture's analysis job on stdin (JSON), its
+    """`python -m traceml_tui.captures RUN_DIR`: a capture (JSON) on stdin, its analysis'
     text and saved path on stdout (JSON)."""
-    job = json.load(sys.stdin)
-    ranks = tuple(int(r) for r in job["ranks"])
-    cap = Capture(int(job["id"]), int(job["steps"]), ranks, 0.0,
-                  {int(r): v for r, v in job["roles"].items()},
-                  {int(r): v for r, v in job["states"].items()},
-                  {int(r): v for r, v in job["paths"].items()},
-                  {int(r): v for r, v in job["errors"].items()})
-    board = CaptureBoard(Path(job["run_dir"]))
-    text, saved = board._analyse(cap)
+    cap = msgspec.json.decode(sys.stdin.read(), type=Capture)
+    text, saved = CaptureBoard(Path(sys.argv[1]))._analyse(cap)
     json.dump({"text": text, "saved": saved}, sys.stdout)
 
 

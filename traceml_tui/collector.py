@@ -41,7 +41,7 @@ from traceml_agent.protocol import (
     ProtocolError,
     decode,
 )
-from traceml_agent.vocab import COLLECTOR_JSON, STEP_LOG_DIR
+from traceml_agent.vocab import COLLECTOR_JSON, LIVE_SNAPSHOT_JSON, STEP_LOG_DIR
 
 from . import private, summary
 from .captures import CaptureBoard
@@ -176,7 +176,7 @@ class Collector:
         self.parent_pid: int | None = None  # the launcher, watched when given
 
     def _keep_earlier_record(self) -> str | None:
-        live = self.run_dir / summary.LIVE_JSON
+        live = self.run_dir / LIVE_SNAPSHOT_JSON
         if not live.exists():
             return None
         n = 1
@@ -298,7 +298,7 @@ class Collector:
         try:
             snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
             doc = summary.build(snap, summary.RunMeta(complete=False))
-            private.write_atomic(self.run_dir / summary.LIVE_JSON, json.dumps(doc) + "\n")
+            private.write_atomic(self.run_dir / LIVE_SNAPSHOT_JSON, json.dumps(doc) + "\n")
         except OSError as exc:  # a full disk costs the snapshot, not the collector
             print(f"[traceml] collector: could not write snapshot: {exc}", file=sys.stderr)
 

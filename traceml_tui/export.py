@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from traceml_agent.vocab import STEP_LOG_DIR
+from traceml_agent.vocab import LIVE_SNAPSHOT_JSON, STEP_LOG_DIR
 
 from . import perfetto, summary
 from .step_log import read_steps
@@ -24,7 +24,7 @@ class ExportError(Exception):
 
 
 def _summary_doc(run_dir: Path) -> dict[str, Any] | None:
-    for name in (summary.SUMMARY_JSON, summary.LIVE_JSON):
+    for name in (summary.SUMMARY_JSON, LIVE_SNAPSHOT_JSON):
         try:
             return json.loads((run_dir / name).read_text())
         except (OSError, ValueError):

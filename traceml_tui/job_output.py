@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import summary
+from traceml_agent.vocab import LIVE_SNAPSHOT_JSON
 
 STATUS_EVERY_S = 10.0
 
@@ -38,7 +38,7 @@ class Progress:
     """Headless progress: a line when the live diagnosis changes, and every STATUS_EVERY_S."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / summary.LIVE_JSON
+        self.path = run_dir / LIVE_SNAPSHOT_JSON
         self.last_key: tuple | None = None
         self.last_print = time.monotonic()
         self.mtime = 0

@@ -33,6 +33,7 @@ from traceml_agent.vocab import (
     COLLECTOR_JSON,
     COLLECTOR_LOG,
     LAUNCHER_LOG,
+    LIVE_SNAPSHOT_JSON,
     LOGS_DIR,
     NETCHECK_JSON,
 )
@@ -378,7 +379,7 @@ def _finish(control: str, request: dict[str, Any], collector: subprocess.Popen,
 def _fallback_summary(run_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
     """The collector did not answer: promote its last snapshot, marked incomplete."""
     try:
-        doc = json.loads((run_dir / summary.LIVE_JSON).read_text())
+        doc = json.loads((run_dir / LIVE_SNAPSHOT_JSON).read_text())
     except (OSError, ValueError):
         code, _ = summary.job_exit_code(request["torchrun_exit"], request["interrupted"], [])
         return {"exit_code": request.get("exit_code", code), "path": None,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from traceml_agent import nccl_log
-from traceml_agent.vocab import LIVE_SNAPSHOT_JSON, SUMMARY_JSON, SUMMARY_TXT, format_ranks
+from traceml_agent.vocab import SUMMARY_JSON, SUMMARY_TXT, format_ranks
 
 from . import diagnosis as dx
 from .private import write_atomic
@@ -23,7 +23,6 @@ from .state import Episode, Snapshot
 from .windows import median
 
 SCHEMA_VERSION = "1"
-LIVE_JSON = LIVE_SNAPSHOT_JSON
 
 
 @dataclass(frozen=True)

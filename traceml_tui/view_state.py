@@ -114,19 +114,6 @@ class ViewState(Struct, frozen=True):
     def stale(self) -> tuple[int, ...]:
         return tuple(r.rank for r in self.rows if r.status == STALE)
 
-    def to_wire(self) -> dict[str, Any]:
-        """Plain builtins (what encode_view sends, as a map)."""
-        out: dict[str, Any] = msgspec.to_builtins(self)
-        return out
-
-    @classmethod
-    def from_wire(cls, wire: Any) -> ViewState:
-        """From plain builtins; ValueError if they are not a view."""
-        try:
-            return msgspec.convert(wire, cls)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"not a view: {exc}") from None
-
 
 _ENCODER = msgspec.msgpack.Encoder()
 _VIEW = msgspec.msgpack.Decoder(ViewState)
