@@ -19,8 +19,6 @@ from dataclasses import dataclass, replace
 from statistics import median
 from typing import TypeGuard
 
-# The labels, severities and phase groups are the product's vocabulary (vocab.py); they
-# are re-exported here because the rules below are where they get their meaning.
 from traceml_agent.vocab import (  # noqa: F401 (re-exported)
     BALANCED,
     COMM_BOUND,
@@ -44,6 +42,10 @@ from traceml_agent.vocab import (  # noqa: F401 (re-exported)
     WARNING,
     format_ranks,
 )
+
+# The labels, severities and phase groups are the product's vocabulary (vocab.py); they
+# are re-exported here because the rules below are where they get their meaning.
+from .netcheck_math import bus_factor
 
 # --- thresholds (docs/diagnosis.md gives the reasoning) -------------------------------------
 
@@ -158,7 +160,7 @@ def bus_gbps(nbytes: float, ms: float, world: int) -> float | None:
     each rank's link carries in a ring, so figures compare across world sizes."""
     if not nbytes or not ms or ms <= 0 or world < 2:
         return None
-    return nbytes / (ms / 1000.0) / 1e9 * 2 * (world - 1) / world
+    return nbytes / (ms / 1000.0) / 1e9 * bus_factor("all_reduce", world)
 
 
 def untimed_phases(seen: Mapping[str, int], window_steps: int, forced: Mapping[str, int],
