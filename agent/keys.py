@@ -30,6 +30,9 @@ SECRET_FILE = vocab.SECRET_KEY
 _HEX = frozenset("0123456789abcdef")
 
 
+ZAP_DOMAIN = "traceml"  # the authenticator (traceml_tui/auth.py) answers for this domain
+
+
 class SecretError(ValueError):
     """A secret that is not one: reported to the user in one line."""
 
@@ -121,4 +124,4 @@ def secure_server(sock: Any, keys: CurveKeys) -> None:
     the collector's authenticator, which admits only the run's client key."""
     sock.curve_server = True
     sock.curve_secretkey = keys.server_secret
-    sock.zap_domain = b"traceml"
+    sock.zap_domain = ZAP_DOMAIN.encode()

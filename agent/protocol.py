@@ -37,6 +37,7 @@ And one request goes the other way, collector to agent, on the same connection:
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -431,3 +432,41 @@ def decode_capture_request(data: bytes) -> tuple[int, int]:
     except Exception as exc:
         raise ProtocolError(f"not a capture request: {exc}"[:200]) from None
     return req.id, req.steps
+
+
+# --- node relays (traceml_tui/relay.py) -------------------------------------------------
+# A relay forwards its node's ranks to the collector as one multipart message per tick:
+#   [RELAY_TAG, RelayHeader, payload_1, ..., payload_n]
+# where each payload is one rank message exactly as the rank sent it (the collector
+# decodes and validates it as if the rank had sent it directly) and header.routes[i]
+# names the local connection payload_i came from, so a request can go back to it:
+#   collector -> relay: [RELAY_TAG, route (4 bytes, big-endian), request]
+RELAY_TAG = b"traceml-relay/1"
+RELAY_ROUTE = struct.Struct(">I")
+MAX_RELAY_BATCH = 4_096  # payloads per relay message
+MAX_RELAY_ROUTE = (1 << 32) - 1
+
+
+class RelayHeader(Struct, array_like=True, forbid_unknown_fields=True):
+    node: Annotated[int, Meta(ge=0, le=MAX_WORLD_SIZE)]
+    batches: Count  # relay messages sent before this one: a gap is a lost batch
+    dropped: Count  # rank messages the relay could not forward (its queues were full)
+    routes: Annotated[list[Annotated[int, Meta(ge=0, le=MAX_RELAY_ROUTE)]],
+                      Meta(max_length=MAX_RELAY_BATCH)]
+
+
+_RELAY_DECODER = msgspec.msgpack.Decoder(RelayHeader)
+
+
+def encode_relay_header(header: RelayHeader) -> bytes:
+    return _ENCODER.encode(header)
+
+
+def decode_relay_header(data: bytes) -> RelayHeader:
+    """A relay message's header, or ProtocolError."""
+    if len(data) > 16 + 8 * MAX_RELAY_BATCH:
+        raise ProtocolError("relay header too long")
+    try:
+        return _RELAY_DECODER.decode(data)
+    except Exception as exc:
+        raise ProtocolError(f"bad relay header: {exc}"[:200]) from None

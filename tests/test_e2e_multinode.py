@@ -17,6 +17,15 @@ import pytest
 
 from jobs import EXAMPLES, free_ports, spawn_traceml, validate_schema, wait_for
 
+
+def live_ranks_steps(run_dir: Path) -> list[int]:
+    """Every rank's steps in the run's live snapshot (empty before it exists)."""
+    try:
+        doc = json.loads((run_dir / "live_snapshot.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [r["steps"] for r in doc["ranks"]]
+
 # A node whose partner never came waits for torchrun's rendezvous: fail well before that.
 NODE_TIMEOUT_S = 150
 SLOW_INPUT = ("--scenario", "input", "--delay-ms", "25", "--steps", "140")
@@ -63,6 +72,10 @@ def test_two_nodes_one_summary_with_the_slow_node_named(tmp_path, first):
     assert d["rank"] in (2, 3) and d["node"] == {"index": 1, "ranks": [2, 3]}
     assert "Every rank on node 1" in d["summary"]
     assert doc["complete"] is True
+    # Node 1's ranks came through its relay; it went quiet only after their goodbyes.
+    assert doc["relays"]["nodes"] == [1] and doc["relays"]["silent"] == []
+    assert doc["relays"]["dropped"] == 0
+    assert "relay for node 1" in (out / "mn" / "relay-node1.log").read_text()
     # Node 1 writes no summary of its own; it says where the job's is.
     assert "node 1: its ranks ended with exit code 0" in out1
     assert "INPUT STRAGGLER" in out0
@@ -70,16 +83,50 @@ def test_two_nodes_one_summary_with_the_slow_node_named(tmp_path, first):
 
 
 def test_a_failing_rank_on_node_1_is_the_exit_code_of_both_nodes(tmp_path):
+    """Node 1 without its relay (--no-relay): its ranks send straight to node 0."""
     out, port = tmp_path / "runs", free_ports(3)
     fail = ("--steps", "400", "--fail-rank", "3", "--fail-at-step", "20")
     p0 = spawn_traceml(*node_args(out, "fail", 0, port, script_args=fail))
-    p1 = spawn_traceml(*node_args(out, "fail", 1, port, script_args=fail))
+    args = node_args(out, "fail", 1, port, script_args=fail)
+    p1 = spawn_traceml(*args[:2], "--no-relay", *args[2:])
     rc0, _, err0 = finish(p0)
     rc1, out1, _ = finish(p1)
     assert rc1 == 3 and rc0 == 3, err0[-3000:]
     doc = json.loads((out / "fail" / "final_summary.json").read_text())
     assert doc["run"]["exit_code"] == 3 and doc["run"]["failed_rank"] == 3
     assert "rank 3 failed" in out1
+    assert doc["relays"] is None and not (out / "fail" / "relay-node1.log").exists()
+
+
+def test_a_lost_relay_stops_the_figures_not_the_training(tmp_path):
+    """Node 1's relay is killed mid-run: both nodes' training ends normally (exit 0),
+    and node 0's summary says that node 1's figures stop because its relay went silent."""
+    import psutil
+
+    out, port = tmp_path / "runs", free_ports(3)
+    steps = ("--steps", "300")
+    p0 = spawn_traceml(*node_args(out, "lost", 0, port, script_args=steps))
+    p1 = spawn_traceml(*node_args(out, "lost", 1, port, script_args=steps))
+    run_dir = out / "lost"
+
+    def relay() -> psutil.Process | None:
+        for child in psutil.Process(p1.pid).children(recursive=True):
+            if "traceml_tui.relay" in child.cmdline():
+                return child
+        return None
+
+    wait_for(lambda: min(live_ranks_steps(run_dir) or [0]) >= 30, 120, "steps from all ranks")
+    found = relay()
+    assert found is not None
+    found.kill()
+    rc0, out0, err0 = finish(p0)
+    rc1, _, err1 = finish(p1)
+    assert (rc0, rc1) == (0, 0), err0[-3000:] + err1[-3000:]
+    doc = json.loads((run_dir / "final_summary.json").read_text())
+    assert doc["relays"]["silent"] == [1]
+    steps_seen = [r["steps"] for r in doc["ranks"]]
+    assert steps_seen[:2] == [300, 300] and max(steps_seen[2:]) < 300, steps_seen
+    assert "The relay of node(s) 1 stopped sending" in out0
 
 
 def test_a_second_node_without_a_run_name_is_refused(tmp_path):

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--collector-port", type=_port, default=None, metavar="P",
                      help="multi-node: the collector's port on node 0 (default: master port "
                           "+ 1); viewers use the next port")
+    run.add_argument("--no-relay", action="store_true",
+                     help="multi-node: this node's ranks send straight to node 0's collector "
+                          "instead of through a relay on this node (one per node by default)")
     run.add_argument("--run-name", default=None, metavar="NAME",
                      help="names the run (default: script name and time)")
     run.add_argument("--out", type=Path, default=Path("traceml_runs"), metavar="DIR",
@@ -178,7 +181,8 @@ def _cmd_run(parser: argparse.ArgumentParser, argv: list[str], full_argv: list[s
         script=Path(args.script), script_args=script_args, out=args.out, headless=headless,
         command=["traceml", *full_argv], hang_after=args.hang_after,
         nccl_debug=args.nccl_debug, preflight=args.preflight,
-        collector_addr=args.collector_addr, collector_port=args.collector_port, **nodes)
+        collector_addr=args.collector_addr, collector_port=args.collector_port,
+        relay=not args.no_relay, **nodes)
     try:
         return run(opts)
     except LaunchError as exc:

@@ -38,14 +38,18 @@ import zmq
 from traceml_agent import keys
 from traceml_agent.protocol import (
     MAX_MESSAGE_BYTES,
+    RELAY_ROUTE,
+    RELAY_TAG,
     ProtocolError,
     decode,
+    decode_relay_header,
 )
 from traceml_agent.vocab import COLLECTOR_JSON, LIVE_SNAPSHOT_JSON, STEP_LOG_DIR
 
 from . import private, summary
+from .auth import start_authenticator
 from .captures import CaptureBoard
-from .ingest_pump import IngestPump
+from .ingest_pump import IngestPump, Route
 from .state import RunState
 from .step_log import StepLogWriter
 from .view_server import ViewServer
@@ -163,7 +167,7 @@ class Collector:
         # A collector started on a folder that already holds a live record (a restart):
         # keep that record beside ours, and never call ours complete.
         self.earlier_record = self._keep_earlier_record()
-        self.routes: dict[int, bytes] = {}  # rank -> its connection, to send it requests
+        self.routes: dict[int, Route] = {}  # rank -> its connection, to send it requests
         self.captures = CaptureBoard(self.run_dir)
         self.step_log = StepLogWriter(self.run_dir / STEP_LOG_DIR)
         self.views = ViewServer(self.view, state, self.captures, self.routes, self.pump.send)
@@ -189,23 +193,14 @@ class Collector:
         return str(kept)
 
     def _start_auth(self, secret: str) -> keys.CurveKeys:
-        """CURVE on every socket, and a ZAP authenticator (a thread of pyzmq's) that admits
-        only the run's client key: a peer without the secret never gets a message in."""
-        from zmq.auth.thread import ThreadAuthenticator
-
+        """CURVE on every socket, and a ZAP authenticator that admits only the run's
+        client key: a peer without the secret never gets a message in."""
         run_keys = keys.derive(secret)
-        collector = self
 
-        class OnlyThisRun:
-            def callback(self, domain: str, client_key: bytes) -> bool:
-                ok = client_key == run_keys.client_public
-                if not ok:
-                    collector.rejected_peers += 1
-                return ok
+        def rejected() -> None:
+            self.rejected_peers += 1
 
-        self.auth = ThreadAuthenticator(self.ctx)
-        self.auth.start()
-        self.auth.configure_curve_callback("traceml", credentials_provider=OnlyThisRun())
+        self.auth = start_authenticator(self.ctx, run_keys, rejected)
         return run_keys
 
     # --- lifecycle ------------------------------------------------------------------
@@ -276,18 +271,39 @@ class Collector:
         return n
 
     def _receive(self, frames: list[bytes], mono: float) -> None:
-        if len(frames) != 2:
+        if len(frames) == 2:
+            self._receive_one((frames[0],), frames[1], mono)
+        elif len(frames) >= 3 and frames[1] == RELAY_TAG:
+            self._receive_relayed(frames, mono)
+        else:
+            self.state.count_malformed()
+
+    def _receive_relayed(self, frames: list[bytes], mono: float) -> None:
+        """A node relay's batch: each payload as if its rank had sent it directly."""
+        try:
+            header = decode_relay_header(frames[2])
+        except ProtocolError:
             self.state.count_malformed()
             return
+        payloads = frames[3:]
+        if len(header.routes) != len(payloads):
+            self.state.count_malformed()
+            return
+        self.state.relay_seen(header.node, header.batches, header.dropped, mono)
+        conn = frames[0]
+        for route, payload in zip(header.routes, payloads, strict=True):
+            self._receive_one((conn, RELAY_ROUTE.pack(route)), payload, mono)
+
+    def _receive_one(self, route: Route, payload: bytes, mono: float) -> None:
         try:
-            msg = decode(frames[1])
+            msg = decode(payload)
         except ProtocolError:
             self.state.count_malformed()
             return
         if not self.state.ingest(msg, mono):
             return
         rank = msg.ident.rank
-        self.routes[rank] = frames[0]
+        self.routes[rank] = route
         kind = msg.kind
         if kind == "steps":
             self.step_log.append_records(rank, msg.phases, msg.records)

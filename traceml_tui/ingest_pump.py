@@ -30,6 +30,12 @@ from collections import deque
 
 import zmq
 
+from traceml_agent.protocol import RELAY_TAG
+
+# Where a request to a rank goes: (its connection,) when it sent directly, or (its
+# node relay's connection, the rank's route number at that relay) (relay.py).
+Route = tuple[bytes, ...]
+
 BACKLOG_BYTES = 256 << 20  # all peers together
 PEER_BYTES = 8 << 20  # one peer's queue; a rank's normal backlog is a few KiB
 GATHER_S = 0.002
@@ -131,7 +137,7 @@ class IngestPump(threading.Thread):
                 parts = self._pump.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(parts) == 2:
+            if len(parts) in (2, 4):
                 try:
                     self.sock.send_multipart(parts, zmq.NOBLOCK)
                 except zmq.ZMQError:  # the rank is gone or its pipe is full: a lost request
@@ -166,9 +172,12 @@ class IngestPump(threading.Thread):
                 taken.append(frames)
         return taken
 
-    def send(self, route: bytes, payload: bytes) -> None:
+    def send(self, route: Route, payload: bytes) -> None:
         """A request to the rank behind `route`, sent by the pump's thread."""
-        self.wake.send_multipart([route, payload])
+        if len(route) == 1:
+            self.wake.send_multipart([route[0], payload])
+        else:
+            self.wake.send_multipart([route[0], RELAY_TAG, route[1], payload])
 
     def stop(self) -> None:
         self._halt.set()

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from traceml_agent import env, handover, keys
 from traceml_agent.vocab import (
@@ -36,10 +36,14 @@ from traceml_agent.vocab import (
     LIVE_SNAPSHOT_JSON,
     LOGS_DIR,
     NETCHECK_JSON,
+    RELAY_LOG,
 )
 
 from . import nccl_debug, private, summary
 from .job_output import Progress, Tee, parse_root_cause, read_tail
+
+if TYPE_CHECKING:
+    from .relay import RelayProcess
 
 COLLECTOR_START_TIMEOUT_S = 20.0
 DEFAULT_MASTER_PORT = 29500  # torchrun's own default, for multi-node runs
@@ -79,6 +83,9 @@ class RunOptions:
     # master port + 1; the view socket takes the port after that).
     collector_addr: str | None = None
     collector_port: int | None = None
+    # Another node's ranks reach node 0 through a relay on their own node (relay.py):
+    # one connection and one message per node per tick at node 0, not one per rank.
+    relay: bool = True
 
     @property
     def world_size(self) -> int:
@@ -452,6 +459,7 @@ class _Node:
     collector: subprocess.Popen | None = None  # node 0 only
     control: str | None = None  # node 0 only
     handover: _Handover | None = None  # multi-node: what goes through torchrun's store
+    relay: RelayProcess | None = None  # another node: its ranks reach node 0 through it
 
 
 def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _Signals,
@@ -466,6 +474,8 @@ def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _S
     if signals.exit_code is not None:
         request["exit_code"] = signals.exit_code
     if node.collector is None:
+        if node.relay is not None:  # the ranks are gone: their last messages go out now
+            node.relay.stop()
         return _node_done(opts, run_dir, request, node.handover)
     assert node.control is not None and node.secret is not None
     reply = _finish(node.control, request, node.collector, node.secret)
@@ -568,7 +578,14 @@ def _connect(opts: RunOptions, run_dir: Path, name: str, started_at: float, port
         collector, info = start_collector(run_dir, name, opts, started_at, secret, cport)
         return _Node(info["ingest"], info["view"], secret, collector, info["control"])
     host = opts.collector_addr or opts.master_addr
-    return _Node(f"tcp://{host}:{cport}", f"tcp://{host}:{cport + 1}", secret)
+    node = _Node(f"tcp://{host}:{cport}", f"tcp://{host}:{cport + 1}", secret)
+    if opts.relay:
+        from .relay import RelayProcess
+
+        node.relay = RelayProcess(node.ingest, opts.node_rank, secret,
+                                  None if secret else f"{opts.master_addr}:{port}",
+                                  run_dir / opts.node_file(Path(RELAY_LOG).stem, ".log"))
+    return node
 
 
 def _start_handover(opts: RunOptions, node: _Node, run_dir: Path, port: int,
@@ -618,7 +635,8 @@ def run(opts: RunOptions) -> int:
     node = _connect(opts, run_dir, name, started_at, port)
     cmd = torchrun_command(opts, run_dir, port)
     child_env = dict(os.environ)
-    child_env.update({env.ENDPOINT: node.ingest, env.RUN_NAME: name,
+    child_env.update({env.ENDPOINT: node.relay.address if node.relay else node.ingest,
+                      env.RUN_NAME: name,
                       env.RUN_DIR: str(run_dir.resolve())})
     if opts.nccl_debug:
         private.make_private_dir(run_dir / LOGS_DIR / "nccl")

@@ -35,6 +35,10 @@ SPARKLINE_STEPS = 60
 # a GPU it is the step timed on the host while the agent learns the device.
 WARMUP_STEPS = 1
 MAX_EPISODES = 500
+# A node relay sends a batch at least every second (relay.KEEPALIVE_S): three missed
+# means it is gone (or its network is), and its node's ranks cannot reach us.
+RELAY_SILENT_S = 3.0
+MAX_RELAYS = 1 << 16  # one per node; a key holder cannot make us keep more
 # Stalled steps kept per rank: a window holds at most 512 steps, and a stall is at least
 # two typical steps, so a rank stalling on every other step fills 256; past that the
 # oldest go (they have left the window anyway, or it is no rhythm but a slow rank).
@@ -99,6 +103,28 @@ class RankSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class RelaySnapshot:
+    node: int
+    silent_s: float  # since its last batch (it sends one at least every second)
+    batches: int  # batches it says it sent
+    lost_batches: int  # batches missing from its numbering: lost between it and us
+    dropped: int  # rank messages it could not forward (its queues were full)
+
+    @property
+    def silent(self) -> bool:
+        return self.silent_s > RELAY_SILENT_S
+
+
+@dataclass(slots=True)
+class _Relay:
+    last_seen: float
+    batches: int = 0
+    expected: int = 0
+    lost: int = 0
+    dropped: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     run_name: str
     world_size: int
@@ -120,6 +146,7 @@ class Snapshot:
     framework: str | None = None  # the training framework the agents saw
     preflight_busbw: float | None = None  # GB/s, from `traceml run --preflight`
     preflight: dict[str, Any] | None = None  # its result (collector._read_preflight)
+    relays: tuple[RelaySnapshot, ...] = ()  # the node relays heard from (relay.py)
 
     @property
     def reporting(self) -> int:
@@ -197,11 +224,44 @@ class RunState:
         self.hang_since: float | None = None
         self.hang_steps = 0  # steps of all ranks together when the hang was detected
         self.framework: str | None = None  # named in the hint when timing is incomplete
+        self.relays: dict[int, _Relay] = {}  # node -> its relay, once heard from
 
     # --- ingest ---------------------------------------------------------------------
 
     def count_malformed(self) -> None:
         self.counters["malformed"] += 1
+
+    def relay_seen(self, node: int, batches: int, dropped: int, now: float) -> None:
+        """A node relay's batch arrived (relay.py): its numbering shows batches lost on
+        the way, its count the rank messages it had to drop."""
+        relay = self.relays.get(node)
+        if relay is None:
+            if node >= max(self.nnodes, 1) or len(self.relays) >= MAX_RELAYS:
+                self.counters["foreign"] += 1  # not a node of this run
+                return
+            relay = self.relays[node] = _Relay(now, expected=batches)
+        relay.last_seen = now
+        if batches > relay.expected:
+            relay.lost = min(COUNTER_MAX, relay.lost + batches - relay.expected)
+        elif batches < relay.expected:  # the relay restarted: its numbering too
+            relay.dropped = 0
+        relay.expected = batches + 1
+        relay.batches = batches + 1
+        relay.dropped = max(relay.dropped, min(dropped, COUNTER_MAX))
+
+    def _relay_snapshots(self, now: float) -> tuple[RelaySnapshot, ...]:
+        """A relay is silent only while its node still has ranks to hear from: after its
+        ranks' goodbyes, its node's launcher stops it (and node 0 may still be running)."""
+        if not self.relays:
+            return ()
+        done: dict[int, int] = {}
+        for rs in self.ranks.values():
+            if rs.finished:
+                done[rs.ident.node] = done.get(rs.ident.node, 0) + 1
+        return tuple(
+            RelaySnapshot(node, 0.0 if done.get(node, 0) >= self.nproc_per_node
+                          else max(0.0, now - r.last_seen), r.batches, r.lost, r.dropped)
+            for node, r in sorted(self.relays.items()))
 
     def ingest(self, msg: Message, now: float) -> bool:
         """Apply one validated message. Returns False for a message from outside this run."""
@@ -496,7 +556,8 @@ class RunState:
             timeline=tuple(self.timeline), counters=dict(self.counters), hang=self.hang,
             hang_since=self.hang_since, parallel=self.parallel, checks=self.checks.merged(),
             batch_sizes=self.checks.batch_sizes(), framework=self.framework,
-            preflight_busbw=self.preflight_busbw, preflight=self.preflight)
+            preflight_busbw=self.preflight_busbw, preflight=self.preflight,
+            relays=self._relay_snapshots(mono_now))
 
     def _rank_snapshot(self, rank: int, mono_now: float,
                        whole: tuple[Quantiles | None, dict[str, Quantiles | None],

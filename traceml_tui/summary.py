@@ -116,7 +116,20 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
         "comm": _comm(snap),
         "preflight": snap.preflight,
         "collector": dict(snap.counters),
+        "relays": _relays(snap),
     }
+
+
+def _relays(snap: Snapshot) -> dict[str, Any] | None:
+    """The node relays (relay.py), when the run had any: which went silent, what they
+    lost. A silent relay's node reads as silent ranks; this says why."""
+    if not snap.relays:
+        return None
+    return {"nodes": [r.node for r in snap.relays],
+            "silent": [r.node for r in snap.relays if r.silent],
+            "batches": sum(r.batches for r in snap.relays),
+            "lost_batches": sum(r.lost_batches for r in snap.relays),
+            "dropped": sum(r.dropped for r in snap.relays)}
 
 
 def _comm(snap: Snapshot) -> dict[str, Any]:
@@ -250,6 +263,11 @@ def render_text(doc: dict[str, Any]) -> str:
     for why, ranks in off.items():
         lines.insert(-1, f"  Agent off on rank(s) {format_ranks(ranks)} (its steps after "
                          f"that are not counted): {why}")
+    silent = (doc.get("relays") or {}).get("silent")
+    if silent:
+        lines.insert(-1, f"  The relay of node(s) {format_ranks(silent)} stopped sending: "
+                         f"their ranks' figures end there, not their training (see "
+                         f"relay-node<N>.log in that node's run folder).")
     phases = doc["phases"]
     node = d.get("node")
     blamed = set(node["ranks"]) if node else {d["rank"]}

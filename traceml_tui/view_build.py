@@ -99,7 +99,8 @@ def build(snap: Snapshot, recent: Callable[[int], tuple[float, ...]] = lambda ra
         median_phase_ms=med_phases, worst=None,
         device="cuda" if any(x.startswith("cuda") for x in devices) else "cpu",
         finished=finished, exit_code=exit_code, node=d.node,
-        checks=tuple((f.id, f.severity, f.ranks, f.evidence, f.fix) for f in snap.checks))
+        checks=tuple((f.id, f.severity, f.ranks, f.evidence, f.fix) for f in snap.checks),
+        relays_silent=tuple(r.node for r in snap.relays if r.silent))
     worst_rank = d.rank if d.rank is not None else _slowest(rows)
     if worst_rank is None:
         return view

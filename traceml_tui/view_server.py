@@ -21,6 +21,7 @@ from traceml_agent.protocol import encode_capture_request
 
 from . import summary, view_build, view_state
 from .captures import DEFAULT_STEPS, CaptureBoard, capture_roles
+from .ingest_pump import Route
 from .state import RunState, Snapshot
 
 MAX_CAPTURE_RANKS = 64  # ranks one capture request may name (a pinned rank and a few more)
@@ -31,7 +32,7 @@ class ViewServer:
     with the collector's ingest; `send_to(route, frame)`: a request down a connection."""
 
     def __init__(self, sock: zmq.Socket, state: RunState, captures: CaptureBoard,
-                 routes: dict[int, bytes], send_to: Callable[[bytes, bytes], None]) -> None:
+                 routes: dict[int, Route], send_to: Callable[[Route, bytes], None]) -> None:
         self.sock = sock
         self.state = state
         self.captures = captures

@@ -97,6 +97,7 @@ class ViewState(Struct, frozen=True):
     node: int | None = None  # the diagnosis blames a whole node
     checks: tuple[CheckRow, ...] = ()  # most severe first
     capture: dict[str, Any] | None = None  # the latest deep trace (captures.py to_wire)
+    relays_silent: tuple[int, ...] = ()  # nodes whose relay stopped sending (relay.py)
 
     @property
     def reporting(self) -> int:

@@ -47,6 +47,9 @@ class StatusBar(Static):
         stale = state.stale
         if stale:
             text.append(f"  stale: {_ranks(stale)}", style="bold reverse")
+        if state.relays_silent:
+            text.append(f"  relay of node {_ranks(state.relays_silent)} silent",
+                        style="bold reverse")
         if view_note:
             text.append(f"  {view_note}", style="dim")
         if source_note:

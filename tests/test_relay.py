@@ -1,0 +1,137 @@
+"""Node relays (traceml_tui/relay.py): another node's ranks reach node 0's collector
+through one relay process on their node, with the run's keys on both legs.
+
+A real collector process and a real relay process (as `traceml run` starts them);
+the "ranks" are DEALER sockets sending protocol messages, so the test can also
+receive what the collector sends back to a rank through the relay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import zmq
+
+from jobs import wait_for
+from traceml_agent import keys, protocol
+from traceml_agent.protocol import PHASES, Identity
+from traceml_tui.relay import RelayProcess
+from traceml_tui.view_client import ViewClient
+
+SECRET = "ab" * 32
+
+
+def _messages(rank: int, node: int, steps: range, seq0: int = 0) -> list[bytes]:
+    ident = Identity(rank, 0, node, f"host{node}", 100 + rank, 2)
+    records = [[s, time.time(), 10.0, 1.0, None, 2.0, 3.0, 1.0, 1.0, 2.0] for s in steps]
+    out = [] if seq0 else [protocol.encode("hello", ident, 0, time.time(), run="relayed",
+                                           device="cpu", env={})]
+    return out + [protocol.encode("steps", ident, seq0 + 1, time.time(), phases=list(PHASES),
+                                  records=records, dropped=0)]
+
+
+def _rank_socket(ctx: zmq.Context, address: str, secret: str | None = SECRET) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    run_keys = keys.derive(secret or SECRET)
+    if secret is None:  # a forger: its own key pair, the server's public key
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.curve_serverkey = run_keys.server_public
+    else:
+        keys.secure_client(sock, run_keys)
+    sock.connect(address)
+    return sock
+
+
+@pytest.fixture
+def two_node_collector(tmp_path):
+    """A collector for 2 ranks on 2 nodes; rank 1's node has its relay."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "TRACEML_SECRET": SECRET}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceml_tui", "collector", "--run-dir", str(run_dir),
+         "--world-size", "2", "--nnodes", "2", "--nproc-per-node", "1", "--run-name",
+         "relayed"], env=env, stderr=subprocess.PIPE, text=True)
+    relay = None
+    try:
+        wait_for(lambda: (run_dir / "collector.json").exists(), 30, "the collector")
+        info = json.loads((run_dir / "collector.json").read_text())
+        os.environ["TRACEML_SECRET"] = SECRET
+        try:
+            relay = RelayProcess(info["ingest"], 1, SECRET, None, tmp_path / "relay.log")
+        finally:
+            os.environ.pop("TRACEML_SECRET")
+        viewer = ViewClient(info["view"], timeout_s=5, secret=SECRET)
+        yield info, relay, viewer, tmp_path / "relay.log"
+        viewer.close()
+    finally:
+        if relay is not None:
+            relay.stop()
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _steps(viewer: ViewClient) -> list[int]:
+    return [r["steps"] for r in viewer.summary()["ranks"]]
+
+
+def test_a_relayed_rank_is_seen_and_answered(two_node_collector):
+    info, relay, viewer, log = two_node_collector
+    ctx = zmq.Context()
+    try:
+        direct = _rank_socket(ctx, info["ingest"])
+        relayed = _rank_socket(ctx, relay.address)
+        forger = _rank_socket(ctx, relay.address, secret=None)
+        for frame in _messages(0, 0, range(30)):
+            direct.send(frame)
+        for frame in _messages(1, 1, range(40)):
+            relayed.send(frame)
+        for frame in _messages(1, 1, range(40, 500), seq0=5):  # turned away by the relay
+            forger.send(frame, zmq.NOBLOCK)
+        wait_for(lambda: _steps(viewer) == [30, 40], 20, "both ranks' steps")
+        doc = viewer.summary()
+        assert doc["relays"]["nodes"] == [1] and doc["relays"]["silent"] == []
+        assert doc["relays"]["lost_batches"] == 0 and doc["relays"]["dropped"] == 0
+        assert doc["collector"]["malformed"] == 0
+        assert doc["ranks"][1]["host"] == "host1"
+
+        # A deep-trace request for rank 1 goes back through the relay to its socket.
+        reply = viewer.capture(ranks=[1], steps=3)
+        assert reply["ok"] and 1 in reply["ranks"], reply
+        assert relayed.poll(10_000), "the capture request never reached the relayed rank"
+        request = relayed.recv()
+        assert protocol.decode_capture_request(request) == (reply["id"], 3)
+
+        # The relay keeps the rank's later messages flowing; the forger never got in.
+        for frame in _messages(1, 1, range(40, 60), seq0=2):
+            relayed.send(frame)
+        wait_for(lambda: _steps(viewer) == [30, 60], 20, "rank 1's later steps")
+    finally:
+        ctx.destroy(linger=0)
+    assert relay.stop() == 0
+    text = log.read_text()
+    assert "relay for node 1" in text and "dropped 0" in text, text
+
+
+def test_a_lost_relay_is_reported_while_its_node_has_ranks(two_node_collector):
+    info, relay, viewer, _ = two_node_collector
+    ctx = zmq.Context()
+    try:
+        relayed = _rank_socket(ctx, relay.address)
+        for frame in _messages(1, 1, range(10)):
+            relayed.send(frame)
+        wait_for(lambda: _steps(viewer)[1] == 10, 20, "rank 1's steps")
+        view, _ = viewer.fetch()
+        assert view.relays_silent == ()
+        relay.proc.kill()
+        relay.proc.wait()
+        wait_for(lambda: viewer.summary()["relays"]["silent"] == [1], 20,
+                 "the relay's silence to be seen")
+        wait_for(lambda: viewer.fetch()[0].relays_silent == (1,), 5, "the dashboard to say it")
+    finally:
+        ctx.destroy(linger=0)

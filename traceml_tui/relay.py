@@ -1,0 +1,314 @@
+"""A relay per node: the node's ranks send here, and one batch per tick goes to node 0.
+
+Without it, node 0's collector holds one encrypted connection per rank and takes one
+ZeroMQ message per rank every ~100 ms: at 16,384 ranks that is 16,384 CURVE sessions
+and ~160,000 messages a second through one process. With it, the `traceml run` of every
+other node starts this relay (`python -m traceml_tui.relay`), the node's ranks connect
+to it over loopback, and node 0 receives one message per node per tick, carrying that
+node's rank messages unchanged (protocol.RELAY_TAG). The collector still decodes and
+validates every rank message itself: a relay holds the same key as a rank, not more.
+
+The relay never slows the training: the ranks' sends are as non-blocking as before,
+its own queues are bounded (what does not fit is dropped and counted, and the count
+reaches the collector in the next header), and if the relay dies the ranks' messages
+queue in their own bounded sockets and are dropped there: the collector sees the
+node's ranks fall silent, as it would for a lost network, and says so.
+
+Requests from the collector to a rank (a deep-trace capture) come back the same way,
+addressed by the route number the header gave the rank's message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from traceml_agent import env, handover, keys
+from traceml_agent.protocol import (
+    MAX_MESSAGE_BYTES,
+    MAX_RELAY_BATCH,
+    RELAY_ROUTE,
+    RELAY_TAG,
+    RelayHeader,
+    encode_relay_header,
+)
+
+from . import private
+from .auth import start_authenticator
+
+TICK_S = 0.2  # one batch per tick: ~5 messages a second per node reach node 0
+KEEPALIVE_S = 1.0  # an empty batch at least this often: the collector sees the relay live
+BATCH_BYTES = 2 << 20  # per relay message (the collector queues 8 MiB per connection)
+PENDING_BYTES = 32 << 20  # held between ticks; past it rank messages are dropped, counted
+UPSTREAM_HWM = 64  # relay messages queued for node 0 (~13 s of ticks), then dropped
+LOCAL_HWM = 256  # per rank connection, messages queued in libzmq before we take them
+MAX_ROUTES = 4_096  # local connections remembered (a node runs a few dozen ranks at most)
+LINGER_MS = 1_000  # at exit, how long the last batch may take to leave
+PARENT_POLL_S = 1.0
+
+
+class Relay:
+    """One node's relay: a loopback ROUTER for its ranks, a DEALER to the collector.
+
+    Several can share a process and a context (benchmarks/soak.py runs hundreds); each
+    is driven by `serve()` or, for many at once, by `poll_sockets()` + `on_local()` /
+    `on_upstream()` / `tick()`.
+    """
+
+    def __init__(self, ctx: zmq.Context, upstream: str, node: int,
+                 run_keys: keys.CurveKeys | None, local_port: int = 0) -> None:
+        self.node = node
+        self.local = ctx.socket(zmq.ROUTER)
+        self.local.setsockopt(zmq.LINGER, 0)
+        self.local.setsockopt(zmq.RCVHWM, LOCAL_HWM)
+        self.local.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 1024)
+        self.up = ctx.socket(zmq.DEALER)
+        self.up.setsockopt(zmq.SNDHWM, UPSTREAM_HWM)
+        self.up.setsockopt(zmq.LINGER, LINGER_MS)
+        self.up.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 1024)
+        if run_keys is not None:
+            keys.secure_server(self.local, run_keys)
+            keys.secure_client(self.up, run_keys)
+        if local_port:
+            self.local.bind(f"tcp://127.0.0.1:{local_port}")
+        else:
+            local_port = self.local.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{local_port}"
+        self.up.connect(upstream)
+        self._route_of: dict[bytes, int] = {}
+        self._conn_of: dict[int, bytes] = {}
+        self._next_route = 0
+        self._routes: list[int] = []
+        self._payloads: list[Any] = []
+        self._pending_bytes = 0
+        self.batches = 0  # relay messages sent
+        self.forwarded = 0  # rank messages sent on
+        self.dropped = 0  # rank messages lost here (full queues)
+        self._last_sent = 0.0
+
+    # --- rank side ------------------------------------------------------------------
+
+    def _route(self, conn: bytes) -> int:
+        route = self._route_of.get(conn)
+        if route is None:
+            if len(self._route_of) >= MAX_ROUTES:  # bounded: forget the oldest half
+                for old in list(self._route_of)[: MAX_ROUTES // 2]:
+                    del self._conn_of[self._route_of.pop(old)]
+            route = self._next_route
+            self._next_route = (route + 1) & 0xFFFF_FFFF
+            self._route_of[conn] = route
+            self._conn_of[route] = conn
+        return route
+
+    def add(self, conn: bytes, payload: Any) -> None:
+        """One rank message (bytes or a zmq.Frame) for the next batch."""
+        size = len(payload.buffer) if isinstance(payload, zmq.Frame) else len(payload)
+        if self._pending_bytes + size > PENDING_BYTES:
+            self.dropped += 1
+            return
+        self._routes.append(self._route(conn))
+        self._payloads.append(payload)
+        self._pending_bytes += size
+
+    def on_local(self) -> None:
+        """Take what the ranks sent (zero-copy frames: forwarded as they came)."""
+        recv = self.local.recv_multipart
+        for _ in range(10_000):
+            try:
+                frames = recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) == 2:
+                self.add(frames[0].bytes, frames[1])
+
+    # --- collector side ---------------------------------------------------------------
+
+    def on_upstream(self) -> None:
+        """Requests from the collector to one of our ranks: [RELAY_TAG, route, request]."""
+        while True:
+            try:
+                frames = self.up.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or frames[0] != RELAY_TAG or len(frames[1]) != RELAY_ROUTE.size:
+                continue
+            conn = self._conn_of.get(RELAY_ROUTE.unpack(frames[1])[0])
+            if conn is None:
+                continue
+            try:
+                self.local.send_multipart([conn, frames[2]], zmq.NOBLOCK)
+            except zmq.ZMQError:  # the rank is gone or its queue is full: a lost request
+                pass
+
+    def tick(self, now: float) -> None:
+        """Send what is pending, in batches; an empty one now and then as a keepalive."""
+        if not self._payloads and now - self._last_sent < KEEPALIVE_S:
+            return
+        routes, payloads = self._routes, self._payloads
+        self._routes, self._payloads, self._pending_bytes = [], [], 0
+        start = 0
+        while True:
+            end, size = start, 0
+            while end < len(payloads) and end - start < MAX_RELAY_BATCH:
+                p = payloads[end]
+                size += len(p.buffer) if isinstance(p, zmq.Frame) else len(p)
+                if size > BATCH_BYTES and end > start:
+                    break
+                end += 1
+            header = RelayHeader(self.node, self.batches, self.dropped, routes[start:end])
+            try:
+                self.up.send_multipart([RELAY_TAG, encode_relay_header(header),
+                                        *payloads[start:end]], zmq.NOBLOCK, copy=False)
+                self.batches += 1
+                self.forwarded += end - start
+            except zmq.ZMQError:  # node 0 is slow or gone: this batch is lost, counted
+                self.dropped += end - start
+            start = end
+            if start >= len(payloads):
+                break
+        self._last_sent = now
+
+    def serve(self, stop: Callable[[], bool]) -> None:
+        poller = zmq.Poller()
+        poller.register(self.local, zmq.POLLIN)
+        poller.register(self.up, zmq.POLLIN)
+        next_tick = time.monotonic() + TICK_S
+        while not stop():
+            wait_ms = max(0, int((next_tick - time.monotonic()) * 1000))
+            events = dict(poller.poll(min(wait_ms, 100)))
+            if self.local in events:
+                self.on_local()
+            if self.up in events:
+                self.on_upstream()
+            now = time.monotonic()
+            if now >= next_tick:
+                self.tick(now)
+                next_tick = now + TICK_S
+        self.on_local()  # the ranks' last words (goodbyes) go out with the last batch
+        self.tick(float("inf"))
+
+    def close(self) -> None:
+        self.local.close()
+        self.up.close()  # lingers up to LINGER_MS for the last batch
+
+
+def reserve_port() -> int:
+    """A free loopback port, for a relay that binds only once it has the run's secret."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _secret(store: str | None, stopping: Callable[[], bool]) -> str | None:
+    """The run's secret: from the environment, else from torchrun's store (handover.py)."""
+    secret = keys.secret_from_env()
+    if secret or not store:
+        return secret
+    host, port = handover.parse_address(store)
+    fetched = handover.fetch(host, port, handover.SECRET_KEY, stopping)
+    return None if fetched is None else keys.check_secret(fetched)
+
+
+class RelayProcess:
+    """The launcher's handle on its node's relay (`traceml run` on a node other than 0)."""
+
+    def __init__(self, upstream: str, node: int, secret: str | None, secret_store: str | None,
+                 log_path: Any) -> None:
+        self.port = reserve_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "traceml_tui.relay", "--upstream", upstream,
+               "--node", str(node), "--port", str(self.port), "--parent-pid", str(os.getpid())]
+        if secret_store:
+            cmd += ["--secret-store", secret_store]
+        child_env = {k: v for k, v in os.environ.items() if k != env.SECRET}
+        if secret:  # in the environment, never on a command line others can read
+            child_env[env.SECRET] = secret
+        with private.open_private(log_path) as log:
+            # Its own session: the terminal's Ctrl-C reaches the launcher, which stops
+            # the relay only after the ranks' last messages went through it.
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                         env=child_env, start_new_session=True)
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        """Flush and stop; the exit code (None if it had to be killed)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                return None
+        return self.proc.returncode
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m traceml_tui.relay",
+                                description="Forward this node's ranks to the collector.")
+    p.add_argument("--upstream", required=True, help="the collector's ingest address")
+    p.add_argument("--node", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="the loopback port to listen on")
+    p.add_argument("--secret-store", default=None, metavar="HOST:PORT",
+                   help="where to fetch the run's secret if $TRACEML_SECRET is not set")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="the launcher's pid: when it is gone, flush and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    halt = threading.Event()
+
+    def stopping() -> bool:
+        if args.parent_pid and os.getppid() != args.parent_pid:
+            halt.set()
+        return halt.is_set()
+
+    signal.signal(signal.SIGTERM, lambda *_: halt.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher tells us when to stop
+    try:
+        secret = _secret(args.secret_store, stopping)
+    except (ValueError, keys.SecretError) as exc:
+        print(f"[traceml] relay: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if secret is None and not halt.is_set():
+        print(f"[traceml] relay: no run secret ({env.SECRET} or --secret-store)",
+              file=sys.stderr, flush=True)
+        return 2
+    if halt.is_set():
+        return 0
+    ctx = zmq.Context(io_threads=1)
+    run_keys = keys.derive(secret) if secret else None
+    auth = start_authenticator(ctx, run_keys) if run_keys is not None else None
+    try:
+        relay = Relay(ctx, args.upstream, args.node, run_keys, args.port)
+    except zmq.ZMQError as exc:
+        print(f"[traceml] relay: cannot listen on 127.0.0.1:{args.port}: {exc}",
+              file=sys.stderr, flush=True)
+        return 2
+    print(f"[traceml] relay for node {args.node}: {relay.address} -> {args.upstream}",
+          file=sys.stderr, flush=True)
+    try:
+        relay.serve(stopping)
+    finally:
+        relay.close()
+        if auth is not None:
+            auth.stop()
+        ctx.term()
+    print(f"[traceml] relay for node {args.node}: forwarded {relay.forwarded} messages in "
+          f"{relay.batches} batches, dropped {relay.dropped}", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
