@@ -435,38 +435,46 @@ def decode_capture_request(data: bytes) -> tuple[int, int]:
 
 
 # --- node relays (traceml_tui/relay.py) -------------------------------------------------
-# A relay forwards its node's ranks to the collector as one multipart message per tick:
-#   [RELAY_TAG, RelayHeader, payload_1, ..., payload_n]
-# where each payload is one rank message exactly as the rank sent it (the collector
-# decodes and validates it as if the rank had sent it directly) and header.routes[i]
-# names the local connection payload_i came from, so a request can go back to it:
+# A relay forwards its node's ranks to the collector as one two-frame message per tick,
+#   [RELAY_TAG, RelayBatch]
+# whose payloads are rank messages exactly as the ranks sent them (the collector decodes
+# and validates each as if its rank had sent it directly); routes[i] names the local
+# connection payloads[i] came from, so a request can go back to it:
 #   collector -> relay: [RELAY_TAG, route (4 bytes, big-endian), request]
+# One frame per batch, not one per rank message: the collector's receive thread then
+# pays per node and tick, not per rank message.
 RELAY_TAG = b"traceml-relay/1"
 RELAY_ROUTE = struct.Struct(">I")
 MAX_RELAY_BATCH = 4_096  # payloads per relay message
 MAX_RELAY_ROUTE = (1 << 32) - 1
+# A batch may be this large: any one valid rank message fits, with the batch's envelope.
+MAX_RELAY_BATCH_BYTES = MAX_MESSAGE_BYTES + (64 << 10)
 
 
-class RelayHeader(Struct, array_like=True, forbid_unknown_fields=True):
+class RelayBatch(Struct, array_like=True, forbid_unknown_fields=True):
     node: Annotated[int, Meta(ge=0, le=MAX_WORLD_SIZE)]
     batches: Count  # relay messages sent before this one: a gap is a lost batch
     dropped: Count  # rank messages the relay could not forward (its queues were full)
     routes: Annotated[list[Annotated[int, Meta(ge=0, le=MAX_RELAY_ROUTE)]],
                       Meta(max_length=MAX_RELAY_BATCH)]
+    payloads: Annotated[list[bytes], Meta(max_length=MAX_RELAY_BATCH)]
 
 
-_RELAY_DECODER = msgspec.msgpack.Decoder(RelayHeader)
+_RELAY_DECODER = msgspec.msgpack.Decoder(RelayBatch)
 
 
-def encode_relay_header(header: RelayHeader) -> bytes:
-    return _ENCODER.encode(header)
+def encode_relay_batch(batch: RelayBatch) -> bytes:
+    return _ENCODER.encode(batch)
 
 
-def decode_relay_header(data: bytes) -> RelayHeader:
-    """A relay message's header, or ProtocolError."""
-    if len(data) > 16 + 8 * MAX_RELAY_BATCH:
-        raise ProtocolError("relay header too long")
+def decode_relay_batch(data: bytes) -> RelayBatch:
+    """A relay's batch, or ProtocolError (its payloads are not decoded here)."""
+    if len(data) > MAX_RELAY_BATCH_BYTES:
+        raise ProtocolError("relay batch too large")
     try:
-        return _RELAY_DECODER.decode(data)
+        batch = _RELAY_DECODER.decode(data)
     except Exception as exc:
-        raise ProtocolError(f"bad relay header: {exc}"[:200]) from None
+        raise ProtocolError(f"bad relay batch: {exc}"[:200]) from None
+    if len(batch.routes) != len(batch.payloads):
+        raise ProtocolError("a relay batch needs one route per payload")
+    return batch

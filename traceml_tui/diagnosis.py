@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from math import isfinite
 from statistics import median
 from typing import TypeGuard
 
@@ -279,7 +280,7 @@ class Diagnosis:
 
 
 def _finite(value: float | None) -> TypeGuard[float]:
-    return value is not None and value == value and value not in (float("inf"), float("-inf"))
+    return value is not None and isfinite(value)
 
 
 def _group(timing: RankTiming, phases: Sequence[str]) -> float | None:

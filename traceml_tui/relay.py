@@ -39,8 +39,8 @@ from traceml_agent.protocol import (
     MAX_RELAY_BATCH,
     RELAY_ROUTE,
     RELAY_TAG,
-    RelayHeader,
-    encode_relay_header,
+    RelayBatch,
+    encode_relay_batch,
 )
 
 from . import private
@@ -48,7 +48,9 @@ from .auth import start_authenticator
 
 TICK_S = 0.2  # one batch per tick: ~5 messages a second per node reach node 0
 KEEPALIVE_S = 1.0  # an empty batch at least this often: the collector sees the relay live
-BATCH_BYTES = 2 << 20  # per relay message (the collector queues 8 MiB per connection)
+# Payload bytes per relay message: any valid rank message fits alone (a batch may carry
+# protocol.MAX_RELAY_BATCH_BYTES), and small ones share a batch up to this much.
+BATCH_BYTES = MAX_MESSAGE_BYTES
 PENDING_BYTES = 32 << 20  # held between ticks; past it rank messages are dropped, counted
 UPSTREAM_HWM = 64  # relay messages queued for node 0 (~13 s of ticks), then dropped
 LOCAL_HWM = 256  # per rank connection, messages queued in libzmq before we take them
@@ -75,7 +77,7 @@ class Relay:
         self.up = ctx.socket(zmq.DEALER)
         self.up.setsockopt(zmq.SNDHWM, UPSTREAM_HWM)
         self.up.setsockopt(zmq.LINGER, LINGER_MS)
-        self.up.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 1024)
+        self.up.setsockopt(zmq.MAXMSGSIZE, 1024)  # node 0 sends it only small requests
         if run_keys is not None:
             keys.secure_server(self.local, run_keys)
             keys.secure_client(self.up, run_keys)
@@ -89,7 +91,7 @@ class Relay:
         self._conn_of: dict[int, bytes] = {}
         self._next_route = 0
         self._routes: list[int] = []
-        self._payloads: list[Any] = []
+        self._payloads: list[bytes] = []
         self._pending_bytes = 0
         self.batches = 0  # relay messages sent
         self.forwarded = 0  # rank messages sent on
@@ -110,10 +112,10 @@ class Relay:
             self._conn_of[route] = conn
         return route
 
-    def add(self, conn: bytes, payload: Any) -> None:
-        """One rank message (bytes or a zmq.Frame) for the next batch."""
-        size = len(payload.buffer) if isinstance(payload, zmq.Frame) else len(payload)
-        if self._pending_bytes + size > PENDING_BYTES:
+    def add(self, conn: bytes, payload: bytes) -> None:
+        """One rank message for the next batch."""
+        size = len(payload)
+        if self._pending_bytes + size > PENDING_BYTES or size > MAX_MESSAGE_BYTES:
             self.dropped += 1
             return
         self._routes.append(self._route(conn))
@@ -121,15 +123,15 @@ class Relay:
         self._pending_bytes += size
 
     def on_local(self) -> None:
-        """Take what the ranks sent (zero-copy frames: forwarded as they came)."""
+        """Take what the ranks sent."""
         recv = self.local.recv_multipart
         for _ in range(10_000):
             try:
-                frames = recv(zmq.NOBLOCK, copy=False)
+                frames = recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if len(frames) == 2:
-                self.add(frames[0].bytes, frames[1])
+                self.add(frames[0], frames[1])
 
     # --- collector side ---------------------------------------------------------------
 
@@ -160,15 +162,14 @@ class Relay:
         while True:
             end, size = start, 0
             while end < len(payloads) and end - start < MAX_RELAY_BATCH:
-                p = payloads[end]
-                size += len(p.buffer) if isinstance(p, zmq.Frame) else len(p)
+                size += len(payloads[end])
                 if size > BATCH_BYTES and end > start:
                     break
                 end += 1
-            header = RelayHeader(self.node, self.batches, self.dropped, routes[start:end])
+            batch = RelayBatch(self.node, self.batches, self.dropped, routes[start:end],
+                               payloads[start:end])
             try:
-                self.up.send_multipart([RELAY_TAG, encode_relay_header(header),
-                                        *payloads[start:end]], zmq.NOBLOCK, copy=False)
+                self.up.send_multipart([RELAY_TAG, encode_relay_batch(batch)], zmq.NOBLOCK)
                 self.batches += 1
                 self.forwarded += end - start
             except zmq.ZMQError:  # node 0 is slow or gone: this batch is lost, counted

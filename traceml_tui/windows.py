@@ -226,13 +226,20 @@ class WindowBlock:
         p95 = np.full((k, s), np.nan)
         seen = np.zeros((k, s), dtype=np.int64)
         if width > 0:
-            steps = np.arange(width)
-            cols = (np.asarray(self.pos, dtype=np.int64)[r][:, None] - width
-                    + steps[None, :]) % self.size
-            inside = steps[None, :] >= (width - n)[:, None]  # the rank's own n newest
+            if last is None:
+                # The whole window: quantiles ignore order, so each row as it lies in
+                # its ring (a rank not yet round it has filled its first `n` slots).
+                steps = np.arange(self.size)
+                cols = None
+                inside = steps[None, :] < n[:, None]
+            else:
+                steps = np.arange(width)
+                cols = (np.asarray(self.pos, dtype=np.int64)[r][:, None] - width
+                        + steps[None, :]) % self.size
+                inside = steps[None, :] >= (width - n)[:, None]  # the rank's own n newest
             rows = r[:, None]
             for i, arr in enumerate(self.series):
-                data = arr[rows, cols]
+                data = arr[r] if cols is None else arr[rows, cols]
                 data[~inside] = np.nan
                 measured = ~np.isnan(data)
                 seen[:, i] = np.count_nonzero(measured, axis=1)
