@@ -28,6 +28,7 @@ Hangs (for traceml's hang detection):
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import sys
@@ -201,6 +202,11 @@ def main() -> None:
     # Leave together: a rank tearing gloo down while another still sends can abort
     # ("terminate called without an active exception") on this torch build.
     dist.barrier()
+    # Free what holds the process group first (a DDP or FSDP model does): else gloo's
+    # context outlives destroy_process_group and goes in the interpreter's own teardown,
+    # whose threads can abort the finished process (examples/mistakes/_common.close).
+    del model, opt, loader
+    gc.collect()
     dist.destroy_process_group()
 
 

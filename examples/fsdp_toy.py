@@ -11,6 +11,7 @@ backward, and that is where traceml reports it (docs/fsdp.md).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -76,6 +77,11 @@ def main() -> None:
         print(f"done: {args.steps} FSDP steps in {elapsed:.1f} s, scenario={args.scenario}, "
               f"world={world}, pid={os.getpid()}")
     dist.barrier()
+    # Free what holds the process group first (a DDP or FSDP model does): else gloo's
+    # context outlives destroy_process_group and goes in the interpreter's own teardown,
+    # whose threads can abort the finished process (examples/mistakes/_common.close).
+    del model, opt, loader
+    gc.collect()
     dist.destroy_process_group()
 
 

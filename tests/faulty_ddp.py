@@ -21,6 +21,7 @@ Faults it can inject:
 from __future__ import annotations
 
 import argparse
+import gc
 import signal
 import time
 from pathlib import Path
@@ -127,6 +128,11 @@ def main() -> None:
         print(f"done: {step} steps in {elapsed:.2f} s ({step / elapsed:.2f} steps/s)",
               flush=True)
     dist.barrier()  # leave together (see examples/ddp_toy.py)
+    # Free what holds the process group first (a DDP or FSDP model does): else gloo's
+    # context outlives destroy_process_group and goes in the interpreter's own teardown,
+    # whose threads can abort the finished process (examples/mistakes/_common.close).
+    del model, opt, loader
+    gc.collect()
     dist.destroy_process_group()
 
 

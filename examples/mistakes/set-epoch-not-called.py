@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from _common import STEPS, RandomData, finish, make_model, setup
+from _common import STEPS, RandomData, close, finish, make_model, setup
 from torch import nn, optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
@@ -35,3 +35,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from _common import RandomData, finish, make_model, setup, train
+from _common import RandomData, close, finish, make_model, setup, train
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
@@ -27,3 +27,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    close()
