@@ -27,8 +27,26 @@ from .checks import StepObserver
 from .recorder import MEASURED, Recorder
 from .sysmetrics import SystemSampler
 
-SEND_INTERVAL_S = 0.1  # at most ~10 step batches a second per rank
-SYS_INTERVAL_S = 1.0  # system samples and heartbeats
+SEND_INTERVAL_S = 0.1  # at most ~10 step batches a second per rank (up to 1,024 ranks)
+HEARTBEAT_INTERVAL_S = 1.0  # liveness and progress: a rank silent 5 s is gone (hang.py)
+SYS_INTERVAL_S = 1.0  # system samples (CPU, memory, GPU), up to 1,024 ranks
+# Past 1,024 ranks the job's ranks together would send node 0's collector more than it
+# can read (~33k messages a second on one core): step batches space out with the world
+# size (up to one a second, records batched) and system samples come every 5 s. The
+# training thread does not change; only how often this thread sends.
+SCALE_RANKS = 1024
+MAX_SEND_INTERVAL_S = 1.0
+LARGE_SYS_INTERVAL_S = 5.0
+
+
+def send_interval_s(world_size: int) -> float:
+    """Seconds between step batches for a rank of a job of this size."""
+    scaled = SEND_INTERVAL_S * world_size / SCALE_RANKS
+    return min(MAX_SEND_INTERVAL_S, max(SEND_INTERVAL_S, scaled))
+
+
+def sys_interval_s(world_size: int) -> float:
+    return SYS_INTERVAL_S if world_size <= SCALE_RANKS else LARGE_SYS_INTERVAL_S
 SEND_HWM = 2_000  # messages queued in ZeroMQ before sends drop (~3 min of batches)
 GOODBYE_LINGER_MS = 500  # at exit, how long queued messages may take to leave
 # A rank that closed no step for this long (and for STACK_STEPS of its last step times)
@@ -115,22 +133,31 @@ class Sender(threading.Thread):
         self._noblock = zmq.NOBLOCK
         self._sock = sock
         sampler = SystemSampler()
+        world = self.identity.world_size
+        interval, sys_every = send_interval_s(world), sys_interval_s(world)
+        # Wake often enough for heartbeats and capture requests even when step batches
+        # are spaced out; send steps only when their interval is due.
+        wake = min(interval, HEARTBEAT_INTERVAL_S / 4)
         try:
             self._send("hello", **self.hello)
-            next_sys = 0.0
-            while not self.stop_event.wait(SEND_INTERVAL_S):
-                self._send_steps()
+            next_steps = next_sys = next_beat = 0.0
+            while not self.stop_event.wait(wake):
+                now = time.monotonic()
+                if now >= next_steps:
+                    next_steps = now + interval
+                    self._send_steps()
                 self._send_checks()
                 self._serve_captures()
-                now = time.monotonic()
                 if now >= next_sys:
-                    next_sys = now + SYS_INTERVAL_S
+                    next_sys = now + sys_every
                     # The recorder learns the device on the training thread (device.py);
                     # NVML is opened then, with the CUDA_VISIBLE_DEVICES the script left.
                     index = getattr(self.rec, "device", None)
                     if index is not None and sampler.cuda_index != index:
                         sampler.open_gpu(index)
                     self._send("sys", **sampler.sample())
+                if now >= next_beat:
+                    next_beat = now + HEARTBEAT_INTERVAL_S
                     self._heartbeat()
             self._send_steps()
             self._send_checks()

@@ -11,9 +11,11 @@ hand their messages to their node's relay in-process (`Relay.add`) instead of ov
 relay's loopback socket, which would take one CURVE session per rank on this 2-core
 machine; in a real job that leg costs each node's CPU, not node 0's.
 
-Cadence, as the agents send: a steps message per step (at most 10 a second, batching
-records below 100 ms steps), plus a sys sample and a heartbeat every second; --step-ms
-sets the step time (default 1000 ms: jobs of thousands of GPUs step in seconds).
+Cadence, as the agents of a job this size send (agent/transport.py): a steps message
+per step, at most one per send interval (0.1 s up to 1,024 ranks, growing with the world
+to 1 s at 10,240; faster steps are batched), a heartbeat every second, a sys sample every
+second (every 5 s past 1,024 ranks); --step-ms sets the step time (default 1000 ms: jobs
+of thousands of GPUs step in seconds).
 
 Prints progress every 30 s; the last line is one JSON object: ranks, nodes, kept_up,
 collector_cpu_share (of one core), rss_mib_start (at minute 2, or a fifth into shorter
@@ -54,6 +56,7 @@ from collector_ingest import (  # noqa: E402 - the same simulated agent bytes
 
 from traceml_agent import keys, protocol  # noqa: E402
 from traceml_agent.protocol import PHASES, Identity  # noqa: E402
+from traceml_agent.transport import send_interval_s, sys_interval_s  # noqa: E402
 from traceml_tui.auth import start_authenticator  # noqa: E402
 from traceml_tui.relay import TICK_S, Relay  # noqa: E402
 from traceml_tui.windows import window_steps_for  # noqa: E402
@@ -83,8 +86,12 @@ def run_ranks(addr: str, world: int, per_node: int, step_ms: float, prefill: int
     pin(OTHER_CORES)
     nodes = math.ceil(world / per_node)
     rng, slow = random.Random(7), world // 3
-    rate = min(10.0, 1000.0 / step_ms)  # steps messages a second per rank
-    rpm = max(1, round(100.0 / step_ms)) if step_ms < 100 else 1
+    # The agents' own cadence at this world size (agent/transport.py): a step batch every
+    # `interval` (records of faster steps batched), a heartbeat a second, system samples
+    # every `sys_every`.
+    interval, sys_every = send_interval_s(world), sys_interval_s(world)
+    rate = min(1.0 / interval, 1000.0 / step_ms)  # steps messages a second per rank
+    rpm = max(1, round(interval * 1000.0 / step_ms))
     ids = [Identity(r, r % per_node, r // per_node, f"node{r // per_node:05d}", 100_000 + r,
                     world) for r in range(world)]
     tpl = [templates(i, rpm, rng, i.rank == slow) for i in ids]
@@ -119,7 +126,9 @@ def run_ranks(addr: str, world: int, per_node: int, step_ms: float, prefill: int
     pattern = [(0, k) for _ in range(max(1, round(rate))) for k in range(world)]
     if rate < 1:  # slower than a step a second: a steps message from 1 rank in 1/rate
         pattern = [(0, k) for k in range(world) if k % round(1 / rate) == 0]
-    pattern += [(1, k) for k in range(world)] + [(2, k) for k in range(world)]
+    sys_share = round(sys_every)  # a sys sample from one rank in `sys_share` each second
+    pattern += [(1, k) for k in range(world) if k % sys_share == 0]
+    pattern += [(2, k) for k in range(world)]
     rng.shuffle(pattern)
     per_s, total = len(pattern), int(len(pattern) * seconds)
     i, next_tick, behind = 0, start + TICK_S, 0.0

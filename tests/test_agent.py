@@ -91,6 +91,31 @@ def test_hello_heartbeat_and_goodbye_carry_identity_and_exit_code(collector):
     assert [m.seq for m in messages] == sorted(m.seq for m in messages)
 
 
+def test_a_rank_of_a_huge_job_sends_less_often_but_loses_nothing(collector, monkeypatch):
+    """At 16,384 ranks a rank batches its steps once a second and samples the system every
+    5 s (agent/transport.py), so that node 0 can read them all; heartbeats stay at 1 s."""
+    endpoint, receive_all = collector
+    monkeypatch.setenv("WORLD_SIZE", "16384")
+    traceml_agent.init(endpoint=endpoint)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t0 = time.monotonic()
+    steps = 0
+    while time.monotonic() - t0 < 3.5:  # steps of ~0.1 s
+        nn.functional.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 0, 1])
+                                    ).backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(0.1)
+        steps += 1
+    traceml_agent.shutdown(exit_code=0)
+    messages = receive_all()
+    count = {k: sum(1 for m in messages if m.kind == k) for k in ("steps", "sys", "heartbeat")}
+    assert count["steps"] <= 6, count  # one a second (+ the final flush); 10 a second before
+    assert count["sys"] == 1 and 3 <= count["heartbeat"] <= 5, count
+    assert [r.step for r in _records(messages)[1]] == list(range(steps))
+
+
 def test_a_missing_collector_costs_nothing_but_the_data():
     # Nothing listens on this port: sends queue up and are dropped, training goes on.
     assert traceml_agent.init(endpoint="tcp://127.0.0.1:9")
