@@ -56,9 +56,11 @@ from .view_server import ViewServer
 
 EVAL_INTERVAL_S = 0.5  # live diagnosis cadence: a change shows within ~1-2 s
 # With thousands of ranks one evaluation (diagnosis + the viewers' frozen state) costs
-# ~170 ms at 4,096 ranks: ticks are spaced at least this many times their cost apart,
-# so they never take more than a third of the collector's core from ingest.
-EVAL_BACKOFF = 3.0
+# ~170 ms at 4,096 ranks and ~0.9 s at 16,384: ticks are spaced at least this many times
+# their cost apart, so they never take more than a sixth of the collector's core from
+# ingest (the dashboard then refreshes every ~0.9 s at 4,096 ranks, ~5 s at 16,384;
+# every 0.5 s up to ~1,024).
+EVAL_BACKOFF = 5.0
 SNAPSHOT_INTERVAL_S = 2.0  # how much a crash of this process can lose, at most
 FINISH_GRACE_S = 3.0  # at the end, how long to wait for ranks' last batches
 # With several nodes, other nodes' ranks end on their own clock (their torchrun may still
