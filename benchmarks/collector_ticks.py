@@ -46,7 +46,7 @@ def main() -> None:
 
     def live_file() -> None:
         snap = state.snapshot(now, 0.0, full=True)
-        json.dumps(summary.build(snap, summary.RunMeta(complete=False)))
+        summary.to_json(summary.build(snap, summary.RunMeta(complete=False)))
 
     def view() -> None:
         view_state.encode_view(view_build.build(state.snapshot(now, 0.0), state.recent_steps))

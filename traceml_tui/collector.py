@@ -313,7 +313,7 @@ class Collector:
         try:
             snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
             doc = summary.build(snap, summary.RunMeta(complete=False))
-            private.write_atomic(self.run_dir / LIVE_SNAPSHOT_JSON, json.dumps(doc) + "\n")
+            private.write_atomic(self.run_dir / LIVE_SNAPSHOT_JSON, summary.to_json(doc))
         except OSError as exc:  # a full disk costs the snapshot, not the collector
             print(f"[traceml] collector: could not write snapshot: {exc}", file=sys.stderr)
 
