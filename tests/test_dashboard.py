@@ -198,6 +198,27 @@ async def test_many_ranks_open_in_node_view_and_n_drills_in(world):
         assert len([x for x in table.lines if hasattr(x, "rank")]) == world
 
 
+async def test_node_view_shows_each_nodes_worst_and_follows_the_filter():
+    """Node lines come from the collector's per-node rows (one computation for every
+    viewer); a filter makes the viewer aggregate just the ranks it keeps."""
+    state = make_state(world_size=16, nproc_per_node=4, steps=12, straggler=6)
+    app = DashboardApp(StaticSource(state), refresh_s=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        table = app.query_one(HeatTable)
+        await pilot.press("n")
+        view = table.state
+        assert [x.node for x in table.lines] == [0, 1, 2, 3] and view.node_rows
+        node1 = [r for r in view.rows if r.node == 1]
+        assert table.lines[1].ranks == 4
+        assert table.lines[1].worst.step_ms == max(r.step_ms for r in node1)
+        app.filter_text = "4-5"
+        app.redraw()
+        assert [(x.node, x.ranks) for x in table.lines] == [(1, 2)]
+        assert table.lines[0].worst.step_ms == max(r.step_ms for r in node1[:2])
+        assert table.render_line(0).text.split()[:3] == ["node", "1", "node001"]
+
+
 async def test_ctrl_c_stops_the_job_under_traceml_run_and_never_in_watch():
     stopped = []
     app = DashboardApp(StaticSource(make_state()), refresh_s=0.05,

@@ -29,6 +29,7 @@ from .view_state import (
     RankDetail,
     RankRow,
     ViewState,
+    node_rows,
 )
 from .windows import median
 
@@ -100,7 +101,8 @@ def build(snap: Snapshot, recent: Callable[[int], tuple[float, ...]] = lambda ra
         device="cuda" if any(x.startswith("cuda") for x in devices) else "cpu",
         finished=finished, exit_code=exit_code, node=d.node,
         checks=tuple((f.id, f.severity, f.ranks, f.evidence, f.fix) for f in snap.checks),
-        relays_silent=tuple(r.node for r in snap.relays if r.silent))
+        relays_silent=tuple(r.node for r in snap.relays if r.silent),
+        node_rows=node_rows(rows) if snap.nnodes > 1 else ())
     worst_rank = d.rank if d.rank is not None else _slowest(rows)
     if worst_rank is None:
         return view

@@ -98,6 +98,9 @@ class ViewState(Struct, frozen=True):
     checks: tuple[CheckRow, ...] = ()  # most severe first
     capture: dict[str, Any] | None = None  # the latest deep trace (captures.py to_wire)
     relays_silent: tuple[int, ...] = ()  # nodes whose relay stopped sending (relay.py)
+    # Node view: per node, (its rank count, the worst of its ranks in every column as one
+    # pseudo-row), built once per tick by the collector for every viewer (node_rows).
+    node_rows: tuple[tuple[int, RankRow], ...] = ()
 
     @property
     def reporting(self) -> int:
@@ -114,6 +117,31 @@ class ViewState(Struct, frozen=True):
     @property
     def stale(self) -> tuple[int, ...]:
         return tuple(r.rank for r in self.rows if r.status == STALE)
+
+
+def _worst(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return max(vals) if vals else None
+
+
+def node_rows(rows: tuple[RankRow, ...] | list[RankRow]) -> tuple[tuple[int, RankRow], ...]:
+    """One pseudo-row per node, in node order: its worst rank's value in every column,
+    its first rank and host, its fewest steps, and its most alarming status."""
+    by_node: dict[int, list[RankRow]] = {}
+    for r in rows:
+        by_node.setdefault(r.node, []).append(r)
+    out = []
+    for node, members in sorted(by_node.items()):
+        phases = tuple(_worst([m.phase_ms[i] for m in members]) for i in range(len(VIEW_PHASES)))
+        statuses = {m.status for m in members}
+        status = next((s for s in (FAILED, STALE, WAITING) if s in statuses), OK)
+        pseudo = RankRow(members[0].rank, node, members[0].host, min(m.steps for m in members),
+                         _worst([m.step_ms for m in members]), phases,
+                         _worst([m.cpu_pct for m in members]), _worst([m.rss_mb for m in members]),
+                         _worst([m.gpu_util for m in members]),
+                         _worst([m.gpu_mem_mb for m in members]), None, status)
+        out.append((len(members), pseudo))
+    return tuple(out)
 
 
 _ENCODER = msgspec.msgpack.Encoder()

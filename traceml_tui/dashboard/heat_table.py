@@ -18,7 +18,16 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from ..view_state import FAILED, OK, STALE, STOPPED, VIEW_PHASES, WAITING, RankRow, ViewState
+from ..view_state import (
+    FAILED,
+    STALE,
+    STOPPED,
+    VIEW_PHASES,
+    WAITING,
+    RankRow,
+    ViewState,
+    node_rows,
+)
 from .cells import heat, ms
 
 SHORT = {"dataloader": "data", "h2d": "h2d", "forward": "fwd", "backward": "bwd",
@@ -73,25 +82,10 @@ def matches(row: RankRow, text: str) -> bool:
     return text == row.status or text in row.host
 
 
-def node_lines(rows: list[RankRow]) -> list[NodeLine]:
-    by_node: dict[int, list[RankRow]] = {}
-    for r in rows:
-        by_node.setdefault(r.node, []).append(r)
-    out = []
-    for node, members in sorted(by_node.items()):
-        def worst(values: list[float | None]) -> float | None:
-            vals = [v for v in values if v is not None]
-            return max(vals) if vals else None
-        phases = tuple(worst([m.phase_ms[i] for m in members]) for i in range(len(VIEW_PHASES)))
-        statuses = {m.status for m in members}
-        status = next((s for s in (FAILED, STALE, WAITING) if s in statuses), OK)
-        pseudo = RankRow(members[0].rank, node, members[0].host, min(m.steps for m in members),
-                         worst([m.step_ms for m in members]), phases,
-                         worst([m.cpu_pct for m in members]), worst([m.rss_mb for m in members]),
-                         worst([m.gpu_util for m in members]),
-                         worst([m.gpu_mem_mb for m in members]), None, status)
-        out.append(NodeLine(node, members[0].host, len(members), pseudo))
-    return out
+def node_lines(state: ViewState, rows: list[RankRow], filtered: bool) -> list[NodeLine]:
+    """Node view: the collector's per-node rows, or this viewer's own over a filter."""
+    nodes = state.node_rows if state.node_rows and not filtered else node_rows(rows)
+    return [NodeLine(row.node, row.host, count, row) for count, row in nodes]
 
 
 class HeatTable(ScrollView, can_focus=True):
@@ -154,7 +148,7 @@ class HeatTable(ScrollView, can_focus=True):
         rows = [r for r in state.rows if matches(r, filter_text)]
         lines: list[Line] = []
         if nodes_only:
-            lines.extend(node_lines(rows))
+            lines.extend(node_lines(state, rows, bool(filter_text.strip())))
         else:
             groups: dict[int, list[RankRow]] = {}
             for r in rows:
