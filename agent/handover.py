@@ -55,6 +55,16 @@ def publish(host: str, port: int, values: dict[str, str], until: Callable[[], bo
     return False
 
 
+def fetch_secret(address: str, until: Callable[[], bool]) -> str | None:
+    """The run's secret from the store at 'host:port', checked; None once `until()` says
+    to give up. Raises ValueError (a bad address) or keys.SecretError (a bad secret)."""
+    from . import keys
+
+    host, port = parse_address(address)
+    fetched = fetch(host, port, SECRET_KEY, until)
+    return None if fetched is None else keys.check_secret(fetched)
+
+
 def fetch(host: str, port: int, key: str, until: Callable[[], bool]) -> str | None:
     """Read `key` from torchrun's store, waiting for it to be written; None once
     `until()` says to give up."""

@@ -105,10 +105,8 @@ class Sender(threading.Thread):
             # Another node's launcher holds the secret: wait for it here, never on the
             # training thread (its steps queue meanwhile).
             try:
-                host, port = handover.parse_address(self.secret_store)
-                fetched = handover.fetch(host, port, handover.SECRET_KEY,
-                                         self.stop_event.is_set)
-                self.secret = None if fetched is None else keys.check_secret(fetched)
+                self.secret = handover.fetch_secret(self.secret_store,
+                                                    self.stop_event.is_set)
             except (ValueError, keys.SecretError) as exc:
                 print(f"[traceml] agent: {exc}; not reporting", file=sys.stderr)
                 return

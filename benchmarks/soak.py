@@ -29,6 +29,7 @@ import json
 import math
 import multiprocessing as mp
 import random
+import resource
 import shutil
 import statistics
 import sys
@@ -182,10 +183,9 @@ def main() -> None:
     pin(OTHER_CORES)
     nodes = math.ceil(a.ranks / a.ranks_per_node)
     need_fds = 8 * nodes + 1024
-    soft, hard = __import__("resource").getrlimit(__import__("resource").RLIMIT_NOFILE)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < need_fds:
-        __import__("resource").setrlimit(__import__("resource").RLIMIT_NOFILE,
-                                         (min(hard, need_fds), hard))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, need_fds), hard))
     ctx, run_dir = mp.get_context("spawn"), tempfile.mkdtemp(prefix="traceml-soak-")
     prefill = window_steps_for(a.ranks)
     print(f"soak: {a.ranks} ranks on {nodes} nodes ({a.ranks_per_node} per node, one relay "

@@ -17,7 +17,7 @@ import time
 import pytest
 import zmq
 
-from jobs import wait_for
+from jobs import free_ports, wait_for
 from traceml_agent import keys, protocol
 from traceml_agent.protocol import PHASES, Identity
 from traceml_tui.relay import RelayProcess
@@ -61,11 +61,8 @@ def two_node_collector(tmp_path):
     try:
         wait_for(lambda: (run_dir / "collector.json").exists(), 30, "the collector")
         info = json.loads((run_dir / "collector.json").read_text())
-        os.environ["TRACEML_SECRET"] = SECRET
-        try:
-            relay = RelayProcess(info["ingest"], 1, SECRET, None, tmp_path / "relay.log")
-        finally:
-            os.environ.pop("TRACEML_SECRET")
+        relay = RelayProcess(info["ingest"], 1, free_ports(1), SECRET, None,
+                             tmp_path / "relay.log")
         viewer = ViewClient(info["view"], timeout_s=5, secret=SECRET)
         yield info, relay, viewer, tmp_path / "relay.log"
         viewer.close()

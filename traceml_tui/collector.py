@@ -38,7 +38,6 @@ import zmq
 from traceml_agent import keys
 from traceml_agent.protocol import (
     MAX_RELAY_BATCH_BYTES,
-    RELAY_ROUTE,
     RELAY_TAG,
     ProtocolError,
     decode,
@@ -275,7 +274,7 @@ class Collector:
 
     def _receive(self, frames: list[bytes], mono: float) -> None:
         if len(frames) == 2:
-            self._receive_one((frames[0],), frames[1], mono)
+            self._receive_one((frames[0], None), frames[1], mono)
         elif len(frames) == 3 and frames[1] == RELAY_TAG:
             self._receive_relayed(frames, mono)
         else:
@@ -289,9 +288,9 @@ class Collector:
             self.state.count_malformed()
             return
         self.state.relay_seen(batch.node, batch.batches, batch.dropped, mono)
-        conn, pack = frames[0], RELAY_ROUTE.pack
+        conn = frames[0]
         for route, payload in zip(batch.routes, batch.payloads, strict=True):
-            self._receive_one((conn, pack(route)), payload, mono)
+            self._receive_one((conn, route), payload, mono)
 
     def _receive_one(self, route: Route, payload: bytes, mono: float) -> None:
         try:

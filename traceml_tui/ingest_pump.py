@@ -30,11 +30,11 @@ from collections import deque
 
 import zmq
 
-from traceml_agent.protocol import RELAY_TAG
+from traceml_agent.protocol import RELAY_ROUTE, RELAY_TAG
 
-# Where a request to a rank goes: (its connection,) when it sent directly, or (its
-# node relay's connection, the rank's route number at that relay) (relay.py).
-Route = tuple[bytes, ...]
+# Where a request to a rank goes: its connection, and its route number at that
+# connection's node relay (relay.py), or None when it sent directly.
+Route = tuple[bytes, int | None]
 
 BACKLOG_BYTES = 256 << 20  # all peers together
 PEER_BYTES = 8 << 20  # one peer's queue; a rank's normal backlog is a few KiB
@@ -174,10 +174,11 @@ class IngestPump(threading.Thread):
 
     def send(self, route: Route, payload: bytes) -> None:
         """A request to the rank behind `route`, sent by the pump's thread."""
-        if len(route) == 1:
-            self.wake.send_multipart([route[0], payload])
+        conn, relayed = route
+        if relayed is None:
+            self.wake.send_multipart([conn, payload])
         else:
-            self.wake.send_multipart([route[0], RELAY_TAG, route[1], payload])
+            self.wake.send_multipart([conn, RELAY_TAG, RELAY_ROUTE.pack(relayed), payload])
 
     def stop(self) -> None:
         self._halt.set()

@@ -100,6 +100,11 @@ class RunOptions:
         return f"{stem}-node{self.node_rank}{suffix}" if self.multinode else f"{stem}{suffix}"
 
 
+def _secret_store(opts: RunOptions, port: int) -> str:
+    """Where another node's processes read node 0's secret: torchrun's store."""
+    return f"{opts.master_addr}:{port}"
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -582,8 +587,8 @@ def _connect(opts: RunOptions, run_dir: Path, name: str, started_at: float, port
     if opts.relay:
         from .relay import RelayProcess
 
-        node.relay = RelayProcess(node.ingest, opts.node_rank, secret,
-                                  None if secret else f"{opts.master_addr}:{port}",
+        node.relay = RelayProcess(node.ingest, opts.node_rank, _free_port(), secret,
+                                  None if secret else _secret_store(opts, port),
                                   run_dir / opts.node_file(Path(RELAY_LOG).stem, ".log"))
     return node
 
@@ -645,7 +650,7 @@ def run(opts: RunOptions) -> int:
         child_env[env.SECRET] = node.secret
     else:  # the agents read it from torchrun's store: nobody waits for it
         child_env.pop(env.SECRET, None)
-        child_env[env.SECRET_STORE] = f"{opts.master_addr}:{port}"
+        child_env[env.SECRET_STORE] = _secret_store(opts, port)
         print(f"[traceml] node {opts.node_rank}: no shared run folder or {env.SECRET}; the "
               f"run's secret comes from node 0 through torchrun's store (docs/security.md)",
               file=sys.stderr, flush=True)

@@ -10,12 +10,12 @@ validates every rank message itself: a relay holds the same key as a rank, not m
 
 The relay never slows the training: the ranks' sends are as non-blocking as before,
 its own queues are bounded (what does not fit is dropped and counted, and the count
-reaches the collector in the next header), and if the relay dies the ranks' messages
+reaches the collector in the next batch), and if the relay dies the ranks' messages
 queue in their own bounded sockets and are dropped there: the collector sees the
 node's ranks fall silent, as it would for a lost network, and says so.
 
 Requests from the collector to a rank (a deep-trace capture) come back the same way,
-addressed by the route number the header gave the rank's message.
+addressed by the route number the batch gave the rank's message.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -56,15 +55,13 @@ UPSTREAM_HWM = 64  # relay messages queued for node 0 (~13 s of ticks), then dro
 LOCAL_HWM = 256  # per rank connection, messages queued in libzmq before we take them
 MAX_ROUTES = 4_096  # local connections remembered (a node runs a few dozen ranks at most)
 LINGER_MS = 1_000  # at exit, how long the last batch may take to leave
-PARENT_POLL_S = 1.0
 
 
 class Relay:
     """One node's relay: a loopback ROUTER for its ranks, a DEALER to the collector.
 
-    Several can share a process and a context (benchmarks/soak.py runs hundreds); each
-    is driven by `serve()` or, for many at once, by `poll_sockets()` + `on_local()` /
-    `on_upstream()` / `tick()`.
+    Several can share a process and a context (benchmarks/soak.py runs thousands, fed
+    through `add()` and sent by `tick()`); the relay process drives one with `serve()`.
     """
 
     def __init__(self, ctx: zmq.Context, upstream: str, node: int,
@@ -203,30 +200,23 @@ class Relay:
         self.up.close()  # lingers up to LINGER_MS for the last batch
 
 
-def reserve_port() -> int:
-    """A free loopback port, for a relay that binds only once it has the run's secret."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _secret(store: str | None, stopping: Callable[[], bool]) -> str | None:
     """The run's secret: from the environment, else from torchrun's store (handover.py)."""
     secret = keys.secret_from_env()
     if secret or not store:
         return secret
-    host, port = handover.parse_address(store)
-    fetched = handover.fetch(host, port, handover.SECRET_KEY, stopping)
-    return None if fetched is None else keys.check_secret(fetched)
+    return handover.fetch_secret(store, stopping)
 
 
 class RelayProcess:
     """The launcher's handle on its node's relay (`traceml run` on a node other than 0)."""
 
-    def __init__(self, upstream: str, node: int, secret: str | None, secret_store: str | None,
-                 log_path: Any) -> None:
-        self.port = reserve_port()
-        self.address = f"tcp://127.0.0.1:{self.port}"
+    def __init__(self, upstream: str, node: int, port: int, secret: str | None,
+                 secret_store: str | None, log_path: Any) -> None:
+        """`port`: a free loopback port; the relay binds it once it has the run's secret,
+        and the ranks are told it before that."""
+        self.port = port
+        self.address = f"tcp://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "traceml_tui.relay", "--upstream", upstream,
                "--node", str(node), "--port", str(self.port), "--parent-pid", str(os.getpid())]
         if secret_store:

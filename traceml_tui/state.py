@@ -118,8 +118,7 @@ class RelaySnapshot:
 @dataclass(slots=True)
 class _Relay:
     last_seen: float
-    batches: int = 0
-    expected: int = 0
+    batches: int = 0  # the next batch number expected (= batches it has sent)
     lost: int = 0
     dropped: int = 0
 
@@ -239,13 +238,12 @@ class RunState:
             if node >= max(self.nnodes, 1) or len(self.relays) >= MAX_RELAYS:
                 self.counters["foreign"] += 1  # not a node of this run
                 return
-            relay = self.relays[node] = _Relay(now, expected=batches)
+            relay = self.relays[node] = _Relay(now, batches)
         relay.last_seen = now
-        if batches > relay.expected:
-            relay.lost = min(COUNTER_MAX, relay.lost + batches - relay.expected)
-        elif batches < relay.expected:  # the relay restarted: its numbering too
+        if batches > relay.batches:
+            relay.lost = min(COUNTER_MAX, relay.lost + batches - relay.batches)
+        elif batches < relay.batches:  # the relay restarted: its numbering too
             relay.dropped = 0
-        relay.expected = batches + 1
         relay.batches = batches + 1
         relay.dropped = max(relay.dropped, min(dropped, COUNTER_MAX))
 
