@@ -122,6 +122,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--compute-ms", type=float, default=0.0,
+                   help="every rank's forward first waits this long: accelerator compute, "
+                        "which (unlike this script's CPU math) does not compete for the "
+                        "cores the ranks of a CPU demo share")
     p.add_argument("--fail-rank", type=int, default=None, help="this rank exits with code 3")
     p.add_argument("--fail-at-step", type=int, default=10)
     p.add_argument("--hang-rank", type=int, default=None)
@@ -157,7 +161,7 @@ def main() -> None:
     # "compute-all": every rank's forward takes --delay-ms longer (a model whose compute
     # dwarfs its gradient allreduce: sync is then a modest share of the step).
     extra = (args.scenario == "forward" and me) or args.scenario == "compute-all"
-    model = DDP(Net(args.dim, delay if extra else 0.0))
+    model = DDP(Net(args.dim, (delay if extra else 0.0) + args.compute_ms / 1000.0))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     if args.scenario == "optimizer" and me:
         opt.register_step_pre_hook(lambda *a: time.sleep(delay))

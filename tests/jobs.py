@@ -144,6 +144,15 @@ def live_steps(run_dir: Path) -> int:
         return 0
 
 
+def live_ranks_steps(run_dir: Path) -> list[int]:
+    """Every rank's steps in the run's live snapshot (empty before it exists)."""
+    try:
+        doc = json.loads((run_dir / "live_snapshot.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [r["steps"] for r in doc["ranks"]]
+
+
 def wait_for(condition, timeout: float, what: str = "the job") -> None:
     deadline = time.monotonic() + timeout
     while not condition():

@@ -15,16 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import EXAMPLES, free_ports, spawn_traceml, validate_schema, wait_for
-
-
-def live_ranks_steps(run_dir: Path) -> list[int]:
-    """Every rank's steps in the run's live snapshot (empty before it exists)."""
-    try:
-        doc = json.loads((run_dir / "live_snapshot.json").read_text())
-    except (OSError, ValueError):
-        return []
-    return [r["steps"] for r in doc["ranks"]]
+from jobs import EXAMPLES, free_ports, live_ranks_steps, spawn_traceml, validate_schema, wait_for
 
 # A node whose partner never came waits for torchrun's rendezvous: fail well before that.
 NODE_TIMEOUT_S = 150

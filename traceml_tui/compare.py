@@ -91,7 +91,26 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         "verdict": verdict(mo["step_ms"], mn["step_ms"]),
         "noise_share": NOISE_SHARE,
         "scaling": scaling(old, new),
+        "prediction": prediction(old, new),
     }
+
+
+def prediction(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | None:
+    """How close OLD's what-if (the step it predicted without its culprit: cost.py) came
+    to the step NEW measured: for a run before a fix and the run after it."""
+    w = (old.get("cost") or {}).get("what_if")
+    # The what-if predicts the mean step (a stall every tenth step counts for a tenth);
+    # summaries before it had only the median.
+    measured = new["step_ms"].get("mean") or new["step_ms"].get("median")
+    if not w or not measured:
+        return None
+    same = (old["run"].get("world_size") or len(old["ranks"])) == (
+        new["run"].get("world_size") or len(new["ranks"]))
+    error = (w["step_ms"] - measured) / measured
+    return {"label": w["label"], "culprit": w["culprit"], "rank": w.get("rank"),
+            "node": w.get("node"), "phase": w.get("phase"),
+            "predicted_step_ms": w["step_ms"], "measured_step_ms": _r(measured),
+            "error": round(error, 4), "weak": w.get("weak"), "same_world": same}
 
 
 def _rate(doc: dict[str, Any]) -> tuple[float | None, float | None]:
@@ -171,6 +190,16 @@ def render(result: dict[str, Any]) -> str:
                "unchanged": f"within noise (±{NOISE_SHARE:.0%})",
                "unknown": "step time missing in one summary"}[v]
     lines.append(f"verdict: {v.upper()}: step time {explain}")
+    p = result.get("prediction")
+    if p:
+        who = (f"node {p['node']}" if p["culprit"] == "node" else
+               f"rank {p['rank']}" if p["culprit"] in ("rank", "stalls") else
+               f"{p['phase']} on every rank")
+        lines += ["", f"prediction: without {p['label']} ({who}) the old run predicted "
+                      f"{p['predicted_step_ms']:.2f} ms per step; the new run measured "
+                      f"{p['measured_step_ms']:.2f} ms ({p['error']:+.0%} off)"
+                  + ("" if p["same_world"] else "; the runs' world sizes differ")
+                  + (" [weak estimate]" if p["weak"] else "")]
     sc = result.get("scaling")
     if sc:
         expected = ("" if sc["expected"] is None else

@@ -16,8 +16,8 @@ from typing import Any
 from traceml_agent.checks import Finding
 from traceml_agent.protocol import PHASES, Identity, Message
 
+from . import cost, hang
 from . import diagnosis as dx
-from . import hang
 from .setup_checks import ChecksBoard
 from .windows import BlockStats, Quantiles, RankWindow, WindowBlock, median, window_steps_for
 
@@ -102,6 +102,12 @@ class RankSnapshot:
     agent_off: str | None = None  # why the agent turned its timing off on this rank
 
 
+def hours_unit(ranks: tuple[RankSnapshot, ...]) -> str:
+    """What a lost job-second costs per rank: "GPU"-hours when the ranks ran on GPUs, else
+    "rank"-hours (a CPU job)."""
+    return "GPU" if any(r.device.startswith("cuda") for r in ranks) else "rank"
+
+
 @dataclass(frozen=True, slots=True)
 class RelaySnapshot:
     node: int
@@ -146,6 +152,9 @@ class Snapshot:
     preflight_busbw: float | None = None  # GB/s, from `traceml run --preflight`
     preflight: dict[str, Any] | None = None  # its result (collector._read_preflight)
     relays: tuple[RelaySnapshot, ...] = ()  # the node relays heard from (relay.py)
+    what_if: cost.WhatIf | None = None  # the live label's, over the newest steps
+    final_what_if: cost.WhatIf | None = None  # the final diagnosis's, over the window
+    mean_step_ms: float | None = None  # the job's mean step over the window (full only)
 
     @property
     def reporting(self) -> int:
@@ -207,7 +216,10 @@ class RunState:
                          "duplicate_records": 0, "agent_dropped": 0, "rejected_peers": 0,
                          "restarts": 0, "absurd_steps": 0, "backlog_refused": 0}
         self.live: dx.LiveLabel | None = None
-        self._lost_mark = 0  # steps (summed over ranks) counted into episodes' lost time
+        # The newest step counted into the open episode's lost time (cost.py), and the
+        # live what-if of the label on display.
+        self._lost_mark = -1
+        self.what_if: cost.WhatIf | None = None
         # What `traceml run --preflight` measured; its largest all-reduce's bus bandwidth
         # (GB/s) is what COMM-BOUND's evidence compares against.
         self.preflight: dict[str, Any] | None = None
@@ -347,7 +359,7 @@ class RunState:
                 self.counters["absurd_steps"] += 1
                 continue
             if rec.step >= WARMUP_STEPS:
-                rs.window.append(rec.step_ms, msg.phases, rec.phase_ms)
+                rs.window.append(rec.step_ms, msg.phases, rec.phase_ms, rec.step)
                 live = rs.live
                 if (rs.stall_at_ms is not None and rec.step_ms >= rs.stall_at_ms
                         and live is not None and live.step_ms is not None):
@@ -487,28 +499,43 @@ class RunState:
         if before is None or shown.subject != before.subject:
             hang_since = self.hang_since if self.hang is not None else None
             self._new_episode(shown, now if hang_since is None else hang_since)
-        self._count_lost(shown, steps)
+        self._count_cost(shown)
         return shown
 
-    def _count_lost(self, shown: dx.Diagnosis, steps: int) -> None:
-        """Add the steps taken since the last evaluation, at the culprit's current gap,
-        to the open episode's lost time. `steps` is the sum over ranks: per job step,
-        one step of each rank."""
-        ranks = max(1, len(self.ranks))
-        taken = (steps - self._lost_mark) / ranks
-        self._lost_mark = steps
+    def _count_cost(self, shown: dx.Diagnosis) -> None:
+        """What the shown problem cost in the steps taken since the last evaluation (step
+        by step, cost.py), added to the open episode; and its live what-if over the newest
+        LIVE_STEPS steps. Steps that left the window uncounted (evaluation backed off
+        longer than a window) are counted at the mean of the counted ones."""
         last = self.timeline[-1] if self.timeline else None
-        if (last is None or last.end is not None or taken <= 0 or shown.gap_ms is None
-                or shown.label not in dx.STRAGGLER_LABELS):
+        if last is None or last.end is not None or shown.label not in cost.COSTED_LABELS:
+            self.what_if = None
             return
-        self.timeline[-1] = replace(last, lost_s=(last.lost_s or 0.0) + taken * shown.gap_ms
-                                    / 1000.0)
+        newest = max((rs.last_step for rs in self.ranks.values()), default=-1)
+        fresh = newest - self._lost_mark
+        data = self.block.aligned(list(self.ranks), min(self.window_steps,
+                                                        max(LIVE_STEPS, fresh)))
+        fsdp = self.parallel == "fsdp"
+        saved = None if data is None else cost.savings(shown, data, fsdp)
+        if data is None or saved is None:
+            self.what_if = None
+            return
+        self.what_if = cost.what_if(shown, data.tail(LIVE_STEPS), fsdp)
+        lost_ms, counted = saved.lost_ms_after(self._lost_mark)
+        end = int(saved.steps[-1])
+        missed = max(0, end - self._lost_mark - counted)
+        if counted:
+            lost_ms += missed * lost_ms / counted
+        self._lost_mark = max(self._lost_mark, end)
+        if lost_ms > 0:
+            self.timeline[-1] = replace(last, lost_s=(last.lost_s or 0.0) + lost_ms / 1000.0)
 
     def _new_episode(self, d: dx.Diagnosis, now: float) -> None:
         step = max((rs.steps for rs in self.ranks.values()), default=0)
         if self.timeline and self.timeline[-1].end is None:
             self.timeline[-1] = self.timeline[-1].closed(now, step)
         self.live_since = now
+        self._lost_mark = max((rs.last_step for rs in self.ranks.values()), default=-1)
         self.timeline.append(Episode(d.label, d.rank, d.phase, d.severity, now, None, step, None,
                                      d.summary, d.node))
 
@@ -546,16 +573,22 @@ class RunState:
                 whole[rs.ident.rank] = (step, phases, untimed)
         ranks = tuple(self._rank_snapshot(r, mono_now, whole.get(r))
                       for r in range(self.world_size))
+        final = self._full_diagnosis(ranks) if full else None
+        aligned = self.block.aligned(list(self.ranks), self.window_steps) if full else None
         return Snapshot(
             run_name=self.run_name, world_size=self.world_size, nnodes=self.nnodes,
             started_at=self.started_at, now=now, phases=tuple(self.phases), ranks=ranks,
             live=shown, live_since=self.live_since,
-            final=self._full_diagnosis(ranks) if full else None,
+            final=final,
             timeline=tuple(self.timeline), counters=dict(self.counters), hang=self.hang,
             hang_since=self.hang_since, parallel=self.parallel, checks=self.checks.merged(),
             batch_sizes=self.checks.batch_sizes(), framework=self.framework,
             preflight_busbw=self.preflight_busbw, preflight=self.preflight,
-            relays=self._relay_snapshots(mono_now))
+            relays=self._relay_snapshots(mono_now), what_if=self.what_if,
+            final_what_if=(None if final is None or aligned is None
+                           or final.label not in cost.COSTED_LABELS
+                           else cost.what_if(final, aligned, self.parallel == "fsdp")),
+            mean_step_ms=None if aligned is None else cost.job_step_ms(aligned))
 
     def _rank_snapshot(self, rank: int, mono_now: float,
                        whole: tuple[Quantiles | None, dict[str, Quantiles | None],

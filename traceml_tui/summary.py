@@ -20,7 +20,7 @@ from traceml_agent.vocab import SUMMARY_JSON, SUMMARY_TXT, format_ranks
 
 from . import diagnosis as dx
 from .private import write_atomic
-from .state import Episode, Snapshot
+from .state import Episode, Snapshot, hours_unit
 from .windows import median
 
 SCHEMA_VERSION = "1"
@@ -58,11 +58,34 @@ def _who(d: dict[str, Any]) -> str:
     return f"  rank {d['rank']}" if d["rank"] is not None else ""
 
 
-def _episode(e: Episode) -> dict[str, Any]:
+def _episode(e: Episode, duration_s: float, world: int) -> dict[str, Any]:
     return {"label": e.label, "rank": e.rank, "phase": e.phase, "severity": e.severity,
             "start": iso(e.start), "end": iso(e.end), "start_step": e.start_step,
             "end_step": e.end_step, "summary": e.summary, "node": e.node,
-            "lost_s": None if e.lost_s is None else round(e.lost_s, 3)}
+            **_lost(e.lost_s, duration_s, world)}
+
+
+def _lost(lost_s: float | None, duration_s: float, world: int) -> dict[str, Any]:
+    """Job seconds lost, as a share of the run and in device-hours (every rank idles for
+    them: seconds x world size / 3600)."""
+    if lost_s is None:
+        return {"lost_s": None, "lost_share": None, "gpu_hours_lost": None}
+    return {"lost_s": round(lost_s, 3),
+            "lost_share": round(lost_s / duration_s, 4) if duration_s > 0 else None,
+            "gpu_hours_lost": round(lost_s * world / 3600.0, 4)}
+
+
+def _cost(snap: Snapshot, diagnosis: dx.Diagnosis, duration_s: float) -> dict[str, Any]:
+    """What the run's problems cost (the episodes' lost time summed) and what the job
+    would do without the diagnosed one (cost.py; docs/diagnosis.md)."""
+    lost = [e.lost_s for e in snap.timeline if e.lost_s is not None]
+    what_if = (snap.final_what_if if diagnosis is snap.final else
+               snap.what_if if diagnosis is snap.live else None)
+    if what_if is not None and what_if.label != diagnosis.label:
+        what_if = None
+    return {**_lost(sum(lost) if lost else None, duration_s, snap.world_size),
+            "hours_unit": hours_unit(snap.ranks),
+            "what_if": None if what_if is None else what_if.to_json()}
 
 
 def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
@@ -73,6 +96,7 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
                     if r.reported and r.step_ms is not None]
     worst_rank, worst = (max(step_medians, key=lambda x: (x[1], -x[0]))
                          if step_medians else (None, None))
+    duration_s = (meta.ended_at or snap.now) - snap.started_at
     ranks = []
     for r in snap.ranks:
         rate = _throughput(r.step_ms.median if r.step_ms else None,
@@ -98,21 +122,23 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
         "run": {
             "name": snap.run_name, "world_size": snap.world_size, "nnodes": snap.nnodes,
             "started_at": iso(snap.started_at), "ended_at": iso(meta.ended_at or snap.now),
-            "duration_s": round((meta.ended_at or snap.now) - snap.started_at, 3),
+            "duration_s": round(duration_s, 3),
             "exit_code": meta.exit_code, "failed_rank": meta.failed_rank,
             "command": list(meta.command), "steps": snap.total_steps,
             "ranks_reporting": snap.reporting, "parallel": snap.parallel, **meta.extra,
         },
         "phases": list(snap.phases),
         "diagnosis": diagnosis.to_json(),
+        "cost": _cost(snap, diagnosis, duration_s),
         "checks": [f.to_wire() for f in snap.checks],
         "live_diagnosis": {**snap.live.to_json(), "since": iso(snap.live_since)},
         "step_ms": {"median": _round(median([m for _, m in step_medians])),
-                    "worst": _round(worst), "worst_rank": worst_rank},
+                    "worst": _round(worst), "worst_rank": worst_rank,
+                    "mean": _round(snap.mean_step_ms)},
         "ranks": ranks,
         "throughput": _job_throughput(ranks),
         "timing": _timing(snap),
-        "timeline": [_episode(e) for e in snap.timeline],
+        "timeline": [_episode(e, duration_s, snap.world_size) for e in snap.timeline],
         "hang": _hang(snap),
         "comm": _comm(snap),
         "preflight": snap.preflight,
@@ -242,6 +268,7 @@ def render_text(doc: dict[str, Any]) -> str:
         f"Diagnosis: {d['label']}" + _who(d)
         + (f"  phase {d['phase']}" if d["phase"] else "") + f"  [{d['severity']}]",
         f"  {d['summary']}",
+        *cost_lines(doc.get("cost")),
         "",
     ]
     pre = doc.get("preflight")
@@ -327,6 +354,26 @@ def render_text(doc: dict[str, Any]) -> str:
             lost = (f"  (cost the job {e['lost_s']:.1f} s)" if e.get("lost_s") else "")
             lines.append(f"  steps {e['start_step']:>6}{until:<7}  {e['label']}{who}{lost}")
     return "\n".join(lines) + "\n"
+
+
+def cost_lines(c: dict[str, Any] | None) -> list[str]:
+    """The cost section in words: what the problem takes from every step, what the run
+    lost to it, and the step the job would have without it."""
+    if not c:
+        return []
+    out = []
+    w = c.get("what_if")
+    if w:
+        out.append(f"  Cost: {w['saving_ms']:.1f} ms of every {w['now_step_ms']:.1f} ms step "
+                   f"({w['share']:.0%}). Without it: {w['step_ms']:.1f} ms per step, "
+                   f"{w['speedup']:.2f}x faster ({w['reasoning'].rstrip('.')}).")
+        if w.get("weak"):
+            out.append(f"  The estimate is weak: {w['weak']}.")
+    if c.get("lost_s"):
+        share = f", {c['lost_share']:.0%} of the run" if c.get("lost_share") is not None else ""
+        out.append(f"  The run lost {c['lost_s']:.1f} s to it{share}: "
+                   f"{c['gpu_hours_lost']:.3g} {c['hours_unit']}-hours.")
+    return out
 
 
 def _signal_name(signum: int) -> str:

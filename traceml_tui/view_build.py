@@ -12,7 +12,7 @@ from msgspec.structs import replace
 
 from traceml_agent.vocab import WAITING_PHASES
 
-from .state import RankSnapshot, Snapshot
+from .state import RankSnapshot, Snapshot, hours_unit
 from .view_state import (
     AGENT_OFF,
     DONE,
@@ -26,6 +26,7 @@ from .view_state import (
     STOPPED,
     VIEW_PHASES,
     WAITING,
+    CostView,
     RankDetail,
     RankRow,
     ViewState,
@@ -102,11 +103,25 @@ def build(snap: Snapshot, recent: Callable[[int], tuple[float, ...]] = lambda ra
         finished=finished, exit_code=exit_code, node=d.node,
         checks=tuple((f.id, f.severity, f.ranks, f.evidence, f.fix) for f in snap.checks),
         relays_silent=tuple(r.node for r in snap.relays if r.silent),
-        node_rows=node_rows(rows) if snap.nnodes > 1 else ())
+        node_rows=node_rows(rows) if snap.nnodes > 1 else (), cost=cost_view(snap))
     worst_rank = d.rank if d.rank is not None else _slowest(rows)
     if worst_rank is None:
         return view
     return replace(view, worst=detail(snap, worst_rank, view, recent(worst_rank)))
+
+
+def cost_view(snap: Snapshot) -> CostView | None:
+    """The live what-if of the label on display, with what its episodes cost so far."""
+    w, d = snap.what_if, snap.live
+    if w is None or w.label != d.label:
+        return None
+    lost = [e.lost_s for e in snap.timeline if e.lost_s is not None
+            and (e.label, e.rank, e.node) == (d.label, d.rank, d.node)]
+    lost_s = sum(lost) if lost else None
+    unit = hours_unit(snap.ranks)
+    return CostView(w.share, w.now_ms, w.step_ms, w.speedup, lost_s,
+                    None if lost_s is None else lost_s * snap.world_size / 3600.0, unit,
+                    w.weak, w.reasoning)
 
 
 def _slowest(rows: tuple[RankRow, ...]) -> int | None:

@@ -69,6 +69,21 @@ class RankDetail(Struct, frozen=True):
     stack: str | None = None  # the training thread's stack, sent by a rank that is stuck
 
 
+class CostView(Struct, frozen=True):
+    """What the problem on display costs the job and the step it would have without it
+    (the collector's cost model, cost.py), for the banner and the worst-rank panel."""
+
+    share: float  # of every step
+    now_ms: float  # the job's step now
+    step_ms: float  # without the culprit
+    speedup: float
+    lost_s: float | None  # job seconds it cost so far (its episodes of this run)
+    hours: float | None  # lost_s x world size / 3600
+    unit: str  # "GPU" or "rank" (a CPU job loses rank-hours)
+    weak: str | None  # why the estimate may be off
+    reasoning: str
+
+
 # A setup mistake found (agent/checks.py), merged across ranks:
 # (id, severity, ranks, evidence, fix).
 CheckRow = tuple[str, str, tuple[int, ...], str, str]
@@ -101,6 +116,7 @@ class ViewState(Struct, frozen=True):
     # Node view: per node, (its rank count, the worst of its ranks in every column as one
     # pseudo-row), built once per tick by the collector for every viewer (node_rows).
     node_rows: tuple[tuple[int, RankRow], ...] = ()
+    cost: CostView | None = None  # what the label on display costs (None: no culprit)
 
     @property
     def reporting(self) -> int:

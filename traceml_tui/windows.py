@@ -120,6 +120,22 @@ def _nan_quantiles(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return med, p95
 
 
+@dataclass(frozen=True, slots=True)
+class AlignedSteps:
+    """Some ranks' values over the same steps: (ranks, steps) arrays in ms, NaN where a
+    value was not measured (a phase absent from a step) or not received."""
+
+    ranks: np.ndarray  # (k,) rank numbers, one per row
+    steps: np.ndarray  # (n,) step numbers, one per column, oldest first
+    step_ms: np.ndarray
+    phase_ms: dict[str, np.ndarray]
+
+    def tail(self, n: int) -> AlignedSteps:
+        """The newest n steps."""
+        return AlignedSteps(self.ranks, self.steps[-n:], self.step_ms[:, -n:],
+                            {k: v[:, -n:] for k, v in self.phase_ms.items()})
+
+
 class WindowBlock:
     """The last `size` steps of every rank of a run: one (ranks, size) float array per
     series, NaN where a series was not measured. Rows are ring buffers that share one
@@ -143,6 +159,10 @@ class WindowBlock:
         self.known: list[set[str]] = [set() for _ in range(ranks)]  # phases each rank sent
         self.last_names: list[tuple[str, ...] | None] = [None] * ranks
         self.started = np.zeros(ranks, dtype=bool)
+        # The step number of every slot (-1: none), so that ranks' windows can be lined
+        # up step by step (`aligned`) even where a rank's agent dropped records.
+        self.step_no = np.full((ranks, size), -1, dtype=np.int64)
+        self.step_flat: Any = self.step_no.data.cast("B").cast("q")
         # For each tuple of phase names a batch carries: the series each name writes and
         # the series it leaves unmeasured (NaN). Rebuilt when the run gets a new series.
         self.plans: dict[tuple[str, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
@@ -164,6 +184,7 @@ class WindowBlock:
         for arr in self.series:
             arr[rank].fill(NAN)
         self.pos[rank] = self.count[rank] = 0
+        self.step_no[rank].fill(-1)
         self.known[rank] = set()
         self.last_names[rank] = None
         self.started[rank] = True
@@ -179,7 +200,7 @@ class WindowBlock:
         return cols, missing
 
     def append(self, rank: int, step_ms: float, phase_names: Sequence[str],
-               phase_ms: Sequence[float | None]) -> None:
+               phase_ms: Sequence[float | None], step: int = -1) -> None:
         if not self.started[rank]:
             self.reset(rank)
         names = phase_names if type(phase_names) is tuple else tuple(phase_names)
@@ -192,6 +213,7 @@ class WindowBlock:
         at = rank * self.size + pos
         flat = self.flat
         flat[0][at] = step_ms
+        self.step_flat[at] = step
         for col, value in zip(cols, phase_ms, strict=False):
             flat[col][at] = NAN if value is None else value
         for col in missing:  # a series this record did not carry: not measured
@@ -248,6 +270,36 @@ class WindowBlock:
                 med[:, i], p95[:, i] = _nan_quantiles(data)
         return BlockStats(n, dict(self.index), med, p95, seen)
 
+    def aligned(self, ranks: Sequence[int], last: int) -> AlignedSteps | None:
+        """The given ranks' values over the same steps: up to `last` of the newest steps
+        that all of them hold, for the cost model (cost.py), which compares ranks step by
+        step. Ranks more than half a window behind the median rank's newest step (ended,
+        stuck) are left out; a slot whose step number is not the one expected (records an
+        agent dropped) is NaN. None when no step is common to them."""
+        r = np.asarray([x for x in ranks if self.count[x] > 0], dtype=np.int64)
+        if len(r) == 0 or last <= 0:
+            return None
+        pos = np.asarray(self.pos, dtype=np.int64)[r]
+        count = np.asarray(self.count, dtype=np.int64)[r]
+        newest = self.step_no[r, (pos - 1) % self.size]
+        keep = newest >= np.median(newest) - self.size // 2
+        r, pos, count, newest = r[keep], pos[keep], count[keep], newest[keep]
+        end = int(newest.min())
+        behind = newest - end
+        n = int(min(last, int((count - behind).min())))
+        if n <= 0:
+            return None
+        cols = ((pos - 1 - behind)[:, None] - (n - 1) + np.arange(n)[None, :]) % self.size
+        steps = np.arange(end - n + 1, end + 1, dtype=np.int64)
+        rows = r[:, None]
+        wrong = self.step_no[rows, cols] != steps[None, :]
+        def take(arr: np.ndarray) -> np.ndarray:
+            out = arr[rows, cols]
+            out[wrong] = np.nan
+            return out
+        return AlignedSteps(r, steps, take(self.series[0]),
+                            {name: take(self.series[i]) for name, i in self.index.items()})
+
     def view(self, rank: int) -> RankWindow:
         return RankWindow(self, rank)
 
@@ -272,8 +324,8 @@ class RankWindow:
         return frozenset(self.block.known[self.rank])
 
     def append(self, step_ms: float, phase_names: Sequence[str],
-               phase_ms: Sequence[float | None]) -> None:
-        self.block.append(self.rank, step_ms, phase_names, phase_ms)
+               phase_ms: Sequence[float | None], step: int = -1) -> None:
+        self.block.append(self.rank, step_ms, phase_names, phase_ms, step)
 
     def last(self, name: str | None, n: int) -> list[float]:
         """A phase's newest n values, or with name None the step times."""

@@ -180,7 +180,7 @@ class DashboardApp(App[None]):
                    bool(self.nodes_only))
         worst_title = ("worst rank vs median" if state.rank is None
                        else f"{state.label.lower()}: rank {state.rank} vs median")
-        self.query_one("#worst", RankPanel).show(state.worst, worst_title)
+        self.query_one("#worst", RankPanel).show(state.worst, worst_title, state.cost)
         pinned = self.query_one("#pinned", RankPanel)
         pinned.display = self.pinned is not None
         if self.pinned is not None:

@@ -7,8 +7,23 @@ from textual.widgets import Static
 
 from traceml_agent.vocab import SEVERITIES
 
-from ..view_state import ViewState
+from ..view_state import CostView, ViewState
 from .cells import duration
+
+
+def cost_text(cost: CostView) -> str:
+    """The cost in one line: share of every step, what it cost so far, the what-if."""
+    parts = [f"costs {cost.share:.0%} of every step"]
+    if cost.hours is not None:
+        parts.append(f"{hours(cost.hours)} {cost.unit}-h so far")
+    approx = "~" if cost.weak else ""
+    parts.append(f"{approx}{cost.speedup:.1f}x faster without it "
+                 f"({cost.now_ms:.1f} -> {cost.step_ms:.1f} ms/step)")
+    return " · ".join(parts)
+
+
+def hours(h: float) -> str:
+    return f"{h:.1f}" if h >= 10 else f"{h:.2g}" if h >= 0.01 else f"{h:.1g}"
 
 
 class Banner(Static):
@@ -26,5 +41,7 @@ class Banner(Static):
         if state.finished:
             head.append(f"   run ended (exit code {state.exit_code})", style="bold")
         head.append("\n")
+        if state.cost is not None:
+            head.append(cost_text(state.cost) + "\n", style="bold")
         head.append(state.summary)
         self.update(head)

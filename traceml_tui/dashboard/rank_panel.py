@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
-from ..view_state import VIEW_PHASES, RankDetail
+from ..view_state import VIEW_PHASES, CostView, RankDetail
 from .cells import ms, sparkline
 
 SPARK_WIDTH = 40
@@ -22,7 +22,9 @@ class RankPanel(Static):
         super().__init__(**kwargs)
         self.title = title
 
-    def show(self, detail: RankDetail | None, title: str | None = None) -> None:
+    def show(self, detail: RankDetail | None, title: str | None = None,
+             cost: CostView | None = None) -> None:
+        """`cost`: the what-if of the problem this rank is the culprit of (worst panel)."""
         self.border_title = title or self.title
         if detail is None:
             self.update(Text("no rank to show yet", style="dim"))
@@ -46,6 +48,11 @@ class RankPanel(Static):
         caption = Text(f"{detail.host}  {detail.status}\n", style="dim")
         if spark:
             caption.append(f"recent steps {spark}")
+        if cost is not None:
+            caption.append(f"\nwithout it: {cost.step_ms:.1f} ms/step, {cost.speedup:.2f}x "
+                           f"faster. {cost.reasoning}", style="bold")
+            if cost.weak:
+                caption.append(f"\nweak estimate: {cost.weak}.", style="italic")
         if detail.error:
             caption.append("\n" + detail.error.strip().splitlines()[-1], style="bold red")
         if detail.stack:
