@@ -56,6 +56,12 @@ async def test_banner_and_worst_panel_show_what_the_state_says():
         worst = panel_text(app, "#worst")
         assert "rank 2" in worst and "dataloader" in worst and "30." in worst
         assert "ranks 8/8" in text_of(app.query_one(StatusBar))
+        # What it costs: the canned straggler adds 30 ms to a ~6 ms step.
+        cost_line = next(line for line in banner.splitlines() if "costs" in line)
+        assert "of every step" in cost_line and "faster without it" in cost_line, banner
+        share = int(cost_line.split("costs ")[1].split("%")[0])
+        assert 75 <= share <= 90, cost_line
+        assert "without it:" in " ".join(worst.split()) and "ms/step" in worst, worst
 
 
 async def test_pin_with_cursor_and_enter_then_unpin():

@@ -275,3 +275,29 @@ def test_step_zero_is_warm_up_and_never_judged():
     snap = state.snapshot(3.0, 3.0, full=True)
     assert snap.ranks[0].phase_ms["forward"].p95 == 30.0
     assert state.evaluate(3.0).label == dx.BALANCED
+
+
+def test_lost_time_counts_every_step_once_however_evaluations_are_spaced():
+    """Rank 2 stays 40 ms slow in its input. Whether evaluations come every step or after
+    more steps than a window holds (a collector backing off), the episode's lost time is
+    the steps taken since it opened times what rank 2 costs each (40 ms: the others wait
+    it all in sync), and the live what-if gives the step without it."""
+    state = RunState("run", world_size=4, window_steps=32)
+    _feed(state, 0, 2 * dx.MIN_STEPS, slow_dl=40.0)
+    t = _evaluate(state, 0.0)
+    assert state.live.shown.label == dx.INPUT_STRAGGLER
+    opened = max(rs.last_step for rs in state.ranks.values())
+    step = opened + 1
+    for n in (1, 5, 31, 100, 3, 250):  # 100 and 250: more than the window
+        _feed(state, step, n, slow_dl=40.0)
+        step += n
+        t += 1.0
+        state.evaluate(t)
+    episode = state.timeline[-1]
+    assert episode.label == dx.INPUT_STRAGGLER and episode.end is None
+    taken = step - 1 - opened
+    assert episode.lost_s == pytest.approx(taken * 0.040, rel=0.02)
+    w = state.what_if
+    assert w is not None and w.rank == 2
+    assert w.step_ms == pytest.approx(sum(BALANCED_MS), rel=0.02)
+    assert w.now_ms == pytest.approx(sum(BALANCED_MS) + 40.0, rel=0.02)
