@@ -48,6 +48,10 @@ from .windows import AlignedSteps
 # incomplete, warm-up) have no what-if.
 COSTED_LABELS = frozenset({INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER, INPUT_BOUND,
                            WAIT_HEAVY, PERIODIC_STALL})
+# Rank-steps the model reads at most per estimate: a what-if over 1,024 ranks' whole
+# 512-step windows took ~80 ms of the collector's one core, for a figure that 64 recent
+# steps give as well. Small jobs still read their whole window (128 ranks x 512 steps).
+VALUE_BUDGET = 65536
 # Steps the estimate needs before it is given: fewer and one slow step moves it.
 MIN_STEPS = 8
 # The estimate is weak when the others' measured wait covers less than this share of
@@ -113,10 +117,30 @@ class Savings:
     weak: str | None
     why: str  # the part of the reasoning that names the mechanism
 
+    def tail(self, n: int) -> Savings:
+        """The newest n steps."""
+        return Savings(self.steps[-n:], self.job_ms[-n:], self.saving_ms[-n:],
+                       self.excess_ms[-n:], None if self.paid_ms is None else self.paid_ms[-n:],
+                       self.culprit, self.weak, self.why)
+
     def lost_ms_after(self, step: int) -> tuple[float, int]:
         """What the culprit cost in the steps after `step`: (ms, steps counted)."""
         newer = self.steps > step
         return float(self.saving_ms[newer].sum()), int(newer.sum())
+
+
+def _median(x: np.ndarray) -> np.ndarray:
+    """Per step (column), the median over ranks of the measured values; NaN where none.
+    np.nanmedian falls back to a Python loop over columns when any value is NaN."""
+    if not np.isnan(x).any():
+        return np.median(x, axis=0)
+    ordered = np.sort(x, axis=0)  # NaN sorts last
+    n = np.count_nonzero(~np.isnan(x), axis=0)
+    cols = np.arange(x.shape[1])
+    lo, hi = np.maximum((n - 1) // 2, 0), np.maximum(n // 2, 0)
+    out = (ordered[lo, cols] + ordered[hi, cols]) / 2.0
+    out[n == 0] = np.nan
+    return out
 
 
 def _group(data: AlignedSteps, phases: Sequence[str]) -> np.ndarray | None:
@@ -125,9 +149,10 @@ def _group(data: AlignedSteps, phases: Sequence[str]) -> np.ndarray | None:
     arrays = [data.phase_ms[p] for p in phases if p in data.phase_ms]
     if not arrays:
         return None
-    stacked = np.stack(arrays)
-    total = np.nansum(stacked, axis=0)
-    total[np.all(np.isnan(stacked), axis=0) & np.isnan(data.step_ms)] = np.nan
+    total = np.zeros_like(data.step_ms)
+    for a in arrays:
+        total += np.nan_to_num(a)
+    total[np.isnan(data.step_ms)] = np.nan  # a step not received, not a step of no work
     return total
 
 
@@ -139,7 +164,7 @@ def savings(d: Diagnosis, data: AlignedSteps, fsdp: bool = False) -> Savings | N
     with warnings.catch_warnings():
         # numpy's nan-reductions warn on all-NaN slices: here those are simply no value.
         warnings.simplefilter("ignore", RuntimeWarning)
-        job = np.nanmedian(data.step_ms, axis=0)
+        job = _median(data.step_ms)
         if d.label in (INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER):
             out = _straggler(d, data, fsdp, job)
         elif d.label == INPUT_BOUND:
@@ -165,7 +190,14 @@ def savings(d: Diagnosis, data: AlignedSteps, fsdp: bool = False) -> Savings | N
 def what_if(d: Diagnosis, data: AlignedSteps, fsdp: bool = False) -> WhatIf | None:
     """The job's step without the culprit of `d`, averaged over the aligned steps."""
     s = savings(d, data, fsdp)
-    if s is None:
+    return None if s is None else summarize(d, s)
+
+
+def summarize(d: Diagnosis, s: Savings, last: int | None = None) -> WhatIf | None:
+    """The what-if from the per-step savings (of the newest `last` steps, or all)."""
+    if last is not None:
+        s = s.tail(last)
+    if len(s.steps) < MIN_STEPS:
         return None
     now = float(s.job_ms.mean())
     saving = float(s.saving_ms.mean())
@@ -173,14 +205,19 @@ def what_if(d: Diagnosis, data: AlignedSteps, fsdp: bool = False) -> WhatIf | No
         return None
     excess = float(s.excess_ms.mean())
     paid = None if s.paid_ms is None else float(s.paid_ms.mean())
-    after = now - saving
     text = s.why
     if paid is not None and s.culprit in ("rank", "node"):
         text += (f": its extra work on the critical path is {excess:.1f} ms per step and the "
                  f"other ranks wait {paid:.1f} ms more than it in sync")
     return WhatIf(d.label, s.culprit, d.rank if s.culprit in ("rank", "stalls") else None,
-                  d.node if s.culprit == "node" else None,
-                  d.phase, int(len(s.steps)), now, after, excess, paid, s.weak, text + ".")
+                  d.node if s.culprit == "node" else None, d.phase, int(len(s.steps)), now,
+                  now - saving, excess, paid, s.weak, text + ".")
+
+
+def steps_to_read(ranks: int, window: int, wanted: int) -> int:
+    """How many aligned steps to read for `wanted` of them: at most the window, and at
+    most VALUE_BUDGET values over all ranks (but never fewer than MIN_STEPS x 4)."""
+    return max(1, min(window, wanted, max(4 * MIN_STEPS, VALUE_BUDGET // max(1, ranks))))
 
 
 def job_step_ms(data: AlignedSteps) -> float | None:
@@ -191,7 +228,7 @@ def job_step_ms(data: AlignedSteps) -> float | None:
         return None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        per_step = np.nanmedian(data.step_ms, axis=0)
+        per_step = _median(data.step_ms)
     per_step = per_step[~np.isnan(per_step)]
     return float(per_step.mean()) if len(per_step) else None
 
@@ -218,7 +255,7 @@ def _straggler(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray
         return None
     # "The median rank" is the median of the other ranks: with half the ranks on a slow
     # node, the median of all of them sits halfway between the two groups.
-    median_gap = np.nanmedian(gap[~mask], axis=0)
+    median_gap = _median(gap[~mask])
     fixed = local[mask] - np.maximum(0.0, gap[mask] - median_gap)
     pace = np.nanmax(local, axis=0)
     pace_fixed = np.fmax(np.nanmax(local[~mask], axis=0), np.nanmax(fixed, axis=0))
@@ -239,7 +276,7 @@ def _straggler(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray
         # beyond the culprit's own is what they pay for it. Both are noisy measures of
         # one delay, so the check scales the steps' excess by the ratio of the totals
         # (a per-step minimum of two noisy figures would be biased low).
-        paid = np.maximum(0.0, np.nanmedian(sync[~mask], axis=0) - np.nanmin(sync[mask], axis=0))
+        paid = np.maximum(0.0, _median(sync[~mask]) - np.nanmin(sync[mask], axis=0))
         mean_excess, mean_paid = float(np.nanmean(excess)), float(np.nanmean(paid))
         if mean_excess > 0:
             saving = excess * min(1.0, mean_paid / mean_excess)
@@ -270,7 +307,7 @@ def _wait(data: AlignedSteps, job: np.ndarray) -> Savings | None:
     wait = data.phase_ms.get(WAIT)
     if wait is None:
         return None
-    saving = np.nanmedian(wait, axis=0)
+    saving = _median(wait)
     return Savings(data.steps, job, saving, saving, None, "phase",
                    "assumes that work can move off the critical path (an upper bound)",
                    "the time outside the timed phases taken off every step")

@@ -513,14 +513,14 @@ class RunState:
             return
         newest = max((rs.last_step for rs in self.ranks.values()), default=-1)
         fresh = newest - self._lost_mark
-        data = self.block.aligned(list(self.ranks), min(self.window_steps,
-                                                        max(LIVE_STEPS, fresh)))
+        data = self.block.aligned(list(self.ranks), cost.steps_to_read(
+            len(self.ranks), self.window_steps, max(LIVE_STEPS, fresh)))
         fsdp = self.parallel == "fsdp"
         saved = None if data is None else cost.savings(shown, data, fsdp)
         if data is None or saved is None:
             self.what_if = None
             return
-        self.what_if = cost.what_if(shown, data.tail(LIVE_STEPS), fsdp)
+        self.what_if = cost.summarize(shown, saved, LIVE_STEPS)
         lost_ms, counted = saved.lost_ms_after(self._lost_mark)
         end = int(saved.steps[-1])
         missed = max(0, end - self._lost_mark - counted)
@@ -574,7 +574,8 @@ class RunState:
         ranks = tuple(self._rank_snapshot(r, mono_now, whole.get(r))
                       for r in range(self.world_size))
         final = self._full_diagnosis(ranks) if full else None
-        aligned = self.block.aligned(list(self.ranks), self.window_steps) if full else None
+        aligned = (self.block.aligned(list(self.ranks), cost.steps_to_read(
+            len(self.ranks), self.window_steps, self.window_steps)) if full else None)
         return Snapshot(
             run_name=self.run_name, world_size=self.world_size, nnodes=self.nnodes,
             started_at=self.started_at, now=now, phases=tuple(self.phases), ranks=ranks,

@@ -291,11 +291,14 @@ class WindowBlock:
             return None
         cols = ((pos - 1 - behind)[:, None] - (n - 1) + np.arange(n)[None, :]) % self.size
         steps = np.arange(end - n + 1, end + 1, dtype=np.int64)
-        rows = r[:, None]
-        wrong = self.step_no[rows, cols] != steps[None, :]
+        flat = (r * self.size)[:, None] + cols  # one gather per series, in C
+        wrong = np.take(self.step_no, flat) != steps[None, :]
+        some_wrong = bool(wrong.any())
+
         def take(arr: np.ndarray) -> np.ndarray:
-            out = arr[rows, cols]
-            out[wrong] = np.nan
+            out = np.take(arr, flat)
+            if some_wrong:
+                out[wrong] = np.nan
             return out
         return AlignedSteps(r, steps, take(self.series[0]),
                             {name: take(self.series[i]) for name, i in self.index.items()})
