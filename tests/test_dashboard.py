@@ -68,11 +68,14 @@ async def test_pin_with_cursor_and_enter_then_unpin():
     app = DashboardApp(StaticSource(make_state()), refresh_s=0.05)
     async with app.run_test(size=SIZE) as pilot:
         await started(app, pilot)
-        await pilot.press("down", "down", "down", "down")  # past node 0's header: rank 3
+        table = app.query_one(HeatTable)
+        await pilot.press("down", "down", "down")  # the fourth line, in worst-first order
+        rank = table.cursor_rank
+        assert rank == table.lines[3].rank
         await pilot.press("enter")
-        await until(pilot, lambda: app.pinned == 3, "rank 3 was not pinned")
+        await until(pilot, lambda: app.pinned == rank, f"rank {rank} was not pinned")
         assert app.query_one("#pinned", RankPanel).display
-        assert "rank 3" in panel_text(app, "#pinned")
+        assert f"rank {rank}" in panel_text(app, "#pinned")
         await pilot.press("enter")  # the same rank again: unpin
         assert app.pinned is None
         assert not app.query_one("#pinned", RankPanel).display
@@ -107,6 +110,10 @@ async def test_sort_puts_the_slowest_rank_first():
     async with app.run_test(size=SIZE) as pilot:
         await started(app, pilot)
         table = app.query_one(HeatTable)
+        # Worst first by default: the straggler leads, marked.
+        assert "sort: worst" in text_of(app.query_one(StatusBar))
+        assert table.lines[0].rank == 1 and table.render_line(0).text.startswith("▶")
+        await pilot.press("s")
         assert [r.rank for r in table.lines] == [0, 1, 2, 3]
         for _ in range(4):  # rank -> step -> dataloader -> h2d -> forward
             await pilot.press("s")
@@ -199,7 +206,11 @@ async def test_many_ranks_open_in_node_view_and_n_drills_in(world):
     async with app.run_test(size=SIZE) as pilot:
         await started(app, pilot)
         table = app.query_one(HeatTable)
-        assert len(table.lines) == world // 4  # one line per node
+        # One line per node; the straggler's node (rank 2: node 0) leads, expanded.
+        nodes = [x for x in table.lines if not hasattr(x, "rank")]
+        assert len(nodes) == world // 4 and nodes[0].node == 0
+        assert [x.rank for x in table.lines[1:5]][0] == 2
+        assert sorted(x.rank for x in table.lines[1:5]) == [0, 1, 2, 3]
         await pilot.press("n")
         assert len([x for x in table.lines if hasattr(x, "rank")]) == world
 
@@ -214,15 +225,21 @@ async def test_node_view_shows_each_nodes_worst_and_follows_the_filter():
         table = app.query_one(HeatTable)
         await pilot.press("n")
         view = table.state
-        assert [x.node for x in table.lines] == [0, 1, 2, 3] and view.node_rows
+        # Worst first: the straggler's node 1 leads and shows its ranks, rank 6 first.
+        assert view.node_rows
+        assert [getattr(x, "node", None) for x in table.lines[:1]] == [1]
+        assert [x.rank for x in table.lines[1:5]][0] == 6
+        nodes = [x for x in table.lines if not hasattr(x, "rank")]
+        assert [x.node for x in nodes][0] == 1 and sorted(x.node for x in nodes) == [0, 1, 2, 3]
         node1 = [r for r in view.rows if r.node == 1]
-        assert table.lines[1].ranks == 4
-        assert table.lines[1].worst.step_ms == max(r.step_ms for r in node1)
+        assert nodes[0].ranks == 4
+        assert nodes[0].worst.step_ms == max(r.step_ms for r in node1)
         app.filter_text = "4-5"
         app.redraw()
-        assert [(x.node, x.ranks) for x in table.lines] == [(1, 2)]
-        assert table.lines[0].worst.step_ms == max(r.step_ms for r in node1[:2])
-        assert table.render_line(0).text.split()[:3] == ["node", "1", "node001"]
+        nodes = [x for x in table.lines if not hasattr(x, "rank")]
+        assert [(x.node, x.ranks) for x in nodes] == [(1, 2)]
+        assert nodes[0].worst.step_ms == max(r.step_ms for r in node1[:2])
+        assert table.render_line(0).text.split()[:3] == ["▶node", "1", "node001"]
 
 
 async def test_ctrl_c_stops_the_job_under_traceml_run_and_never_in_watch():
@@ -254,6 +271,12 @@ async def test_a_slow_node_and_a_silent_node_are_named():
         assert "Every rank on node 1 (ranks 2, 3" in banner
         assert "ranks 4/6" in status and "nodes 2/3 (waiting for node 2)" in status
         table = app.query_one(HeatTable)
+        # Worst first: node 1's ranks lead, marked; node 2's show they are waiting.
+        texts = [table.render_line(y).text for y in range(table.size.height)]
+        assert [x.rank for x in table.lines[:2]] == [2, 3]
+        assert texts[0].startswith("▶") and texts[1].startswith("▶")
+        assert sum("waiting" in t for t in texts) == 2
+        await pilot.press("s")  # by rank, grouped by node
         texts = [table.render_line(y).text for y in range(table.size.height)]
         assert any("node 2 · not reporting yet · 2 rank(s)" in t for t in texts)
 

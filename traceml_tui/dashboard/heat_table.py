@@ -29,10 +29,13 @@ from ..view_state import (
     node_rows,
 )
 from .cells import heat, ms
+from .ordering import WORST, subject_node, subject_ranks, worst_first, worst_nodes
 
 SHORT = {"dataloader": "data", "h2d": "h2d", "forward": "fwd", "backward": "bwd",
          "sync": "sync", "optimizer": "opt", "wait": "wait"}
-SORT_KEYS = ("rank", "step", *VIEW_PHASES)
+# "worst" (the default): the diagnosis subject first, then the ranks furthest from the
+# median rank (ordering.py).
+SORT_KEYS = (WORST, "rank", "step", *VIEW_PHASES)
 CELL = 8
 
 
@@ -82,10 +85,21 @@ def matches(row: RankRow, text: str) -> bool:
     return text == row.status or text in row.host
 
 
-def node_lines(state: ViewState, rows: list[RankRow], filtered: bool) -> list[NodeLine]:
-    """Node view: the collector's per-node rows, or this viewer's own over a filter."""
-    nodes = state.node_rows if state.node_rows and not filtered else node_rows(rows)
-    return [NodeLine(row.node, row.host, count, row) for count, row in nodes]
+def node_lines(state: ViewState, rows: list[RankRow], filtered: bool,
+               worst: bool = False) -> list[Line]:
+    """Node view: the collector's per-node rows, or this viewer's own over a filter.
+    `worst`: the subject's node first and expanded into its ranks, then the nodes
+    furthest from the median rank."""
+    nodes = list(state.node_rows if state.node_rows and not filtered else node_rows(rows))
+    if not worst:
+        return [NodeLine(row.node, row.host, count, row) for count, row in nodes]
+    lines: list[Line] = []
+    expand = subject_node(state)
+    for count, row in worst_nodes(nodes, state):
+        lines.append(NodeLine(row.node, row.host, count, row))
+        if row.node == expand:
+            lines.extend(worst_first([r for r in rows if r.node == expand], state))
+    return lines
 
 
 class HeatTable(ScrollView, can_focus=True):
@@ -137,6 +151,8 @@ class HeatTable(ScrollView, can_focus=True):
         self.cursor = 0
         self.pinned: int | None = None
         self.state: ViewState | None = None
+        self.subject: frozenset[int] = frozenset()  # the ranks the diagnosis names
+        self.subject_node: int | None = None
         self._cache: dict[tuple, Strip] = {}
 
     # --- state in ----------------------------------------------------------------
@@ -147,8 +163,12 @@ class HeatTable(ScrollView, can_focus=True):
         cursor_rank = self.cursor_rank
         rows = [r for r in state.rows if matches(r, filter_text)]
         lines: list[Line] = []
+        self.subject = subject_ranks(state)
+        self.subject_node = subject_node(state)
         if nodes_only:
-            lines.extend(node_lines(state, rows, bool(filter_text.strip())))
+            lines.extend(node_lines(state, rows, bool(filter_text.strip()), sort_key == WORST))
+        elif sort_key == WORST:  # one order across nodes: no node headers
+            lines.extend(worst_first(rows, state))
         else:
             groups: dict[int, list[RankRow]] = {}
             for r in rows:
@@ -251,9 +271,12 @@ class HeatTable(ScrollView, can_focus=True):
         segs: list[Segment] = []
         pinned = isinstance(line, RankRow) and row.rank == self.pinned
         name = f"node {line.node}" if isinstance(line, NodeLine) else f"{row.rank}"
-        marker = "●" if pinned else " "
-        segs.append(Segment(f"{marker}{name:>5} ", base + (self._style("pinned") if pinned
-                                                           else Style())))
+        culprit = (line.node == self.subject_node if isinstance(line, NodeLine)
+                   else row.rank in self.subject)
+        marker = "●" if pinned else "▶" if culprit else " "
+        segs.append(Segment(f"{marker}{name:>5} ", base + (
+            self._style("pinned") if pinned else self._style("heat-3") if culprit
+            else Style())))
         segs.append(Segment(f"{row.host[:12]:<12} ", base + self._style("dim")))
         status_style = {STALE: "stale", FAILED: "failed", WAITING: "dim",
                         STOPPED: "dim"}.get(row.status)
