@@ -15,9 +15,11 @@ from typing import Any
 
 from traceml_agent.checks import Finding
 from traceml_agent.protocol import PHASES, Identity, Message
+from traceml_agent.vocab import LOCAL_PHASES
 
 from . import cost, hang
 from . import diagnosis as dx
+from .history import History, Point, point
 from .setup_checks import ChecksBoard
 from .windows import BlockStats, Quantiles, RankWindow, WindowBlock, median, window_steps_for
 
@@ -155,6 +157,7 @@ class Snapshot:
     what_if: cost.WhatIf | None = None  # the live label's, over the newest steps
     final_what_if: cost.WhatIf | None = None  # the final diagnosis's, over the window
     mean_step_ms: float | None = None  # the job's mean step over the window (full only)
+    history: tuple[Point, ...] = ()  # step and own work over the run (history.py)
 
     @property
     def reporting(self) -> int:
@@ -220,6 +223,7 @@ class RunState:
         # live what-if of the label on display.
         self._lost_mark = -1
         self.what_if: cost.WhatIf | None = None
+        self.history = History()  # step and own work over the run, for the time chart
         # What `traceml run --preflight` measured; its largest all-reduce's bus bandwidth
         # (GB/s) is what COMM-BOUND's evidence compares against.
         self.preflight: dict[str, Any] | None = None
@@ -500,7 +504,20 @@ class RunState:
             hang_since = self.hang_since if self.hang is not None else None
             self._new_episode(shown, now if hang_since is None else hang_since)
         self._count_cost(shown)
+        self._add_history(now, timings)
         return shown
+
+    def _add_history(self, now: float, timings: list[dx.RankTiming]) -> None:
+        steps, own = [], []
+        for t in timings:
+            if t.steps < dx.MIN_STEPS or t.step_ms is None:
+                continue
+            steps.append(t.step_ms)
+            vals = [v for p in LOCAL_PHASES if (v := t.phase_ms.get(p)) is not None]
+            if vals:
+                own.append(sum(vals))
+        if steps:
+            self.history.add(point(now - self.started_at, steps, own))
 
     def _count_cost(self, shown: dx.Diagnosis) -> None:
         """What the shown problem cost in the steps taken since the last evaluation (step
@@ -586,6 +603,7 @@ class RunState:
             batch_sizes=self.checks.batch_sizes(), framework=self.framework,
             preflight_busbw=self.preflight_busbw, preflight=self.preflight,
             relays=self._relay_snapshots(mono_now), what_if=self.what_if,
+            history=self.history.view(),
             final_what_if=(None if final is None or aligned is None
                            or final.label not in cost.COSTED_LABELS
                            else cost.what_if(final, aligned, self.parallel == "fsdp")),

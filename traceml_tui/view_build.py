@@ -103,7 +103,11 @@ def build(snap: Snapshot, recent: Callable[[int], tuple[float, ...]] = lambda ra
         finished=finished, exit_code=exit_code, node=d.node,
         checks=tuple((f.id, f.severity, f.ranks, f.evidence, f.fix) for f in snap.checks),
         relays_silent=tuple(r.node for r in snap.relays if r.silent),
-        node_rows=node_rows(rows) if snap.nnodes > 1 else (), cost=cost_view(snap))
+        node_rows=node_rows(rows) if snap.nnodes > 1 else (), cost=cost_view(snap),
+        history=snap.history,
+        episodes=tuple((max(0.0, e.start - snap.started_at),
+                        None if e.end is None else max(0.0, e.end - snap.started_at),
+                        e.label, e.severity) for e in snap.timeline))
     worst_rank = d.rank if d.rank is not None else _slowest(rows)
     if worst_rank is None:
         return view

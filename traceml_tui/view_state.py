@@ -117,6 +117,11 @@ class ViewState(Struct, frozen=True):
     # pseudo-row), built once per tick by the collector for every viewer (node_rows).
     node_rows: tuple[tuple[int, RankRow], ...] = ()
     cost: CostView | None = None  # what the label on display costs (None: no culprit)
+    # The time chart: (seconds since start, median step, median own work, worst own
+    # work) in ms, bounded (history.py); the diagnosis episodes on the same axis:
+    # (start s, end s or None while open, label, severity).
+    history: tuple[tuple[float, float | None, float | None, float | None], ...] = ()
+    episodes: tuple[tuple[float, float | None, str, str], ...] = ()
 
     @property
     def reporting(self) -> int:

@@ -30,10 +30,12 @@ from textual.widgets import Footer, Static
 from ..private import write_atomic
 from ..view_state import RankDetail, ViewState
 from .banner import Banner
+from .distribution import Distribution
 from .heat_table import SORT_KEYS, HeatTable, header_text
 from .rank_panel import RankPanel
 from .screens import ChecksScreen, HelpScreen, PromptScreen, TraceScreen
 from .status_bar import StatusBar
+from .time_chart import TimeChart
 
 REFRESH_S = 0.5
 # Each refresh allocates one row object per rank; with thousands of ranks the default
@@ -44,6 +46,8 @@ GC_THRESHOLDS = (20_000, 50, 100)
 # Above this many ranks the table opens in node view (one line per node, worst values),
 # and `n` drills into ranks.
 NODE_VIEW_ABOVE = 256
+# Up to this many lines the table takes only what it needs and the chart the rest.
+FEW_LINES = 12
 TRACE_STEPS = 5  # steps a deep trace profiles: enough to average, small enough to read
 
 
@@ -58,21 +62,26 @@ class DashboardApp(App[None]):
     CSS_PATH = "dashboard.tcss"
     TITLE = "traceml"
     BINDINGS = [
-        Binding("q", "quit", "Quit viewer"),
-        Binding("w", "worst", "Worst rank"),
-        Binding("g", "goto", "Go to rank"),
+        # Short descriptions fit the footer in 80 columns; the help screen (?) gives
+        # each key's tooltip.
+        Binding("q", "quit", "Quit", tooltip="Quit the viewer (the job goes on)"),
+        Binding("w", "worst", "Worst", tooltip="Pin the worst rank"),
+        Binding("g", "goto", "Go to", show=False, tooltip="Go to a rank and pin it"),
         Binding("u", "unpin", "Unpin", show=False),
-        Binding("s", "sort(1)", "Sort"),
+        Binding("s", "sort(1)", "Sort", tooltip="Next sort key (worst first, rank, step, "
+                                                  "each phase)"),
         Binding("S", "sort(-1)", "Sort (previous key)", show=False),
         Binding("r", "reverse", "Reverse sort", show=False),
-        Binding("slash", "filter", "Filter"),
-        Binding("n", "nodes", "Nodes/ranks"),
-        Binding("c", "checks", "Setup checks"),
-        Binding("t", "trace", "Deep trace"),
+        Binding("slash", "filter", "Filter", tooltip="Filter: a rank, a range (4-7), a state "
+                                                     "or part of a host name"),
+        Binding("n", "nodes", "Nodes", tooltip="Node view / rank view"),
+        Binding("c", "checks", "Checks", tooltip="Setup checks: evidence and fix"),
+        Binding("t", "trace", "Trace", tooltip="Deep trace of the pinned (else worst) rank"),
         Binding("T", "show_trace", "Last deep trace", show=False),
-        Binding("e", "export", "Export JSON"),
-        Binding("v", "save_svg", "Save SVG"),
-        Binding("question_mark", "help", "Help"),
+        Binding("e", "export", "Export JSON", show=False,
+                tooltip="Export the summary so far as JSON"),
+        Binding("v", "save_svg", "Save SVG", show=False, tooltip="Save a screenshot (SVG)"),
+        Binding("question_mark", "help", "Help", tooltip="Every key"),
         # Textual binds Ctrl-C to a quit hint; under `traceml run` it stops the job.
         Binding("ctrl+c", "stop_job", "Stop the job", show=False, priority=True),
     ]
@@ -99,12 +108,14 @@ class DashboardApp(App[None]):
     def compose(self) -> ComposeResult:
         yield Banner("waiting for the first state...", id="banner")
         yield StatusBar(id="status")
+        yield Distribution(id="distribution")
         yield Static(header_text("cpu"), id="columns")
         yield HeatTable(id="table")
+        yield TimeChart(id="chart")
         with Horizontal(id="panels"):
             yield RankPanel("worst rank vs median", id="worst")
             yield RankPanel("pinned rank", id="pinned")
-        yield Footer()
+        yield Footer(show_command_palette=False)
 
     def on_mount(self) -> None:
         self._gc_thresholds = gc.get_threshold()
@@ -162,6 +173,21 @@ class DashboardApp(App[None]):
             self.state = replace(self.state, finished=True, exit_code=exit_code)
             self.redraw()
 
+    def on_resize(self) -> None:
+        self.redraw()
+
+    def _fit(self, table: HeatTable) -> None:
+        """A few ranks take the lines they need and the chart the rest; many ranks take
+        the space and the chart what the terminal can spare (4 lines in 80x24)."""
+        rows = self.size.height
+        chart = self.query_one(TimeChart)
+        base = 4 if rows < 30 else 6 if rows < 42 else 9
+        few = len(table.lines) <= FEW_LINES
+        sizes = ((f"{max(5, len(table.lines))}", "1fr") if few else ("1fr", f"{base}"))
+        if (str(table.styles.height), str(chart.styles.height)) != sizes:
+            table.styles.height, chart.styles.height = sizes
+            chart.styles.min_height = base
+
     def redraw(self) -> None:
         try:
             self._draw()
@@ -174,10 +200,13 @@ class DashboardApp(App[None]):
             return
         self.query_one(Banner).show(state)
         self.query_one(StatusBar).show(state, self._view_note(), self.source_note)
+        self.query_one(Distribution).show(state)
+        self.query_one(TimeChart).show(state)
         self.query_one("#columns", Static).update(header_text(state.device))
         table = self.query_one(HeatTable)
         table.show(state, SORT_KEYS[self.sort_index], self.reverse, self.filter_text,
                    bool(self.nodes_only))
+        self._fit(table)
         worst_title = ("worst rank vs median" if state.rank is None
                        else f"{state.label.lower()}: rank {state.rank} vs median")
         self.query_one("#worst", RankPanel).show(state.worst, worst_title, state.cost)
@@ -272,9 +301,10 @@ class DashboardApp(App[None]):
         self.push_screen(ChecksScreen(self.state.checks if self.state else ()))
 
     def action_help(self) -> None:
-        keys = [(b.key, b.description) for b in self.BINDINGS
+        keys = [(b.key, b.tooltip or b.description) for b in self.BINDINGS
                 if isinstance(b, Binding) and b.action != "stop_job"]
-        keys += [(b.key, b.description) for b in HeatTable.BINDINGS if isinstance(b, Binding)]
+        keys += [(b.key, b.tooltip or b.description) for b in HeatTable.BINDINGS
+                 if isinstance(b, Binding)]
         if self.stop_job is not None:
             keys.append(("ctrl+c", "Stop the training job (SIGINT), summary is written"))
         self.push_screen(HelpScreen(keys))

@@ -132,7 +132,7 @@ class HeatTable(ScrollView, can_focus=True):
         Binding("pageup", "move(-20)", "Page up", show=False),
         Binding("home", "move(-1000000)", "First", show=False),
         Binding("end", "move(1000000)", "Last", show=False),
-        Binding("enter,p", "pin", "Pin rank"),
+        Binding("enter,p", "pin", "Pin", tooltip="Pin the rank under the cursor (again: unpin)"),
     ]
 
     class CursorMoved(Message):
