@@ -106,3 +106,19 @@ class StaticSource:
 
     def close(self) -> None:
         pass
+
+
+def with_history(state: RunState, seconds: float = 75.0, onset_s: float = 25.0,
+                 step_ms: float = 6.0, extra_ms: float = 30.0) -> RunState:
+    """A run's time chart: balanced steps, then a straggler from `onset_s` (fixed values,
+    one point per 0.5 s evaluation, as the collector adds them)."""
+    from traceml_tui.history import History
+
+    state.history = History()
+    t = 0.0
+    while t <= seconds:
+        slow = t >= onset_s
+        state.history.add((t, step_ms + (extra_ms if slow else 0.0), step_ms * 0.4,
+                           step_ms * 0.45 + (extra_ms if slow else 0.0)))
+        t += 0.5
+    return state

@@ -48,6 +48,7 @@ GC_THRESHOLDS = (20_000, 50, 100)
 NODE_VIEW_ABOVE = 256
 # Up to this many lines the table takes only what it needs and the chart the rest.
 FEW_LINES = 12
+SMALL_ROWS = 30  # a terminal shorter than this shows no worst-rank panel
 TRACE_STEPS = 5  # steps a deep trace profiles: enough to average, small enough to read
 
 
@@ -181,12 +182,17 @@ class DashboardApp(App[None]):
         the space and the chart what the terminal can spare (4 lines in 80x24)."""
         rows = self.size.height
         chart = self.query_one(TimeChart)
-        base = 4 if rows < 30 else 6 if rows < 42 else 9
+        base = 4 if rows < SMALL_ROWS else 6 if rows < 42 else 9
         few = len(table.lines) <= FEW_LINES
         sizes = ((f"{max(5, len(table.lines))}", "1fr") if few else ("1fr", f"{base}"))
         if (str(table.styles.height), str(chart.styles.height)) != sizes:
             table.styles.height, chart.styles.height = sizes
             chart.styles.min_height = base
+        # Under 30 lines the worst-rank panel does not fit beside the rest: the banner
+        # names the rank and its gap; a pinned rank's panel still shows.
+        worst = self.query_one("#worst", RankPanel)
+        if worst.display != (rows >= SMALL_ROWS):
+            worst.display = rows >= SMALL_ROWS
 
     def redraw(self) -> None:
         try:

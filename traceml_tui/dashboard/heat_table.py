@@ -160,7 +160,7 @@ class HeatTable(ScrollView, can_focus=True):
     def show(self, state: ViewState, sort_key: str = "rank", reverse: bool = False,
              filter_text: str = "", nodes_only: bool = False) -> None:
         """Replace everything shown with a new state (called once per tick)."""
-        cursor_rank = self.cursor_rank
+        cursor_key = self._key(self.lines[self.cursor]) if self.cursor < len(self.lines) else None
         rows = [r for r in state.rows if matches(r, filter_text)]
         lines: list[Line] = []
         self.subject = subject_ranks(state)
@@ -181,12 +181,18 @@ class HeatTable(ScrollView, can_focus=True):
         self.lines = lines
         self._cache.clear()
         self.virtual_size = Size(len(header_text(state.device)) + 2, len(lines))
-        self._place_cursor(cursor_rank)
+        self._place_cursor(cursor_key)
         self.refresh()
 
-    def _place_cursor(self, rank: int | None) -> None:
+    @staticmethod
+    def _key(line: Line) -> tuple[str, int]:
+        """What the cursor is on, across states: a rank, or a node's line."""
+        return ("rank", line.rank) if isinstance(line, RankRow) else ("node", line.node)
+
+    def _place_cursor(self, key: tuple[str, int] | None) -> None:
+        """Keep the cursor on the same rank or node line; else on the same position."""
         for i, line in enumerate(self.lines):
-            if isinstance(line, RankRow) and line.rank == rank:
+            if self._key(line) == key:
                 self.cursor = i
                 return
         self.cursor = min(self.cursor, max(0, len(self.lines) - 1))

@@ -1,0 +1,67 @@
+"""SVG snapshot tests of every screen (pytest-textual-snapshot) on canned, fixed-clock
+states: what a user sees, compared with the reviewed pictures in tests/__snapshots__.
+After an intended change of the look: pytest tests/test_snapshots.py --snapshot-update,
+then look at the new SVGs before committing them."""
+
+from __future__ import annotations
+
+import pytest
+
+from canned import StaticSource, make_state, with_history
+from traceml_agent.checks import Finding
+from traceml_tui.dashboard import DashboardApp
+
+WIDE = (150, 46)
+NARROW = (80, 24)
+
+
+def app_of(state) -> DashboardApp:
+    return DashboardApp(StaticSource(state), refresh_s=0.05)
+
+
+def after(*keys: str):
+    """Wait for the first state, then press `keys`, then let the screen settle."""
+    async def run_before(pilot) -> None:
+        for _ in range(200):
+            if pilot.app.state is not None:
+                break
+            await pilot.pause(0.05)
+        await pilot.pause(0.2)
+        if keys:
+            await pilot.press(*keys)
+            await pilot.pause(0.3)
+    return run_before
+
+
+def straggler():
+    return with_history(make_state(straggler=2, phase="dataloader"))
+
+
+def slow_node_1024():
+    return with_history(make_state(world_size=1024, nproc_per_node=8, steps=16, straggler=333,
+                                   phase="forward", hosts="node"))
+
+
+def three_nodes_with_a_finding():
+    found = Finding("accumulation-without-no-sync", "warning", (0, 1, 2, 3),
+                    "4 backward passes per optimizer step each allreduced all gradients",
+                    "Run forward and backward of every micro-batch but the last inside "
+                    "`with model.no_sync():`.")
+    return make_state(world_size=6, nproc_per_node=2, straggler=2, also_slow=(3,),
+                      silent_nodes=(2,), findings=(found,))
+
+
+CASES = [
+    ("straggler", straggler, WIDE, ()),
+    ("straggler-narrow", straggler, NARROW, ()),
+    ("straggler-pinned", straggler, WIDE, ("g", "5", "enter")),
+    ("scale-1024-node-view", slow_node_1024, WIDE, ()),
+    ("slow-node-and-silent-node", three_nodes_with_a_finding, WIDE, ()),
+    ("setup-checks", three_nodes_with_a_finding, WIDE, ("c",)),
+    ("help", straggler, WIDE, ("question_mark",)),
+]
+
+
+@pytest.mark.parametrize(("name", "make", "size", "keys"), CASES, ids=[c[0] for c in CASES])
+def test_screen(snap_compare, name, make, size, keys):
+    assert snap_compare(app_of(make()), terminal_size=size, run_before=after(*keys))
