@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--secret-file", type=Path, default=None, metavar="FILE",
                        help="the run's secret.key (default: $TRACEML_SECRET, else the one in "
                             "the run folder); needed for tcp://HOST:PORT")
+    watch.add_argument("--web", nargs="?", type=int, const=8000, default=None, metavar="PORT",
+                       help="serve the dashboard to a browser on PORT (default 8000) instead "
+                            "of this terminal (needs textual-serve)")
+    watch.add_argument("--web-host", default="127.0.0.1", metavar="HOST",
+                       help="address the browser view binds (default 127.0.0.1: reach it "
+                            "through an SSH tunnel)")
 
     cmp = sub.add_parser("compare", help="compare two runs' final_summary.json")
     cmp.add_argument("old", type=Path, metavar="OLD")
@@ -243,13 +249,40 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     except WatchTargetError as exc:
         print(f"traceml watch: error: {exc}", file=sys.stderr)
         return 2
-    if not terminal.owns_foreground():
+    if args.web is not None:
+        return _serve_web(args, address, run_dir)
+    web_viewer = bool(os.environ.get("TEXTUAL_DRIVER", "").endswith("web_driver:WebDriver"))
+    if not web_viewer and not terminal.owns_foreground():
         print("traceml watch: error: the dashboard needs a terminal in the foreground "
               "(not a background job, not redirected)", file=sys.stderr)
         return 2
     from .dashboard import DashboardApp
 
     DashboardApp(ViewClient(address, secret=secret), run_dir).run()
+    return 0
+
+
+def _serve_web(args: argparse.Namespace, address: str, run_dir: Path | None) -> int:
+    try:
+        from . import web
+    except ImportError:
+        print("traceml watch: error: --web needs textual-serve (pip install textual-serve)",
+              file=sys.stderr)
+        return 2
+    if not 1 <= args.web <= 65535:
+        print(f"traceml watch: error: --web port {args.web} is not a TCP port", file=sys.stderr)
+        return 2
+    target = str(run_dir) if run_dir is not None else address
+    print(f"traceml watch: serving the dashboard of {target} on "
+          f"http://{args.web_host}:{args.web} (Ctrl-C stops)", file=sys.stderr, flush=True)
+    try:
+        web.serve(target, args.secret_file, args.web_host, args.web, "traceml")
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        print(f"traceml watch: error: cannot serve on {args.web_host}:{args.web}: {exc}",
+              file=sys.stderr)
+        return 2
     return 0
 
 
