@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # canned states
 
-from canned import StaticSource, make_state  # noqa: E402
+from canned import StaticSource, make_state, with_history  # noqa: E402
 from traceml_tui.dashboard import DashboardApp  # noqa: E402
 from traceml_tui.view_client import ViewClient, resolve_target  # noqa: E402
 
@@ -67,8 +67,8 @@ async def shoot_live(run_dir: Path) -> None:
 
 
 async def shoot_scale() -> None:
-    state = make_state(world_size=1024, nproc_per_node=8, steps=16, straggler=333,
-                       phase="forward")
+    state = with_history(make_state(world_size=1024, nproc_per_node=8, steps=16,
+                                    straggler=333, phase="forward"))
     app = DashboardApp(StaticSource(state), refresh_s=0.2)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause(1.0)
@@ -85,8 +85,8 @@ async def shoot_nodes() -> None:
                     "(3 steps in a row): 3 of every 4 allreduces wasted",
                     "Run forward and backward of every micro-batch but the last inside "
                     "`with model.no_sync():`.")
-    state = make_state(world_size=6, nproc_per_node=2, straggler=2, also_slow=(3,),
-                       silent_nodes=(2,), findings=(found,))
+    state = with_history(make_state(world_size=6, nproc_per_node=2, straggler=2,
+                                    also_slow=(3,), silent_nodes=(2,), findings=(found,)))
     app = DashboardApp(StaticSource(state), refresh_s=0.2)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause(1.0)

@@ -31,17 +31,18 @@ SEVERITY_STYLE = {INFO: "green", WARNING: "yellow", CRITICAL: "red"}
 Y_LABEL = 8  # columns for the y axis labels
 
 
-def resample(points: tuple, column: int, t_end: float, slots: int, worst: bool
-             ) -> list[float | None]:
-    """One series on `slots` equal time slots: mean per slot (max for the worst rank),
-    carried over empty slots once it has started."""
+def resample(points: tuple, column: int, t0: float, t_end: float, slots: int, worst: bool
+              ) -> list[float | None]:
+    """One series on `slots` equal time slots from t0 to t_end: mean per slot (max for
+    the worst rank), carried over empty slots once it has started."""
+    span = t_end - t0
     sums = [0.0] * slots
     counts = [0] * slots
     for p in points:
         v = p[column]
         if v is None:
             continue
-        i = min(slots - 1, int(p[0] / t_end * slots)) if t_end > 0 else 0
+        i = min(slots - 1, max(0, int((p[0] - t0) / span * slots))) if span > 0 else 0
         if worst:
             sums[i] = max(sums[i], v) if counts[i] else v
         else:
@@ -64,8 +65,10 @@ def chart_lines(state: ViewState, width: int, height: int) -> list[Text]:
     if not points:
         return [Text("step time over the run: waiting for the first evaluated steps",
                      style="dim")] + [Text("")] * (height - 1)
-    t_end = max(points[-1][0], state.elapsed_s, 1e-9)
-    series = [(resample(points, c, t_end, 2 * cols, c == 3), style)
+    # From the first evaluated steps (launch and warm-up draw nothing) to now.
+    t0 = points[0][0]
+    t_end = max(points[-1][0], state.elapsed_s, t0 + 1e-9)
+    series = [(resample(points, c, t0, t_end, 2 * cols, c == 3), style)
               for c, _, _, style in SERIES]
     top = max((v for s, _ in series for v in s if v is not None), default=0.0) * 1.05 or 1.0
     levels = 4 * rows
@@ -90,7 +93,7 @@ def chart_lines(state: ViewState, width: int, height: int) -> list[Text]:
     for _, name, short, style in reversed(SERIES):
         legend.append("⣀⣀ ", style=style)
         legend.append(f"{name if wide else short}  ", style="dim")
-    legend.append(f"0 - {duration(t_end)}", style="dim")
+    legend.append(f"{duration(t0)} - {duration(t_end)}", style="dim")
     out = [legend]
     for r in range(rows):
         label = (f"{top:.0f} ms" if top >= 10 else f"{top:.1f} ms") if r == 0 else (
@@ -100,11 +103,11 @@ def chart_lines(state: ViewState, width: int, height: int) -> list[Text]:
             bits = grid[r][c]
             line.append(chr(0x2800 + bits) if bits else " ", style=owner[r][c] or None)
         out.append(line)
-    out.append(episode_line(state, cols, t_end))
+    out.append(episode_line(state, cols, t0, t_end))
     return out[:height]
 
 
-def episode_line(state: ViewState, cols: int, t_end: float) -> Text:
+def episode_line(state: ViewState, cols: int, t0: float, t_end: float) -> Text:
     """The diagnosis episodes on the chart's time axis: a bar per episode coloured by its
     severity, its label written at its start where it fits."""
     cells = [" "] * cols
@@ -113,8 +116,12 @@ def episode_line(state: ViewState, cols: int, t_end: float) -> Text:
     for start, end, label, severity in state.episodes:
         if label == WARMUP:
             continue
-        a = min(cols - 1, int(start / t_end * cols))
-        b = min(cols, max(a + 1, int((t_end if end is None else end) / t_end * cols + 0.5)))
+        span = t_end - t0
+        if end is not None and end < t0:
+            continue
+        a = min(cols - 1, max(0, int((start - t0) / span * cols)))
+        b = min(cols, max(a + 1, int(((t_end if end is None else end) - t0) / span * cols
+                                     + 0.5)))
         for c in range(a, b):
             cells[c], styles[c] = "━", SEVERITY_STYLE.get(severity, "dim")
         starts.append((a, b, label))
