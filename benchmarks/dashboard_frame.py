@@ -22,15 +22,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # canned states
 
-from canned import StaticSource, make_state, make_view  # noqa: E402
+from canned import StaticSource, make_state, make_view, with_history  # noqa: E402
 from traceml_tui.view_state import VIEW_PHASES, decode_view, encode_view  # noqa: E402
+
+
+def _with_history(state):
+    """A 10-minute time chart (its history at the 512-point bound), when the code under
+    test keeps one (older code: none)."""
+    try:
+        return with_history(state, seconds=600.0, onset_s=200.0)
+    except ModuleNotFoundError:
+        return state
 
 
 async def frame_times(world: int, frames: int, nodes_view: bool) -> list[float]:
     from traceml_tui.dashboard import DashboardApp
 
-    states = [make_state(world_size=world, nproc_per_node=8, steps=16, straggler=world // 3,
-                         seed=s) for s in (1, 2)]
+    states = [_with_history(make_state(world_size=world, nproc_per_node=8, steps=16,
+                                       straggler=world // 3, seed=s)) for s in (1, 2)]
     payloads = [encode_view(make_view(st, 75.0 + i)) for i, st in enumerate(states)]
     app = DashboardApp(StaticSource(states[0]), refresh_s=3600)  # we drive the refreshes
     times = []

@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 
 from rich.text import Text
-from textual.widgets import Static
+from textual.strip import Strip
+from textual.widget import Widget
 
 from traceml_agent.vocab import WAITING_PHASES
 
 from ..view_state import VIEW_PHASES, ViewState
+from .time_chart import to_strip
 
 BARS = "▁▂▃▄▅▆▇█"
 MIN_SPREAD = 0.10
@@ -77,12 +79,22 @@ def figures(state: ViewState) -> list[tuple[str, list[float]]]:
     return out
 
 
-class Distribution(Static):
+class Distribution(Widget):
+    """Two lines on the Line API, rebuilt once per state."""
+
     DEFAULT_CSS = """
     Distribution { height: 2; padding: 0 1; }
     """
 
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._strips: list[Strip] = []
+
     def show(self, state: ViewState) -> None:
-        width = max(30, self.size.width - 2)
-        self.update(Text("\n").join(line(name, values, width)
-                                    for name, values in figures(state)))
+        width = max(30, self.content_size.width)
+        self._strips = [to_strip(line(name, values, width), width)
+                        for name, values in figures(state)]
+        self.refresh()
+
+    def render_line(self, y: int) -> Strip:
+        return self._strips[y] if y < len(self._strips) else Strip.blank(self.size.width)

@@ -14,6 +14,7 @@ from ..view_state import FAILED, STALE, VIEW_PHASES, RankRow, ViewState
 WORST = "worst"
 # Columns that are a rank's own work (not time spent waiting for the others).
 OWN = tuple(i for i, p in enumerate(VIEW_PHASES) if p not in WAITING_PHASES)
+assert len(OWN) == 5, "worst_first unrolls the own-work columns"
 ALARMING = frozenset({FAILED, STALE})
 
 
@@ -43,9 +44,15 @@ def distance(row: RankRow, mid: float | None) -> float:
 
 def worst_first(rows: list[RankRow], state: ViewState) -> list[RankRow]:
     subject = subject_ranks(state)
-    mid = median_own(state)
-    return sorted(rows, key=lambda r: (r.rank not in subject, r.status not in ALARMING,
-                                       -distance(r, mid), r.rank))
+    mid = median_own(state) or 0.0
+    a, b, c, d, e = OWN  # unrolled: this key runs for every rank on every frame
+
+    def key(r: RankRow) -> tuple[bool, bool, float, int]:
+        p = r.phase_ms
+        own = sum(v for v in (p[a], p[b], p[c], p[d], p[e]) if v is not None)
+        return (r.rank not in subject, r.status not in ALARMING, -abs(own - mid), r.rank)
+
+    return sorted(rows, key=key)
 
 
 def subject_node(state: ViewState) -> int | None:

@@ -11,8 +11,11 @@ the run: a few milliseconds a frame.
 
 from __future__ import annotations
 
+from rich.segment import Segment
+from rich.style import Style
 from rich.text import Text
-from textual.widgets import Static
+from textual.strip import Strip
+from textual.widget import Widget
 
 from traceml_agent.vocab import CRITICAL, INFO, WARMUP, WARNING
 
@@ -99,9 +102,8 @@ def chart_lines(state: ViewState, width: int, height: int) -> list[Text]:
         label = (f"{top:.0f} ms" if top >= 10 else f"{top:.1f} ms") if r == 0 else (
             "0" if r == rows - 1 else "")
         line = Text(label.rjust(Y_LABEL - 1) + "│", style="dim")
-        for c in range(cols):
-            bits = grid[r][c]
-            line.append(chr(0x2800 + bits) if bits else " ", style=owner[r][c] or None)
+        cells = "".join(chr(0x2800 + b) if b else " " for b in grid[r])
+        append_runs(line, cells, owner[r])
         out.append(line)
     out.append(episode_line(state, cols, t0, t_end))
     return out[:height]
@@ -131,19 +133,79 @@ def episode_line(state: ViewState, cols: int, t0: float, t_end: float) -> Text:
             for i, ch in enumerate(text):
                 cells[a + 1 + i] = ch
     line = Text("labels".rjust(Y_LABEL - 1) + "│", style="dim")
-    for ch, style in zip(cells, styles, strict=True):
-        line.append(ch, style=(f"bold {style}" if ch not in "━ " and style else style))
+    append_runs(line, "".join(cells), [(f"bold {st}" if ch not in "━ " and st else st or "")
+                                       for ch, st in zip(cells, styles, strict=True)])
     return line
 
 
-class TimeChart(Static):
-    """The chart widget: redrawn from each new state, sized by the screen."""
+def append_runs(line: Text, cells: str, styles: list[str]) -> None:
+    """Append cells to a line, one span per run of one style (not one per cell)."""
+    start = 0
+    for i in range(1, len(cells) + 1):
+        if i == len(cells) or styles[i] != styles[start]:
+            line.append(cells[start:i], style=styles[start] or None)
+            start = i
+
+
+class TimeChart(Widget):
+    """The chart widget, on the Line API: its lines are built once per state (a few
+    hundred cells) and handed to Textual as strips, with no layout pass per frame."""
 
     DEFAULT_CSS = """
     TimeChart { height: 8; padding: 0 1; }
     """
 
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._strips: list[Strip] = []
+        self._state: ViewState | None = None
+        self._drawn_for: tuple = ()
+
     def show(self, state: ViewState) -> None:
-        width = max(20, self.size.width - 2)
-        height = max(3, self.size.height)
-        self.update(Text("\n").join(chart_lines(state, width, height)))
+        self._state = state
+        self._rebuild()
+
+    def on_resize(self) -> None:
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        state = self._state
+        width, height = max(20, self.content_size.width), max(3, self.content_size.height)
+        if state is None:
+            return
+        key = (id(state.history), state.episodes, width, height, state.elapsed_s)
+        if key == self._drawn_for:
+            return
+        self._drawn_for = key
+        self._strips = [to_strip(line, width) for line in chart_lines(state, width, height)]
+        self.refresh()
+
+    def render_line(self, y: int) -> Strip:
+        return self._strips[y] if y < len(self._strips) else Strip.blank(self.size.width)
+
+
+_STYLES: dict[str, Style] = {}
+
+
+def to_strip(text: Text, width: int) -> Strip:
+    """A Text of single-line spans as a Strip, without a console render."""
+    segments = []
+    plain = text.plain
+    spans = sorted(text.spans, key=lambda sp: sp.start)
+    base = text.style if isinstance(text.style, str) else ""
+    pos = 0
+    for sp in spans:
+        if sp.start > pos:
+            segments.append(Segment(plain[pos:sp.start], _style(base)))
+        segments.append(Segment(plain[sp.start:sp.end], _style(str(sp.style))))
+        pos = max(pos, sp.end)
+    if pos < len(plain):
+        segments.append(Segment(plain[pos:], _style(base)))
+    return Strip(segments).crop(0, width)
+
+
+def _style(name: str) -> Style:
+    style = _STYLES.get(name)
+    if style is None:
+        style = _STYLES[name] = Style.parse(name) if name and name != "None" else Style()
+    return style
