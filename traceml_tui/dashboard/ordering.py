@@ -44,13 +44,14 @@ def distance(row: RankRow, mid: float | None) -> float:
 
 def worst_first(rows: list[RankRow], state: ViewState) -> list[RankRow]:
     subject = subject_ranks(state)
-    mid = median_own(state) or 0.0
+    mid = median_own(state)
     a, b, c, d, e = OWN  # unrolled: this key runs for every rank on every frame
 
     def key(r: RankRow) -> tuple[bool, bool, float, int]:
         p = r.phase_ms
-        own = sum(v for v in (p[a], p[b], p[c], p[d], p[e]) if v is not None)
-        return (r.rank not in subject, r.status not in ALARMING, -abs(own - mid), r.rank)
+        vals = [v for v in (p[a], p[b], p[c], p[d], p[e]) if v is not None]
+        far = 0.0 if not vals or mid is None else abs(sum(vals) - mid)  # unknown: not far
+        return (r.rank not in subject, r.status not in ALARMING, -far, r.rank)
 
     return sorted(rows, key=key)
 
