@@ -16,7 +16,7 @@ from traceml_agent.checks import Finding
 from traceml_agent.protocol import PHASES, Identity, Message, StepRecord
 from traceml_tui import summary, view_build
 from traceml_tui.state import RunState
-from traceml_tui.view_state import RankDetail, ViewState
+from traceml_tui.view_state import CaptureView, RankDetail, ViewState
 
 T0 = 1_700_000_000.0  # a fixed clock: canned states never read the real one
 BASE_MS = {"dataloader": 0.3, "h2d": None, "forward": 1.0, "backward": 1.5, "sync": 2.0,
@@ -82,7 +82,7 @@ class StaticSource:
         self.index = 0
         self.fetches = 0
         self.captures: list[tuple[list[int] | None, int]] = []
-        self.capture_view: dict[str, Any] | None = None  # served as the view's capture
+        self.capture_view: CaptureView | None = None  # served as the view's capture
 
     def fetch(self, pinned: int | None) -> tuple[ViewState, RankDetail | None]:
         state = self.states[min(self.index, len(self.states) - 1)]

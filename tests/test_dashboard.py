@@ -14,6 +14,7 @@ from traceml_tui.dashboard.heat_table import HeatTable
 from traceml_tui.dashboard.rank_panel import RankPanel
 from traceml_tui.dashboard.screens import HelpScreen, PromptScreen
 from traceml_tui.dashboard.status_bar import StatusBar
+from traceml_tui.view_state import CaptureView
 
 SIZE = (140, 44)
 
@@ -321,10 +322,10 @@ async def test_t_asks_for_a_deep_trace_of_the_pinned_rank_and_T_reads_it():
         await pilot.press("T")  # nothing analysed yet: said, no screen
         await pilot.pause(0.1)
         assert not isinstance(app.screen, TraceScreen)
-        capture = {"id": 2, "steps": 5, "ranks": [2, 5], "roles": {"2": "median", "5": "pinned"},
-                   "states": {"2": "done", "5": "done"}, "errors": {}, "paths": {},
-                   "text": "Deep trace 2: 5 steps\ndataloader_us_per_step  30000  300",
-                   "saved": "/run/traces/capture2.json"}
+        capture = CaptureView(2, 5, (2, 5), {"2": "median", "5": "pinned"},
+                              {"2": "done", "5": "done"}, {}, {},
+                              "Deep trace 2: 5 steps\ndataloader_us_per_step  30000  300",
+                              "/run/traces/capture2.json")
         source.capture_view = capture  # the collector's next view carries the analysis
         await until(pilot, lambda: "trace 2 ready (T)" in text_of(app.query_one(StatusBar)),
                     "the trace was not announced")

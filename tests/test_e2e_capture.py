@@ -36,7 +36,7 @@ def test_capture_the_straggler_and_the_median_rank_then_export_perfetto(tmp_path
 
         def analysed() -> bool:
             cap = client.fetch()[0].capture
-            return bool(cap and cap["text"])
+            return bool(cap and cap.text)
 
         wait_for(analysed, 60, "the capture's analysis")
         cap = client.fetch()[0].capture
@@ -45,17 +45,17 @@ def test_capture_the_straggler_and_the_median_rank_then_export_perfetto(tmp_path
         stdout, stderr = job.communicate(timeout=180)
     assert job.returncode == 0, stderr[-3000:]
 
-    roles = cap["roles"]
+    roles = cap.roles
     assert roles["2"] == "worst" and "median" in roles.values()
-    assert set(cap["states"].values()) == {"done"}
-    for rank in cap["ranks"]:
-        trace = json.loads(open(cap["paths"][str(rank)]).read())  # Chrome trace JSON
+    assert set(cap.states.values()) == {"done"}
+    for rank in cap.ranks:
+        trace = json.loads(open(cap.paths[str(rank)]).read())  # Chrome trace JSON
         assert any(e.get("name", "").startswith("ProfilerStep") or e.get("ph") == "X"
                    for e in trace["traceEvents"])
-    text = cap["text"]
+    text = cap.text or ""
     assert "rank 2 (worst)" in text and "dataloader per step (ms)" in text
     assert "need a CUDA trace" in text  # on CPU it says what needs a GPU
-    saved = json.loads((run_dir / "traces" / f"capture{cap['id']}.json").read_text())
+    saved = json.loads((run_dir / "traces" / f"capture{cap.id}.json").read_text())
     assert saved["comparison"]["worst_rank"] == 2
     worst = dict((r["metric"], r) for r in saved["comparison"]["rows"])
     assert worst["dataloader_us_per_step"]["delta"] > 10_000  # 20 ms slower per step

@@ -56,13 +56,13 @@ class Capture:
         return (all(self.states.get(r) in FINAL_STATES for r in self.ranks)
                 or now - self.requested_at > CAPTURE_TIMEOUT_S)
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"id": self.id, "steps": self.steps, "ranks": list(self.ranks),
-                "roles": {str(r): v for r, v in self.roles.items()},
-                "states": {str(r): self.states.get(r, "requested") for r in self.ranks},
-                "errors": {str(r): e for r, e in self.errors.items()},
-                "paths": {str(r): p for r, p in self.paths.items()},
-                "text": self.text, "saved": self.saved}
+    def to_view(self) -> view_state.CaptureView:
+        return view_state.CaptureView(
+            self.id, self.steps, tuple(self.ranks),
+            {str(r): v for r, v in self.roles.items()},
+            {str(r): self.states.get(r, "requested") for r in self.ranks},
+            {str(r): e for r, e in self.errors.items()},
+            {str(r): p for r, p in self.paths.items()}, self.text, self.saved)
 
 
 def capture_roles(view: view_state.ViewState | None, asked: list[int] | None
@@ -122,9 +122,9 @@ class CaptureBoard:
             threading.Thread(target=self._analyse_in_child, args=(cap,),
                              name="traceml-analysis", daemon=True).start()
 
-    def view(self) -> dict[str, Any] | None:
+    def view(self) -> view_state.CaptureView | None:
         with self._lock:
-            return None if self.current is None else self.current.to_wire()
+            return None if self.current is None else self.current.to_view()
 
     # --- analysis: a thread that waits for a child process ----------------------------
 

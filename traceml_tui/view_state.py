@@ -11,8 +11,6 @@ carries none of the collector.
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 from msgspec import Struct
 
@@ -84,6 +82,25 @@ class CostView(Struct, frozen=True):
     reasoning: str
 
 
+class CaptureView(Struct, frozen=True):
+    """The latest deep trace, as viewers see it (captures.py): which ranks, how far each
+    got, and the analysis once it is done."""
+
+    id: int
+    steps: int
+    ranks: tuple[int, ...]
+    roles: dict[str, str]  # rank -> "worst", "pinned" or "median"
+    states: dict[str, str]  # rank -> "requested", "started", "done" or "failed"
+    errors: dict[str, str]
+    paths: dict[str, str]  # rank -> its trace file
+    text: str | None = None  # the analysis, when done
+    saved: str | None = None  # where the report was saved
+
+    @property
+    def tracing(self) -> bool:
+        return bool(set(self.states.values()) & {"requested", "started"})
+
+
 # A setup mistake found (agent/checks.py), merged across ranks:
 # (id, severity, ranks, evidence, fix).
 CheckRow = tuple[str, str, tuple[int, ...], str, str]
@@ -111,7 +128,7 @@ class ViewState(Struct, frozen=True):
     exit_code: int | None = None
     node: int | None = None  # the diagnosis blames a whole node
     checks: tuple[CheckRow, ...] = ()  # most severe first
-    capture: dict[str, Any] | None = None  # the latest deep trace (captures.py to_wire)
+    capture: CaptureView | None = None  # the latest deep trace
     relays_silent: tuple[int, ...] = ()  # nodes whose relay stopped sending (relay.py)
     # Node view: per node, (its rank count, the worst of its ranks in every column as one
     # pseudo-row), built once per tick by the collector for every viewer (node_rows).

@@ -147,10 +147,10 @@ class DashboardApp(App[None]):
         seen = self.state.capture if self.state else None
         self.state, self.pinned_detail, self.source_note = view, detail, note
         cap = view.capture
-        if cap and cap.get("text") and not (seen and seen.get("text") and
-                                             seen["id"] == cap["id"]):
-            self.notify(f"deep trace {cap['id']} analysed: press T to read it"
-                        + (f" (saved in {cap['saved']})" if cap.get("saved") else ""),
+        if cap is not None and cap.text and not (seen is not None and seen.text
+                                                  and seen.id == cap.id):
+            self.notify(f"deep trace {cap.id} analysed: press T to read it"
+                        + (f" (saved in {cap.saved})" if cap.saved else ""),
                         title="deep trace", timeout=15)
         if self.nodes_only is None:
             self.nodes_only = view.world_size > NODE_VIEW_ABOVE
@@ -350,7 +350,7 @@ class DashboardApp(App[None]):
 
     def action_show_trace(self) -> None:
         capture = self.state.capture if self.state else None
-        if not capture or not capture.get("text"):
+        if capture is None or not capture.text:
             self.notify("no deep trace analysed yet: press t to take one")
             return
         self.push_screen(TraceScreen(capture))

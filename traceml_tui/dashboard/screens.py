@@ -9,6 +9,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
 
+from ..view_state import CaptureView
+
 
 class HelpScreen(ModalScreen[None]):
     """Every key of the dashboard, built from the bindings themselves."""
@@ -58,19 +60,19 @@ class TraceScreen(ModalScreen[None]):
 
     BINDINGS = [Binding("escape,q,T", "dismiss", "Close")]
 
-    def __init__(self, capture: dict) -> None:
+    def __init__(self, capture: CaptureView) -> None:
         super().__init__()
         self.capture = capture
 
     def compose(self) -> ComposeResult:
         cap = self.capture
         with Vertical(id="trace"):
-            yield Label(Text(f"deep trace {cap['id']}: {cap['steps']} steps "
+            yield Label(Text(f"deep trace {cap.id}: {cap.steps} steps "
                              f"(docs/deep-trace.md)"), id="help-title")
             with VerticalScroll():
-                yield Static(Text(cap["text"]))
-            if cap.get("saved"):
-                yield Label(Text(f"saved: {cap['saved']}; traces open in ui.perfetto.dev"),
+                yield Static(Text(cap.text or ""))
+            if cap.saved:
+                yield Label(Text(f"saved: {cap.saved}; traces open in ui.perfetto.dev"),
                             classes="hint")
             yield Label("escape closes this screen", classes="hint")
 

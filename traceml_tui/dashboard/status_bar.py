@@ -37,12 +37,11 @@ class StatusBar(Static):
             text.append(f"  setup checks: {len(state.checks)} (c)",
                         style="bold reverse" if worst != "info" else "bold")
         cap = state.capture
-        if cap:
-            states = set(cap["states"].values())
-            if cap.get("text"):
-                text.append(f"  trace {cap['id']} ready (T)", style="bold")
-            elif states & {"requested", "started"}:
-                text.append(f"  tracing ranks {', '.join(map(str, cap['ranks']))}...",
+        if cap is not None:
+            if cap.text:
+                text.append(f"  trace {cap.id} ready (T)", style="bold")
+            elif cap.tracing:
+                text.append(f"  tracing ranks {', '.join(map(str, cap.ranks))}...",
                             style="bold")
         stale = state.stale
         if stale:
