@@ -113,7 +113,7 @@ async def test_sort_puts_the_slowest_rank_first():
         table = app.query_one(HeatTable)
         # Worst first by default: the straggler leads, marked.
         assert "sort: worst" in text_of(app.query_one(StatusBar))
-        assert table.lines[0].rank == 1 and table.render_line(0).text.startswith("▶")
+        assert table.lines[0].rank == 1 and table.render_line(1).text.startswith("▶")
         await pilot.press("s")
         assert [r.rank for r in table.lines] == [0, 1, 2, 3]
         for _ in range(4):  # rank -> step -> dataloader -> h2d -> forward
@@ -240,7 +240,8 @@ async def test_node_view_shows_each_nodes_worst_and_follows_the_filter():
         nodes = [x for x in table.lines if not hasattr(x, "rank")]
         assert [(x.node, x.ranks) for x in nodes] == [(1, 2)]
         assert nodes[0].worst.step_ms == max(r.step_ms for r in node1[:2])
-        assert table.render_line(0).text.split()[:3] == ["▶node", "1", "node001"]
+        assert table.render_line(0).text.split()[:2] == ["rank", "host"]  # the header
+        assert table.render_line(1).text.split()[:3] == ["▶node", "1", "node001"]
 
 
 async def test_ctrl_c_stops_the_job_under_traceml_run_and_never_in_watch():
@@ -273,7 +274,7 @@ async def test_a_slow_node_and_a_silent_node_are_named():
         assert "ranks 4/6" in status and "nodes 2/3 (waiting for node 2)" in status
         table = app.query_one(HeatTable)
         # Worst first: node 1's ranks lead, marked; node 2's show they are waiting.
-        texts = [table.render_line(y).text for y in range(table.size.height)]
+        texts = [table.render_line(y).text for y in range(1, table.size.height)]
         assert [x.rank for x in table.lines[:2]] == [2, 3]
         assert texts[0].startswith("▶") and texts[1].startswith("▶")
         assert sum("waiting" in t for t in texts) == 2
@@ -366,3 +367,28 @@ async def test_a_view_that_lands_while_widgets_are_gone_is_skipped():
         await app.query_one(StatusBar).remove()
         app.redraw()
         app.lost("collector gone")
+
+
+async def test_the_column_header_stays_on_top_and_scrolls_sideways_with_the_rows():
+    app = DashboardApp(StaticSource(make_state(world_size=64, nproc_per_node=8, steps=12)),
+                       refresh_s=0.05)
+    async with app.run_test(size=(80, 40)) as pilot:
+        await started(app, pilot)
+        table = app.query_one(HeatTable)
+        await until(pilot, lambda: table.max_scroll_y >= 10, "the table was not laid out")
+        assert table.render_line(0).text.split()[:2] == ["rank", "host"]
+        assert table.max_scroll_x >= 20, table.max_scroll_x  # wider than 80 columns
+
+        def scrolled() -> bool:  # layout passes of the first frames may reset it: again
+            table.scroll_to(x=20, y=10, animate=False, immediate=True)
+            return tuple(table.scroll_offset) == (20, 10)
+
+        await until(pilot, scrolled, "the table did not scroll")
+        header = table.render_line(0).text
+        assert "rank" not in header and "opt" in header, header  # sideways with the rows
+        full = table._draw(table.lines[10], False).text  # the 11th line, unscrolled
+        assert table.render_line(1).text.rstrip() == full[20:20 + table.size.width].rstrip()
+        # The header's columns still sit over the row's: "wait" ends where its value ends.
+        line = table.render_line(1).text
+        end = header.index("wait") + len("wait")
+        assert line[end - 1] != " " and line[end] == " ", (header, line)

@@ -25,13 +25,14 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.css.query import NoMatches
-from textual.widgets import Footer, Static
+from textual.reactive import reactive
+from textual.widgets import Footer
 
 from ..private import write_atomic
 from ..view_state import RankDetail, ViewState
 from .banner import Banner
 from .distribution import Distribution
-from .heat_table import SORT_KEYS, HeatTable, header_text
+from .heat_table import SORT_KEYS, HeatTable
 from .rank_panel import RankPanel
 from .screens import ChecksScreen, HelpScreen, PromptScreen, TraceScreen
 from .status_bar import StatusBar
@@ -48,7 +49,7 @@ GC_THRESHOLDS = (20_000, 50, 100)
 NODE_VIEW_ABOVE = 256
 # Up to this many lines the table takes only what it needs and the chart the rest.
 FEW_LINES = 12
-SMALL_ROWS = 30  # a terminal shorter than this shows no worst-rank panel
+SMALL_ROWS = 36  # a terminal shorter than this shows no worst-rank panel
 TRACE_STEPS = 5  # steps a deep trace profiles: enough to average, small enough to read
 
 
@@ -60,6 +61,10 @@ class ViewSource(Protocol):
 
 
 class DashboardApp(App[None]):
+    """State flows down as reactives: a new view, the pinned rank, the sort, the filter
+    and the node view each redraw what depends on them when they change (the pinned rank
+    is bound into the table with data_bind); events flow up as messages."""
+
     CSS_PATH = "dashboard.tcss"
     TITLE = "traceml"
     BINDINGS = [
@@ -87,6 +92,13 @@ class DashboardApp(App[None]):
         Binding("ctrl+c", "stop_job", "Stop the job", show=False, priority=True),
     ]
 
+    state: reactive[ViewState | None] = reactive(None, always_update=True, init=False)
+    pinned: reactive[int | None] = reactive(None, init=False)
+    sort_index: reactive[int] = reactive(0, init=False)
+    reverse: reactive[bool] = reactive(False, init=False)
+    filter_text: reactive[str] = reactive("", init=False)
+    nodes_only: reactive[bool | None] = reactive(None, init=False)  # None: by world size
+
     def __init__(self, source: ViewSource, run_dir: Path | None = None,
                  refresh_s: float = REFRESH_S,
                  stop_job: Callable[[], None] | None = None) -> None:
@@ -95,12 +107,6 @@ class DashboardApp(App[None]):
         self.run_dir = run_dir
         self.refresh_s = refresh_s
         self.stop_job = stop_job
-        self.pinned: int | None = None
-        self.sort_index = 0
-        self.reverse = False
-        self.filter_text = ""
-        self.nodes_only: bool | None = None  # None: decided by the world size
-        self.state: ViewState | None = None
         self.pinned_detail: RankDetail | None = None
         self.source_note = "connecting..."
         self.ended_note = ""
@@ -110,8 +116,7 @@ class DashboardApp(App[None]):
         yield Banner("waiting for the first state...", id="banner")
         yield StatusBar(id="status")
         yield Distribution(id="distribution")
-        yield Static(header_text("cpu"), id="columns")
-        yield HeatTable(id="table")
+        yield HeatTable(id="table").data_bind(DashboardApp.pinned)
         yield TimeChart(id="chart")
         with Horizontal(id="panels"):
             yield RankPanel("worst rank vs median", id="worst")
@@ -145,16 +150,22 @@ class DashboardApp(App[None]):
     def apply(self, view: ViewState, detail: RankDetail | None, note: str) -> None:
         """Replace the whole shown state with a new frozen one."""
         seen = self.state.capture if self.state else None
-        self.state, self.pinned_detail, self.source_note = view, detail, note
+        self.pinned_detail, self.source_note = detail, note
+        if self.nodes_only is None:  # set quietly: the new state redraws below
+            self.set_reactive(DashboardApp.nodes_only, view.world_size > NODE_VIEW_ABOVE)
+        self.state = view  # redraws (watch_state)
         cap = view.capture
         if cap is not None and cap.text and not (seen is not None and seen.text
                                                   and seen.id == cap.id):
             self.notify(f"deep trace {cap.id} analysed: press T to read it"
                         + (f" (saved in {cap.saved})" if cap.saved else ""),
                         title="deep trace", timeout=15)
-        if self.nodes_only is None:
-            self.nodes_only = view.world_size > NODE_VIEW_ABOVE
+
+    def _view_changed(self) -> None:
         self.redraw()
+
+    watch_state = watch_pinned = watch_sort_index = watch_reverse = _view_changed
+    watch_filter_text = watch_nodes_only = _view_changed
 
     def lost(self, reason: str) -> None:
         self.source_note = "collector not answering, retrying" if not self.ended_note else ""
@@ -172,7 +183,6 @@ class DashboardApp(App[None]):
         self.notify(self.ended_note, title="traceml", timeout=30)
         if self.state is not None:
             self.state = replace(self.state, finished=True, exit_code=exit_code)
-            self.redraw()
 
     def on_resize(self) -> None:
         self.redraw()
@@ -182,13 +192,13 @@ class DashboardApp(App[None]):
         the space and the chart what the terminal can spare (4 lines in 80x24)."""
         rows = self.size.height
         chart = self.query_one(TimeChart)
-        base = 4 if rows < SMALL_ROWS else 6 if rows < 42 else 9
+        base = 4 if rows < SMALL_ROWS else 6 if rows < 46 else 9
         few = len(table.lines) <= FEW_LINES
         sizes = ((f"{max(5, len(table.lines))}", "1fr") if few else ("1fr", f"{base}"))
         if (str(table.styles.height), str(chart.styles.height)) != sizes:
             table.styles.height, chart.styles.height = sizes
             chart.styles.min_height = base
-        # Under 30 lines the worst-rank panel does not fit beside the rest: the banner
+        # Under SMALL_ROWS lines the worst-rank panel does not fit beside the rest: the banner
         # names the rank and its gap; a pinned rank's panel still shows.
         worst = self.query_one("#worst", RankPanel)
         if worst.display != (rows >= SMALL_ROWS):
@@ -208,7 +218,6 @@ class DashboardApp(App[None]):
         self.query_one(StatusBar).show(state, self._view_note(), self.source_note)
         self.query_one(Distribution).show(state)
         self.query_one(TimeChart).show(state)
-        self.query_one("#columns", Static).update(header_text(state.device))
         table = self.query_one(HeatTable)
         table.show(state, SORT_KEYS[self.sort_index], self.reverse, self.filter_text,
                    bool(self.nodes_only))
@@ -241,9 +250,7 @@ class DashboardApp(App[None]):
         self.pin(None if message.rank == self.pinned else message.rank)
 
     def pin(self, rank: int | None) -> None:
-        self.pinned = rank
-        self.query_one(HeatTable).set_pinned(rank)
-        self.redraw()
+        self.pinned = rank  # bound into the table; redraws the panels
 
     # --- actions -----------------------------------------------------------------
 
@@ -254,9 +261,7 @@ class DashboardApp(App[None]):
         if rank is None:
             self.notify("no worst rank yet")
             return
-        if self.nodes_only:
-            self.nodes_only = False
-            self.redraw()
+        self.nodes_only = False
         self.query_one(HeatTable).go_to(rank)
         self.pin(rank)
 
@@ -271,9 +276,7 @@ class DashboardApp(App[None]):
             if self.state is None or not 0 <= rank < self.state.world_size:
                 self.notify(f"no rank {rank} in this run", severity="warning")
                 return
-            if self.nodes_only or self.filter_text:
-                self.nodes_only, self.filter_text = False, ""
-                self.redraw()
+            self.nodes_only, self.filter_text = False, ""
             self.query_one(HeatTable).go_to(rank)
             self.pin(rank)
 
@@ -284,24 +287,20 @@ class DashboardApp(App[None]):
 
     def action_sort(self, step: int) -> None:
         self.sort_index = (self.sort_index + step) % len(SORT_KEYS)
-        self.redraw()
 
     def action_reverse(self) -> None:
         self.reverse = not self.reverse
-        self.redraw()
 
     def action_filter(self) -> None:
         def chosen(text: str | None) -> None:
             if text is not None:
                 self.filter_text = text.strip()
-                self.redraw()
 
         self.push_screen(PromptScreen("Filter (rank, 4-7, stale, host):", self.filter_text),
                          chosen)
 
     def action_nodes(self) -> None:
         self.nodes_only = not self.nodes_only
-        self.redraw()
 
     def action_checks(self) -> None:
         self.push_screen(ChecksScreen(self.state.checks if self.state else ()))

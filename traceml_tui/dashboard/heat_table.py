@@ -15,6 +15,7 @@ from rich.style import Style
 from textual.binding import Binding
 from textual.geometry import Size
 from textual.message import Message
+from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
@@ -103,16 +104,18 @@ def node_lines(state: ViewState, rows: list[RankRow], filtered: bool,
 
 
 class HeatTable(ScrollView, can_focus=True):
-    """The rows. The screen owns the pinned rank and binds it in; the table announces
-    cursor moves and pin requests with messages."""
+    """The rows, under their column header (line 0, which scrolls sideways with them and
+    stays on top). The app owns the pinned rank and binds it in (`pinned`); the table
+    asks to pin with a message."""
 
     COMPONENT_CLASSES = {
         "heat-table--cursor", "heat-table--pinned", "heat-table--node", "heat-table--dim",
         "heat-table--heat-1", "heat-table--heat-2", "heat-table--heat-3",
-        "heat-table--stale", "heat-table--failed",
+        "heat-table--stale", "heat-table--failed", "heat-table--header",
     }
     DEFAULT_CSS = """
     HeatTable { height: 1fr; }
+    HeatTable > .heat-table--header { text-style: bold; background: $panel; }
     HeatTable > .heat-table--cursor { background: $accent 40%; }
     HeatTable > .heat-table--pinned { text-style: bold; color: $text-accent; }
     HeatTable > .heat-table--node { color: $text-muted; text-style: bold; }
@@ -135,22 +138,19 @@ class HeatTable(ScrollView, can_focus=True):
         Binding("enter,p", "pin", "Pin", tooltip="Pin the rank under the cursor (again: unpin)"),
     ]
 
-    class CursorMoved(Message):
-        def __init__(self, rank: int | None) -> None:
-            super().__init__()
-            self.rank = rank
-
     class PinRequested(Message):
         def __init__(self, rank: int) -> None:
             super().__init__()
             self.rank = rank
 
+    pinned: reactive[int | None] = reactive(None)  # bound from the app
+
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.lines: list[Line] = []
         self.cursor = 0
-        self.pinned: int | None = None
         self.state: ViewState | None = None
+        self.header = header_text("cpu")
         self.subject: frozenset[int] = frozenset()  # the ranks the diagnosis names
         self.subject_node: int | None = None
         self._cache: dict[tuple, Strip] = {}
@@ -180,7 +180,8 @@ class HeatTable(ScrollView, can_focus=True):
         self.state = state
         self.lines = lines
         self._cache.clear()
-        self.virtual_size = Size(len(header_text(state.device)) + 2, len(lines))
+        self.header = header_text(state.device)
+        self.virtual_size = Size(len(self.header) + 2, len(lines) + 1)  # + the header
         self._place_cursor(cursor_key)
         self.refresh()
 
@@ -213,8 +214,7 @@ class HeatTable(ScrollView, can_focus=True):
                 return True
         return False
 
-    def set_pinned(self, rank: int | None) -> None:
-        self.pinned = rank
+    def watch_pinned(self) -> None:
         self._cache.clear()
         self.refresh()
 
@@ -232,13 +232,12 @@ class HeatTable(ScrollView, can_focus=True):
     def _set_cursor(self, index: int) -> None:
         old, self.cursor = self.cursor, index
         self._cache.clear()
-        self.refresh_line(old - self.scroll_offset.y)
-        self.refresh_line(index - self.scroll_offset.y)
+        self.refresh_line(old - self.scroll_offset.y + 1)
+        self.refresh_line(index - self.scroll_offset.y + 1)
         self.scroll_to_region_if_needed(index)
-        self.post_message(self.CursorMoved(self.cursor_rank))
 
     def scroll_to_region_if_needed(self, index: int) -> None:
-        top, height = self.scroll_offset.y, self.size.height
+        top, height = self.scroll_offset.y, self.size.height - 1  # under the header
         if index < top:
             self.scroll_to(y=index, animate=False)
         elif index >= top + height:
@@ -248,8 +247,11 @@ class HeatTable(ScrollView, can_focus=True):
 
     def render_line(self, y: int) -> Strip:
         scroll_x, scroll_y = self.scroll_offset
-        index = scroll_y + y
         width = self.size.width
+        if y == 0:  # the header: on top whatever the rows' scroll, sideways with them
+            return Strip([Segment(self.header.ljust(self.virtual_size.width),
+                                  self._style("header"))]).crop(scroll_x, scroll_x + width)
+        index = scroll_y + y - 1
         if index >= len(self.lines) or self.state is None:
             return Strip.blank(width)
         line = self.lines[index]
