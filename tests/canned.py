@@ -122,3 +122,26 @@ def with_history(state: RunState, seconds: float = 75.0, onset_s: float = 25.0,
                            step_ms * 0.45 + (extra_ms if slow else 0.0)))
         t += 0.5
     return state
+
+
+def make_hang_state(world_size: int = 8, stuck: int = 5) -> RunState:
+    """A hang: every rank stopped stepping 30 s ago; rank `stuck` is a step behind, in its
+    forward, with the stack its agent sent, the others wait in an all_reduce."""
+    state = with_history(make_state(world_size=world_size, straggler=None), seconds=75.0,
+                         onset_s=1e9)
+    for rank, rs in state.ranks.items():
+        rs.since_step_at_msg_s = 30.0
+        behind = rank == stuck
+        rs.heartbeat = {"step": rs.steps - (1 if behind else 0),
+                        "collectives": 2 * rs.steps - (2 if behind else 0),
+                        "phase": "forward" if behind else "sync",
+                        "in_collective": None if behind else "all_reduce"}
+        if behind:
+            rs.steps -= 1
+            rs.stacks = (("MainThread",
+                          'File "train.py", line 212, in <module>\n    main()\n'
+                          'File "train.py", line 180, in main\n    loss = model(batch)\n'
+                          'File "model.py", line 77, in forward\n'
+                          '    tokens = self.tokenizer.lookup(ids)  # waits on a lock\n'),)
+    state.evaluate(T0 + 75.0, mono_now=0.5)
+    return state

@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import pytest
 
-from canned import StaticSource, make_state, with_history
+from canned import StaticSource, make_hang_state, make_state, with_history
 from traceml_agent.checks import Finding
 from traceml_tui.dashboard import DashboardApp
+from traceml_tui.view_state import CaptureView
 
 WIDE = (150, 46)
 NARROW = (80, 24)
 
 
 def app_of(state) -> DashboardApp:
-    return DashboardApp(StaticSource(state), refresh_s=0.05)
+    source = StaticSource(state)
+    if getattr(state, "capture_view", None) is not None:
+        source.capture_view = state.capture_view
+    return DashboardApp(source, refresh_s=0.05)
 
 
 def after(*keys: str):
@@ -51,6 +55,20 @@ def three_nodes_with_a_finding():
                       silent_nodes=(2,), findings=(found,))
 
 
+def deep_trace():
+    """The straggler with an analysed deep trace (read with T)."""
+    state = straggler()
+    state.capture_view = CaptureView(
+        3, 5, (2, 5), {"2": "worst", "5": "median"}, {"2": "done", "5": "done"}, {}, {},
+        "Deep trace 3: 5 profiled steps, rank 2 (worst) beside rank 5 (median)\n\n"
+        "metric                      rank 2   rank 5    delta\n"
+        "dataloader per step (ms)     30.31     0.30   +30.01\n"
+        "forward per step (ms)         1.02     1.03    -0.01\n"
+        "top CPU ops of rank 2: time.sleep (collate_fn) 30.2 ms/step\n",
+        "/runs/demo/traces/capture3.json")
+    return state
+
+
 CASES = [
     ("straggler", straggler, WIDE, ()),
     ("straggler-narrow", straggler, NARROW, ()),
@@ -59,6 +77,8 @@ CASES = [
     ("slow-node-and-silent-node", three_nodes_with_a_finding, WIDE, ()),
     ("setup-checks", three_nodes_with_a_finding, WIDE, ("c",)),
     ("help", straggler, WIDE, ("question_mark",)),
+    ("hang-with-stack", make_hang_state, WIDE, ()),
+    ("deep-trace", deep_trace, WIDE, ("T",)),
 ]
 
 
