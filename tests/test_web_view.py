@@ -119,7 +119,9 @@ def test_the_dashboard_in_a_browser_shows_the_diagnosis(tmp_path):
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
     finally:
         for proc in procs:
-            kill_session(proc)
+            kill_session(proc)  # its children (the tab's viewer) ...
+            proc.kill()  # ... and itself: it is not a session leader
+            proc.wait(10)
         job.send_signal(signal.SIGINT)
         try:
             job.wait(60)
