@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--hang-after", type=float, default=None, metavar="SECONDS",
                      help="report HANG after this long without a step on any rank "
                           "(default: 20 median steps, at least 10 s)")
+    run.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                     help="serve Prometheus metrics at http://HOST:PORT/metrics on node 0 "
+                          "(docs/metrics.md)")
+    run.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                     help="address the metrics bind (default 127.0.0.1; 0.0.0.0 for a "
+                          "Prometheus on another host)")
     run.add_argument("--headless", action="store_true",
                      help="no dashboard: print progress and a text summary at the end")
     run.add_argument("--preflight", action="store_true",
@@ -175,6 +181,8 @@ def _cmd_run(parser: argparse.ArgumentParser, argv: list[str], full_argv: list[s
               "instead (attach one with: traceml watch)", file=sys.stderr, flush=True)
     if args.hang_after is not None and args.hang_after <= 0:
         run_parser.error("--hang-after must be a positive number of seconds")
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
+        run_parser.error(f"--metrics-port {args.metrics_port} is not a TCP port")
     try:
         nodes = _node_flags(args, Path(args.script))
     except SlurmError as exc:
@@ -188,7 +196,8 @@ def _cmd_run(parser: argparse.ArgumentParser, argv: list[str], full_argv: list[s
         command=["traceml", *full_argv], hang_after=args.hang_after,
         nccl_debug=args.nccl_debug, preflight=args.preflight,
         collector_addr=args.collector_addr, collector_port=args.collector_port,
-        relay=not args.no_relay, **nodes)
+        relay=not args.no_relay, metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host, **nodes)
     try:
         return run(opts)
     except LaunchError as exc:

@@ -434,6 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the preflight's netcheck.json (traceml run --preflight)")
     p.add_argument("--parent-pid", type=int, default=None, metavar="PID",
                    help="the launcher's pid: if it dies, write the record and exit")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at /metrics on this port (docs/metrics.md)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="address the metrics bind (default 127.0.0.1)")
     p.add_argument("--exit-when-done", action="store_true",
                    help="write the summary and exit once every rank has said goodbye")
     return p
@@ -488,6 +492,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     collector.exit_when_done = args.exit_when_done
     collector.parent_pid = args.parent_pid
+    if args.metrics_port is not None:
+        try:
+            from . import metrics
+
+            views = collector.views
+            metrics.serve(lambda: (views.now, views.snap), state.run_name, args.metrics_host,
+                          args.metrics_port)
+        except (ImportError, OSError) as exc:  # the run goes on without the metrics
+            print(f"[traceml] collector: no Prometheus metrics on {args.metrics_host}:"
+                  f"{args.metrics_port}: {exc}", file=sys.stderr, flush=True)
+        else:
+            print(f"[traceml] collector: Prometheus metrics at http://{args.metrics_host}:"
+                  f"{args.metrics_port}/metrics", file=sys.stderr, flush=True)
 
     def on_term(signum: int, frame: Any) -> None:
         collector.stopping = True

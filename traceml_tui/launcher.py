@@ -86,6 +86,9 @@ class RunOptions:
     # Another node's ranks reach node 0 through a relay on their own node (relay.py):
     # one connection and one message per node per tick at node 0, not one per rank.
     relay: bool = True
+    # Prometheus metrics on node 0 (metrics.py): the port, and the address it binds.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     @property
     def world_size(self) -> int:
@@ -226,6 +229,8 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
         cmd += ["--hang-after", repr(opts.hang_after)]
     if opts.preflight:
         cmd += ["--preflight", str(run_dir / NETCHECK_JSON)]
+    if opts.metrics_port is not None:
+        cmd += ["--metrics-port", str(opts.metrics_port), "--metrics-host", opts.metrics_host]
     # The secret travels in the environment, never on a command line others can read.
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                             start_new_session=True, env={**os.environ, env.SECRET: secret})
