@@ -109,6 +109,14 @@ def wait_forever() -> None:
         time.sleep(1.0)
 
 
+def block_in_c_holding_the_gil() -> None:
+    """libc's pause() through ctypes.PyDLL, which (unlike CDLL) keeps the GIL: like a
+    stuck NCCL call or a deadlocked extension, no Python thread of the process runs."""
+    import ctypes
+
+    ctypes.PyDLL(None).pause()
+
+
 def slow_startup(seconds: float) -> None:
     time.sleep(seconds)  # e.g. loading a checkpoint or a tokenizer
 
@@ -130,6 +138,9 @@ def main() -> None:
     p.add_argument("--fail-at-step", type=int, default=10)
     p.add_argument("--hang-rank", type=int, default=None)
     p.add_argument("--skip-collective-rank", type=int, default=None)
+    p.add_argument("--gil-hang-rank", type=int, default=None,
+                   help="this rank blocks in a C call that holds the GIL at --hang-at-step "
+                        "(its agent's thread can then send nothing: a native-code hang)")
     p.add_argument("--extra-collective-rank", type=int, default=None,
                    help="this rank alone enters an all_reduce at --hang-at-step")
     p.add_argument("--hang-at-step", type=int, default=20)
@@ -175,6 +186,8 @@ def main() -> None:
         for x, y in loader:
             if args.hang_rank == rank and step == args.hang_at_step:
                 wait_forever()  # e.g. a deadlock in this rank's own code
+            if args.gil_hang_rank == rank and step == args.hang_at_step:
+                block_in_c_holding_the_gil()
             nccl(f"AllReduce: opCount {step:x} size 4 datatype 7 op 0 root 0 comm 0x5a5a "
                  f"[nranks={world}] stream 0x0")
             if args.skip_collective_rank is not None and step == args.hang_at_step:

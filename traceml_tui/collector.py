@@ -120,6 +120,23 @@ def finish_request_error(request: dict[str, Any]) -> str | None:
     return None
 
 
+NATIVE_STACK_MAX = 16_000  # characters of one py-spy dump
+
+
+def native_stack_error(request: dict[str, Any], world_size: int) -> str | None:
+    """What is wrong with a "native_stack" request, or None."""
+    if set(request) != {"op", "rank", "pid", "text"}:
+        return "fields must be op, rank, pid, text"
+    rank, pid, text = request["rank"], request["pid"], request["text"]
+    if type(rank) is not int or not 0 <= rank < world_size:
+        return "rank out of range"
+    if type(pid) is not int or pid <= 0:
+        return "pid must be a positive integer"
+    if not isinstance(text, str) or len(text) > NATIVE_STACK_MAX:
+        return f"text must be a string of at most {NATIVE_STACK_MAX} characters"
+    return None
+
+
 def recv_hwm(world_size: int) -> int:
     return min(MAX_RECV_HWM, max(MIN_RECV_HWM,
                                  RECV_BACKLOG_BYTES // QUEUED_MESSAGE_BYTES // max(1, world_size)))
@@ -327,6 +344,11 @@ class Collector:
             return
         if op == "ping":
             self.control.send_json({"ok": True, "ranks": len(self.state.ranks)})
+        elif op == "native_stack":  # from node 0's launcher (native_stacks.py)
+            problem = native_stack_error(request, self.state.world_size)
+            if problem is None:
+                self.state.set_native_stack(request["rank"], request["pid"], request["text"])
+            self.control.send_json({"ok": problem is None, "error": problem})
         elif op == "finish":
             problem = finish_request_error(request)
             if problem:  # the record is only ever finished by a well-formed request

@@ -41,6 +41,7 @@ from traceml_agent.vocab import (
 
 from . import nccl_debug, private, summary
 from .job_output import Progress, Tee, parse_root_cause, read_tail
+from .native_stacks import NativeStackWatcher, control_sender
 
 if TYPE_CHECKING:
     from .relay import RelayProcess
@@ -675,6 +676,10 @@ def run(opts: RunOptions) -> int:
         signals.proc = proc
         stderr_tail = Tee(proc.stderr) if log is None else None
         _start_handover(opts, node, run_dir, port, proc)
+        stop_watching = threading.Event()
+        if node.control is not None and node.secret is not None:  # node 0
+            NativeStackWatcher(run_dir, 0, control_sender(node.control, node.secret),
+                               stop_watching).start()
 
         def finish() -> dict[str, Any]:
             rc = _wait(proc, signals, progress if opts.headless else None)
@@ -699,6 +704,7 @@ def run(opts: RunOptions) -> int:
             reply = finish()
         else:
             reply = _with_dashboard(node, run_dir, signals, finish, progress)
+    stop_watching.set()
     if log is not None:
         log.close()
     if node.collector is not None:

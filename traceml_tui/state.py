@@ -15,6 +15,7 @@ from typing import Any
 
 from traceml_agent.checks import Finding
 from traceml_agent.protocol import PHASES, Identity, Message
+from traceml_agent.sanitize import clean_text
 from traceml_agent.vocab import LOCAL_PHASES
 
 from . import cost, hang
@@ -45,6 +46,8 @@ MAX_RELAYS = 1 << 16  # one per node; a key holder cannot make us keep more
 # two typical steps, so a rank stalling on every other step fills 256; past that the
 # oldest go (they have left the window anyway, or it is no rhythm but a slow rank).
 MAX_STALLS = 256
+# The thread name a stack taken from outside the process is shown under.
+NATIVE_THREAD = "native (py-spy dump --native, innermost first)"
 # Distinct phase names a run may use: the standard ones plus the agent's custom limit.
 MAX_RUN_PHASES = 24
 
@@ -321,7 +324,11 @@ class RunState:
             # They belong to the stall after the last step seen (a rank's messages arrive
             # in order): cleared when it steps again, so an old stall's stack is never
             # shown for a healthy rank or a later hang.
-            rs.stacks = msg.body["stacks"]
+            # A stack taken from outside during this same stall (set_native_stack) stays:
+            # it shows where the process was while it could not speak.
+            native = tuple(st for st in rs.stacks if st[0] == NATIVE_THREAD
+                           and rs.stacks_after_step == rs.last_step)
+            rs.stacks = (*msg.body["stacks"], *native)
             rs.nccl = msg.body.get("nccl")
             rs.stacks_after_step = rs.last_step
         elif kind == "hello":
@@ -378,6 +385,17 @@ class RunState:
         if rs.stacks and rs.last_step > rs.stacks_after_step:
             rs.stacks = ()
             rs.nccl = None
+
+    def set_native_stack(self, rank: int, pid: int, text: str) -> None:
+        """A stuck rank's stack taken from outside (native_stacks.py): kept beside any
+        the rank sent itself, for this stall only, and only for the process that is
+        that rank now (a restarted rank has another pid)."""
+        rs = self.ranks.get(rank)
+        if rs is None or rs.ident.pid != pid:
+            return
+        named = [(n, t) for n, t in rs.stacks if n != NATIVE_THREAD]
+        rs.stacks = (*named, (NATIVE_THREAD, clean_text(text)))
+        rs.stacks_after_step = rs.last_step
 
     def set_preflight(self, result: dict[str, Any]) -> None:
         self.preflight = result

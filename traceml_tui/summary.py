@@ -312,9 +312,7 @@ def render_text(doc: dict[str, Any]) -> str:
         for rank in hang_doc["ranks"][:2]:
             threads = hang_doc["stacks"].get(str(rank)) or []
             if threads:
-                tail = threads[0]["stack"].rstrip().splitlines()[-6:]
-                lines += ["", f"Rank {rank}, {threads[0]['thread']}, innermost call last:"] + [
-                    f"  {t}" for t in tail]
+                lines += [""] + _stack_lines(rank, threads[0])
     if hang_doc:
         logged = [p for p in hang_doc.get("progress", []) if p.get("nccl")]
         if logged:  # --nccl-debug: the seed's opCount comparison, done for the user
@@ -374,6 +372,19 @@ def cost_lines(c: dict[str, Any] | None) -> list[str]:
         out.append(f"  The run lost {c['lost_s']:.1f} s to it{share}: "
                    f"{c['gpu_hours_lost']:.3g} {c['hours_unit']}-hours.")
     return out
+
+
+def _stack_lines(rank: int, thread: dict[str, Any]) -> list[str]:
+    """A rank's stack in a few lines: the innermost calls of its own (Python, innermost
+    last), or of a stack taken from outside (py-spy: the main thread, innermost first)."""
+    text = thread["stack"].rstrip().splitlines()
+    if thread["thread"].startswith("native"):
+        start = next((i + 1 for i, t in enumerate(text) if "MainThread" in t), 0)
+        calls = [t.strip() for t in text[start:start + 8] if t.startswith("    ")]
+        return [f"Rank {rank}, taken from outside (py-spy --native), innermost call "
+                f"first:"] + [f"  {t}" for t in calls]
+    return [f"Rank {rank}, {thread['thread']}, innermost call last:"] + [
+        f"  {t}" for t in text[-6:]]
 
 
 def _signal_name(signum: int) -> str:

@@ -1,0 +1,111 @@
+"""Stacks of ranks stuck in native code, taken from outside the process.
+
+A rank inside a C call that holds the GIL (a stuck NCCL call, a deadlocked extension, a
+hung cudaMemcpy) cannot run its agent's thread: it sends no stack and goes silent. While
+the collector reports a hang, node 0's `traceml run` (the ranks' ancestor, which Linux's
+Yama ptrace rule lets inspect them) takes each culprit's Python and native stack with
+`py-spy dump --native` and hands it to the collector, which shows it in the hang report
+(docs/hangs.md). Best effort: without py-spy, or where ptrace is forbidden, nothing
+changes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+from traceml_agent.vocab import LIVE_SNAPSHOT_JSON
+
+DUMP_TIMEOUT_S = 20.0
+POLL_S = 1.0
+MAX_STACK_CHARS = 16_000  # the collector refuses more (NATIVE_STACK_MAX)
+
+
+def dump(pid: int, py_spy: str | None = None) -> str | None:
+    """The process' threads, Python and native frames, as py-spy prints them; None if it
+    could not be read (no py-spy, no permission, the process is gone)."""
+    exe = py_spy or shutil.which("py-spy")
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run([exe, "dump", "--native", "--pid", str(pid)], capture_output=True,
+                              text=True, timeout=DUMP_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0 or not done.stdout.strip():
+        return None
+    return done.stdout[:MAX_STACK_CHARS]
+
+
+def stuck_ranks(doc: dict[str, Any], node: int) -> list[tuple[int, int]]:
+    """(rank, pid) of this node's ranks that a live snapshot's hang names and that sent
+    no stack of their own."""
+    hang = doc.get("hang")
+    if not isinstance(hang, dict):
+        return []
+    named = set(hang.get("ranks") or [])
+    have = set((hang.get("stacks") or {}).keys())
+    out = []
+    for r in doc.get("ranks") or []:
+        if (r.get("rank") in named and r.get("node") == node and str(r["rank"]) not in have
+                and isinstance(r.get("pid"), int) and r["pid"] > 0):
+            out.append((r["rank"], r["pid"]))
+    return out
+
+
+class NativeStackWatcher(threading.Thread):
+    """Watches the run's live snapshot; when a hang names ranks of this node without a
+    stack, dumps them once per hang and sends each to the collector (`send`)."""
+
+    def __init__(self, run_dir: Path, node: int, send: Any, stop: threading.Event) -> None:
+        super().__init__(name="traceml-native-stacks", daemon=True)
+        self.run_dir = run_dir
+        self.node = node
+        self.send = send
+        self.stop = stop
+        self.py_spy = shutil.which("py-spy")
+        self.done: set[tuple[int, str]] = set()  # (rank, hang since): dumped already
+
+    def run(self) -> None:
+        if self.py_spy is None:
+            return
+        while not self.stop.wait(POLL_S):
+            try:
+                doc = json.loads((self.run_dir / LIVE_SNAPSHOT_JSON).read_text())
+            except (OSError, ValueError):
+                continue
+            since = str((doc.get("hang") or {}).get("since"))
+            for rank, pid in stuck_ranks(doc, self.node):
+                if (rank, since) in self.done:
+                    continue
+                self.done.add((rank, since))
+                text = dump(pid, self.py_spy)
+                if text is not None:
+                    self.send({"op": "native_stack", "rank": rank, "pid": pid, "text": text})
+
+
+def control_sender(control: str, secret: str, timeout_s: float = 5.0) -> Any:
+    """A function that sends one request to the collector's control socket (CURVE, as
+    the launcher's own requests) and waits briefly for its answer."""
+    import zmq
+
+    from traceml_agent import keys
+
+    def send(request: dict[str, Any]) -> dict[str, Any] | None:
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        keys.secure_client(sock, keys.derive(secret))
+        sock.connect(control)
+        try:
+            sock.send_json(request)
+            return sock.recv_json() if sock.poll(int(timeout_s * 1000)) else None
+        except zmq.ZMQError:
+            return None
+        finally:
+            sock.close()
+
+    return send
