@@ -109,8 +109,8 @@ def test_srun_runs_traceml_as_a_job_step(slurm, tmp_path):
     done = subprocess.run(
         ["srun", "-N1", "--ntasks-per-node=1", sys.executable, "-m", "traceml_tui", "run",
          str(EXAMPLES / "ddp_toy.py"), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--out", str(out), "--headless", "--", "--scenario", "input", "--rank", "1", "--delay-ms", "25",
-         "--steps", "80"],
+         "--out", str(out), "--headless", "--", "--scenario", "input", "--rank", "1",
+         "--delay-ms", "25", "--steps", "80"],
         env={**slurm, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
         cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-3000:]

@@ -75,7 +75,8 @@ class RunMetrics(Collector):
         base = {"job": self.run_name, **job_labels()}
         keys, values = list(base), list(base.values())
 
-        def gauge(name: str, doc: str, labels: list[str] = ()) -> GaugeMetricFamily:
+        def gauge(name: str, doc: str, labels: tuple[str, ...] | list[str] = ()
+                  ) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, labels=keys + list(labels))
 
         step = gauge("traceml_rank_step_seconds", "A rank's median step over its recent "

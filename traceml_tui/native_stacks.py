@@ -96,13 +96,16 @@ def control_sender(control: str, secret: str, timeout_s: float = 5.0) -> Any:
     from traceml_agent import keys
 
     def send(request: dict[str, Any]) -> dict[str, Any] | None:
-        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock: zmq.Socket = zmq.Context.instance().socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         keys.secure_client(sock, keys.derive(secret))
         sock.connect(control)
         try:
             sock.send_json(request)
-            return sock.recv_json() if sock.poll(int(timeout_s * 1000)) else None
+            if not sock.poll(int(timeout_s * 1000)):
+                return None
+            reply = sock.recv_json()
+            return reply if isinstance(reply, dict) else None
         except zmq.ZMQError:
             return None
         finally:
