@@ -110,7 +110,7 @@ def test_srun_runs_traceml_as_a_job_step(slurm, tmp_path):
         ["srun", "-N1", "--ntasks-per-node=1", sys.executable, "-m", "traceml_tui", "run",
          str(EXAMPLES / "ddp_toy.py"), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
          "--out", str(out), "--headless", "--", "--scenario", "input", "--rank", "1",
-         "--delay-ms", "25", "--steps", "80"],
+         "--delay-ms", "25", "--steps", "50"],
         env={**slurm, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
         cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-3000:]
@@ -132,7 +132,7 @@ def test_sbatch_of_the_example_script(slurm, tmp_path):
               .replace("OUT=$HOME/traceml_runs", f"OUT={out}")
               .replace("srun traceml run train.py", f"srun {sys.executable} -m traceml_tui run "
                                                     f"{EXAMPLES / 'ddp_toy.py'}")
-              .replace("-- --epochs 10", "--master-addr 127.0.0.1 --headless -- --steps 40"))
+              .replace("-- --epochs 10", "--master-addr 127.0.0.1 --headless -- --steps 30"))
     assert "ddp_toy.py" in script and "--nodes=2" in script  # the example still has them
     batch = tmp_path / "train.sbatch"
     batch.write_text(script)
@@ -146,7 +146,7 @@ def test_sbatch_of_the_example_script(slurm, tmp_path):
     run_dir = out / f"ddp_toy-slurm{job_id}"
     doc = json.loads((run_dir / "final_summary.json").read_text())
     assert doc["complete"] and doc["run"]["exit_code"] == 0 and doc["run"]["nnodes"] == 2
-    assert [r["steps"] for r in doc["ranks"]] == [40] * doc["run"]["world_size"]
+    assert [r["steps"] for r in doc["ranks"]] == [30] * doc["run"]["world_size"]
 
 
 def test_srun_on_two_nodes_names_the_slow_rank(slurm, tmp_path):
@@ -156,7 +156,7 @@ def test_srun_on_two_nodes_names_the_slow_rank(slurm, tmp_path):
         ["srun", "-N2", "--ntasks-per-node=1", sys.executable, "-m", "traceml_tui", "run",
          str(EXAMPLES / "ddp_toy.py"), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
          "--out", str(out), "--headless", "--", "--scenario", "input", "--rank", "1",
-         "--delay-ms", "25", "--steps", "60"],
+         "--delay-ms", "25", "--steps", "50"],
         env={**slurm, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
         cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-3000:]
