@@ -18,17 +18,14 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from traceml_agent.vocab import WAITING_PHASES
-
 from .state import Snapshot
-from .view_state import VIEW_PHASES, RankRow, ViewState
+from .view_state import VIEW_PHASES, RankRow, ViewState, own_work
 
 # Every rank gets its own series up to this many ranks (8 phase series + 2 per rank:
 # ~10k series at 1,024 ranks, what one Prometheus takes per job without notice) ...
 PER_RANK_ALL = 1024
 # ... and above it only the subject and the ranks furthest from the median rank do.
 PER_RANK_WORST = 64
-OWN = tuple(i for i, p in enumerate(VIEW_PHASES) if p not in WAITING_PHASES)
 
 Source = Callable[[], tuple[ViewState | None, Snapshot | None]]
 
@@ -46,11 +43,11 @@ def ranks_to_export(view: ViewState) -> list[RankRow]:
     rows = [r for r in view.rows if r.step_ms is not None]
     if len(rows) <= PER_RANK_ALL:
         return rows
-    mid = sum(v for i in OWN if (v := view.median_phase_ms[i]) is not None)
+    mid = own_work(view.median_phase_ms) or 0.0
 
     def far(r: RankRow) -> float:
-        own = [v for i in OWN if (v := r.phase_ms[i]) is not None]
-        return abs(sum(own) - mid) if own else 0.0
+        own = own_work(r.phase_ms)
+        return 0.0 if own is None else abs(own - mid)
 
     subject = {view.rank} if view.node is None else {r.rank for r in rows if r.node == view.node}
     ranked = sorted(rows, key=lambda r: (r.rank not in subject, -far(r), r.rank))

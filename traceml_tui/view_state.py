@@ -14,7 +14,7 @@ from __future__ import annotations
 import msgspec
 from msgspec import Struct
 
-from traceml_agent.vocab import PHASES
+from traceml_agent.vocab import PHASES, WAITING_PHASES
 
 # Columns of the heat rows, in order.
 VIEW_PHASES = PHASES
@@ -155,6 +155,16 @@ class ViewState(Struct, frozen=True):
     @property
     def stale(self) -> tuple[int, ...]:
         return tuple(r.rank for r in self.rows if r.status == STALE)
+
+
+# Columns of a rank's own work (input and compute): not the time it waits for others.
+OWN_COLUMNS = tuple(i for i, p in enumerate(VIEW_PHASES) if p not in WAITING_PHASES)
+
+
+def own_work(phase_ms: tuple[float | None, ...]) -> float | None:
+    """A rank's own work per step from its phase columns; None when none was measured."""
+    vals = [v for i in OWN_COLUMNS if (v := phase_ms[i]) is not None]
+    return sum(vals) if vals else None
 
 
 def _worst(values: list[float | None]) -> float | None:

@@ -7,26 +7,17 @@ rank. Pure functions over the view model, used by the heat table.
 
 from __future__ import annotations
 
-from traceml_agent.vocab import WAITING_PHASES
-
-from ..view_state import FAILED, STALE, VIEW_PHASES, RankRow, ViewState
+from ..view_state import FAILED, OWN_COLUMNS, STALE, RankRow, ViewState, own_work
 
 WORST = "worst"
 # Columns that are a rank's own work (not time spent waiting for the others).
-OWN = tuple(i for i, p in enumerate(VIEW_PHASES) if p not in WAITING_PHASES)
+OWN = OWN_COLUMNS
 assert len(OWN) == 5, "worst_first unrolls the own-work columns"
 ALARMING = frozenset({FAILED, STALE})
 
 
-def own_work(row: RankRow) -> float | None:
-    """A rank's own work per step (input and compute, no waits); None if unmeasured."""
-    vals = [v for i in OWN if (v := row.phase_ms[i]) is not None]
-    return sum(vals) if vals else None
-
-
 def median_own(state: ViewState) -> float | None:
-    vals = [v for i in OWN if (v := state.median_phase_ms[i]) is not None]
-    return sum(vals) if vals else None
+    return own_work(state.median_phase_ms)
 
 
 def subject_ranks(state: ViewState) -> frozenset[int]:
@@ -38,7 +29,7 @@ def subject_ranks(state: ViewState) -> frozenset[int]:
 
 def distance(row: RankRow, mid: float | None) -> float:
     """How far a rank's own work is from the median rank's (ms); 0 when unknown."""
-    own = own_work(row)
+    own = own_work(row.phase_ms)
     return 0.0 if own is None or mid is None else abs(own - mid)
 
 
