@@ -1,8 +1,8 @@
 """`traceml run --nccl-debug LEVEL`: the debug environment of seed 003, set per rank.
 
 The seed's wrapper sets NCCL_DEBUG, NCCL_DEBUG_SUBSYS and NCCL_DEBUG_FILE for every
-rank and TORCH_DISTRIBUTED_DEBUG (DETAIL; here only at TRACE, see TORCH_DEBUG), then
-greps each rank's last opCount by hand.
+rank and TORCH_DISTRIBUTED_DEBUG=DETAIL (here never, see TORCH_DEBUG), then greps each
+rank's last opCount by hand.
 Here every rank logs to its own file inside the run folder (never a shared /tmp path:
 the folder is private, docs/security.md), named by NCCL itself from host and pid, and the
 agents read their own tails when they stall (traceml_agent/nccl_log.py), so a HANG shows
@@ -26,10 +26,10 @@ SUBSYSTEMS = "INIT,NET,COLL"
 FLIGHT_RECORDER_ENTRIES = 2000
 # TORCH_DISTRIBUTED_DEBUG: INFO already makes DDP name the parameters that got no
 # gradient (by index). DETAIL (names, and a check of every collective's shapes across
-# ranks) only with TRACE: with torch 2.13 on gloo it killed a plain DDP job with SIGSEGV
-# at its first step (examples/ddp_toy.py, with or without traceml), and a debug flag
-# must not take the job down.
-TORCH_DEBUG = {"WARN": "INFO", "INFO": "INFO", "TRACE": "DETAIL"}
+# ranks) is never set, at any level: with torch 2.13 on gloo it killed a plain DDP job
+# with SIGSEGV at its first step (examples/ddp_toy.py, with or without traceml), and a
+# debug flag must not take the job down. A user who wants it sets it themselves.
+TORCH_DEBUG = {"WARN": "INFO", "INFO": "INFO", "TRACE": "INFO"}
 
 
 def environment(level: str, run_dir: Path) -> dict[str, str]:
