@@ -24,6 +24,7 @@ scripts that call `traceml_agent.init()` themselves.
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import os
 import signal
@@ -120,6 +121,11 @@ def finish_request_error(request: dict[str, Any]) -> str | None:
     return None
 
 
+# Control requests only the launcher may make: with --control-key-stdin they must carry
+# the key it wrote to our stdin (never in an environment, argument or file a rank sees).
+LAUNCHER_OPS = ("finish", "native_stack")
+CONTROL_KEY_CHARS = 64
+
 NATIVE_STACK_MAX = 16_000  # characters of one py-spy dump
 
 
@@ -197,6 +203,7 @@ class Collector:
         self.finish_quiet_s = QUIET_S
         self.exit_when_done = False
         self.parent_pid: int | None = None  # the launcher, watched when given
+        self.control_key: str | None = None  # --control-key-stdin: the launcher's key
 
     def _keep_earlier_record(self) -> str | None:
         live = self.run_dir / LIVE_SNAPSHOT_JSON
@@ -315,7 +322,7 @@ class Collector:
         except ProtocolError:
             self.state.count_malformed()
             return
-        if not self.state.ingest(msg, mono):
+        if not self.state.ingest(msg, mono, route):  # a live rank's record is its connection's
             return
         rank = msg.ident.rank
         self.routes[rank] = route
@@ -342,6 +349,13 @@ class Collector:
         except (ValueError, AttributeError, RecursionError):
             self.control.send_json({"ok": False, "error": "bad request"})
             return
+        if op in LAUNCHER_OPS and not self._from_launcher(request.pop("key", None)):
+            # The run's secret is in every rank: it admits a peer to this socket, but
+            # only the launcher's own key ends the record or adds a stack to it.
+            counters = self.state.counters
+            counters["control_refused"] = counters.get("control_refused", 0) + 1
+            self.control.send_json({"ok": False, "error": f"{op} refused: not the launcher"})
+            return
         if op == "ping":
             self.control.send_json({"ok": True, "ranks": len(self.state.ranks)})
         elif op == "native_stack":  # from node 0's launcher (native_stacks.py)
@@ -357,6 +371,14 @@ class Collector:
             self.start_finish(request, reply_to_launcher=True)  # answered when written
         else:
             self.control.send_json({"ok": False, "error": f"unknown op {op!r}"})
+
+    def _from_launcher(self, key: object) -> bool:
+        """A request carrying the key `traceml run` gave us on stdin (none by hand: a
+        hand-started collector has no launcher, and its secret is the only lock)."""
+        if self.control_key is None:
+            return True
+        return isinstance(key, str) and hmac.compare_digest(key.encode(),
+                                                            self.control_key.encode())
 
     def start_finish(self, request: dict[str, Any], reply_to_launcher: bool = False) -> None:
         """Begin the end of the run: wait (a bounded time) for the ranks' goodbyes while
@@ -460,6 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics at /metrics on this port (docs/metrics.md)")
     p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                    help="address the metrics bind (default 127.0.0.1)")
+    p.add_argument("--control-key-stdin", action="store_true",
+                   help="read a key from stdin (one line, 64 hex characters): finish and "
+                        "native_stack control requests must carry it (traceml run does this)")
     p.add_argument("--exit-when-done", action="store_true",
                    help="write the summary and exit once every rank has said goodbye")
     return p
@@ -513,6 +538,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.view_port}: {exc}", file=sys.stderr)
         return 2
     collector.exit_when_done = args.exit_when_done
+    if args.control_key_stdin:
+        key = sys.stdin.readline().strip()
+        if len(key) != CONTROL_KEY_CHARS or not all(c in "0123456789abcdef" for c in key):
+            print("traceml collector: --control-key-stdin: expected 64 hex characters on stdin",
+                  file=sys.stderr)
+            collector.close()
+            return 2
+        collector.control_key = key
     collector.parent_pid = args.parent_pid
     if args.metrics_port is not None:
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -217,12 +218,17 @@ class _Handover(threading.Thread):
 
 
 def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: float,
-                    secret: str, port: int) -> tuple[subprocess.Popen, dict[str, Any]]:
+                    secret: str, port: int) -> tuple[subprocess.Popen, dict[str, Any], str]:
+    """The collector process, its collector.json, and the control key: a key the ranks
+    never see (it goes to the collector's stdin, not into an environment, argument or
+    file), which alone ends the record or adds a stack (collector.LAUNCHER_OPS)."""
     log = private.open_private(run_dir / COLLECTOR_LOG)
+    control_key = secrets.token_hex(32)
     cmd = [sys.executable, "-m", "traceml_tui.collector", "--run-dir", str(run_dir),
            "--run-name", name, "--world-size", str(opts.world_size),
            "--nnodes", str(opts.nnodes), "--nproc-per-node", str(opts.nproc_per_node),
-           "--started-at", repr(started_at), "--parent-pid", str(os.getpid())]
+           "--started-at", repr(started_at), "--parent-pid", str(os.getpid()),
+           "--control-key-stdin"]
     if opts.multinode:  # other nodes' agents and viewers reach it on fixed ports
         cmd += ["--bind", "0.0.0.0", "--port", str(port), "--view-port", str(port + 1),
                 "--advertise", opts.collector_addr or opts.master_addr]
@@ -233,14 +239,20 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
     if opts.metrics_port is not None:
         cmd += ["--metrics-port", str(opts.metrics_port), "--metrics-host", opts.metrics_host]
     # The secret travels in the environment, never on a command line others can read.
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.PIPE,
                             start_new_session=True, env={**os.environ, env.SECRET: secret})
     log.close()
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(f"{control_key}\n".encode())
+        proc.stdin.close()
+    except OSError:  # it died at once: said below, with its log
+        pass
     info_path = run_dir / COLLECTOR_JSON
     deadline = time.monotonic() + COLLECTOR_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if info_path.exists():
-            return proc, json.loads(info_path.read_text())
+            return proc, json.loads(info_path.read_text()), control_key
         if proc.poll() is not None:
             break
         time.sleep(0.05)
@@ -370,7 +382,7 @@ def _torchrun_preexec() -> None:
 
 
 def _finish(control: str, request: dict[str, Any], collector: subprocess.Popen,
-            secret: str) -> dict[str, Any] | None:
+            secret: str, control_key: str) -> dict[str, Any] | None:
     """Ask the collector for the final summary; None if it is dead or does not answer."""
     import zmq
 
@@ -382,7 +394,7 @@ def _finish(control: str, request: dict[str, Any], collector: subprocess.Popen,
     keys.secure_client(sock, keys.derive(secret))
     sock.connect(control)
     try:
-        sock.send_json(request)
+        sock.send_json({**request, "key": control_key})
         deadline = time.monotonic() + FINISH_TIMEOUT_S
         while time.monotonic() < deadline:
             if sock.poll(100):
@@ -469,6 +481,7 @@ class _Node:
     secret: str | None  # None: another node waiting for node 0's, through torchrun's store
     collector: subprocess.Popen | None = None  # node 0 only
     control: str | None = None  # node 0 only
+    control_key: str | None = None  # node 0 only: what lets us finish (start_collector)
     handover: _Handover | None = None  # multi-node: what goes through torchrun's store
     relay: RelayProcess | None = None  # another node: its ranks reach node 0 through it
 
@@ -488,8 +501,8 @@ def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _S
         if node.relay is not None:  # the ranks are gone: their last messages go out now
             node.relay.stop()
         return _node_done(opts, run_dir, request, node.handover)
-    assert node.control is not None and node.secret is not None
-    reply = _finish(node.control, request, node.collector, node.secret)
+    assert node.control is not None and node.secret is not None and node.control_key
+    reply = _finish(node.control, request, node.collector, node.secret, node.control_key)
     if reply is None:
         reply = _fallback_summary(run_dir, request)
         code = node.collector.poll()
@@ -586,8 +599,8 @@ def _connect(opts: RunOptions, run_dir: Path, name: str, started_at: float, port
     cport = opts.collector_port or port + 1
     if opts.node_rank == 0:
         assert secret is not None
-        collector, info = start_collector(run_dir, name, opts, started_at, secret, cport)
-        return _Node(info["ingest"], info["view"], secret, collector, info["control"])
+        collector, info, key = start_collector(run_dir, name, opts, started_at, secret, cport)
+        return _Node(info["ingest"], info["view"], secret, collector, info["control"], key)
     host = opts.collector_addr or opts.master_addr
     node = _Node(f"tcp://{host}:{cport}", f"tcp://{host}:{cport + 1}", secret)
     if opts.relay:
@@ -678,7 +691,9 @@ def run(opts: RunOptions) -> int:
         _start_handover(opts, node, run_dir, port, proc)
         stop_watching = threading.Event()
         if node.control is not None and node.secret is not None:  # node 0
-            NativeStackWatcher(run_dir, 0, control_sender(node.control, node.secret),
+            assert node.control_key is not None
+            NativeStackWatcher(run_dir, 0, control_sender(node.control, node.secret,
+                                                          node.control_key),
                                stop_watching).start()
 
         def finish() -> dict[str, Any]:

@@ -88,9 +88,10 @@ class NativeStackWatcher(threading.Thread):
                     self.send({"op": "native_stack", "rank": rank, "pid": pid, "text": text})
 
 
-def control_sender(control: str, secret: str, timeout_s: float = 5.0) -> Any:
+def control_sender(control: str, secret: str, control_key: str, timeout_s: float = 5.0) -> Any:
     """A function that sends one request to the collector's control socket (CURVE, as
-    the launcher's own requests) and waits briefly for its answer."""
+    the launcher's own requests, with the launcher's control key) and waits briefly for
+    its answer."""
     import zmq
 
     from traceml_agent import keys
@@ -101,7 +102,7 @@ def control_sender(control: str, secret: str, timeout_s: float = 5.0) -> Any:
         keys.secure_client(sock, keys.derive(secret))
         sock.connect(control)
         try:
-            sock.send_json(request)
+            sock.send_json({**request, "key": control_key})
             if not sock.poll(int(timeout_s * 1000)):
                 return None
             reply = sock.recv_json()

@@ -1,0 +1,121 @@
+"""The launcher's own doors (issue 30: findings 3, 4, 8, 9 and two of 11), tried as an
+attacker would: a key holder (any rank, any script of the job) asking the collector to
+end the record or naming someone else's process for a ptrace; a local user squatting
+the relay's port or swapping a shared --out; the run's secret in torchrun's store.
+
+Real processes and real sockets: the collector as `traceml run` starts it, the relay as
+its own process, torchrun's TCPStore.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from jobs import EXAMPLES, wait_for
+from traceml_agent import keys, protocol
+from traceml_agent.protocol import PHASES, Identity
+from traceml_tui import launcher, private
+
+SECRET = "cd" * 32
+
+
+def _opts(**kw) -> launcher.RunOptions:
+    return launcher.RunOptions(script=EXAMPLES / "ddp_toy.py", **kw)
+
+
+def _rank_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
+    """A key holder: the run's client keys, as every rank has them."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    keys.secure_client(sock, keys.derive(SECRET))
+    sock.connect(address)
+    return sock
+
+
+def _request(ctx: zmq.Context, address: str, request: dict) -> dict:
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    keys.secure_client(sock, keys.derive(SECRET))
+    sock.connect(address)
+    try:
+        sock.send_json(request)
+        assert sock.poll(10_000), f"no reply to {request}"
+        return sock.recv_json()
+    finally:
+        sock.close()
+
+
+def _rank_messages(rank: int, pid: int, steps: range, seq: int) -> list[bytes]:
+    ident = Identity(rank, 0, 0, "host0", pid, 1)
+    records = [[s, time.time(), 10.0, 1.0, None, 2.0, 3.0, 1.0, 1.0, 2.0] for s in steps]
+    out = [protocol.encode("hello", ident, 0, time.time(), run="sec", device="cpu", env={})]
+    return out + [protocol.encode("steps", ident, seq, time.time(), phases=list(PHASES),
+                                  records=records, dropped=0)]
+
+
+@pytest.fixture
+def collector(tmp_path):
+    """Node 0's collector for one rank, started by the launcher's own function."""
+    run_dir = tmp_path / "run"
+    private.make_private_dir(run_dir)
+    proc, info, key = launcher.start_collector(run_dir, "sec", _opts(), time.time(), SECRET, 0)
+    ctx = zmq.Context()
+    try:
+        yield run_dir, proc, info, key, ctx
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
+        ctx.destroy(linger=0)
+
+
+# --- finding 8: finish only from the launcher ------------------------------------------
+
+
+def test_a_key_holders_finish_is_refused_and_counted_while_the_rank_trains(collector):
+    run_dir, proc, info, key, ctx = collector
+    rank = _rank_socket(ctx, info["ingest"])
+    for m in _rank_messages(0, 4242, range(5), 1):
+        rank.send(m)
+    # A key holder (the secret is in every rank's environment) asks to end the record.
+    for forged in ({"op": "finish", "grace_s": 0, "exit_code": 0},
+                   {"op": "finish", "grace_s": 0, "exit_code": 0, "key": "0" * 64},
+                   {"op": "native_stack", "rank": 0, "pid": 4242, "text": "fake"}):
+        reply = _request(ctx, info["control"], forged)
+        assert reply["ok"] is False and "not the launcher" in reply["error"], reply
+    for m in _rank_messages(0, 4242, range(5, 10), 2)[1:]:  # it trains on
+        rank.send(m)
+    assert proc.poll() is None and not (run_dir / "final_summary.json").exists()
+    # The launcher's finish, with the key it gave the collector on stdin, is accepted.
+    request = {"op": "finish", "torchrun_exit": 0, "interrupted": False, "root_cause": None,
+               "command": ["t"], "ended_at": time.time(), "extra": {}, "grace_s": 0.5}
+    reply = launcher._finish(info["control"], request, proc, SECRET, key)
+    assert reply is not None and reply["ok"] is True, reply
+    doc = json.loads((run_dir / "final_summary.json").read_text())
+    assert doc["complete"] is True and doc["ranks"][0]["steps"] == 10
+    assert doc["collector"]["control_refused"] == 3
+    rank.close()
+
+
+def test_the_control_key_is_nowhere_a_rank_can_read(collector):
+    run_dir, proc, _info, key, _ctx = collector
+    environ = Path(f"/proc/{proc.pid}/environ").read_bytes()
+    cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+    assert key.encode() not in environ and key.encode() not in cmdline
+    for f in run_dir.rglob("*"):
+        if f.is_file():
+            assert key.encode() not in f.read_bytes(), f
+
+
+def test_a_collector_without_its_key_on_stdin_does_not_start(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "traceml_tui.collector", "--run-dir",
+                           str(tmp_path / "r"), "--world-size", "1", "--control-key-stdin"],
+                          input="short\n", capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "64 hex characters" in done.stderr
