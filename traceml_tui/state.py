@@ -28,9 +28,22 @@ from .windows import BlockStats, Quantiles, RankWindow, WindowBlock, median, win
 # few enough that a straggler appearing mid-run flips it within ~LIVE_STEPS/2 steps.
 LIVE_STEPS = 32
 COUNTER_MAX = (1 << 63) - 1
-# The largest step jump taken as real: an agent drops at most its record queue and
-# socket backlog (well under this) between two batches that reach us.
-MAX_STEP_JUMP = 1 << 20  # counters saturate here (msgpack and JSON readers take int64)
+# How far a rank's steps may run ahead of the time it has been reporting: a rank's step
+# number may be at most MAX_STEP_JUMP past its first, plus MAX_STEPS_PER_S for every
+# second since then. No training step is shorter than 100 us (one Python-level forward
+# and optimizer step of the smallest model takes longer), and MAX_STEP_JUMP covers the
+# first record's numbering plus an agent's whole queue lost at once (RECORD_QUEUE, 50,000
+# records). A bound on the rate, not on each record's jump: records climbing by the
+# allowed jump each cannot climb past it (a per-record bound let one message of 20,000
+# records climb by 2**20 each, and the rank's real steps then counted as duplicates).
+MAX_STEP_JUMP = 1 << 20
+MAX_STEPS_PER_S = 10_000
+# A rank's record belongs to the connection (ZeroMQ routing id, and its route at a node
+# relay) it reports on. Another connection may take the rank over only once that one has
+# been quiet this long (three missed heartbeats: the process is gone or cannot speak),
+# and only with a hello (a new process) or the same process id (the same process
+# reconnected after a network break, which gives it a new routing id).
+RANK_QUIET_S = 3.0
 SPARKLINE_STEPS = 60
 # Steps numbered below this are warm-up: counted and kept in the step log, never in the
 # windows the diagnosis reads. Step 0 carries one-off costs no later step has (model.to,
@@ -105,6 +118,17 @@ class RankSnapshot:
     grad_bytes: int = 0  # gradient bytes DDP all-reduces per step
     nccl: dict[str, Any] | None = None  # last collectives per its NCCL log (--nccl-debug)
     agent_off: str | None = None  # why the agent turned its timing off on this rank
+    bad_records: int = 0  # records of its batches the collector refused
+    # What its agent counted (heartbeat): CUDA graph replays, DataLoader batches, event
+    # pairs that failed or were negative, phases skipped inside a graph capture; what keeps
+    # the agent busy, and the rule that chose the timing device.
+    replays: int = 0
+    batches: int = 0
+    timing_faults: int = 0
+    capture_skips: int = 0
+    agent_busy: str | None = None
+    device_rule: str | None = None
+    steps_hidden: str | None = None  # why its frozen steps are not a stall (hang.hidden)
 
 
 def hours_unit(ranks: tuple[RankSnapshot, ...]) -> str:
@@ -180,6 +204,7 @@ class RankState:
     last_seen: float = 0.0
     last_step_at: float = 0.0
     sys: dict[str, Any] = field(default_factory=dict)
+    gpu: dx.GpuHealth | None = None  # from the latest sys sample (NVML health)
     heartbeat: dict[str, Any] = field(default_factory=dict)
     exit_code: int | None = None
     error: str | None = None
@@ -202,6 +227,15 @@ class RankState:
     nccl: dict[str, Any] | None = None  # its NCCL log's last collectives, with the stacks
     forced: dict[str, int] = field(default_factory=dict)  # phases closed without an end
     auto: bool = True  # the zero-code hooks time this rank (hello says; assumed before it)
+    bad_records: int = 0  # records of its batches the decoder refused (protocol._records)
+    # When its graph replays and batches last rose, and since when its agent is busy
+    # (_progress_seen); None: not seen.
+    replays_at: float | None = None
+    batches_at: float | None = None
+    busy_since: float | None = None
+    conn: object = None  # the connection it reports on (RunState.ingest's `conn`)
+    first_step: int = -1  # its first step recorded, and when (the step-rate bound)
+    first_step_at: float = 0.0
 
 
 class RunState:
@@ -220,7 +254,11 @@ class RunState:
         self.phases: list[str] = list(PHASES)
         self.counters = {"messages": 0, "malformed": 0, "foreign": 0, "records": 0,
                          "duplicate_records": 0, "agent_dropped": 0, "rejected_peers": 0,
-                         "restarts": 0, "absurd_steps": 0, "backlog_refused": 0}
+                         "restarts": 0, "absurd_steps": 0, "backlog_refused": 0,
+                         "not_owner": 0, "bad_records": 0}
+        # A hello for a live rank from another connection: that connection may take the
+        # rank over once the rank's own has gone quiet (one claim per rank, the newest).
+        self.claims: dict[int, tuple[object, int]] = {}
         self.live: dx.LiveLabel | None = None
         # The newest step counted into the open episode's lost time (cost.py), and the
         # live what-if of the label on display.
@@ -243,6 +281,9 @@ class RunState:
         self.hang_steps = 0  # steps of all ranks together when the hang was detected
         self.framework: str | None = None  # named in the hint when timing is incomplete
         self.relays: dict[int, _Relay] = {}  # node -> its relay, once heard from
+        # rank -> why its frozen step count is not a stall (hang.hidden), as of the last
+        # evaluation: hang detection is suspended for it, and the view and summary say why.
+        self.hidden: dict[int, str] = {}
 
     # --- ingest ---------------------------------------------------------------------
 
@@ -280,8 +321,9 @@ class RunState:
                           else max(0.0, now - r.last_seen), r.batches, r.lost, r.dropped)
             for node, r in sorted(self.relays.items()))
 
-    def ingest(self, msg: Message, now: float) -> bool:
-        """Apply one validated message. Returns False for a message from outside this run."""
+    def ingest(self, msg: Message, now: float, conn: object = None) -> bool:
+        """Apply one validated message. Returns False for a message from outside this run.
+        `conn`: the connection it came on (None in-process: no ownership check)."""
         ident = msg.ident
         if ident.world_size != self.world_size:
             self.counters["foreign"] += 1
@@ -290,6 +332,16 @@ class RunState:
             self.counters["malformed"] += 1
             return False
         rs = self.ranks.get(ident.rank)
+        if rs is not None and conn is not None and rs.conn != conn:
+            if not self._may_take_over(rs, msg, now, conn):
+                self.counters["not_owner"] += 1
+                return False
+            if rs.ident.pid == ident.pid:  # the same process, reconnected
+                rs.conn = conn
+            else:  # a new process that said hello here: the rank restarted
+                self.counters["restarts"] += 1
+                self.checks.forget(ident.rank)
+                rs = None
         if rs is not None and rs.ident.pid != ident.pid:
             # Another process for a rank we know: a restart only when it says hello
             # (a new process's first message). Anything else is an impostor or a stale
@@ -303,17 +355,24 @@ class RunState:
         self.counters["messages"] += 1
         if rs is None:
             self.block.reset(ident.rank)
-            rs = RankState(ident, self.block.view(ident.rank))
+            rs = RankState(ident, self.block.view(ident.rank), conn=conn)
             self.ranks[ident.rank] = rs
+            self.claims.pop(ident.rank, None)
         rs.last_seen = now
         kind = msg.kind
         if kind == "steps":
             self._ingest_steps(rs, msg)
         elif kind == "sys":
             rs.sys = msg.body
+            gpu = dx.GpuHealth.of(msg.body)  # beside a compute straggler's evidence
+            if gpu != rs.gpu:
+                rs.gpu = gpu
+                if rs.live is not None:  # the next evaluation reads it, steps or not
+                    rs.live = replace(rs.live, gpu=gpu)
             if msg.body.get("device"):
                 rs.device = msg.body["device"]
         elif kind == "heartbeat":
+            self._progress_seen(rs, msg.body, now)
             rs.heartbeat = msg.body
             kind_seen = msg.body["parallel"]
             if kind_seen in ("ddp", "fsdp") and self.parallel != "fsdp":
@@ -344,6 +403,33 @@ class RunState:
             rs.error = msg.body["error"]
         return True
 
+    def _may_take_over(self, rs: RankState, msg: Message, now: float, conn: object) -> bool:
+        """A message for a rank that reports on another connection: taken only once that
+        connection has gone quiet (RANK_QUIET_S) or said goodbye, and only from a new
+        process that said hello on this connection, or from the same process. While the
+        rank is alive every such message is refused: a key holder cannot replace it."""
+        rank, pid = msg.ident.rank, msg.ident.pid
+        if msg.kind == "hello" and rs.ident.pid != pid:
+            self.claims[rank] = (conn, pid)
+        if not (rs.finished or now - rs.last_seen >= RANK_QUIET_S):
+            return False
+        return rs.ident.pid == pid or self.claims.get(rank) == (conn, pid)
+
+    @staticmethod
+    def _progress_seen(rs: RankState, body: dict[str, Any], now: float) -> None:
+        """When the rank's CUDA graph replays and DataLoader batches last rose, and since
+        when its agent is busy (hang.hidden: progress its step count cannot show)."""
+        old = rs.heartbeat
+        if body.get("replays", 0) > old.get("replays", 0):
+            rs.replays_at = now
+        if body.get("batches", 0) > old.get("batches", 0):
+            rs.batches_at = now
+        busy = body.get("agent_busy")
+        if busy is None:
+            rs.busy_since = None
+        elif busy != old.get("agent_busy") or rs.busy_since is None:
+            rs.busy_since = now
+
     def _phases_fit(self, phases: tuple[str, ...]) -> bool:
         """Each new phase name costs a window per rank: a sender inventing names must not
         grow the collector without bound."""
@@ -357,6 +443,10 @@ class RunState:
         self.counters["agent_dropped"] = min(
             COUNTER_MAX, self.counters["agent_dropped"] + max(0, msg.body["dropped"] - rs.dropped))
         rs.dropped = max(rs.dropped, msg.body["dropped"])
+        if msg.bad_records:  # the agent counted them as sent: the gap must show here
+            rs.bad_records = min(COUNTER_MAX, rs.bad_records + msg.bad_records)
+            self.counters["bad_records"] = min(COUNTER_MAX,
+                                               self.counters["bad_records"] + msg.bad_records)
         for name, count in zip(msg.phases, msg.body.get("forced", ()), strict=False):
             if count:
                 rs.forced[name] = max(rs.forced.get(name, 0), count)
@@ -364,9 +454,12 @@ class RunState:
             if rec.step <= rs.last_step:  # replayed or out of order: already counted
                 self.counters["duplicate_records"] += 1
                 continue
-            if rs.last_step >= 0 and rec.step > rs.last_step + MAX_STEP_JUMP:
-                # Steps count up by one; an agent loses at most its queues' worth. A jump
-                # to 2**62 would make every later real step look like a duplicate.
+            if rs.first_step < 0:
+                rs.first_step, rs.first_step_at = rec.step, rs.last_seen
+            elif rec.step > rs.first_step + MAX_STEP_JUMP + int(
+                    MAX_STEPS_PER_S * max(0.0, rs.last_seen - rs.first_step_at)):
+                # Faster than any training steps: a jump to 2**62 (or a climb to it, record
+                # by record) would make every later real step look like a duplicate.
                 self.counters["absurd_steps"] += 1
                 continue
             if rec.step >= WARMUP_STEPS:
@@ -453,7 +546,7 @@ class RunState:
             extra = ((self._untimed(rs, steps, stats, row), rs.heartbeat.get("grad_bytes", 0))
                      if live else ())
             out.append(dx.RankTiming(rs.ident.rank, steps, step_ms, medians, rs.ident.host,
-                                     rs.ident.node, *extra))
+                                     rs.ident.node, *extra, gpu=rs.gpu if live else None))
         return out
 
     def _stall_stats(self) -> list[dx.StallStats]:
@@ -483,7 +576,11 @@ class RunState:
                 hb.get("collectives", 0), hb.get("phase"), hb.get("in_collective"),
                 rs.since_step_at_msg_s, max(0.0, mono_now - rs.last_seen), rs.finished,
                 hb.get("agent_off") is not None, tuple(sorted(hb.get("groups", {}).items())),
-                hb.get("in_group")))
+                hb.get("in_group"),
+                None if rs.replays_at is None else max(0.0, mono_now - rs.replays_at),
+                None if rs.batches_at is None else max(0.0, mono_now - rs.batches_at),
+                hb.get("agent_busy"),
+                0.0 if rs.busy_since is None else max(0.0, mono_now - rs.busy_since)))
         return out
 
     def evaluate(self, now: float, mono_now: float | None = None) -> dx.Diagnosis:
@@ -494,12 +591,15 @@ class RunState:
         report = None
         if mono_now is not None:
             med = median([t.step_ms for t in timings if t.step_ms])
-            report = hang.detect(self.progress(mono_now), med, self.hang_after_s)
+            progress = self.progress(mono_now)
+            report = hang.detect(progress, med, self.hang_after_s)
+            self.hidden = hang.hidden_ranks(progress, med, self.hang_after_s)
         steps = sum(rs.steps for rs in self.ranks.values())
-        if self.hang is not None and steps == self.hang_steps:
+        if self.hang is not None and steps == self.hang_steps and not self.hidden:
             # Latched: until a step completes somewhere, this is the same hang. Ranks that
             # exit or die while it lasts (a Ctrl-C, a scheduler's SIGTERM) do not change
-            # who the others were waiting for when it was detected.
+            # who the others were waiting for when it was detected. Progress the steps
+            # cannot show (graph replays, batches, a trace stopping) ends it too.
             if report is not None:
                 self.hang = replace(self.hang, stalled_s=report.stalled_s)
         elif report is not None:
@@ -586,7 +686,7 @@ class RunState:
         timings = [
             dx.RankTiming(r.rank, r.window_steps, None if r.step_ms is None else r.step_ms.median,
                           {k: None if v is None else v.median for k, v in r.phase_ms.items()},
-                          r.host, r.node, r.untimed, r.grad_bytes)
+                          r.host, r.node, r.untimed, r.grad_bytes, dx.GpuHealth.of(r.sys))
             for r in ranks if r.reported]
         return dx.diagnose(timings, collectives_in_compute=self.parallel == "fsdp",
                            framework=self.framework, stalls=self._stall_stats(),
@@ -658,4 +758,14 @@ class RunState:
             agent_off=rs.heartbeat.get("agent_off"),
             groups=tuple(sorted(rs.heartbeat.get("groups", {}).items())),
             in_group=rs.heartbeat.get("in_group"), grad_bytes=rs.heartbeat.get("grad_bytes", 0),
-            nccl=rs.nccl)
+            nccl=rs.nccl, bad_records=rs.bad_records, **self._agent_counts(rs))
+
+    def _agent_counts(self, rs: RankState) -> dict[str, Any]:
+        """The rank's agent-side counters and notes (RankSnapshot's fields of the same
+        names), from its last heartbeat and the last evaluation."""
+        hb = rs.heartbeat
+        return {"replays": hb.get("replays", 0), "batches": hb.get("batches", 0),
+                "timing_faults": hb.get("timing_faults", 0),
+                "capture_skips": hb.get("capture_skips", 0),
+                "agent_busy": hb.get("agent_busy"), "device_rule": hb.get("device_rule"),
+                "steps_hidden": self.hidden.get(rs.ident.rank)}

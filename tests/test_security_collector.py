@@ -1,0 +1,231 @@
+"""Issue 30, the collector's doors: a live rank's record belongs to its connection, the
+servers are bounded, outside text is cleaned at every boundary, costly requests are
+rate-limited.
+
+The attacks are made as the issue made them: a key holder (any script of the job has
+the run's secret) on a real collector process with real CURVE sockets, beside ranks
+that keep reporting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from jobs import wait_for
+from traceml_agent import keys
+from traceml_agent.protocol import PHASES, Identity, decode, encode
+from traceml_tui.state import MAX_STEP_JUMP, MAX_STEPS_PER_S, RANK_QUIET_S, RunState
+from traceml_tui.view_client import ViewClient
+
+SECRET = "cd" * 32
+BALANCED = [10.0, 1.0, None, 2.0, 3.0, 1.0, 1.0, 2.0]  # step_ms, then PHASES
+WORLD = 2
+
+
+# --- a real collector with a secret, and ranks that keep reporting ---------------------------
+
+class Secured:
+    """`traceml collector` with the run's secret; its sockets; a viewer's summary."""
+
+    def __init__(self, run_dir: Path, *extra: str) -> None:
+        self.run_dir = run_dir
+        self.log_path = run_dir.parent / "collector.log"
+        self.log = open(self.log_path, "wb")  # closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "traceml_tui", "collector", "--run-dir", str(run_dir),
+             "--world-size", str(WORLD), "--run-name", "secured", *extra],
+            env={**os.environ, "TRACEML_SECRET": SECRET}, stdout=self.log,
+            stderr=subprocess.STDOUT)
+        wait_for(lambda: (run_dir / "collector.json").exists() or self.proc.poll() is not None,
+                 30, "the collector")
+        assert self.proc.poll() is None, self.output()
+        self.info = json.loads((run_dir / "collector.json").read_text())
+        self.ctx = zmq.Context()
+        self.keys = keys.derive(SECRET)
+        self.viewer = ViewClient(self.info["view"], timeout_s=10, secret=SECRET)
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def dealer(self) -> zmq.Socket:
+        """A key holder's connection to the ingest port (what any rank or script can open)."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, 10_000)
+        keys.secure_client(sock, self.keys)
+        sock.connect(self.info["ingest"])
+        return sock
+
+    def summary(self) -> dict[str, Any]:
+        return self.viewer.summary()
+
+    def stop(self) -> None:
+        self.viewer.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.ctx.destroy(linger=0)
+        self.log.close()
+
+
+@pytest.fixture
+def secured(tmp_path) -> Iterator[Secured]:
+    collector = Secured(tmp_path / "run")
+    yield collector
+    collector.stop()
+
+
+def ident(rank: int, pid: int | None = None) -> Identity:
+    return Identity(rank, rank, 0, "host", 1000 + rank if pid is None else pid, WORLD)
+
+
+def records(steps: range | list[int], step_ms: float = 10.0) -> list[list]:
+    scale = step_ms / BALANCED[0]
+    return [[s, time.time(), step_ms, *[None if v is None else v * scale for v in BALANCED[1:]]]
+            for s in steps]
+
+
+class Rank(threading.Thread):
+    """A rank that says hello, then steps and beats every 50 ms on its own connection."""
+
+    def __init__(self, collector: Secured, rank: int) -> None:
+        super().__init__(daemon=True)
+        self.sock = collector.dealer()
+        self.who = ident(rank)
+        self.steps = 0
+        self.seq = 0
+        self.halt = threading.Event()
+
+    def send(self, kind: str, **body: Any) -> None:
+        self.seq += 1
+        self.sock.send(encode(kind, self.who, self.seq, time.time(), **body))
+
+    def run(self) -> None:
+        self.send("hello", run="secured", device="cpu", backend="gloo", env={}, auto=True)
+        while not self.halt.wait(0.05):
+            self.send("steps", phases=list(PHASES), records=records(range(self.steps,
+                                                                          self.steps + 5)),
+                      dropped=0)
+            self.steps += 5
+            self.send("heartbeat", step=self.steps, phase=None, in_phase_s=None,
+                      collectives=0, in_collective=None, since_step_s=0.01)
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(10)
+        self.sock.close()
+
+
+# --- 1. a live rank's record belongs to its connection --------------------------------------
+
+def test_a_key_holder_cannot_rewrite_or_replace_a_live_rank(secured):
+    """Issue 30 finding 5, as made there: one steps message carrying rank 0's real pid
+    with steps climbing by 2**20 (and slow, to fake a straggler), and one hello per rank
+    from the attacker's own connection. Before: rank 0's record froze (its real steps
+    counted as duplicates), the timeline said STRAGGLER rank 0, and after the hellos every
+    real message was refused as foreign."""
+    ranks = [Rank(secured, r) for r in range(WORLD)]
+    for r in ranks:
+        r.start()
+    try:
+        wait_for(lambda: min(r["steps"] for r in secured.summary()["ranks"]) >= 40, 30,
+                 "the real ranks")
+        attacker = secured.dealer()
+        climbing = list(range(10_000, 10_000 + 200 * MAX_STEP_JUMP, MAX_STEP_JUMP))
+        attacker.send(encode("steps", ident(0), 1, time.time(), phases=list(PHASES),
+                             records=records(climbing, step_ms=900.0), dropped=0))
+        for r in range(WORLD):
+            attacker.send(encode("hello", ident(r, pid=66_000 + r), 1, time.time(),
+                                 run="secured", device="cpu", env={}, auto=True))
+        sent = [r.steps + 20 for r in ranks]  # what they send after the attack, and more
+        wait_for(lambda: all(a >= b for a, b in zip(
+            [r["steps"] for r in secured.summary()["ranks"]], sent, strict=True)), 20,
+            "the real steps after the attack")
+        doc = secured.summary()
+        assert doc["collector"]["not_owner"] == 1 + WORLD  # refused, and counted
+        assert [r["pid"] for r in doc["ranks"]] == [1000, 1001]
+        assert doc["collector"]["duplicate_records"] == 0
+        assert doc["collector"]["foreign"] == 0 and doc["collector"]["restarts"] == 0
+        assert not [e for e in doc["timeline"] if e["label"] != "WARMUP"
+                    and e["rank"] == 0], doc["timeline"]
+        attacker.close()
+    finally:
+        for r in ranks:
+            r.stop()
+
+
+def _hello(rank: int, pid: int) -> Any:
+    return decode(encode("hello", ident(rank, pid), 0, 0.0, run="r", device="cpu", env={}))
+
+
+def _steps(rank: int, steps: range | list[int], pid: int | None = None) -> Any:
+    return decode(encode("steps", ident(rank, pid), 1, 0.0, phases=list(PHASES),
+                         records=records(steps), dropped=0))
+
+
+def _beat(rank: int, pid: int) -> Any:
+    return decode(encode("heartbeat", ident(rank, pid), 2, 0.0, step=0, phase=None,
+                         in_phase_s=None, collectives=0, in_collective=None,
+                         since_step_s=0.0))
+
+
+OWN, OTHER = (b"rank0", None), (b"someone", None)
+
+
+def test_a_restart_is_adopted_only_once_the_old_connection_is_quiet():
+    state = RunState("r", WORLD)
+    assert state.ingest(_hello(0, 1000), 0.0, OWN)
+    assert state.ingest(_steps(0, range(10), 1000), 0.5, OWN)
+    # A new process's hello while the rank still reports: refused, kept as a claim.
+    assert not state.ingest(_hello(0, 2000), 1.0, OTHER)
+    assert not state.ingest(_beat(0, 2000), 1.0 + RANK_QUIET_S - 0.6, OTHER)
+    assert state.counters["not_owner"] == 2 and state.ranks[0].ident.pid == 1000
+    # The old connection goes quiet (the process died): the claimant's next message
+    # adopts the rank, as a restart.
+    assert state.ingest(_beat(0, 2000), 0.5 + RANK_QUIET_S + 0.1, OTHER)
+    assert state.ranks[0].ident.pid == 2000 and state.counters["restarts"] == 1
+    # ... and from then on the old connection is the stranger.
+    assert not state.ingest(_steps(0, range(10, 20), 1000), 5.0, OWN)
+    # A connection that never said hello cannot take a quiet rank with another pid ...
+    assert not state.ingest(_steps(0, range(5), 3000), 60.0, (b"third", None))
+    # ... but the rank's own process, reconnected (a new routing id), can.
+    assert state.ingest(_steps(0, range(5), 2000), 60.0, (b"reconnected", None))
+    assert state.ranks[0].conn == (b"reconnected", None) and state.ranks[0].steps == 5
+
+
+def test_a_rank_that_said_goodbye_is_taken_over_at_once():
+    state = RunState("r", WORLD)
+    state.ingest(_hello(0, 1000), 0.0, OWN)
+    state.ingest(decode(encode("goodbye", ident(0), 3, 0.0, exit_code=1, error=None,
+                               steps=0)), 0.1, OWN)
+    assert state.ingest(_hello(0, 2000), 0.2, OTHER)
+    assert state.ranks[0].ident.pid == 2000 and not state.ranks[0].finished
+
+
+def test_steps_cannot_climb_faster_than_training_can():
+    """A per-record bound let records climb by the bound each; the bound is on the rate."""
+    state = RunState("r", WORLD)
+    state.ingest(_steps(0, range(10)), 1.0, OWN)
+    climbing = list(range(10 + MAX_STEP_JUMP // 2, 10 + 50 * MAX_STEP_JUMP, MAX_STEP_JUMP // 2))
+    state.ingest(_steps(0, climbing), 1.1, OWN)
+    assert state.counters["absurd_steps"] >= len(climbing) - 2
+    state.ingest(_steps(0, range(1 << 22, (1 << 22) + 10)), 2.0, OWN)  # too far for 1 s
+    later = MAX_STEP_JUMP + MAX_STEPS_PER_S * 150
+    state.ingest(_steps(0, range(later, later + 10)), 201.0, OWN)  # an outage's gap: taken
+    assert state.ranks[0].steps == 10 + 2 + 10
