@@ -229,3 +229,99 @@ def test_steps_cannot_climb_faster_than_training_can():
     later = MAX_STEP_JUMP + MAX_STEPS_PER_S * 150
     state.ingest(_steps(0, range(later, later + 10)), 201.0, OWN)  # an outage's gap: taken
     assert state.ranks[0].steps == 10 + 2 + 10
+
+
+# --- 3. one sanitiser at every boundary where outside text is printed or written -------------
+
+OSC52 = "\x1b]52;c;ZWNobyBwd25lZA==\x07"  # writes the viewer's clipboard
+CLEAR = "\x1b[2J\x1b[H"  # clears the screen
+
+
+def _hostile_trace(path: Path) -> None:
+    """A rank's deep trace (its own file: the rank wrote it) whose op names and rank field
+    carry terminal control."""
+    events = []
+    for i in range(3):
+        t = i * 10_000.0
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}",
+                       "ts": t, "dur": 9_000.0, "pid": 1, "tid": 1})
+        events.append({"ph": "X", "cat": "cpu_op", "name": f"aten::evil{OSC52}{CLEAR}",
+                       "ts": t + 100, "dur": 8_000.0, "pid": 1, "tid": 1})
+    path.write_text(json.dumps({"traceEvents": events,
+                                "distributedInfo": {"rank": f"0{CLEAR}", "world_size": 2}}))
+
+
+def _no_control(text: str) -> None:
+    assert "\x1b" not in text and "\x07" not in text, repr(text[:400])
+
+
+def test_a_deep_trace_puts_no_escape_sequence_on_the_trace_screen_or_in_its_file(tmp_path):
+    from traceml_tui.captures import CaptureBoard
+
+    run_dir = tmp_path / "run"
+    traces = run_dir / "traces"
+    traces.mkdir(parents=True)
+    trace = traces / "capture1-rank0.json"
+    _hostile_trace(trace)
+    board = CaptureBoard(run_dir)
+    cap, error = board.start({0: "pinned"}, 3)
+    assert cap is not None, error
+    board.on_event(0, {"capture_id": cap.id, "state": "done", "path": str(trace), "error": None})
+
+    def analysed() -> bool:
+        view = board.view()
+        return view is not None and bool(view.text)
+
+    wait_for(analysed, 60, "the analysis (a child process)")
+    shown = board.view().text  # what the trace screen prints
+    assert "aten::evil" in shown, shown  # the op is there, as text
+    _no_control(shown)
+    _no_control((traces / f"capture{cap.id}.txt").read_text())
+
+
+def _summary_doc(name: str, label: str) -> dict[str, Any]:
+    phases = {"dataloader": 1.0, "forward": 2.0, "backward": 3.0, "sync": 1.0}
+    return {"run": {"name": name}, "step_ms": {"median": 10.0},
+            "diagnosis": {"label": label, "rank": f"1{CLEAR}", "phase": None},
+            "ranks": [{"rank": 0, "steps": 10, "phase_ms": {
+                p: {"median": v, "p95": v} for p, v in phases.items()}}]}
+
+
+def test_traceml_compare_prints_no_escape_sequence_from_the_files_it_is_given(tmp_path):
+    from jobs import traceml
+
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps(_summary_doc(f"old{OSC52}", "BALANCED")))
+    new.write_text(json.dumps(_summary_doc("new", f"STRAGGLER{CLEAR}")))
+    proc = traceml("compare", str(old), str(new), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "STRAGGLER" in proc.stdout
+    _no_control(proc.stdout)
+
+
+def test_netcheck_prints_no_escape_sequence_from_the_host_names_it_gathered(tmp_path):
+    from traceml_tui.netcheck import render
+
+    node = {"node": 0, "host": f"node0{OSC52}", "interface": f"eth0{CLEAR}", "mtu": 1500,
+            "speed_mbps": None, "infiniband": []}
+    doc = {"world_size": 2, "nnodes": 2, "backend": "gloo", "wall_s": 3.0,
+           "nodes": [node, {**node, "node": 1, "host": f"x{CLEAR}"}], "collectives": {},
+           "pairs": [], "slow": [{"node": 1, "host": f"x{CLEAR}", "ratio": 0.5,
+                                  "why": "slow"}], "healthy": False, "mtu_mismatch": None}
+    text = render(doc, tmp_path / "netcheck.json")
+    assert "node0" in text
+    _no_control(text)
+
+
+def test_another_node_prints_no_escape_sequence_from_the_run_folder_in_the_store(tmp_path):
+    from types import SimpleNamespace
+
+    from traceml_agent import handover
+    from traceml_tui.launcher import _node_done
+
+    opts = SimpleNamespace(node_rank=1, master_addr="node0")
+    handed = SimpleNamespace(values={handover.RUN_DIR_KEY: f"/scratch/run{OSC52}{CLEAR}"})
+    reply = _node_done(opts, tmp_path, {"root_cause": None, "torchrun_exit": 0,
+                                        "interrupted": False}, handed)
+    assert "/scratch/run" in reply["text"]
+    _no_control(reply["text"])

@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from traceml_agent.sanitize import clean_text
 from traceml_agent.vocab import WAITING_PHASES
 
 from . import private, trace_analysis, view_state
@@ -143,8 +144,8 @@ class CaptureBoard:
                 text = f"Deep trace {cap.id}: the analysis failed: {tail[0][:300]}\n"
         except (OSError, ValueError, KeyError, subprocess.TimeoutExpired) as exc:
             text = f"Deep trace {cap.id}: the analysis failed: {exc}\n"
-        with self._lock:
-            cap.text, cap.saved, cap.analysing = text, saved, False
+        with self._lock:  # the child's words, and a rank's error, reach a terminal
+            cap.text, cap.saved, cap.analysing = clean_text(text), saved, False
 
     def _analyse(self, cap: Capture) -> tuple[str, str | None]:
         """In the child process: analyse the traces, save the report, return (text,
@@ -162,6 +163,7 @@ class CaptureBoard:
             except Exception as exc:  # a trace on another host's disk, or unreadable
                 problems.append(f"rank {rank}: cannot analyse {path}: {exc}")
         text, doc = self._report(cap, analyses, problems)
+        text = clean_text(text)  # trace contents are a rank's words (agent/sanitize.py)
         saved = None
         try:
             folder = self.run_dir / "traces"

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from traceml_agent.sanitize import clean_line
 from traceml_agent.vocab import COMPUTE_PHASES, INPUT_PHASES
 
 from .windows import median
@@ -210,4 +211,5 @@ def render(result: dict[str, Any]) -> str:
                   f"  speedup {sc['speedup']:.2f}x of an ideal {sc['ideal']:.0f}x: efficiency "
                   f"{sc['efficiency']:.0%}{expected}",
                   f"  {sc['assessment']}"]
-    return "\n".join(lines) + "\n"
+    # Every field came from the files given (anyone's): no escape sequence, no line break.
+    return "\n".join(map(clean_line, lines)) + "\n"

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traceml_agent import env, handover, keys
+from traceml_agent.sanitize import clean_line
 from traceml_agent.vocab import (
     COLLECTOR_JSON,
     COLLECTOR_LOG,
@@ -528,6 +529,7 @@ def _node_done(opts: RunOptions, run_dir: Path, request: dict[str, Any],
     if node0_dir:
         where = f"to {Path(node0_dir[:4096]) / summary.SUMMARY_JSON} on that host"
     else:
+    node0_dir = node0_dir and clean_line(node0_dir)  # the store's word: text only
         where = f"to {summary.SUMMARY_JSON} in its run folder ({run_dir.name} under its --out)"
     text = (f"node {opts.node_rank}: its ranks ended with exit code {code}{failed_text}.\n"
             f"The job's summary is written by node 0 ({opts.master_addr}) {where}.\n")

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from traceml_agent.sanitize import clean_line
 from traceml_agent.vocab import NETCHECK_JSON
 
 from . import netcheck_math as nm
@@ -147,7 +148,9 @@ def render(doc: dict[str, Any], path: Path) -> str:
     elif doc["nnodes"] < 3 and not doc["slow"]:
         lines.append("(with fewer than 3 nodes a slow pair cannot say which end is slow)")
     lines.append(f"results: {path}")
-    return "\n".join(lines) + "\n"
+    # Host names and interfaces came from every node (through torchrun's store and
+    # the ranks): printed as text, never as terminal control.
+    return "\n".join(map(clean_line, lines)) + "\n"
 
 
 def main(opts: RunOptions, timeout_s: float) -> int:

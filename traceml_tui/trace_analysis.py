@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from traceml_agent.sanitize import clean_line
+
 # --- thresholds ------------------------------------------------------------------------
 
 # A kernel launch costs ~5-20 µs of CPU time (seed 001, pattern 5): a kernel shorter than
@@ -299,7 +301,8 @@ def analyze(trace: dict[str, Any], source: str | None = None) -> TraceAnalysis:
         b - a for a, b in _union([(s.ts, s.end) for s in spans
                                   if s.cat in _CPU_CATS and s.name.startswith("gloo:")])))
     analysis = TraceAnalysis(
-        source=source, rank=info.get("rank"), world_size=info.get("world_size"),
+        source=source, rank=_int_or_none(info.get("rank")),
+        world_size=_int_or_none(info.get("world_size")),
         steps=tuple(s.step for s in step_stats), window_us=window, step_stats=step_stats,
         dataloader_us=sum(d.dur for d in loader), collective_us=collective_us,
         cpu_ops=_top_cpu_ops(spans), collectives=collectives,
@@ -318,9 +321,15 @@ def _spans(events: list[Any]) -> list[_Span]:
         if cat is None or not isinstance(ts, (int, float)) or not isinstance(dur, (int, float)):
             continue
         args = e.get("args") if isinstance(e.get("args"), dict) else {}
-        out.append(_Span(str(e.get("name", "")), cat, e.get("pid"), e.get("tid"), float(ts),
-                         float(ts) + max(float(dur), 0.0), args))
+        # A trace is a rank's file: its names are text from outside (agent/sanitize.py).
+        out.append(_Span(clean_line(str(e.get("name", ""))), cat, e.get("pid"), e.get("tid"),
+                         float(ts), float(ts) + max(float(dur), 0.0), args))
     return out
+
+
+def _int_or_none(value: Any) -> int | None:
+    """The trace's rank and world size: numbers, or nothing (never its text)."""
+    return value if type(value) is int else None
 
 
 def _flows(events: list[Any]) -> tuple[dict[tuple[Any, Any, float], Any], dict[Any, tuple]]:
@@ -392,7 +401,7 @@ def _collectives(spans: list[_Span]) -> tuple[OpStat, ...]:
         if s.cat not in _CPU_CATS:
             continue
         if s.name == "record_param_comms":
-            name = f"record_param_comms:{s.args.get('Collective name', '?')}"
+            name = clean_line(f"record_param_comms:{s.args.get('Collective name', '?')}")
         elif s.name.startswith(_COLLECTIVE_PREFIXES):
             name = s.name
         else:
