@@ -119,3 +119,73 @@ def test_a_collector_without_its_key_on_stdin_does_not_start(tmp_path):
                            str(tmp_path / "r"), "--world-size", "1", "--control-key-stdin"],
                           input="short\n", capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "64 hex characters" in done.stderr
+
+
+# --- finding 4: ptrace only of our own children ----------------------------------------
+
+
+def _sleeper_under_a_fake_torchrun() -> tuple[subprocess.Popen, int]:
+    """A stand-in for the torchrun the launcher started, with one child (a 'rank')."""
+    fake = subprocess.Popen([sys.executable, "-c", "import subprocess; p = subprocess.Popen("
+                             "['sleep', '300']); print(p.pid, flush=True); p.wait()"],
+                            stdout=subprocess.PIPE, text=True)
+    assert fake.stdout is not None
+    return fake, int(fake.stdout.readline())
+
+
+def test_a_forged_hello_naming_an_unrelated_process_gets_no_dump(tmp_path):
+    """Rank 0's hello names a process of the owner's that is not part of the run; rank 1's
+    names a real child of "torchrun". Both go silent (a dead hang, past 7 s: 5 s of
+    silence first): only rank 1 is dumped; rank 0's request
+    is refused and counted in the summary."""
+    import threading
+
+    from traceml_tui.native_stacks import NativeStackWatcher, control_sender
+
+    run_dir = tmp_path / "run"
+    private.make_private_dir(run_dir)
+    proc, info, key = launcher.start_collector(run_dir, "sec", _opts(nproc_per_node=2,
+                                               hang_after=7.0), time.time(), SECRET, 0)
+    unrelated = subprocess.Popen(["sleep", "300"])  # the owner's, not the run's
+    torchrun, rank_pid = _sleeper_under_a_fake_torchrun()
+    calls = tmp_path / "py-spy-calls"
+    py_spy = tmp_path / "py-spy"
+    py_spy.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho 'Thread 1: pause (libc.so.6)'\n")
+    py_spy.chmod(0o700)
+    ctx = zmq.Context()
+    stop = threading.Event()
+    try:
+        socks = []
+        for rank, pid in ((0, unrelated.pid), (1, rank_pid)):
+            ident = Identity(rank, rank, 0, "host0", pid, 2)
+            sock = _rank_socket(ctx, info["ingest"])
+            records = [[s, time.time(), 10.0, 1.0, None, 2.0, 3.0, 1.0, 1.0, 2.0]
+                       for s in range(20)]
+            sock.send(protocol.encode("hello", ident, 0, time.time(), run="sec", device="cpu",
+                                      env={}))
+            sock.send(protocol.encode("steps", ident, 1, time.time(), phases=list(PHASES),
+                                      records=records, dropped=0))
+            socks.append(sock)  # then silence: both ranks hang
+        watcher = NativeStackWatcher(run_dir, 0, control_sender(info["control"], SECRET, key),
+                                     stop, torchrun.pid, py_spy=str(py_spy))
+        watcher.start()
+        wait_for(lambda: watcher.refused == 1 and calls.exists(), 60, "the hang's dumps")
+        request = {"op": "finish", "torchrun_exit": 0, "interrupted": False,
+                   "root_cause": None, "command": [], "ended_at": time.time(),
+                   "extra": {"native_stack_refused": watcher.refused}, "grace_s": 0}
+        stop.set()
+        reply = launcher._finish(info["control"], request, proc, SECRET, key)
+        assert reply is not None and reply["ok"], reply
+        for s in socks:
+            s.close()
+    finally:
+        stop.set()
+        for p in (unrelated, torchrun, proc):
+            p.kill()
+            p.wait(timeout=30)
+        subprocess.run(["kill", str(rank_pid)], capture_output=True)
+        ctx.destroy(linger=0)
+    dumped = calls.read_text().split("\n")
+    assert dumped == [f"dump --native --pid {rank_pid}", ""], dumped  # never the unrelated
+    doc = json.loads((run_dir / "final_summary.json").read_text())
+    assert doc["run"]["native_stack_refused"] == 1

@@ -485,6 +485,7 @@ class _Node:
     control_key: str | None = None  # node 0 only: what lets us finish (start_collector)
     handover: _Handover | None = None  # multi-node: what goes through torchrun's store
     relay: RelayProcess | None = None  # another node: its ranks reach node 0 through it
+    stacks: NativeStackWatcher | None = None  # node 0: py-spy dumps of its stuck ranks
 
 
 def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _Signals,
@@ -498,6 +499,8 @@ def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _S
     }
     if signals.exit_code is not None:
         request["exit_code"] = signals.exit_code
+    if node.stacks is not None and node.stacks.refused:  # forged pids (native_stacks.py)
+        request["extra"]["native_stack_refused"] = node.stacks.refused
     if node.collector is None:
         if node.relay is not None:  # the ranks are gone: their last messages go out now
             node.relay.stop()
@@ -526,10 +529,10 @@ def _node_done(opts: RunOptions, run_dir: Path, request: dict[str, Any],
     code = request.get("exit_code", code)
     failed_text = "" if failed is None else f", rank {failed} failed"
     node0_dir = None if handed is None else handed.values.get(handover.RUN_DIR_KEY)
+    node0_dir = node0_dir and clean_line(node0_dir)  # the store's word: text only
     if node0_dir:
         where = f"to {Path(node0_dir[:4096]) / summary.SUMMARY_JSON} on that host"
     else:
-    node0_dir = node0_dir and clean_line(node0_dir)  # the store's word: text only
         where = f"to {summary.SUMMARY_JSON} in its run folder ({run_dir.name} under its --out)"
     text = (f"node {opts.node_rank}: its ranks ended with exit code {code}{failed_text}.\n"
             f"The job's summary is written by node 0 ({opts.master_addr}) {where}.\n")
@@ -694,9 +697,10 @@ def run(opts: RunOptions) -> int:
         stop_watching = threading.Event()
         if node.control is not None and node.secret is not None:  # node 0
             assert node.control_key is not None
-            NativeStackWatcher(run_dir, 0, control_sender(node.control, node.secret,
-                                                          node.control_key),
-                               stop_watching).start()
+            node.stacks = NativeStackWatcher(
+                run_dir, 0, control_sender(node.control, node.secret, node.control_key),
+                stop_watching, proc.pid)
+            node.stacks.start()
 
         def finish() -> dict[str, Any]:
             rc = _wait(proc, signals, progress if opts.headless else None)

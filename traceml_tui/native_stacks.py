@@ -7,6 +7,12 @@ Yama ptrace rule lets inspect them) takes each culprit's Python and native stack
 `py-spy dump --native` and hands it to the collector, which shows it in the hang report
 (docs/hangs.md). Best effort: without py-spy, or where ptrace is forbidden, nothing
 changes.
+
+The pid comes from the rank's own hello, which any key holder can forge: it is dumped
+only when /proc shows it a descendant of the torchrun this launcher started (so a
+process of this run), never on the rank's word; every other request is refused and
+counted (the summary's run.native_stack_refused). Yama's ptrace scope is no fence on
+machines without Yama, nor for a launcher run as root (common in ML containers).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 from traceml_agent.vocab import LIVE_SNAPSHOT_JSON
 
 DUMP_TIMEOUT_S = 20.0
+MAX_DEPTH = 64  # ancestors walked from a pid towards torchrun (ranks are 1-3 levels below)
 POLL_S = 1.0
 MAX_STACK_CHARS = 16_000  # the collector refuses more (NATIVE_STACK_MAX)
 
@@ -39,6 +46,27 @@ def dump(pid: int, py_spy: str | None = None) -> str | None:
     if done.returncode != 0 or not done.stdout.strip():
         return None
     return done.stdout[:MAX_STACK_CHARS]
+
+
+def parent_pid(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The parent of `pid` as the kernel says (/proc/PID/stat), None if it is gone."""
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[1])  # the name may hold spaces or ')'
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def descends_from(pid: int, ancestor: int, proc: Path = Path("/proc")) -> bool:
+    """True only when /proc shows `pid` below `ancestor` (its child, grandchild...)."""
+    for _ in range(MAX_DEPTH):
+        parent = parent_pid(pid, proc)
+        if parent is None or parent <= 1:
+            return False
+        if parent == ancestor:
+            return True
+        pid = parent
+    return False
 
 
 def stuck_ranks(doc: dict[str, Any], node: int) -> list[tuple[int, int]]:
@@ -61,14 +89,17 @@ class NativeStackWatcher(threading.Thread):
     """Watches the run's live snapshot; when a hang names ranks of this node without a
     stack, dumps them once per hang and sends each to the collector (`send`)."""
 
-    def __init__(self, run_dir: Path, node: int, send: Any, stop: threading.Event) -> None:
+    def __init__(self, run_dir: Path, node: int, send: Any, stop: threading.Event,
+                 torchrun_pid: int, py_spy: str | None = None) -> None:
         super().__init__(name="traceml-native-stacks", daemon=True)
         self.run_dir = run_dir
         self.node = node
         self.send = send
         self.stop = stop
-        self.py_spy = shutil.which("py-spy")
+        self.torchrun_pid = torchrun_pid  # only its descendants are ever dumped
+        self.py_spy = py_spy or shutil.which("py-spy")
         self.done: set[tuple[int, str]] = set()  # (rank, hang since): dumped already
+        self.refused = 0  # pids named that are not a process of this run
 
     def run(self) -> None:
         if self.py_spy is None:
@@ -83,6 +114,9 @@ class NativeStackWatcher(threading.Thread):
                 if (rank, since) in self.done:
                     continue
                 self.done.add((rank, since))
+                if not descends_from(pid, self.torchrun_pid):
+                    self.refused += 1  # a forged hello's pid: never ptraced
+                    continue
                 text = dump(pid, self.py_spy)
                 if text is not None:
                     self.send({"op": "native_stack", "rank": rank, "pid": pid, "text": text})
