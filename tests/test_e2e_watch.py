@@ -1,13 +1,22 @@
 """End to end: `traceml watch` attaches to a real `traceml run` job and sees every rank;
-quitting the viewer leaves the job running."""
+quitting the viewer leaves the job running; a viewer whose terminal dies ends with it."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import select
 import signal
+import struct
 import subprocess
 import sys
+import termios
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import psutil
 import pytest
 
 from jobs import EXAMPLES, live_steps, traceml, wait_for
@@ -84,3 +93,186 @@ def test_watch_from_another_node_uses_the_address_node_0_advertised(tmp_path, mo
     assert resolve_target(str(run_dir))[0] == "tcp://gpu01:31744"
     monkeypatch.setattr(socket, "gethostname", lambda: "gpu01")
     assert resolve_target(str(run_dir))[0] == "tcp://127.0.0.1:31744"
+
+
+# --- a viewer whose terminal dies -----------------------------------------------------
+
+# The session leader of the test's pty, as a login shell would be. The kernel sends the
+# hangup only to it (and to the foreground group when it exits); here it either ignores
+# the hangup, as nohup or a CI runner does (and the viewer inherits that), or survives
+# it, as a shell with a HUP trap or `traceml run` does (the viewer then gets none).
+SESSION_LEADER = """
+import fcntl, signal, subprocess, sys, termios
+fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+if sys.argv[1] == "ignores":
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+else:
+    signal.signal(signal.SIGHUP, lambda *_: None)
+sys.exit(subprocess.call(sys.argv[2:]))
+"""
+
+
+@pytest.fixture
+def canned_collector() -> Iterator[str]:
+    """A collector's view socket serving canned states (no job, no key), a different one
+    each poll, so the dashboard redraws its whole screen every refresh."""
+    import zmq
+
+    from canned import make_state, make_view
+    from traceml_tui.view_state import encode_detail, encode_view
+
+    views = [encode_view(make_view(make_state(world_size=64, nproc_per_node=8, seed=i,
+                                              straggler=3 + 7 * i, extra_ms=10.0 + 9 * i)))
+             for i in range(4)]
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REP)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve() -> None:
+        n = 0
+        while not stop.is_set():
+            if sock.poll(100):
+                sock.recv()
+                sock.send_multipart([views[n % len(views)], encode_detail(None)])
+                n += 1
+        sock.close(0)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"tcp://127.0.0.1:{port}"
+    stop.set()
+    thread.join(5)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds a process has used so far (user + system), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _gone(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+class Terminal:
+    """The terminal program's side of a pty (its master), 200x60, read as fast as the
+    viewer writes unless told to stop."""
+
+    def __init__(self) -> None:
+        self.master, self.slave = os.openpty()
+        fcntl.ioctl(self.slave, termios.TIOCSWINSZ, struct.pack("HHHH", 60, 200, 0, 0))
+        self.screen = bytearray()
+        self.samples: list[int] = []
+
+    def read(self, size: int = 65536) -> bool:
+        """Reads what is there; True if anything was."""
+        if not select.select([self.master], [], [], 0.05)[0]:
+            return False
+        self.screen.extend(os.read(self.master, size))
+        return True
+
+    def shows(self, text: bytes) -> bool:
+        while self.read():
+            pass
+        return text in self.screen
+
+    def full(self) -> bool:
+        """Unread output stopped growing for longer than a refresh: the viewer is blocked
+        writing into the pty (not reading it until then)."""
+        pending = struct.unpack("i", fcntl.ioctl(self.master, termios.FIONREAD, b"\0" * 4))
+        self.samples.append(pending[0])
+        time.sleep(0.2)  # one sample per 0.2 s (the condition spans 0.8 s)
+        return len(self.samples) > 4 and self.samples[-1] > 0 and len(set(self.samples[-5:])) == 1
+
+    def mid_frame(self) -> bool:
+        """Drains what is there, then takes the first small chunk of the next frame only."""
+        while self.read():
+            pass
+        return self.read(512)
+
+    def close_slave(self) -> None:
+        """The viewer's side, once it has it."""
+        if self.slave >= 0:
+            os.close(self.slave)
+            self.slave = -1
+
+    def close(self) -> None:
+        """The terminal program dies (the viewer's side too, if still ours)."""
+        self.close_slave()
+        if self.master >= 0:
+            os.close(self.master)
+            self.master = -1
+
+
+def _hang_up_on_a_drawing_viewer(collector: str, leader: str, stalled: bool,
+                                 env: dict[str, str], cwd: Path) -> str | None:
+    """One round: what went wrong, or None."""
+    term = Terminal()
+    session = subprocess.Popen(
+        [sys.executable, "-c", SESSION_LEADER, leader, sys.executable, "-m", "traceml_tui",
+         "watch", collector],
+        stdin=term.slave, stdout=term.slave, stderr=term.slave, start_new_session=True,
+        env=env, cwd=cwd)
+    term.close_slave()
+    viewer: psutil.Process | None = None
+    try:
+        wait_for(lambda: term.shows(b"rank"), 60, "the dashboard to draw")
+        children = psutil.Process(session.pid).children()
+        assert len(children) == 1, children
+        viewer = children[0]
+        if stalled:
+            wait_for(term.full, 30, "the viewer's writes to block on the full pty")
+        else:
+            wait_for(term.mid_frame, 10, "the next frame")
+        cpu_before = last_cpu = _cpu_s(viewer.pid)
+        term.close()  # the terminal program dies
+        closed = time.monotonic()
+        while not _gone(viewer) and time.monotonic() - closed < 5:
+            try:
+                last_cpu = _cpu_s(viewer.pid)
+            except OSError:
+                break
+            time.sleep(0.05)
+        took = time.monotonic() - closed
+        spent = last_cpu - cpu_before
+        if not _gone(viewer):
+            return f"the viewer is alive {took:.1f} s after, having used {spent:.1f} s of CPU"
+        if took > 2.0:
+            return f"the viewer took {took:.1f} s to end"
+        if spent > 0.5:
+            return f"the viewer used {spent:.1f} s of CPU in the {took:.1f} s it took to end"
+        code = session.wait(10)
+        return None if code == 129 else f"exit code {code}, not 129"
+    finally:
+        term.close()
+        for proc in (viewer, psutil.Process(session.pid) if session.poll() is None else None):
+            try:
+                if proc is not None:
+                    proc.kill()
+            except psutil.Error:
+                pass
+        session.wait(10)
+
+
+def test_a_viewer_never_outlives_its_terminal(tmp_path, canned_collector):
+    """The terminal (the pty's master, which the test holds as a terminal program does)
+    is closed while the dashboard draws, 8 times: just after a frame began, and while
+    the viewer is blocked writing into a full pty. However the session leader treats the
+    hangup, every `traceml watch` is gone within 2 s, burning no core meanwhile (129)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRACEML_SECRET"}
+    env["TERM"] = "xterm-256color"
+    failures = []
+    for round_ in range(8):
+        leader, stalled = ("ignores", "survives")[round_ % 2], round_ % 4 >= 2
+        failure = _hang_up_on_a_drawing_viewer(canned_collector, leader, stalled, env,
+                                               tmp_path)
+        if failure:
+            failures.append(f"round {round_} (session leader {leader} the hangup, "
+                            f"{'blocked writing' if stalled else 'mid-frame'}): {failure}")
+    assert not failures, "\n".join(failures)

@@ -267,6 +267,8 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         return 2
     from .dashboard import DashboardApp
 
+    if not web_viewer:  # its terminal gone (hangup, EOF, EIO), the viewer goes too
+        terminal.exit_with_terminal()
     DashboardApp(ViewClient(address, secret=secret), run_dir).run()
     return 0
 
