@@ -169,11 +169,20 @@ def _teardown() -> None:
 
 
 def _on_internal_error(exc: BaseException) -> None:
-    _warn(f"internal error, timing turned off for this run: {exc!r}")
+    from .recorder import is_sticky_cuda_error
+
+    if is_sticky_cuda_error(exc):
+        # The job's own GPU work failed (a device-side assert, an illegal access): CUDA
+        # reports it to every later call, the agent's event query included. Not ours.
+        what = f"the job's CUDA error (reported to the agent's event query): {exc}"
+        _warn(f"{what}; timing turned off for this run")
+    else:
+        what = f"internal error: {exc!r}"
+        _warn(f"internal error, timing turned off for this run: {exc!r}")
     _state["rec"] = None
     sender = _state["sender"]
     if sender is not None:  # the collector hears it: a frozen step count is not a hang
-        sender.agent_off = f"internal error: {exc!r}"[: protocol.MAX_STR]
+        sender.agent_off = what[: protocol.MAX_STR]
 
 
 def _warn(message: str) -> None:

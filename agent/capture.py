@@ -3,7 +3,9 @@
 The collector sends a request down the agent's own connection; the sender thread
 hands it to a `Capturer`. The profiler is started and stopped in the training
 thread, at step boundaries (the recorder calls `on_step_end` after each step it
-closes): a capture never cuts a step in half and never restarts the job. Exporting
+closes): a capture never cuts a step in half and never restarts the job. Never while a
+CUDA graph is being captured (the profiler's start and stop are CUDA calls, which would
+invalidate it): they wait for the first step boundary after it. Exporting
 the trace file happens on a thread of its own, so the training thread pays for the
 profiler only during the N captured steps. Events go back through a queue the
 sender thread drains ("started", "done" with the file, "failed" with why).
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from . import vocab
+from .recorder import capturing
 
 MAX_CAPTURE_STEPS = 50  # a deep trace is for reading, not for a whole run: files stay small
 TRACES_DIR = vocab.TRACES_DIR
@@ -63,6 +66,8 @@ class Capturer:
             self._finish(self._id, "failed", error=f"capture failed: {exc!r}")
 
     def _on_step_end(self) -> None:
+        if capturing():  # the profiler's start and stop are CUDA calls: after the capture
+            return
         if self._prof is not None:
             self._end_step_span()
             self._left -= 1
@@ -117,11 +122,16 @@ class Capturer:
         prof, capture_id = self._prof, self._id
         self._prof = None
         self.rec.step_listener = None
+        # Stopping can take longer than the hang threshold on a GPU (CUPTI flushes its
+        # buffers): the heartbeat says the pause is the agent's own.
+        self.rec.agent_busy = "deep trace stopping"
         try:
             prof.stop()
         except Exception as exc:
             self._finish(capture_id, "failed", error=f"the profiler did not stop: {exc!r}")
             return
+        finally:
+            self.rec.agent_busy = None
         threading.Thread(target=self._export, args=(prof, capture_id),
                          name="traceml-capture", daemon=True).start()
 

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from . import visible_devices
 from .sanitize import clean_line, clean_text
 from .vocab import CRITICAL, INFO, SEVERITIES, WARNING
 
@@ -365,11 +365,8 @@ def param_checksum(module: Any) -> float | None:
 
 
 def _physical_cuda(index: int) -> str:
-    """cuda:N as the physical GPU, through CUDA_VISIBLE_DEVICES when it lists indices."""
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
-    if 0 <= index < len(visible) and visible[index]:
-        return f"cuda:{visible[index]}"
-    return f"cuda:{index}"
+    """cuda:N as CUDA_VISIBLE_DEVICES names it (visible_devices.py: the one parser)."""
+    return visible_devices.physical_name(index, visible_devices.from_env())
 
 
 @_never_raise(lambda: None)
@@ -383,10 +380,14 @@ def device_key(module: Any) -> str | None:
     if p is None or p.device.type != "cuda":
         return None
     index = p.device.index if p.device.index is not None else torch.cuda.current_device()
-    try:
-        return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
-    except Exception:
-        return _physical_cuda(index)
+    uuid = visible_devices.torch_uuid(torch, index)
+    return f"GPU-{uuid}" if uuid else _physical_cuda(index)
+
+
+def _capturing() -> bool:
+    from .recorder import capturing
+
+    return capturing()
 
 
 class _PendingChecksum:
@@ -399,6 +400,10 @@ class _PendingChecksum:
     @staticmethod
     @_never_raise(lambda: None)
     def start(module: Any) -> _PendingChecksum | None:
+        from .recorder import capturing
+
+        if capturing():  # its kernels would be captured, its pinned allocation refused
+            return None
         total = _checksum_tensor(module)
         return None if total is None else _PendingChecksum(total)
 
@@ -421,8 +426,10 @@ class _PendingChecksum:
 
     def poll(self) -> float | None:
         """On the training thread only: a CUDA call from another thread would create a
-        context on its current device (GPU 0) and break a CUDA graph being captured."""
-        if self.value is None and self.event is not None and self.event.query():
+        context on its current device (GPU 0). Never while a CUDA graph is captured
+        anywhere in the process: an event query then invalidates the capture."""
+        if self.value is None and self.event is not None and not _capturing() \
+                and self.event.query():
             self.value = float(self.host.item())
         return self.value
 

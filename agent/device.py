@@ -12,6 +12,8 @@ The rules (docs/agent-api.md, "CUDA"):
   * A rank whose parameters span several GPUs (pipeline stages) is timed on the device
     of the first parameter the hooks see; the other devices' work shows only where it
     delays that one.
+  * Parameters offloaded to the host while CUDA is in use: the device of the first CUDA
+    tensor the hooks see, else the current device, and the rule says so (`learn`).
 """
 
 from __future__ import annotations
@@ -59,19 +61,40 @@ def index_of(obj: Any) -> int | None:
         return None
 
 
-def learn(torch: Any, sources: list[Any]) -> int | None:
-    """The rank's device once the script uses CUDA: the first source on a CUDA device,
-    else the current device (set by the script with set_device, or 0). None before
-    the script's first CUDA use."""
+# Which rule chose the device (sent in hello and the summary: the user sees why).
+RULE_PARAMETERS = "parameters"
+RULE_OFFLOAD_TENSOR = "first CUDA tensor (parameters on CPU: offload)"
+RULE_OFFLOAD_CURRENT = "current device (parameters on CPU: offload)"
+RULE_NO_MODEL = "current device (no model seen)"
+
+
+def learn(torch: Any, sources: list[Any], tensor_index: int | None = None,
+          settled: bool = True) -> tuple[int, str] | None:
+    """The rank's device once the script uses CUDA, and the rule that chose it:
+
+      1. the first source whose parameters are on a CUDA device;
+      2. parameters all on the host while CUDA is in use (FSDP CPUOffload, FSDP2's
+         CPUOffloadPolicy, ZeRO-Infinity keep them there), once the learning steps are
+         over (`settled`): the device of the first CUDA tensor the hooks saw (the batch
+         moved there), else the current device;
+      3. no model seen (the explicit API): the current device (set_device, or 0).
+
+    None before the script's first CUDA use (and, for 2, before `settled`)."""
     if not cuda_in_use(torch):
         return None
     for source in sources:
         index = index_of(source)
         if index is not None:
-            return index
-    if sources:  # the model is known and on the host: keep timing on the host
-        return None
+            return index, RULE_PARAMETERS
+    if sources:
+        if not settled:
+            return None
+        if tensor_index is not None:
+            return tensor_index, RULE_OFFLOAD_TENSOR
+        rule = RULE_OFFLOAD_CURRENT
+    else:
+        rule = RULE_NO_MODEL
     try:
-        return int(torch.cuda.current_device())
+        return int(torch.cuda.current_device()), rule
     except Exception:
         return None

@@ -33,15 +33,28 @@ is traced into a graph.
 Every hook guards the agent's own work: an exception there is reported once and
 the agent uninstalls itself. The user's call always runs, and its exceptions
 propagate untouched.
+
+Threads: the phase stack is the training thread's (the thread that opens the first
+step's forward, backward or optimizer). A hook on another thread passes through
+untimed, except while the training thread is inside `backward` (on a GPU, autograd
+runs gradient hooks, final callbacks and the collectives they start on its device
+threads). A DataLoader fetched on another thread (a prefetch thread) is counted and
+its running time is kept apart: the training thread's idle time while it runs is
+input wait (recorder.py). Each hook pays one `get_ident()` comparison for this.
+
+CUDA graphs (built with CUDA only): `CUDAGraph.capture_begin/capture_end` are wrapped
+to count the captures in progress (the recorder makes no CUDA call while one is), and
+`replay` to count replays, which are the job's progress when a whole step is a graph.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from threading import get_ident as _get_ident
 from typing import Any
 
-from . import device
+from . import device, recorder
 from .checks import StepObserver
 from .recorder import BACKWARD, DATALOADER, FORWARD, H2D, NO_PHASE, OPTIMIZER, SYNC, Recorder
 
@@ -57,6 +70,7 @@ _obs: StepObserver | None = None  # the setup checks (checks.py), fed by the sam
 _on_error: Callable[[BaseException], None] = print  # replaced by install()
 _queue_callback: Callable[[Callable[[], None]], None] = print  # autograd's, bound at install
 _is_compiling: Callable[[], bool] = bool  # torch.compiler.is_compiling, bound at install
+_in_autograd: Callable[[], bool] = bool  # this thread runs a backward (bound at install)
 # Nothing compiles before torch._dynamo is imported (torch.compile and torch.export do
 # it), so the hottest wrappers ask is_compiling() (two Python calls) only after that.
 _DYNAMO = "torch._dynamo"
@@ -71,17 +85,22 @@ _grad_order: list[Any] = []  # learning: parameters in the order their gradients
 _grad_probes: list[Any] = []  # learning: temporary hooks on the roots' parameters
 _step_optimizer: Any = None
 _BACKWARD_OWNER = object()
+_in_backward = False  # the training thread is inside a timed backward
+_scaler_mark = 0  # the step count at the last GradScaler.update (a skipped step shows)
 _end_learning_patch: Callable[[], None] = lambda: None  # noqa: E731 - restores Module.__call__
 
 
 def install(rec: Recorder, torch: Any, on_error: Callable[[BaseException], None],
             observer: StepObserver | None = None) -> None:
     global _rec, _on_error, _learning, _step_optimizer, _obs, _is_compiling
-    global _finish_pending, _depth, _learning_forwards
+    global _finish_pending, _depth, _learning_forwards, _in_backward, _scaler_mark
+    global _in_autograd
     _rec, _on_error, _obs = rec, on_error, observer
     _learning, _step_optimizer, _finish_pending = True, None, False
+    _in_backward, _scaler_mark = False, rec.step
     _depth = _learning_forwards = 0
     _is_compiling = _compiling_probe(torch)
+    _in_autograd = _autograd_probe(torch)
     _roots.clear()
     _grad_order.clear()
     _grad_probes.clear()
@@ -90,8 +109,10 @@ def install(rec: Recorder, torch: Any, on_error: Callable[[BaseException], None]
     _patch_backward(torch)
     _hook_optimizer(torch)
     _patch_collectives(torch)
+    _patch_grad_scaler(torch)
     if device.cuda_built(torch):  # not is_available(): no CUDA call before the script's
         _patch_h2d(torch)
+        _patch_graphs(torch)
 
 
 def uninstall() -> None:
@@ -136,6 +157,32 @@ def _compiling_probe(torch: Any) -> Callable[[], bool]:
     return probe if callable(probe) else bool
 
 
+def _admit(rec: Recorder, idx: int) -> bool:
+    """The slow path of every hook, for a call not on the known training thread: whether
+    it is timed on the phase stack. Until the training thread is known, the first thread
+    to open forward, backward or optimizer becomes it (a DataLoader fetch before that is
+    timed provisionally for its thread); after, only autograd's threads while the
+    training thread is inside backward."""
+    ident = _get_ident()
+    if rec.thread is None:
+        if idx == DATALOADER or (rec.loader_thread == ident and rec.active == DATALOADER):
+            if rec.loader_thread is None:
+                rec.loader_thread = ident
+            return rec.loader_thread == ident
+        rec.claim_thread(ident)
+        return True
+    return idx != DATALOADER and _in_backward and _in_autograd()
+
+
+def _autograd_probe(torch: Any) -> Callable[[], bool]:
+    """Whether this thread is running an autograd graph task (autograd's device threads
+    during backward are; a thread of the user's beside it is not)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    if task_id is None:
+        return lambda: True
+    return lambda: task_id() >= 0
+
+
 def _timed(rec: Recorder, idx: int, owner: Any, call: Callable[..., Any], *args: Any,
            **kwargs: Any) -> Any:
     """Run `call` as phase `idx`. The agent's own failures never reach the caller."""
@@ -168,6 +215,10 @@ def _patch_dataloader(torch: Any) -> None:
         rec = _rec
         if rec is None:
             return original(self)
+        rec.batches += 1
+        me = _get_ident()
+        if me != rec.thread and not _admit(rec, DATALOADER):
+            return _background_next(rec, self, original)
         try:  # _timed written out: once per batch
             started = rec.begin(DATALOADER, self)
         except Exception as exc:
@@ -179,7 +230,8 @@ def _patch_dataloader(torch: Any) -> None:
             batch = original(self)
         finally:
             try:
-                rec.end(self)
+                if rec.thread is None or rec.thread == me:  # not dropped by a claim
+                    rec.end(self)
             except Exception as exc:
                 _fail(exc)
         obs = _obs
@@ -188,6 +240,29 @@ def _patch_dataloader(torch: Any) -> None:
         return batch
 
     _setattr(cls, "__next__", __next__)
+
+
+def _background_next(rec: Recorder, it: Any, original: Callable[[Any], Any]) -> Any:
+    """A fetch on a thread that is not the training thread (a prefetch thread): off the
+    phase stack; its running time is what the training thread may be waiting for."""
+    if rec.thread is None:  # another thread's fetch is being timed provisionally
+        return original(it)
+    try:
+        rec.bg_begin()
+    except Exception as exc:
+        _fail(exc)
+        return original(it)
+    try:
+        batch = original(it)
+    finally:
+        try:
+            rec.bg_end()
+        except Exception as exc:
+            _fail(exc)
+    obs = _obs
+    if obs is not None:
+        obs.on_loader_batch(it)
+    return batch
 
 
 # --- forward ------------------------------------------------------------------------
@@ -204,6 +279,8 @@ def _learn_roots(torch: Any) -> None:
         if _is_compiling() or not _learning:
             return original(self, *args, **kwargs)
         rec = _rec
+        if rec is not None and _get_ident() != rec.thread and not _admit(rec, FORWARD):
+            return original(self, *args, **kwargs)  # another thread's module
         if _depth or rec is None or rec.active == DATALOADER:  # a module in a collate_fn
             _depth += 1
             try:
@@ -336,6 +413,8 @@ def _wrap_call(cls: type) -> None:
         rec = _rec
         if rec is None or (_DYNAMO in _modules and _is_compiling()):
             return original(self, *args, **kwargs)
+        if _get_ident() != rec.thread and not _admit(rec, FORWARD):
+            return original(self, *args, **kwargs)
         try:
             started = rec.begin(FORWARD, self)
         except Exception as exc:
@@ -404,8 +483,11 @@ def _patch_backward(torch: Any) -> None:
     _queue_callback = autograd.Variable._execution_engine.queue_callback
 
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        global _in_backward
         rec = _rec
         if rec is None or (_DYNAMO in _modules and _is_compiling()):  # never traced
+            return original(tensors, *args, **kwargs)
+        if _get_ident() != rec.thread and not _admit(rec, BACKWARD):
             return original(tensors, *args, **kwargs)
         try:
             started = rec.begin_backward(_BACKWARD_OWNER)
@@ -414,9 +496,11 @@ def _patch_backward(torch: Any) -> None:
             started = False
         if not started:
             return original(tensors, *args, **kwargs)
+        _in_backward = True  # autograd's device threads may use the stack meanwhile
         try:
             return original(tensors, *args, **kwargs)
         finally:
+            _in_backward = False
             try:
                 rec.end_backward(_BACKWARD_OWNER)
             except Exception as exc:
@@ -431,7 +515,7 @@ def _patch_backward(torch: Any) -> None:
 
 def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
     rec = _rec
-    if rec is None:
+    if rec is None or (_get_ident() != rec.thread and not _admit(rec, OPTIMIZER)):
         return
     try:
         rec.begin(OPTIMIZER, optimizer)
@@ -442,7 +526,7 @@ def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
 def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
     global _step_optimizer
     rec = _rec
-    if rec is None:
+    if rec is None or (_get_ident() != rec.thread and not _admit(rec, OPTIMIZER)):
         return
     try:
         rec.end(optimizer)
@@ -556,6 +640,8 @@ def _patch_collectives(torch: Any) -> None:
                 _fail(exc)
                 return __original(*args, **kwargs)
             rec.collectives += 1
+            if _get_ident() != rec.thread and not _admit(rec, SYNC):
+                return __original(*args, **kwargs)  # counted, not timed: not our stack
             outer, outer_group = rec.in_collective, rec.in_group
             rec.in_collective, rec.in_group = __name, gname
             try:
@@ -584,6 +670,8 @@ def _patch_h2d(torch: Any) -> None:
             rec = _rec
             if rec is None or rec.active != NO_PHASE or self.is_cuda:
                 return __original(self, *args, **kwargs)
+            if _get_ident() != rec.thread and not _admit(rec, H2D):
+                return __original(self, *args, **kwargs)
             try:
                 started = rec.begin(H2D, self)
             except Exception as exc:
@@ -598,6 +686,8 @@ def _patch_h2d(torch: Any) -> None:
             if started:
                 if out is not self and getattr(out, "is_cuda", False):
                     _guarded(rec.end, self)
+                    if rec.device_tensor is None:  # the offload rule's device (device.py)
+                        rec.device_tensor = device.index_of(out)
                 else:  # a dtype cast or a CPU copy: not a host-to-device transfer
                     _guarded(rec.cancel)
             return out
@@ -610,3 +700,82 @@ def _guarded(call: Callable[..., Any], *args: Any) -> None:
         call(*args)
     except Exception as exc:
         _fail(exc)
+
+
+# --- GradScaler -----------------------------------------------------------------------
+#
+# With AMP, `scaler.step(optimizer)` skips optimizer.step() when gradients overflowed: no
+# optimizer hook runs, and that step would merge into the next one. `scaler.update()`
+# runs once per step either way: when no step closed since the last update, it closes
+# the skipped one.
+
+
+def _patch_grad_scaler(torch: Any) -> None:
+    amp = getattr(torch, "amp", None)
+    grad_scaler = getattr(amp, "grad_scaler", None)
+    cls = getattr(grad_scaler, "GradScaler", None)
+    if cls is None:
+        return
+    original = cls.update
+
+    def update(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global _scaler_mark
+        result = original(self, *args, **kwargs)
+        rec = _rec
+        if rec is None or rec.explicit_steps or _get_ident() != rec.thread:
+            return result
+        try:
+            if rec.step == _scaler_mark and rec.active == NO_PHASE:
+                rec.close_step()  # the optimizer step was skipped (inf/NaN gradients)
+            _scaler_mark = rec.step
+        except Exception as exc:
+            _fail(exc)
+        return result
+
+    update.__wrapped__ = original  # type: ignore[attr-defined]
+    _setattr(cls, "update", update)
+
+
+# --- CUDA graphs ----------------------------------------------------------------------
+
+
+def _patch_graphs(torch: Any) -> None:
+    """Count captures in progress (torch.cuda.graph, make_graphed_callables and
+    torch.compile's cudagraph trees all go through CUDAGraph.capture_begin/capture_end)
+    and replays. The count is raised before the capture begins and lowered after it
+    ends, so no agent CUDA call can fall inside it. Touches no CUDA."""
+    cls = getattr(torch.cuda, "CUDAGraph", None)
+    if cls is None or not all(hasattr(cls, n) for n in ("capture_begin", "capture_end",
+                                                         "replay")):
+        return
+    begin, end, replay = cls.capture_begin, cls.capture_end, cls.replay
+
+    def capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
+        recorder.capture_began()
+        try:
+            return begin(self, *args, **kwargs)
+        except BaseException:
+            recorder.capture_ended()
+            raise
+
+    def capture_end(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return end(self, *args, **kwargs)
+        finally:
+            recorder.capture_ended()
+
+    def replay_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = replay(self, *args, **kwargs)
+        rec = _rec
+        if rec is not None:
+            try:
+                rec.replayed(_get_ident() == rec.thread)
+            except Exception as exc:
+                _fail(exc)
+        return result
+
+    for name, wrapper, original in (("capture_begin", capture_begin, begin),
+                                    ("capture_end", capture_end, end),
+                                    ("replay", replay_, replay)):
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        _setattr(cls, name, wrapper)

@@ -22,8 +22,11 @@ Kinds:
   sys        a system sample: CPU %, RSS, GPU utilisation and memory, and the CUDA
              device once the agent has learned it
   heartbeat  liveness and progress, from a thread that does not need training: step,
-             phase, collectives launched, seconds since the last step, and the training
-             framework seen in the process (for the hint when a phase cannot be timed)
+             phase, collectives launched, seconds since the last step, the training
+             framework seen in the process (for the hint when a phase cannot be timed),
+             CUDA graph replays and DataLoader batches (progress a step count cannot
+             show), timing faults and capture skips, what keeps the agent busy, and the
+             rule that chose the timing device
   stacks     every thread's Python stack, sent by a rank that stopped making progress
   goodbye    at exit: exit code and the tail of a traceback, if any
   checks     setup mistakes found in this rank (checks.py), and once its facts for the
@@ -154,9 +157,11 @@ class Message:
     seq: int
     t: float
     body: dict[str, Any] = field(default_factory=dict)
-    # Only for kind == "steps": validated records and their phase names.
+    # Only for kind == "steps": validated records and their phase names, and how many
+    # records of the batch were refused (one bad record costs itself, not its batch).
     phases: tuple[str, ...] = ()
     records: tuple[StepRecord, ...] = ()
+    bad_records: int = 0
 
 
 # --- the messages (agent -> collector), one Struct per kind ---------------------------------
@@ -224,10 +229,23 @@ class Heartbeat(_Wire, tag="heartbeat", kw_only=True):
     parallel: Tiny | None = None
     framework: Short | None = None
     agent_off: Line | None = None
+    # Progress the step count cannot show, and timing the agent could not do (all optional:
+    # an older agent's heartbeat decodes with the defaults). CUDA graph replays and
+    # DataLoader batches (any thread) seen; event pairs that were negative or failed (their
+    # phases went out as None); phases skipped inside a CUDA graph capture; what keeps the
+    # agent itself busy, e.g. "deep trace stopping" while the profiler stops; and the rule
+    # that chose the timing device, e.g. "current device (parameters on CPU: offload)"
+    # (agent state, like agent_off: sys carries the device, the heartbeat why that one).
+    replays: Count = 0
+    batches: Count = 0
+    timing_faults: Count = 0
+    capture_skips: Count = 0
+    agent_busy: Line | None = None
+    device_rule: Line | None = None
 
     def __post_init__(self) -> None:
         _clean_fields(self, lines=("phase", "in_collective", "in_group", "parallel",
-                                   "framework", "agent_off"))
+                                   "framework", "agent_off", "agent_busy", "device_rule"))
         if not all(k.isprintable() for k in self.groups):
             force_setattr(self, "groups", {clean_line(k): v for k, v in self.groups.items()})
 
@@ -339,9 +357,9 @@ def _message(wire: WireMessage) -> Message:
             raise ProtocolError("forced must be a list with one count per phase")
         else:
             forced = tuple(wire.forced)
+        records, refused = _records(wire.records, n)
         return Message("steps", ident, wire.seq, wire.t,
-                       {"dropped": wire.dropped, "forced": forced}, phases,
-                       _records(wire.records, n))
+                       {"dropped": wire.dropped, "forced": forced}, phases, records, refused)
     if isinstance(wire, Checks):
         return Message(kind, ident, wire.seq, wire.t, _checks(wire))
     body = {k: v for k, v in asdict(wire).items() if k not in _ENVELOPE and v is not UNSET}
@@ -355,28 +373,40 @@ def _message(wire: WireMessage) -> Message:
 _NUMBER = (float, int)
 
 
-def _records(raw: list[list[int | float | None]], n_phases: int) -> tuple[StepRecord, ...]:
-    """[step, t_end, step_ms, *phase_ms] lists as StepRecords: an int step, finite
-    non-negative times within their bounds (NaN fails every comparison)."""
-    width = 3 + n_phases
+def _records(raw: list[list[int | float | None]], n_phases: int
+             ) -> tuple[tuple[StepRecord, ...], int]:
+    """[step, t_end, step_ms, *phase_ms] lists as StepRecords, and how many were refused.
+    A record is kept when it has an int step and finite non-negative times within their
+    bounds (NaN fails every comparison). A bad record (a negative cross-stream phase from
+    an older agent, say) is refused alone: its batch's other steps are real, and dropping
+    them would hide ~10 steps behind one bad value."""
     out = []
+    refused = 0
     for rec in raw:
-        if len(rec) != width:
-            raise ProtocolError("a record must be [step, t_end, step_ms, *phase_ms]")
-        step, t_end, step_ms = rec[0], rec[1], rec[2]
-        if type(step) is not int or not 0 <= step <= MAX_COUNT:
-            raise ProtocolError(f"step must be an int in [0, {MAX_COUNT}]")
-        if type(t_end) not in _NUMBER or not 0.0 <= t_end <= 1e11:  # type: ignore[operator]
-            raise ProtocolError("t_end must be a finite epoch time")
-        if type(step_ms) not in _NUMBER or not 0.0 <= step_ms <= MAX_STEP_MS:  # type: ignore[operator]
-            raise ProtocolError(f"step_ms must be a finite number in [0, {MAX_STEP_MS}]")
-        values = rec[3:]
-        for v in values:
-            if v is not None and (type(v) not in _NUMBER or not 0.0 <= v <= MAX_STEP_MS):
-                raise ProtocolError(f"phase_ms must be null or in [0, {MAX_STEP_MS}]")
-        out.append(StepRecord(step, float(t_end), float(step_ms),  # type: ignore[arg-type]
-                              tuple(v if v is None else float(v) for v in values)))
-    return tuple(out)
+        kept = _record(rec, n_phases)
+        if kept is None:
+            refused += 1
+        else:
+            out.append(kept)
+    return tuple(out), refused
+
+
+def _record(rec: list[int | float | None], n_phases: int) -> StepRecord | None:
+    if len(rec) != 3 + n_phases:  # [step, t_end, step_ms, *phase_ms]
+        return None
+    step, t_end, step_ms = rec[0], rec[1], rec[2]
+    if type(step) is not int or not 0 <= step <= MAX_COUNT:
+        return None
+    if type(t_end) not in _NUMBER or not 0.0 <= t_end <= 1e11:  # type: ignore[operator]
+        return None
+    if type(step_ms) not in _NUMBER or not 0.0 <= step_ms <= MAX_STEP_MS:  # type: ignore[operator]
+        return None
+    values = rec[3:]
+    for v in values:
+        if v is not None and (type(v) not in _NUMBER or not 0.0 <= v <= MAX_STEP_MS):
+            return None
+    return StepRecord(step, float(t_end), float(step_ms),  # type: ignore[arg-type]
+                      tuple(v if v is None else float(v) for v in values))
 
 
 # Phase-name lists seen, validated: agents send the same list in every batch.

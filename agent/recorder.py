@@ -27,7 +27,15 @@ time in ``MEASURED[i]`` in nanoseconds, or None when that phase was not seen
 during the step. "wait" is derived later (wall minus the measured phases).
 
 `CudaRecorder` times device phases with CUDA events and resolves them with
-`query()` on later steps: it never synchronizes the training thread.
+`query()` on later steps: it never synchronizes the training thread. It makes no
+CUDA call at all while any CUDA graph capture is in progress in the process (hooks.py
+counts them through `torch.cuda.CUDAGraph.capture_begin/capture_end`): in CUDA's default
+"global" capture mode an event query from any thread invalidates the user's capture.
+
+Threads (docs/agent-api.md, "Threads"): the phase stack belongs to the training thread;
+the hooks let other threads through untimed (hooks.py decides). A DataLoader iterated
+on a background thread is accounted apart: the time the training thread spends outside
+every phase while such a fetch is running is its input wait.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from collections import deque
 from time import perf_counter_ns
 from typing import Any
 
-from . import device, vocab
+from . import device, visible_devices, vocab
 
 # Phases the recorder measures, by index. "wait" is derived, never recorded.
 MEASURED = vocab.MEASURED_PHASES
@@ -50,6 +58,29 @@ FLUSH_DEADLINE_S = 2.0  # at shutdown, how long the device gets to finish timed 
 # Device segments (event pairs) kept for one step: a loop without optimizer steps
 # (evaluation, inference) never reaches a step boundary to resolve them.
 MAX_STEP_PAIRS = 4096
+# Idle timing events kept for reuse: a few steps' worth. An evaluation pass can take
+# thousands; they go back to CUDA instead of staying pooled for the rest of the run.
+MAX_POOL = 64
+
+# CUDA graph captures in progress in this process (any thread, any mode), counted by
+# hooks.py's wrappers of CUDAGraph.capture_begin/capture_end. Read before any CUDA call.
+_captures = 0
+
+
+def capture_began() -> None:
+    global _captures
+    _captures += 1
+
+
+def capture_ended() -> None:
+    global _captures
+    _captures = max(0, _captures - 1)
+
+
+def capturing() -> bool:
+    """Whether a CUDA graph capture is in progress anywhere in this process: then the
+    agent makes no CUDA call (an event query, a pinned allocation, the profiler)."""
+    return _captures > 0
 
 
 class Recorder:
@@ -79,6 +110,21 @@ class Recorder:
         "last_step_t",
         "last_wall",
         "device_sources",
+        "device_tensor",
+        "replays",
+        "replay_mark",
+        "batches",
+        "timing_faults",
+        "capture_skips",
+        "device_rule",
+        "agent_busy",
+        "thread",
+        "loader_thread",
+        "bg_loader",
+        "bg_busy",
+        "bg_since",
+        "bg_total",
+        "bg_seen",
     )
 
     def __init__(self, out: deque) -> None:
@@ -112,6 +158,63 @@ class Recorder:
         # What the hooks saw that may hold the training device (device.py): only a
         # LazyCudaRecorder reads them, at step boundaries.
         self.device_sources: list[Any] = []
+        self.device_tensor: int | None = None  # the CUDA index of the first batch moved there
+        # Progress and health, read by the heartbeat thread:
+        self.replays = 0  # CUDA graph replays (a replayed whole step runs no hook)
+        self.replay_mark = -1  # the step count at the last replay (hooks.py)
+        self.batches = 0  # DataLoader batches fetched, by any thread
+        self.timing_faults = 0  # device pairs that could not be timed (negative, failed)
+        self.capture_skips = 0  # timing events not recorded because a graph was capturing
+        self.device_rule: str | None = None  # which rule chose the timed device (device.py)
+        self.agent_busy: str | None = None  # a long pause of the agent's own, while it lasts
+        # The training thread (get_ident), once it opens forward, backward or optimizer;
+        # before that, the thread whose DataLoader fetch was provisionally timed.
+        self.thread: int | None = None
+        self.loader_thread: int | None = None
+        # Fetches on a background loader thread: how many run now, since when, and the
+        # time any ran in total (ns); bg_seen: that total when last charged as input.
+        self.bg_loader = False
+        self.bg_busy = 0
+        self.bg_since = 0
+        self.bg_total = 0
+        self.bg_seen = 0
+
+    # --- threads ------------------------------------------------------------------
+
+    def claim_thread(self, ident: int) -> None:
+        """`ident` is the training thread (it opens a step's work). What another thread's
+        provisional DataLoader fetch left on the stack was not the training thread's."""
+        self.thread = ident
+        if self.loader_thread not in (None, ident):
+            self.stack = []
+            self.active, self.owner = NO_PHASE, None
+            self.acc = [None] * len(self.names)
+            self.step_start = 0
+        self.loader_thread = None
+
+    def bg_begin(self) -> None:
+        """A background thread starts a DataLoader fetch (off the stack)."""
+        if not self.bg_busy:
+            self.bg_since = perf_counter_ns()
+        self.bg_busy += 1
+        self.bg_loader = True
+
+    def bg_end(self) -> None:
+        busy = self.bg_busy - 1
+        self.bg_busy = max(0, busy)
+        if busy <= 0:
+            self.bg_total += perf_counter_ns() - self.bg_since
+
+    def _bg_input(self, t: int) -> None:
+        """The training thread leaves idle time at `t`: the part of that idle stretch a
+        background fetch was running is input wait (it was waiting for the batch)."""
+        if not self.t_mark:
+            return
+        busy = self.bg_total + (t - self.bg_since if self.bg_busy else 0)
+        dt = min(t - self.t_mark, busy - self.bg_seen)
+        self.bg_seen = busy
+        if dt > 0:
+            _add(self.acc, DATALOADER, dt)
 
     # --- phases -------------------------------------------------------------------
 
@@ -135,6 +238,8 @@ class Recorder:
             acc[active] = t - self.t_mark if prev is None else prev + t - self.t_mark
             if len(stack) >= MAX_DEPTH:  # unreachable with paired hooks
                 self._force(0, t)
+        elif self.bg_loader:
+            self._bg_input(t)
         stack.append((idx, owner, self.step))
         self.active = idx
         self.owner = owner
@@ -174,6 +279,8 @@ class Recorder:
             self._charge(active, t)
             if len(self.stack) >= MAX_DEPTH:  # unreachable with paired hooks
                 self._force(0, t)
+        elif self.bg_loader:
+            self._bg_input(t)
         self._push(idx, owner, t)
         return True
 
@@ -259,6 +366,8 @@ class Recorder:
             acc[active] = t - self.t_mark if prev is None else prev + t - self.t_mark
             if len(stack) >= MAX_DEPTH:
                 self._force(0, t)
+        elif self.bg_loader:
+            self._bg_input(t)
         stack.append((BACKWARD, owner, self.step))
         self.active = BACKWARD
         self.owner = owner
@@ -311,6 +420,9 @@ class Recorder:
             self._charge(self.active, t)
             self.t_mark = t
             self._close_stale(t)
+        elif self.bg_loader:
+            self._bg_input(t)
+            self.t_mark = t
         self._emit(self.step, t, t - start, self.acc)
         self.step += 1
         self.step_start = t
@@ -331,6 +443,18 @@ class Recorder:
 
     def _emit(self, step: int, t: int, wall: int, acc: list[int | None]) -> None:
         self.out.append((step, t, wall, acc))
+
+    def replayed(self, on_training_thread: bool) -> None:
+        """A CUDA graph was replayed. A whole-step graph runs no hook: when the training
+        thread replays outside every phase and no step closed since its last replay, the
+        replay is the step (its phases not timed, None; its time on the device clock
+        between step ends). A graph replayed inside a phase (torch.compile's cudagraph
+        trees replay inside forward and backward) is part of that phase's step."""
+        self.replays += 1
+        if on_training_thread and self.active == NO_PHASE and not self.explicit_steps:
+            if self.step == self.replay_mark:
+                self.close_step()
+            self.replay_mark = self.step
 
     def open_step(self) -> None:
         """Explicit API: a step starts now (the time before it is not part of any step)."""
@@ -378,7 +502,8 @@ class CudaRecorder(Recorder):
     """
 
     __slots__ = ("torch", "pool", "pairs", "pending", "prev_end", "ev_mark", "ev_ready",
-                 "max_pending", "dropped_pairs", "capture_skips", "_capturing", "device")
+                 "max_pending", "dropped_pairs", "_capturing", "device", "device_uuid",
+                 "stream")
     DEVICE_PHASES = frozenset({H2D, FORWARD, BACKWARD, SYNC, OPTIMIZER})
     begin = Recorder._begin_composed
     end = Recorder._end_composed
@@ -388,10 +513,11 @@ class CudaRecorder(Recorder):
         super().__init__(out)
         self.torch = torch_module
         self.device = device  # the CUDA index the rank trains on (device.py)
+        self.device_uuid: str | None = None  # its UUID, as torch reports it (for NVML)
         self.pool: list[Any] = []
         self.pairs: list[tuple[int, Any, Any]] = []
         self.dropped_pairs = 0  # times the pairs of one step were cut to stay bounded
-        self.capture_skips = 0  # events not recorded because a CUDA graph was capturing
+        self.stream: Any = None  # the stream of the step-end events, fixed at the first
         self._capturing = getattr(torch_module.cuda, "is_current_stream_capturing", None)
         self.pending: deque = deque()
         self.prev_end: Any = None
@@ -399,34 +525,45 @@ class CudaRecorder(Recorder):
         self.ev_ready: Any = None
         self.max_pending = max_pending
 
-    def _event(self) -> Any:
-        """A timing event recorded on the current stream of the rank's own device (not
-        the current device, which stays 0 in scripts that never call set_device), or
-        None while that stream captures a CUDA graph: recording then would raise into
-        the user's step (or be baked into the graph). The segments it would have bounded
-        stay untimed (None), which the collector reports as a phase it could not see.
-        Capture is asked only when the current device is the rank's: a capture runs on
-        the current device's stream, and asking about another device's would open a
-        context there."""
-        cuda = self.torch.cuda
-        device = self.device
+    def _in_capture(self) -> bool:
+        """A CUDA graph capture is in progress: one begun through CUDAGraph (counted by
+        hooks.py, any thread: no CUDA call is then made at all), or the current stream
+        of the rank's device captures (a capture begun before the agent's wrappers).
+        Capture is asked only when the current device is the rank's: asking about
+        another device's stream would open a context there."""
+        if _captures:
+            return True
         capturing = self._capturing
-        if capturing is not None and cuda.current_device() == device and capturing():
+        return (capturing is not None and self.torch.cuda.current_device() == self.device
+                and capturing())
+
+    def _event(self, stream: Any = None) -> Any:
+        """A timing event recorded on the current stream of the rank's own device (not
+        the current device, which stays 0 in scripts that never call set_device), or on
+        `stream`; None during a capture: recording then would raise into the user's
+        step (or be baked into the graph). The segments it would have bounded stay
+        untimed (None), which the collector reports as a phase it could not see."""
+        if self._in_capture():
             self.capture_skips += 1
             return None
+        cuda = self.torch.cuda
         ev = self.pool.pop() if self.pool else cuda.Event(enable_timing=True)
-        ev.record(cuda.current_stream(device))
+        ev.record(stream if stream is not None else cuda.current_stream(self.device))
         return ev
+
+    def _pair(self, idx: int, a: Any, b: Any) -> None:
+        """A device segment of phase `idx`, between events `a` and `b`; bounded."""
+        pairs = self.pairs
+        if len(pairs) >= MAX_STEP_PAIRS:  # no step boundary comes (eval, inference)
+            del pairs[: len(pairs) // 2]  # the oldest half: memory stays bounded
+            self.dropped_pairs += 1
+        pairs.append((idx, a, b))
 
     def _charge(self, idx: int, t: int) -> None:
         if idx in self.DEVICE_PHASES:
             ev = self._event()
             if ev is not None and self.ev_mark is not None:
-                pairs = self.pairs
-                if len(pairs) >= MAX_STEP_PAIRS:  # no step boundary comes (eval, inference)
-                    del pairs[: len(pairs) // 2]  # the oldest half: memory stays bounded
-                    self.dropped_pairs += 1
-                pairs.append((idx, self.ev_mark, ev))
+                self._pair(idx, self.ev_mark, ev)
             self.ev_mark = ev
         else:
             super()._charge(idx, t)
@@ -468,36 +605,62 @@ class CudaRecorder(Recorder):
         if ev_end is None:  # capturing: this stretch is not timed
             pass
         elif ready is not None and mark is not None and self.t_ready >= self.t_mark:
-            self.pairs.append((BACKWARD, mark, ready))
-            self.pairs.append((SYNC, ready, ev_end))
+            self._pair(BACKWARD, mark, ready)
+            self._pair(SYNC, ready, ev_end)
         elif mark is not None:
-            self.pairs.append((SYNC if ready is not None else BACKWARD, mark, ev_end))
+            self._pair(SYNC if ready is not None else BACKWARD, mark, ev_end)
         self.ev_mark = ev_end
         self._pop(perf_counter_ns())
 
+    def _step_event(self) -> Any:
+        """The step-end event: always on one stream of the rank's device (the training
+        thread's current stream when device timing began), so consecutive step ends are
+        on one clock whatever stream the loop ends on."""
+        if self.stream is None and not self._in_capture():
+            self.stream = self.torch.cuda.current_stream(self.device)
+        return self._event(self.stream)
+
     def _emit(self, step: int, t: int, wall: int, acc: list[int | None]) -> None:
-        """The step's device times are not known yet: park it until its events complete."""
-        end_ev = self._event()
+        """The step's device times are not known yet: park it until its events complete.
+        During a capture nothing is resolved (an event query would break it)."""
+        end_ev = self._step_event()
         self.pending.append((step, t, wall, acc, self.pairs, self.prev_end, end_ev))
         self.prev_end = end_ev
         self.pairs = []
-        self._resolve()
+        if end_ev is not None:
+            self._resolve()
 
     def _resolve(self) -> None:
+        """Steps whose end event completed, in order. A pair that fails or comes out
+        negative (its events on two streams) is a timing fault: that phase is sent as
+        not measured (None) for the step, never as a made-up or negative value. A step
+        whose own wall fails is dropped (one step lost; the agent stays on). A sticky
+        device error (the job's own) propagates."""
         pending = self.pending
+        if _captures:
+            return
         while pending and (pending[0][6] is None or pending[0][6].query()):
             step, t, host_wall, acc, pairs, prev_end, end_ev = pending.popleft()
+            bad: set[int] = set()
             for idx, a, b in pairs:
-                try:  # an event on another stream may lag the step-end event: skip it
-                    _add(acc, idx, int(a.elapsed_time(b) * 1e6))
-                except RuntimeError:
-                    continue
-            wall = host_wall
-            if prev_end is not None and end_ev is not None:
-                wall = int(prev_end.elapsed_time(end_ev) * 1e6)
-                _expose_input(acc, wall)
-            self.out.append((step, t, wall, acc))
+                ns = _elapsed_ns(a, b)
+                if ns is None:
+                    bad.add(idx)
+                else:
+                    _add(acc, idx, ns)
+            if bad:
+                self.timing_faults += len(bad)
+                for idx in bad:
+                    acc[idx] = None
             self._recycle(pairs, prev_end)
+            wall = None if prev_end is None or end_ev is None else _elapsed_ns(prev_end, end_ev)
+            if wall is None:  # a step in or just after a capture, or a failed wall
+                if prev_end is not None and end_ev is not None:
+                    self.timing_faults += 1
+                self.out.append((step, t, host_wall, _host_only(acc)))
+                continue
+            _expose_input(acc, wall)
+            self.out.append((step, t, wall, acc))
         while len(pending) > self.max_pending:  # device far behind: drop, never block
             pending.popleft()
 
@@ -510,16 +673,20 @@ class CudaRecorder(Recorder):
             live.update(id(a) for _, a, _ in later[4])
         live.update(id(a) for _, a, _ in self.pairs)
         seen = set()
+        pool = self.pool
         for ev in [prev_end, *(e for pair in pairs for e in pair[1:])]:
             if ev is not None and id(ev) not in live and id(ev) not in seen:
                 seen.add(id(ev))
-                self.pool.append(ev)
+                if len(pool) < MAX_POOL:  # after a burst the rest go back to CUDA
+                    pool.append(ev)
 
     def flush(self, deadline_s: float = FLUSH_DEADLINE_S) -> None:
         """At shutdown: resolve what the device finishes within `deadline_s`. Polled, never
         `synchronize()`: on a GPU stuck in a collective (the hang this tool exists to
         diagnose) that would keep the rank from ever exiting."""
         end = perf_counter_ns() + int(deadline_s * 1e9)
+        if _captures:  # a capture still running at exit: no CUDA call may break it
+            return
         try:
             while self.pending and perf_counter_ns() < end:
                 self._resolve()
@@ -528,6 +695,40 @@ class CudaRecorder(Recorder):
             self._resolve()
         except Exception:
             pass
+
+
+def _elapsed_ns(a: Any, b: Any) -> int | None:
+    """Device time from event `a` to `b` in ns; None when it cannot be timed: negative
+    (events on two streams) or CUDA's "not ready" (a side stream lagging the step end).
+    A sticky device error is the job's own and propagates."""
+    try:
+        ns = int(a.elapsed_time(b) * 1e6)
+    except RuntimeError as exc:
+        if is_sticky_cuda_error(exc):
+            raise
+        return None
+    return ns if ns >= 0 else None
+
+
+# Sticky CUDA errors: the context is unusable after them, for the job and the agent alike.
+STICKY_CUDA_ERRORS = ("device-side assert", "illegal memory access", "illegal instruction",
+                      "misaligned address", "unspecified launch failure", "ECC error",
+                      "hardware stack error", "launch timeout")
+
+
+def is_sticky_cuda_error(exc: BaseException) -> bool:
+    """An error of the job's own GPU work that every later CUDA call reports (the agent's
+    query included): the job's error, not the agent's."""
+    text = str(exc)
+    return "CUDA error" in text and any(k in text for k in STICKY_CUDA_ERRORS)
+
+
+def _host_only(acc: list) -> list:
+    """A step without a device wall keeps its host-timed phases only: device times on
+    a host wall would mix two clocks (the device phases are sent as not measured)."""
+    for idx in CudaRecorder.DEVICE_PHASES:
+        acc[idx] = None
+    return acc
 
 
 def _expose_input(acc: list, wall: int) -> None:
@@ -567,12 +768,21 @@ class LazyCudaRecorder(CudaRecorder):
 
     def close_step(self) -> None:
         Recorder.close_step(self)
-        index = device.learn(self.torch, self.device_sources)
-        if index is not None:
+        if _captures:
+            return
+        found = device.learn(self.torch, self.device_sources, self.device_tensor,
+                             settled=self.step >= 2)
+        if found is not None:
+            index, self.device_rule = found
+            # Read here, on the training thread: the sender opens NVML by it.
+            self.device_uuid = visible_devices.torch_uuid(self.torch, index)
             self.device = index
             self.ev_mark = self.ev_ready = None
             # Device phases are timed by events from now on (same slots, so this is safe).
             self.__class__ = CudaRecorder  # type: ignore[assignment]
+            # The next step's wall runs from this event: the first device-timed step is
+            # on the device clock throughout, never a host wall around device phases.
+            self.prev_end = self._step_event()
 
     def flush(self, deadline_s: float = FLUSH_DEADLINE_S) -> None:
         """Nothing pending: nothing was timed on the device."""

@@ -90,6 +90,7 @@ class Sender(threading.Thread):
         self.stacks_sent_at = 0.0  # monotonic time of the last stacks message
         self.stacks_step = -1  # the step count when they were taken
         self.agent_off: str | None = None  # why timing was turned off, once it was
+        self._moved = (0, 0)  # graph replays and batches at the last heartbeat
         # Wall clock of perf_counter_ns()'s zero, to stamp records in epoch seconds.
         self._epoch0 = time.time() - perf_counter_ns() / 1e9
 
@@ -152,7 +153,7 @@ class Sender(threading.Thread):
                     # NVML is opened then, with the CUDA_VISIBLE_DEVICES the script left.
                     index = getattr(self.rec, "device", None)
                     if index is not None and sampler.cuda_index != index:
-                        sampler.open_gpu(index)
+                        sampler.open_gpu(index, getattr(self.rec, "device_uuid", None))
                     self._send("sys", **sampler.sample())
                 if now >= next_beat:
                     next_beat = now + HEARTBEAT_INTERVAL_S
@@ -197,13 +198,24 @@ class Sender(threading.Thread):
         rec = self.rec
         phase, in_phase = rec.in_phase()
         since_step = max(0.0, (perf_counter_ns() - rec.last_step_t) / 1e9)
+        # Progress a step count cannot show (CUDA graph replays, batches fetched on any
+        # thread) and the recorder's timing faults: read as plain attributes, whichever of
+        # them this recorder has, so the heartbeat never fails on a missing one.
+        moved = (_count(getattr(rec, "replays", 0)), _count(getattr(rec, "batches", 0)))
+        busy = _line(getattr(rec, "agent_busy", None))
         self._send("heartbeat", step=rec.step, phase=phase, in_phase_s=in_phase,
                    collectives=rec.collectives, in_collective=rec.in_collective,
                    groups=dict(rec.groups), in_group=rec.in_group, grad_bytes=rec.grad_bytes,
                    since_step_s=since_step, parallel=rec.parallel, framework=framework(),
-                   agent_off=self.agent_off)
+                   agent_off=self.agent_off, replays=moved[0], batches=moved[1],
+                   timing_faults=_count(getattr(rec, "timing_faults", 0)),
+                   capture_skips=_count(getattr(rec, "capture_skips", 0)),
+                   agent_busy=busy, device_rule=_line(getattr(rec, "device_rule", None)))
         if self.agent_off is not None:
             return  # no steps will come: no stall, no stacks
+        progressed, self._moved = moved != self._moved, moved
+        if progressed or busy is not None:
+            return  # replaying graphs, fetching batches or stopping a trace: not stuck
         stuck_after = max(STACK_MIN_S, STACK_STEPS * rec.last_wall / 1e9)
         now = time.monotonic()
         if since_step > stuck_after and (rec.step != self.stacks_step
@@ -283,6 +295,18 @@ class Sender(threading.Thread):
             wait_ms,
             *phase_ms[std:],
         ]
+
+
+def _count(value: object) -> int:
+    """A recorder's counter as the wire's bounded count (0 for anything else)."""
+    if type(value) is not int:
+        return 0
+    return min(max(value, 0), protocol.MAX_COUNT)
+
+
+def _line(value: object) -> str | None:
+    """A recorder's short text as the wire's bounded line (None for anything else)."""
+    return value[: protocol.MAX_STR] if isinstance(value, str) and value else None
 
 
 # Training frameworks recognised by their modules, most specific first (Transformers

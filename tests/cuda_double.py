@@ -7,6 +7,20 @@ initialised by the first call (freezing CUDA_VISIBLE_DEVICES, as the real one do
 after fork any call raises "Cannot re-initialize CUDA in forked subprocess"; a stream
 can be put in graph capture, during which recording an event on it raises.
 
+It is no kinder than CUDA (issue 29):
+  * graph capture has CUDA's error modes: in "global" mode an event query, an elapsed
+    time, a synchronize or a pinned allocation from ANY thread raises (as
+    cudaErrorStreamCaptureUnsupported does) and invalidates the capture, so the user's
+    `capture_end()` raises; in "thread_local" mode only the capturing thread's calls do;
+    "relaxed" allows them. `CUDAGraph` and `graph` stand in for torch's;
+  * events complete `lag_ns` of device time after they are recorded (pending at step
+    ends, as on a real GPU), and elapsed_time on an incomplete event raises;
+  * streams: `Stream()` makes a side stream whose clock is skewed by `skew_ns`, so an
+    elapsed time between events on two streams can be negative;
+  * `backward_on_device_thread` runs the real backward on a thread named like autograd's
+    device thread while the caller blocks (on a GPU, hooks and final callbacks run
+    there); `background_batches` iterates a DataLoader on a prefetch thread.
+
 `OnDevice` makes a real CPU module's parameters report a CUDA device, so the real hooks
 and the real optimizer run on CPU while the agent believes the model lives on a GPU.
 """
@@ -38,15 +52,26 @@ class Call:
     device: int | None
 
 
+CAPTURE_ERROR = ("CUDA error: operation not permitted when stream is capturing "
+                 "(cudaErrorStreamCaptureUnsupported)")
+INVALIDATED = "CUDA error: operation failed due to a previous error during capture"
+
+
 class StreamDouble:
-    def __init__(self, device: int) -> None:
+    """The default stream of a device (id 0), or a side stream whose events' device times
+    are offset by `skew_ns` (another stream's work runs at other times)."""
+
+    def __init__(self, device: int, ident: int = 0, skew_ns: int = 0) -> None:
         self.device = device
+        self.ident = ident
+        self.skew_ns = skew_ns
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, StreamDouble) and other.device == self.device
+        return (isinstance(other, StreamDouble) and other.device == self.device
+                and other.ident == self.ident)
 
     def __hash__(self) -> int:
-        return hash(self.device)
+        return hash((self.device, self.ident))
 
 
 class EventDouble:
@@ -59,27 +84,93 @@ class EventDouble:
 
     def record(self, stream: StreamDouble | None = None) -> None:
         cuda = self.cuda
-        device = cuda._current() if stream is None else stream.device
+        if stream is None:
+            stream = cuda.current_stream()
+        device = stream.device
         cuda._api("Event.record", device, opens_context=True)
-        if cuda.capturing == device:
-            raise RuntimeError("operation not permitted when stream is capturing")
+        if cuda.capturing == device and cuda._on_capture_stream(stream):
+            cuda._invalidate()
+            raise RuntimeError(CAPTURE_ERROR)
         self.device = device
-        self.t_ns = cuda.device_clock()
+        self.t_ns = cuda.device_clock() + stream.skew_ns
+
+    def _done(self) -> bool:
+        cuda = self.cuda
+        return (not cuda.stuck and self.t_ns is not None
+                and cuda.device_clock() - self.t_ns >= cuda.lag_ns)
 
     def query(self) -> bool:
-        self.cuda._api("Event.query", self.device)
-        return not self.cuda.stuck
+        self.cuda._api("Event.query", self.device, unsafe_in_capture=True)
+        return self._done()
 
     def elapsed_time(self, end: EventDouble) -> float:
-        self.cuda._api("Event.elapsed_time", self.device)
+        self.cuda._api("Event.elapsed_time", self.device, unsafe_in_capture=True)
         if self.t_ns is None or end.t_ns is None:
             raise RuntimeError("event not recorded")
+        if not (self._done() and end._done()):
+            raise RuntimeError("CUDA error: device not ready")
         return (end.t_ns - self.t_ns) / 1e6
 
     def synchronize(self) -> None:
-        self.cuda._api("Event.synchronize", self.device)
+        self.cuda._api("Event.synchronize", self.device, unsafe_in_capture=True)
         if self.cuda.stuck:
             raise AssertionError("synchronize() on a stuck device never returns")
+
+
+class GraphDouble:
+    """torch.cuda.CUDAGraph: capture on the current stream of the current device, in one
+    of CUDA's capture error modes; capture_end raises when the capture was invalidated by
+    a prohibited call (from anyone) during it. Replays count."""
+
+    cuda: CudaDouble  # set on the class the double builds
+
+    def __init__(self) -> None:
+        self.replays = 0
+        self.captured = False
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        cuda = self.cuda
+        cuda._api("CUDAGraph.capture_begin", cuda._current(), caller="torch.cuda.graphs")
+        if cuda.capturing is not None:
+            raise RuntimeError("a capture is already in progress")
+        cuda.capturing = cuda._current()
+        cuda.capture_mode = capture_error_mode
+        cuda.capture_thread = threading.get_ident()
+        cuda.capture_invalid = None
+
+    def capture_end(self) -> None:
+        cuda = self.cuda
+        invalid = cuda.capture_invalid
+        cuda.capturing = cuda.capture_thread = None
+        cuda.capture_mode = "global"
+        cuda.capture_invalid = None
+        if invalid is not None:
+            raise RuntimeError(f"{INVALIDATED} ({invalid})")
+        self.captured = True
+
+    def replay(self) -> None:
+        cuda = self.cuda
+        cuda._api("CUDAGraph.replay", cuda._current(), caller="torch.cuda.graphs")
+        if not self.captured:
+            raise RuntimeError("replay() of a graph that was not captured")
+        self.replays += 1
+
+
+class GraphContextDouble:
+    """torch.cuda.graph(g, pool=None, stream=None, capture_error_mode="global")."""
+
+    cuda: CudaDouble
+
+    def __init__(self, cuda_graph: GraphDouble, pool: Any = None, stream: Any = None,
+                 capture_error_mode: str = "global") -> None:
+        self.graph = cuda_graph
+        self.mode = capture_error_mode
+
+    def __enter__(self) -> None:
+        self.graph.capture_begin(capture_error_mode=self.mode)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.graph.capture_end()
 
 
 class CudaDouble:
@@ -92,6 +183,15 @@ class CudaDouble:
         self.contexts: set[int] = set()  # devices with a primary context in this process
         self.visible_at_init: str | None = None
         self.capturing: int | None = None  # the device whose current stream captures
+        self.capture_mode = "global"  # CUDA's capture error mode: global/thread_local/relaxed
+        self.capture_thread: int | None = None  # None: set by hand, any thread's stream
+        self.capture_invalid: str | None = None  # the prohibited call that broke it
+        self.lag_ns = 0  # device time from an event's record to its completion
+        self.sticky_error: str | None = None  # a device error every later call reports
+        self._streams = 0
+        # The graph types, bound to this double (torch.cuda.CUDAGraph, torch.cuda.graph).
+        self.CUDAGraph = type("CUDAGraph", (GraphDouble,), {"cuda": self})
+        self.graph = type("graph", (GraphContextDouble,), {"cuda": self})
         self.stuck = False  # events never complete (a GPU stuck in a collective)
         # torch's caching allocator counters per device (bytes): host memory, read under
         # the allocator's lock, no driver call. Reads are logged apart from CUDA calls.
@@ -148,12 +248,38 @@ class CudaDouble:
     def current_stream(self, device: Any = None) -> StreamDouble:
         index = self._current() if device is None else _index(device)
         self._api("current_stream", index)
+        return self._streams_of_thread().get(index) or StreamDouble(index)
+
+    def default_stream(self, device: Any = None) -> StreamDouble:
+        index = self._current() if device is None else _index(device)
+        self._api("default_stream", index)
         return StreamDouble(index)
 
+    def Stream(self, device: Any = None, skew_ns: int = 0) -> StreamDouble:  # noqa: N802
+        index = self._current() if device is None else _index(device)
+        self._api("Stream", index, opens_context=True)
+        self._streams += 1
+        return StreamDouble(index, self._streams, skew_ns)
+
+    @contextlib.contextmanager
+    def stream(self, stream: StreamDouble) -> Iterator[None]:
+        """torch.cuda.stream(s): s is the current stream of its device on this thread."""
+        streams = self._streams_of_thread()
+        old = streams.get(stream.device)
+        streams[stream.device] = stream
+        try:
+            yield
+        finally:
+            if old is None:
+                streams.pop(stream.device, None)
+            else:
+                streams[stream.device] = old
+
     def is_current_stream_capturing(self) -> bool:
+        """Allowed during a capture (cudaStreamIsCapturing is capture-safe)."""
         index = self._current()
         self._api("is_current_stream_capturing", index, opens_context=True)
-        return self.capturing == index
+        return self.capturing == index and self._on_capture_stream(None)
 
     def Event(self, enable_timing: bool = False) -> EventDouble:  # noqa: N802 - torch's name
         return EventDouble(self)
@@ -170,7 +296,13 @@ class CudaDouble:
             self._api("manual_seed_all", None)
 
     def synchronize(self, device: Any = None) -> None:
-        self._api("synchronize", self._current() if device is None else _index(device))
+        self._api("synchronize", self._current() if device is None else _index(device),
+                  unsafe_in_capture=True)
+
+    def pinned_allocation(self) -> None:
+        """torch.empty(..., pin_memory=True) (cudaHostAlloc), routed here by
+        `patch_pinned_memory`."""
+        self._api("pin_memory", None, unsafe_in_capture=True)
 
     def memory_stats_as_nested_dict(self, device: Any = None) -> dict[str, Any]:
         """As torch's: {} before CUDA is initialised (and so in a forked child); with an
@@ -199,8 +331,30 @@ class CudaDouble:
     def _current(self) -> int:
         return getattr(self._tls, "device", 0)
 
+    def _streams_of_thread(self) -> dict[int, StreamDouble]:
+        streams = getattr(self._tls, "streams", None)
+        if streams is None:
+            streams = self._tls.streams = {}
+        return streams
+
+    def _on_capture_stream(self, stream: StreamDouble | None) -> bool:
+        """Whether `stream` (None: this thread's current one) is the capturing stream: the
+        capturing thread's current stream (torch.cuda.graph makes its capture stream
+        current), or any stream of the device when the capture was set by hand."""
+        if self.capture_thread is None:
+            return True
+        return threading.get_ident() == self.capture_thread and (
+            stream is None or stream == self.current_stream_quiet(stream.device))
+
+    def current_stream_quiet(self, device: int) -> StreamDouble:
+        return self._streams_of_thread().get(device) or StreamDouble(device)
+
+    def _invalidate(self, why: str = "a prohibited call") -> None:
+        if self.capturing is not None and self.capture_invalid is None:
+            self.capture_invalid = why
+
     def _api(self, api: str, device: int | None, opens_context: bool = False,
-             caller: str | None = None) -> None:
+             caller: str | None = None, unsafe_in_capture: bool = False) -> None:
         if os.getpid() != self._pid and self._initialized:
             raise RuntimeError(FORK_ERROR)
         if not self._initialized:
@@ -211,6 +365,20 @@ class CudaDouble:
         module = caller or _calling_module()
         self.calls.append(Call(api, module, threading.current_thread().name, os.getpid(),
                                device))
+        if self.sticky_error is not None and caller is None:
+            raise RuntimeError(f"CUDA error: {self.sticky_error}")
+        if unsafe_in_capture and self.capturing is not None and self._prohibited():
+            self._invalidate(f"{api} from {module}")
+            raise RuntimeError(CAPTURE_ERROR)
+
+    def _prohibited(self) -> bool:
+        """CUDA's capture error modes: which threads' unsafe calls break the capture."""
+        mode = self.capture_mode
+        if mode == "relaxed":
+            return False
+        if mode == "thread_local" and self.capture_thread is not None:
+            return threading.get_ident() == self.capture_thread
+        return True  # global: from any thread
 
 
 def _index(device: Any) -> int:
@@ -240,3 +408,70 @@ def on_device(module: nn.Module, index: int) -> nn.Module:
         for name, p in list(sub.named_parameters(recurse=False)):
             setattr(sub, name, cls(p.detach().clone(), requires_grad=p.requires_grad))
     return module
+
+
+def patch_pinned_memory(monkeypatch: Any, cuda: CudaDouble) -> None:
+    """torch.empty(..., pin_memory=True) asks the double first (a CPU build has no pinned
+    memory): it raises during a capture as cudaHostAlloc does, else gives a CPU tensor."""
+    real_empty = torch.empty
+
+    def empty(*args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+        if pin_memory:
+            cuda.pinned_allocation()
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+AUTOGRAD_THREAD = "pt_autograd_0"  # the name PyTorch gives cuda:0's autograd device thread
+
+
+def backward_on_device_thread(monkeypatch: Any) -> None:
+    """torch.autograd.backward runs the real backward on a thread named like autograd's
+    device thread while the caller blocks, as the engine does for CUDA nodes: gradient
+    hooks and final callbacks run there, not on the training thread. Install before the
+    agent (which wraps whatever torch.autograd.backward is)."""
+    import torch.autograd as autograd
+
+    real = autograd.backward
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        box: list[Any] = []
+
+        def run() -> None:
+            try:
+                box.append((True, real(*args, **kwargs)))
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the caller
+                box.append((False, exc))
+
+        worker = threading.Thread(target=run, name=AUTOGRAD_THREAD)
+        worker.start()
+        worker.join()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    monkeypatch.setattr(autograd, "backward", backward)
+
+
+def background_batches(loader: Any, depth: int = 2) -> Iterator[Any]:
+    """Batches of `loader` fetched by a prefetch thread (prefetch_generator, MONAI's
+    ThreadDataLoader): the DataLoader's __next__ runs there, the training thread waits on
+    a queue."""
+    import queue
+
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def fill() -> None:
+        for batch in loader:
+            q.put(batch)
+        q.put(done)
+
+    threading.Thread(target=fill, name="prefetch", daemon=True).start()
+    while True:
+        item = q.get()
+        if item is done:
+            return
+        yield item

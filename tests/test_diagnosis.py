@@ -352,6 +352,10 @@ def test_a_slow_node_whose_worst_rank_alternates_is_one_label():
 NOT_SEEN = (dx.Untimed("forward", "never seen by the hooks"),)
 
 
+CAPTURED = tuple(dx.Untimed(p, "not timed inside a CUDA graph capture (40 skipped): never "
+                              "measured") for p in ("forward", "backward"))
+
+
 def blind(rank: int, untimed=NOT_SEEN, **phases) -> RankTiming:
     return replace(timing(rank, **phases), untimed=untimed)
 
@@ -374,6 +378,12 @@ BLIND_CASES = [
     ("a phase forced closed counts as untimed too",
      [blind(r, untimed=(dx.Untimed("optimizer", "closed without its end hook on 9 of 40 "
                                    "steps"),)) for r in range(4)], dx.TIMING_INCOMPLETE, None),
+    # Issue 29: forward and backward inside a CUDA graph capture are not timed (None) and
+    # their time sits in rank 2's wait: its step is slower, yet no straggler is named.
+    ("forward/backward not timed in a CUDA graph capture: no COMPUTE STRAGGLER",
+     [timing(r) for r in (0, 1, 3)] + [blind(2, untimed=CAPTURED, forward=None, backward=None,
+                                             wait=2.0 + 40.0 + 80.0 + 30.0)],
+     dx.TIMING_INCOMPLETE, None),
 ]
 
 
@@ -383,7 +393,7 @@ def test_timing_incomplete_withholds_the_verdicts_it_cannot_support(what, ranks,
     d = diagnose(ranks, framework="PyTorch Lightning")
     assert (d.label, d.rank) == (label, rank)
     if label == dx.TIMING_INCOMPLETE:
-        assert d.severity == WARNING and d.phase in {"forward", "optimizer"}
+        assert d.severity == WARNING and d.phase in {"forward", "backward", "optimizer"}
         assert "Timing incomplete under PyTorch Lightning" in d.summary
         assert "rank" in d.summary and "docs/frameworks.md" in d.summary
 
@@ -413,6 +423,37 @@ def test_which_phases_count_as_untimed(what, seen, window, forced, steps, auto, 
     pairs = zip(got, expected, strict=False)
     assert [(u.phase, u.why[:len(why)]) for u, (_, why) in pairs] == expected
     assert len(got) == len(expected)
+
+
+AGENT_SKIPPED_CASES = [
+    # (what, seen, auto, capture skips, timing faults, expected (phase, why))
+    ("forward and backward inside a capture", {"forward": 0, "backward": 0, "optimizer": 32},
+     True, 40, 0, [("forward", "not timed inside a CUDA graph capture (40 skipped): never "
+                               "measured"),
+                   ("backward", "not timed inside a CUDA graph capture (40 skipped): never "
+                                "measured")]),
+    ("negative cross-stream pairs on most steps", {"forward": 32, "backward": 9,
+                                                   "optimizer": 32},
+     True, 0, 23, [("backward", "23 timing faults (event pairs negative or failed): measured "
+                                "on only 9 of 32 steps")]),
+    ("explicit API: a phase the user times, lost to the capture on most steps",
+     {"forward": 3, "backward": 0, "optimizer": 0}, False, 29, 0,
+     [("forward", "not timed inside a CUDA graph capture (29 skipped): measured on only 3 of "
+                  "32 steps")]),
+    ("explicit API, nothing skipped: the user's choice", {"forward": 3}, False, 0, 0, []),
+    ("skips on a few steps only: the phase is still timed", {"forward": 30, "backward": 30,
+                                                             "optimizer": 32},
+     True, 2, 2, []),
+]
+
+
+@pytest.mark.parametrize("what, seen, auto, skips, faults, expected", AGENT_SKIPPED_CASES,
+                         ids=[c[0] for c in AGENT_SKIPPED_CASES])
+def test_phases_the_agent_could_not_time_are_untimed_with_the_reason(what, seen, auto, skips,
+                                                                      faults, expected):
+    got = dx.untimed_phases(seen, 32, {}, 100, auto, capture_skips=skips,
+                            timing_faults=faults)
+    assert [(u.phase, u.why) for u in got] == expected
 
 
 # --- periodic stalls and recent steps ------------------------------------------------------

@@ -201,6 +201,8 @@ def assert_record(counters: dict[str, int], ranks: list[dict[str, Any]], exp: Ex
     assert counters["agent_dropped"] == sum(exp.dropped)
     assert [r["steps"] for r in ranks] == exp.steps
     assert [r["dropped_records"] for r in ranks] == exp.dropped
+    assert counters["bad_records"] == sum(exp.bad_records) > 0
+    assert [r["bad_records"] for r in ranks] == exp.bad_records
     assert [r["pid"] for r in ranks] == [i.pid for i in hostile.IDENTS]
 
 

@@ -84,7 +84,10 @@ ROUND_TRIPS = [
                    "in_group": "1", "grad_bytes": 4_194_304, "since_step_s": 12.5,
                    "parallel": "fsdp",
                    "framework": "PyTorch Lightning",
-                   "agent_off": "internal error: RuntimeError('boom')"}),
+                   "agent_off": "internal error: RuntimeError('boom')",
+                   "replays": 1200, "batches": 31, "timing_faults": 4, "capture_skips": 9,
+                   "agent_busy": "deep trace stopping",
+                   "device_rule": "current device (parameters on CPU: offload)"}),
     ("stacks", {"stacks": (("MainThread", "  File \"train.py\", line 9, in <module>\n"),
                            ("traceml-sender", "  ...\n"))}),
     ("goodbye", {"exit_code": -11, "error": "Traceback ...\nRuntimeError: boom", "steps": 99}),
@@ -129,6 +132,15 @@ def test_defaults_for_optional_body_fields():
     assert decode(encode("goodbye", IDENT, 0, T)).body == {
         "exit_code": None, "error": None, "steps": 0}
     assert decode(encode("steps", IDENT, 0, T, phases=["x"], records=[])).records == ()
+
+
+def test_an_older_agents_heartbeat_decodes_with_the_new_fields_at_their_defaults():
+    """The CUDA progress and timing fields are optional: a heartbeat without them (an agent
+    of this protocol version from before them) is not refused."""
+    body = decode(pack(raw(step=5, since_step_s=0.5))).body
+    assert (body["replays"], body["batches"], body["timing_faults"],
+            body["capture_skips"]) == (0, 0, 0, 0)
+    assert body["agent_busy"] is None and body["device_rule"] is None
 
 
 def test_limits_are_inclusive():
@@ -192,23 +204,14 @@ BAD = {
     "pid-neg": pack(with_id(pid=-1)),
     "seq-neg": pack(raw(seq=-1)),
     "t-neg": pack(raw(t=-1.0)),
-    "step-neg": pack(record(0, -1)),
-    "step-ms-neg": pack(record(2, -0.5)),
-    "phase-ms-neg": pack(record(5, -0.001)),
     "dropped-neg": pack(raw("steps", dropped=-1)),
     "cpu-neg": pack(raw("sys", cpu_pct=-1.0)),
     # non-finite
     "t-nan": pack(raw(t=math.nan)),
     "t-inf": pack(raw(t=math.inf)),
-    "t-end-inf": pack(record(1, math.inf)),
-    "step-ms-nan": pack(record(2, math.nan)),
-    "phase-ms-nan": pack(record(3, math.nan)),
-    "phase-ms-inf": pack(record(6, math.inf)),
     "gpu-util-nan": pack(raw("sys", gpu_util=math.nan)),
     "in-phase-inf": pack(raw(in_phase_s=-math.inf)),
     # records and phases
-    "record-short": pack(raw("steps", records=[RECORD[:-1]])),
-    "record-long": pack(raw("steps", records=[RECORD + [1.0]])),
     "record-map": pack(raw("steps", records=[{"step": 7}])),
     "records-map": pack(raw("steps", records={"0": RECORD})),
     "records-missing": pack(without(raw("steps"), "records")),
@@ -219,7 +222,6 @@ BAD = {
     "phases-duplicate": pack(raw("steps", phases=["forward", "backward", "forward"],
                                  records=[[0, T, 1.0, 1.0, 1.0, 1.0]])),
     "phase-name-int": pack(raw("steps", phases=["forward", 2], records=[])),
-    "step-ms-over-a-day": pack(record(2, protocol.MAX_STEP_MS * 2)),
     "too-many-records": pack(raw("steps", phases=["x"],
                                  records=[[i, T, 1.0, 1.0]
                                           for i in range(MAX_RECORDS_PER_BATCH + 1)])),
@@ -253,6 +255,12 @@ BAD = {
     "heartbeat-phase-long": pack(raw(phase="p" * 65)),
     "heartbeat-agent-off-long": pack(raw(agent_off="x" * 257)),
     "heartbeat-agent-off-int": pack(raw(agent_off=3)),
+    "heartbeat-replays-neg": pack(raw(replays=-1)),
+    "heartbeat-batches-huge": pack(raw(batches=1 << 63)),
+    "heartbeat-faults-float": pack(raw(timing_faults=1.5)),
+    "heartbeat-skips-bool": pack(raw(capture_skips=True)),
+    "heartbeat-busy-long": pack(raw(agent_busy="x" * (MAX_STR + 1))),
+    "heartbeat-device-rule-int": pack(raw(device_rule=3)),
     "giant-extra-string": pack(raw(extra="x" * (MAX_ERROR_CHARS * 4 + 1))),
 }
 
@@ -261,6 +269,51 @@ BAD = {
 def test_decode_rejects(payload):
     with pytest.raises(ProtocolError):
         decode(payload)
+
+
+# A record that breaks a bound is refused alone, and counted: its batch's other records
+# (about ten steps) are real and are kept.
+BAD_RECORDS = {
+    "step-neg": [-1, T, 100.0],
+    "step-float": [7.5, T, 100.0],
+    "step-ms-neg": [7, T, -0.5],
+    "t-end-inf": [7, math.inf, 100.0],
+    "step-ms-nan": [7, T, math.nan],
+    "step-ms-over-a-day": [7, T, protocol.MAX_STEP_MS * 2],
+    "phase-ms-neg": [7, T, 100.0, 5.0, None, 30.0, -0.001],
+    "phase-ms-nan": [7, T, 100.0, math.nan],
+    "phase-ms-inf": [7, T, 100.0, 5.0, None, 30.0, 50.0, math.inf],
+    "record-short": RECORD[:-1],
+    "record-long": RECORD + [1.0],
+}
+
+
+def _bad(head: list) -> list:
+    """A record whose first fields are `head`, the rest as RECORD's (or `head` whole when
+    it is a full record of the wrong length)."""
+    return list(head) if len(head) >= len(RECORD) - 1 else [*head, *RECORD[len(head):]]
+
+
+@pytest.mark.parametrize("head", BAD_RECORDS.values(), ids=BAD_RECORDS.keys())
+def test_a_bad_record_is_refused_alone_and_counted(head):
+    before = [8, T + 0.1, 90.0, 5.0, None, 30.0, 45.0, 0.0, 8.0, 2.0]
+    after = [10, T + 0.3, 90.0, 5.0, None, 30.0, 45.0, 0.0, 8.0, 2.0]
+    msg = decode(pack(raw("steps", records=[before, _bad(head), after])))
+    assert [r.step for r in msg.records] == [8, 10]
+    assert msg.bad_records == 1
+    alone = decode(pack(raw("steps", records=[_bad(head)])))
+    assert alone.records == () and alone.bad_records == 1
+
+
+def test_a_negative_cross_stream_phase_costs_one_record_not_the_batch():
+    """Ten steps of which one carries a negative phase (a cross-stream event pair from an
+    older agent): the other nine reach the collector, the tenth is counted as refused."""
+    records = [[s, T + s, 100.0, 5.0, None, 30.0, 50.0, 4.0, 8.0, 3.0] for s in range(10)]
+    records[4][5] = -0.25  # backward
+    msg = decode(encode("steps", IDENT, 9, T, phases=list(PHASES), records=records))
+    assert [r.step for r in msg.records] == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+    assert msg.bad_records == 1
+    assert decode(pack(raw("steps"))).bad_records == 0
 
 
 def test_every_truncation_is_rejected():
@@ -376,9 +429,11 @@ def test_remote_text_reaches_nobody_as_terminal_control(name, evil):
         decode(encode("stacks", ident, 1, T, stacks=[[f"t{evil}", f"  File x\n{evil}\n"]])),
         decode(encode("steps", ident, 1, T, phases=[f"ph{evil}"], records=[[0, T, 1.0, 1.0]],
                       dropped=0)),
+        decode(encode("heartbeat", ident, 1, T, agent_busy=f"busy{evil}",
+                      device_rule=f"rule{evil}")),
     ]
     texts = [msgs[0].ident.host, msgs[0].body["error"], *msgs[1].body["stacks"][0],
-             msgs[2].phases[0]]
+             msgs[2].phases[0], msgs[3].body["agent_busy"], msgs[3].body["device_rule"]]
     for text in texts:
         assert not any(ord(c) < 0x20 and c not in "\n\t" or 0x7F <= ord(c) < 0xA0
                        for c in text), repr(text)

@@ -301,3 +301,26 @@ def test_lost_time_counts_every_step_once_however_evaluations_are_spaced():
     assert w is not None and w.rank == 2
     assert w.step_ms == pytest.approx(sum(BALANCED_MS), rel=0.02)
     assert w.now_ms == pytest.approx(sum(BALANCED_MS) + 40.0, rel=0.02)
+
+
+def test_phases_lost_to_a_cuda_graph_capture_give_timing_incomplete_not_a_straggler():
+    """Issue 29: rank 1's forward and backward run inside a CUDA graph capture, so its agent
+    sends them as not measured (None) and counts the skips. Their time lands in its wait
+    and its step looks slower, but no straggler is named: TIMING INCOMPLETE, with why."""
+    state = RunState("run", world_size=3)
+    captured = [5.0, 1.0, None, None, 4.0, 8.0, 2.0 + 30.0 + 50.0 + 40.0]
+    for rank in range(3):
+        ms = captured if rank == 1 else BALANCED_MS
+        records = [[s, T0 + s, sum(v for v in ms if v is not None), *ms] for s in range(40)]
+        state.ingest(decode(encode("steps", ident(rank, 3), 1, T0, phases=list(PHASES),
+                                   records=records)), now=1.0)
+        state.ingest(decode(encode("heartbeat", ident(rank, 3), 2, T0, step=40,
+                                   since_step_s=0.1, capture_skips=80 if rank == 1 else 0)),
+                     now=1.0)
+    labels = {state.evaluate(T0 + 2 + i).label for i in range(4)}
+    assert labels == {dx.TIMING_INCOMPLETE}
+    d = state.live.shown
+    assert d.rank is None and "CUDA graph capture (80 skipped)" in d.summary, d.summary
+    assert "rank 1" in d.summary
+    final = state.snapshot(T0 + 10, 10.0, full=True).final
+    assert final.label == dx.TIMING_INCOMPLETE

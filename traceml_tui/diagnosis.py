@@ -165,26 +165,45 @@ def bus_gbps(nbytes: float, ms: float, world: int) -> float | None:
 
 
 def untimed_phases(seen: Mapping[str, int], window_steps: int, forced: Mapping[str, int],
-                   steps: int, auto: bool) -> tuple[Untimed, ...]:
+                   steps: int, auto: bool, capture_skips: int = 0,
+                   timing_faults: int = 0) -> tuple[Untimed, ...]:
     """The phases of one rank that the diagnosis must not rely on. `seen`: of the rank's
     `window_steps` recent steps, on how many each expected phase was measured; `forced`:
     per phase, the times it was closed without its end hook in the rank's `steps` steps;
     `auto`: the zero-code hooks time the loop (with the explicit API the user decides
-    what is timed)."""
+    what is timed). `capture_skips`, `timing_faults`: the agent's counts of timings it
+    skipped inside a CUDA graph capture and of event pairs it could not use (negative or
+    failed: sent as not measured). They say why a phase is missing, and with the explicit
+    API they make a phase the user times but that was measured on fewer than half the
+    steps untimed too (the agent, not the user, left it out)."""
     out = []
-    if auto and window_steps >= MIN_STEPS:
+    agent_skipped = capture_skips > 0 or timing_faults > 0
+    if (auto or agent_skipped) and window_steps >= MIN_STEPS:
         for phase in EXPECTED_PHASES:
             n = seen.get(phase, 0)
-            if n * 2 < window_steps:  # a phase of the loop runs on every step
-                why = ("never seen by the hooks" if n == 0 else
-                       f"seen on only {n} of {window_steps} steps")
-                out.append(Untimed(phase, why))
+            if n * 2 < window_steps and (auto or n > 0):  # a loop's phase runs every step
+                out.append(Untimed(phase, _missing_why(n, window_steps, capture_skips,
+                                                       timing_faults)))
     listed = {u.phase for u in out}
     for phase, count in forced.items():
         if phase not in listed and count >= max(FORCED_MIN, FORCED_SHARE * steps):
             out.append(Untimed(phase, f"closed without its end hook on {count} of {steps} "
                                       f"steps"))
     return tuple(out)
+
+
+def _missing_why(n: int, window_steps: int, capture_skips: int, timing_faults: int) -> str:
+    """Why a phase of the loop was measured on fewer than half the recent steps."""
+    causes = []
+    if capture_skips:
+        causes.append(f"not timed inside a CUDA graph capture ({capture_skips} skipped)")
+    if timing_faults:
+        causes.append(f"{timing_faults} timing faults (event pairs negative or failed)")
+    if not causes:  # the hooks never opened it: a loop they do not see
+        return ("never seen by the hooks" if n == 0 else
+                f"seen on only {n} of {window_steps} steps")
+    seen = "never measured" if n == 0 else f"measured on only {n} of {window_steps} steps"
+    return f"{'; '.join(causes)}: {seen}"
 
 
 @dataclass(frozen=True, slots=True)

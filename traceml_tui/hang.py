@@ -20,6 +20,13 @@ the way a user would compare NCCL opCounts across rank logs, but live:
   dead             a rank stopped sending anything, heartbeats included (they come
                    from a thread that does not need training): its process is gone
                    or frozen.
+
+A rank whose step count is frozen but which still makes progress the hooks cannot count
+as steps (a whole-step CUDA graph it replays, DataLoader batches it fetches) or whose
+agent is busy (stopping a deep trace) is not stalled: its steps are "not visible", said
+with the reason (`hidden`), and hang detection is suspended for it. Its progress is the
+job's: the other ranks' frozen steps may be their wait for it, so no hang is declared
+while any rank shows such progress (as while any rank still steps).
 """
 
 from __future__ import annotations
@@ -36,6 +43,18 @@ HANG_FLOOR_S = 10.0
 HANG_STEPS = 20
 # Heartbeats come every second: this much silence means the process is gone or frozen.
 DEAD_SILENCE_S = 5.0
+# A rank's steps count as not visible once it closed none for this many median step times
+# (at least QUIET_MIN_S: heartbeats come every second), the agent's own "stuck" rule
+# (transport.STACK_STEPS, STACK_MIN_S), while other progress shows: its CUDA graph replays
+# or DataLoader batches rose since its last step, and within the hang threshold (they
+# must keep rising, not have risen once) ...
+QUIET_STEPS = 5
+QUIET_MIN_S = 3.0
+# ... or its agent is busy (stopping a deep trace: the profiler's stop can take longer
+# than a hang threshold), for at most this long: an agent busy for minutes is stuck too.
+BUSY_MAX_S = 120.0
+REPLAYS = "steps not visible: CUDA graph replays"
+BATCHES = "steps not visible: DataLoader batches still fetched"
 
 PHASE_ORDER = {None: 0, "dataloader": 1, "h2d": 2, "forward": 3, "backward": 4, "sync": 5,
                "optimizer": 6}
@@ -57,6 +76,12 @@ class RankProgress:
     agent_off: bool = False  # the agent stopped timing: its step count says nothing
     groups: tuple[tuple[str, int], ...] = ()  # collectives entered per process group
     in_group: str | None = None  # the group of the collective it is in
+    # Seconds since its CUDA graph replays, and its DataLoader batches, last rose (None:
+    # never seen rising); what keeps its agent busy, and for how many seconds.
+    replays_idle_s: float | None = None
+    batches_idle_s: float | None = None
+    busy: str | None = None
+    busy_s: float = 0.0
 
     def position(self) -> tuple[int, int, int]:
         return (self.steps, self.collectives, PHASE_ORDER.get(self.phase, 0))
@@ -98,13 +123,42 @@ def _ranks(ranks: Sequence[int]) -> str:
     return shown + (f" and {len(ranks) - 6} more" if len(ranks) > 6 else "")
 
 
+def hidden(p: RankProgress, median_step_ms: float | None, limit: float) -> str | None:
+    """Why this rank's frozen step count says nothing about progress, or None: it is
+    replaying CUDA graphs or fetching batches (the counts rose since its last step, and
+    within `limit`), or its agent is busy (for at most BUSY_MAX_S)."""
+    stalled = p.since_step_s + p.silent_s
+    if p.finished or p.agent_off or stalled <= max(
+            QUIET_MIN_S, QUIET_STEPS * (median_step_ms or 0.0) / 1000.0):
+        return None  # steps still come (or never will): nothing hidden
+    if p.busy is not None and p.busy_s <= BUSY_MAX_S:
+        return f"agent busy: {p.busy}"
+    for idle, why in ((p.replays_idle_s, REPLAYS), (p.batches_idle_s, BATCHES)):
+        if idle is not None and idle < stalled and idle <= limit:
+            return why
+    return None
+
+
+def hidden_ranks(progress: Sequence[RankProgress], median_step_ms: float | None,
+                 override_s: float | None = None) -> dict[int, str]:
+    """rank -> why its steps are not visible, for the ranks `detect` leaves out."""
+    limit = threshold(median_step_ms, override_s)
+    return {p.rank: why for p in progress
+            if (why := hidden(p, median_step_ms, limit)) is not None}
+
+
 def detect(progress: Sequence[RankProgress], median_step_ms: float | None,
            override_s: float | None = None) -> HangReport | None:
-    """A HangReport when no running rank closed a step for longer than the threshold."""
+    """A HangReport when no running rank made progress for longer than the threshold.
+    A rank whose steps are not visible (`hidden`) makes progress, and the others' frozen
+    steps may be their wait for it (a synchronous job's ranks wait for each other): no
+    hang is declared while any rank shows such progress."""
+    limit = threshold(median_step_ms, override_s)
     running = [p for p in progress if not p.finished and not p.agent_off]
+    if any(hidden(p, median_step_ms, limit) is not None for p in running):
+        return None
     if not running or not any(p.steps > 0 for p in running):
         return None  # nothing stepped yet: loading a model is not a hang
-    limit = threshold(median_step_ms, override_s)
     stalled = min(p.since_step_s + p.silent_s for p in running)
     if stalled <= limit:
         return None

@@ -565,7 +565,9 @@ class RunState:
     def _untimed(rs: RankState, window: int, stats: BlockStats, row: int
                  ) -> tuple[dx.Untimed, ...]:
         seen = stats.seen_of(row, dx.EXPECTED_PHASES)
-        return dx.untimed_phases(seen, window, rs.forced, rs.steps, rs.auto)
+        hb = rs.heartbeat  # the agent's own counts say why a phase went unmeasured
+        return dx.untimed_phases(seen, window, rs.forced, rs.steps, rs.auto,
+                                 hb.get("capture_skips", 0), hb.get("timing_faults", 0))
 
     def progress(self, mono_now: float) -> list[hang.RankProgress]:
         out = []

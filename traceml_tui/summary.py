@@ -108,13 +108,18 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
             "step_ms": _q(r.step_ms) or {"median": None, "p95": None},
             "phase_ms": {p: _q(r.phase_ms.get(p)) for p in snap.phases},
             "throughput": rate,
-            "sys": {k: _round(v, 2) for k, v in r.sys.items() if k != "device"},
+            "sys": {k: _round(v, 2) if isinstance(v, float) else v  # GPU note, throttle
+                    for k, v in r.sys.items() if k != "device"},
             "exit_code": r.exit_code, "error": r.error, "dropped_records": r.dropped,
             "progress": {"collectives": r.collectives, "phase": r.phase,
                          "in_collective": r.in_collective, "since_step_s": _round(
                              r.since_step_s, 2)},
             "untimed": [{"phase": u.phase, "why": u.why} for u in r.untimed],
             "agent_off": r.agent_off,
+            "bad_records": r.bad_records, "device_rule": r.device_rule,
+            "steps_hidden": r.steps_hidden, "agent_busy": r.agent_busy,
+            "replays": r.replays, "batches": r.batches, "timing_faults": r.timing_faults,
+            "capture_skips": r.capture_skips,
         })
     return {
         "schema_version": SCHEMA_VERSION,
@@ -291,6 +296,8 @@ def render_text(doc: dict[str, Any]) -> str:
     for why, ranks in off.items():
         lines.insert(-1, f"  Agent off on rank(s) {format_ranks(ranks)} (its steps after "
                          f"that are not counted): {why}")
+    for line in _agent_lines(doc["ranks"]):
+        lines.insert(-1, line)
     silent = (doc.get("relays") or {}).get("silent")
     if silent:
         lines.insert(-1, f"  The relay of node(s) {format_ranks(silent)} stopped sending: "
@@ -352,6 +359,26 @@ def render_text(doc: dict[str, Any]) -> str:
             lost = (f"  (cost the job {e['lost_s']:.1f} s)" if e.get("lost_s") else "")
             lines.append(f"  steps {e['start_step']:>6}{until:<7}  {e['label']}{who}{lost}")
     return "\n".join(lines) + "\n"
+
+
+def _agent_lines(ranks: list[dict[str, Any]]) -> list[str]:
+    """What the agents could not show as steps or time, and what the collector refused,
+    each said once with its ranks."""
+    said: dict[str, list[int]] = {}
+    for r in ranks:
+        if r.get("steps_hidden"):
+            said.setdefault(f"{r['steps_hidden']} (hang detection suspended)",
+                            []).append(r["rank"])
+        if r.get("device_rule"):
+            said.setdefault(f"timed on the device chosen by: {r['device_rule']}",
+                            []).append(r["rank"])
+    out = [f"  Rank(s) {format_ranks(rs)}: {what}." for what, rs in list(said.items())[:6]]
+    bad = [(r["rank"], r["bad_records"]) for r in ranks if r.get("bad_records")]
+    if bad:
+        out.append(f"  The collector refused {sum(n for _, n in bad)} malformed step "
+                   f"record(s) of rank(s) {format_ranks([rank for rank, _ in bad])} (the "
+                   f"agents counted them as sent; their batches' other steps were kept).")
+    return out
 
 
 def cost_lines(c: dict[str, Any] | None) -> list[str]:

@@ -17,6 +17,7 @@ from .view_state import (
     AGENT_OFF,
     DONE,
     FAILED,
+    HIDDEN,
     OK,
     STALE,
     STALE_MIN_S,
@@ -46,6 +47,8 @@ def rank_status(r: RankSnapshot) -> str:
         return AGENT_OFF
     if r.idle_s is not None and r.idle_s > STALE_SILENCE_S:
         return STALE
+    if r.steps_hidden is not None:
+        return HIDDEN
     step_ms = r.live_step_ms
     if r.since_step_s is not None and step_ms:
         if r.since_step_s > max(STALE_MIN_S, STALE_STEPS * step_ms / 1000.0):
@@ -76,7 +79,46 @@ def detail(snap: Snapshot, rank: int, view: ViewState, recent: tuple[float, ...]
     stack = r.stacks[0][1] if r.stacks else None  # the agent sends MainThread first
     return RankDetail(rank, r.host, r.live_step_ms, view.median_step_ms, row.phase_ms,
                       view.median_phase_ms, recent, row.status,
-                      r.error or (f"agent off: {r.agent_off}" if r.agent_off else None), stack)
+                      r.error or (f"agent off: {r.agent_off}" if r.agent_off else None), stack,
+                      gpu_line(r.sys), agent_notes(r))
+
+
+def agent_notes(r: RankSnapshot) -> tuple[str, ...]:
+    """What the rank's agent could not show as steps or time, and what it was refused."""
+    notes = []
+    if r.steps_hidden:
+        notes.append(f"{r.steps_hidden}: hang detection suspended for this rank")
+    if r.agent_busy and not r.steps_hidden:
+        notes.append(f"agent busy: {r.agent_busy}")
+    if r.device_rule:
+        notes.append(f"timing device: {r.device_rule}")
+    counts = [f"{n} {what}" for n, what in (
+        (r.replays, "CUDA graph replays"), (r.capture_skips, "phases not timed in a capture"),
+        (r.timing_faults, "timing faults (phases sent as not measured)"),
+        (r.bad_records, "step records refused by the collector")) if n]
+    if counts:
+        notes.append(", ".join(counts))
+    return tuple(notes)
+
+
+def gpu_line(sys: dict) -> str | None:
+    """A rank's GPU health in one line (SM clock of its maximum, power, temperature, the
+    throttle reasons), then why any figure is missing (sysmetrics' gpu_note)."""
+    parts = []
+    clock, top = sys.get("sm_clock_mhz"), sys.get("sm_clock_max_mhz")
+    if clock is not None:
+        parts.append(f"SM {clock:.0f}" + (f"/{top:.0f} MHz" if top else " MHz"))
+    if sys.get("power_w") is not None:
+        parts.append(f"{sys['power_w']:.0f} W")
+    if sys.get("temp_c") is not None:
+        parts.append(f"{sys['temp_c']:.0f} C")
+    reasons = [t for t in sys.get("throttle") or () if t != "idle"]
+    if reasons:
+        parts.append("clocks held by " + ", ".join(reasons))
+    note = sys.get("gpu_note")
+    if note:
+        parts.append(f"({note})" if parts else note)
+    return ("GPU " + "  ".join(parts)) if parts else None
 
 
 def build(snap: Snapshot, recent: Callable[[int], tuple[float, ...]] = lambda rank: (),

@@ -29,6 +29,9 @@ STALE_MIN_S = 5.0
 OK, STALE, DONE, FAILED, WAITING = "ok", "stale", "done", "failed", "waiting"
 STOPPED = "stopped"
 AGENT_OFF = "agent off"  # the agent turned its timing off (it said why): not a stall
+# Steps frozen while the rank replays CUDA graphs, fetches batches or its agent stops a
+# trace (hang.hidden): progress the steps cannot show, not a stall.
+HIDDEN = "hidden"
 # A rank that ended on the user's signal was stopped, not failed: KeyboardInterrupt
 # (Ctrl-C, 130), SIGHUP (129) and SIGTERM (143) as exit codes, or the signal itself.
 STOP_EXIT_CODES = frozenset({130, 129, 143, -2, -1, -15})
@@ -65,6 +68,10 @@ class RankDetail(Struct, frozen=True):
     status: str
     error: str | None
     stack: str | None = None  # the training thread's stack, sent by a rank that is stuck
+    gpu: str | None = None  # its GPU's health in one line, or why NVML gave no figures
+    # What its agent could not show as steps or time, what chose its timing device, and
+    # its records the collector refused (view_build.agent_notes), one line each.
+    notes: tuple[str, ...] = ()
 
 
 class CostView(Struct, frozen=True):

@@ -53,6 +53,10 @@ class RankPanel(Static):
                            f"faster. {cost.reasoning}", style="bold")
             if cost.weak:
                 caption.append(f"\nweak estimate: {cost.weak}.", style="italic")
+        if detail.gpu:
+            caption.append("\n" + detail.gpu, style="dim")
+        for note in detail.notes:
+            caption.append("\n" + note, style="italic")
         if detail.error:
             caption.append("\n" + detail.error.strip().splitlines()[-1], style="bold red")
         if detail.stack:
