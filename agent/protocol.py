@@ -197,6 +197,11 @@ class Steps(_Wire, tag="steps", kw_only=True):
     forced: list[Count] | None = None
 
 
+# NVML's clock-throttle reasons, named (sysmetrics.THROTTLE_BITS gives their bits).
+ThrottleReason = Literal["idle", "app clocks", "power cap", "hw slowdown", "sync boost",
+                         "sw thermal", "hw thermal", "power brake", "display clocks"]
+
+
 class Sys(_Wire, tag="sys", kw_only=True):
     cpu_pct: Annotated[float, Meta(ge=0.0, le=1e5)] | None = None
     rss_mb: Megabytes | None = None
@@ -209,9 +214,18 @@ class Sys(_Wire, tag="sys", kw_only=True):
     gpu_peak_mb: Megabytes | None = None
     # The CUDA device the rank was found to train on (it is learned after hello).
     device: Short | None = None
+    # GPU health from NVML (sysmetrics.py), of the physical GPU under a MIG instance:
+    # board power, SM clock and its maximum, temperature, the clock-throttle reasons now.
+    power_w: Annotated[float, Meta(ge=0.0, le=1e5)] | None = None
+    sm_clock_mhz: Annotated[float, Meta(ge=0.0, le=1e5)] | None = None
+    sm_clock_max_mhz: Annotated[float, Meta(ge=0.0, le=1e5)] | None = None
+    temp_c: Annotated[float, Meta(ge=-100.0, le=300.0)] | None = None
+    throttle: Annotated[tuple[ThrottleReason, ...], Meta(max_length=16)] | None = None
+    gpu_uuid: Short | None = None  # the NVML device sampled (a GPU- or MIG- UUID)
+    gpu_note: Line | None = None  # why GPU figures are missing, when some are
 
     def __post_init__(self) -> None:
-        _clean_fields(self, lines=("device",))
+        _clean_fields(self, lines=("device", "gpu_uuid", "gpu_note"))
 
 
 class Heartbeat(_Wire, tag="heartbeat", kw_only=True):

@@ -1,9 +1,12 @@
-"""System samples for one rank: process CPU % and RSS always; GPU utilisation and
-memory through NVML when the rank drives a CUDA device, and this process's own
-figures from torch's caching allocator beside them.
+"""System samples for one rank: process CPU % and RSS always; GPU utilisation, memory and
+health (power, SM clock, temperature, clock-throttle reasons) through NVML when the rank
+drives a CUDA device, and this process's own figures from torch's caching allocator.
 
 Runs on the agent's sender thread, never on the training thread. Every source is
-optional: a missing psutil or NVML only leaves its fields None.
+optional: a missing psutil or NVML only leaves its fields None, and `gpu_note` says why
+the GPU fields are empty. NVML is opened by the UUID torch reported for the rank's
+device (visible_devices.py); an open that fails is tried again with backoff, and so is a
+metric that keeps failing, so a driver that comes up late still gets sampled.
 
 NVML's device memory counts every process on the GPU; users size batches by their own
 process's allocator numbers (`memory_allocated`, `memory_reserved`, the peak), so both
@@ -15,23 +18,89 @@ a graph capture.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 from . import visible_devices
 
-METRIC_FAILURES = 3  # consecutive errors before a GPU metric is given up
+METRIC_FAILURES = 3  # consecutive errors before a GPU metric is rested (backoff below)
+# Seconds before a failed NVML open or a rested metric is tried again: doubling from the
+# first to the last, so a driver that comes up late is found within a minute, and a
+# metric the device does not support costs one call a minute.
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 60.0
+MAX_NOTE = 120  # characters of gpu_note (one line in the rank panel)
+
+# NVML's constants, by value: pynvml's names for them changed across versions.
+CLOCK_SM = 1  # NVML_CLOCK_SM
+TEMPERATURE_GPU = 0  # NVML_TEMPERATURE_GPU
+# nvmlClocksEventReason* (nvmlClocksThrottleReason* before driver 535): bit -> name.
+THROTTLE_BITS: tuple[tuple[int, str], ...] = (
+    (0x1, "idle"),
+    (0x2, "app clocks"),
+    (0x4, "power cap"),
+    (0x8, "hw slowdown"),
+    (0x10, "sync boost"),
+    (0x20, "sw thermal"),
+    (0x40, "hw thermal"),
+    (0x80, "power brake"),
+    (0x100, "display clocks"),
+)
+MAX_THROTTLE = len(THROTTLE_BITS)
+
+GPU_FIELDS = ("gpu_util", "gpu_mem_mb", "gpu_mem_total_mb", "power_w", "sm_clock_mhz",
+              "sm_clock_max_mhz", "temp_c", "throttle", "gpu_uuid", "gpu_note")
+
+
+def throttle_names(mask: int) -> tuple[str, ...]:
+    return tuple(name for bit, name in THROTTLE_BITS if mask & bit)
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    name = type(exc).__name__
+    if isinstance(exc, LookupError) and text:  # our own words (visible_devices.py)
+        return text
+    return f"{name}: {text}" if text and text != name else name
+
+
+class _Backoff:
+    """When to try something that failed again: RETRY_FIRST_S, doubling to RETRY_MAX_S."""
+
+    __slots__ = ("delay", "at")
+
+    def __init__(self) -> None:
+        self.delay = 0.0
+        self.at = 0.0
+
+    def failed(self, now: float) -> None:
+        self.delay = RETRY_FIRST_S if not self.delay else min(RETRY_MAX_S, 2 * self.delay)
+        self.at = now + self.delay
+
+    def due(self, now: float) -> bool:
+        return now >= self.at
 
 
 class SystemSampler:
-    def __init__(self, cuda_index: int | None = None) -> None:
+    def __init__(self, cuda_index: int | None = None, uuid: str | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.cuda_index: int | None = None
+        self.uuid: str | None = None
+        self._clock = clock or time.monotonic
         self._proc = None
-        self._nvml = None
-        self._handle = None
+        self._nvml: Any = None
+        self._target: visible_devices.NvmlTarget | None = None
+        self._open_retry = _Backoff()
+        self._open_error: str | None = None
         self._failures: dict[str, int] = {}
-        self._dead: set[str] = set()
+        self._rested: dict[str, _Backoff] = {}
+        self._errors: dict[str, str] = {}
+        self._max_clock: float | None = None
+        self._sampled_uuid: str | None = None
         try:
             import psutil
 
@@ -40,31 +109,53 @@ class SystemSampler:
         except Exception:
             self._proc = None
         if cuda_index is not None:
-            self.open_gpu(cuda_index)
+            self.open_gpu(cuda_index, uuid)
 
-    def open_gpu(self, cuda_index: int) -> None:
-        """Sample torch's device `cuda_index` from now on (NVML, never CUDA: this runs on
-        the sender thread)."""
+    def open_gpu(self, cuda_index: int, uuid: str | None = None) -> None:
+        """Sample torch's device `cuda_index` (whose UUID torch reported as `uuid`) from
+        now on, through NVML, never CUDA: this runs on the sender thread."""
         self.close()
-        self.cuda_index = cuda_index
+        self.cuda_index, self.uuid = cuda_index, uuid
+        self._open_retry = _Backoff()
+        self._try_open()
+
+    def _try_open(self) -> None:
+        assert self.cuda_index is not None
+        nvml = None
         try:
             import pynvml
 
             pynvml.nvmlInit()
-            visible = visible_devices.parse(os.environ.get("CUDA_VISIBLE_DEVICES"))
-            self._handle = visible_devices.nvml_handle(pynvml, cuda_index, visible)
-            self._nvml = pynvml
+            nvml = pynvml
+            self._target = visible_devices.nvml_target(
+                pynvml, self.cuda_index, visible_devices.from_env(), self.uuid,
+                os.environ.get("CUDA_DEVICE_ORDER"))
+            self._nvml, self._open_error = pynvml, None
+            self._sampled_uuid = self._uuid_of(self._target)
+        except Exception as exc:
+            if nvml is not None:
+                try:
+                    nvml.nvmlShutdown()
+                except Exception:
+                    pass
+            self._nvml = self._target = None
+            self._open_error = _why(exc)
+            self._open_retry.failed(self._clock())
+
+    def _uuid_of(self, target: visible_devices.NvmlTarget) -> str | None:
+        try:
+            text = self._nvml.nvmlDeviceGetUUID(target.mig or target.gpu)
+            return (text.decode() if isinstance(text, bytes) else str(text))[:64]
         except Exception:
-            self._nvml = None
-            self._handle = None
+            return None
+
+    # --- sampling -------------------------------------------------------------------
 
     def sample(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "cpu_pct": None,
             "rss_mb": None,
-            "gpu_util": None,
-            "gpu_mem_mb": None,
-            "gpu_mem_total_mb": None,
+            **dict.fromkeys(GPU_FIELDS),
             "gpu_alloc_mb": None,
             "gpu_reserved_mb": None,
             "gpu_peak_mb": None,
@@ -76,34 +167,79 @@ class SystemSampler:
                 out["rss_mb"] = self._proc.memory_info().rss / 2**20
             except Exception:
                 self._proc = None
+        now = self._clock()
+        if self.cuda_index is not None and self._nvml is None and self._open_retry.due(now):
+            self._try_open()
         if self._nvml is not None:
-            # Each metric on its own: utilisation is "not supported" on a MIG instance,
-            # which must not take the memory figures with it.
-            if "util" not in self._dead:
-                try:
-                    util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
-                    out["gpu_util"] = float(util.gpu)
-                    self._failures.pop("util", None)
-                except Exception:
-                    self._failed("util")
-            if "mem" not in self._dead:
-                try:
-                    mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
-                    out["gpu_mem_mb"] = mem.used / 2**20
-                    out["gpu_mem_total_mb"] = mem.total / 2**20
-                    self._failures.pop("mem", None)
-                except Exception:
-                    self._failed("mem")
-        if self.cuda_index is not None and "alloc" not in self._dead:
-            try:
-                self._allocator(out, self.cuda_index)
-                self._failures.pop("alloc", None)
-            except Exception:
-                self._failed("alloc")
+            self._sample_nvml(out, now)
+        if self.cuda_index is not None:
+            self._metric(out, now, "alloc", lambda: self._allocator(out, self.cuda_index))
+        out["gpu_note"] = self._note()
         return out
 
+    def _sample_nvml(self, out: dict[str, Any], now: float) -> None:
+        """Each metric on its own: utilisation is "not supported" on a MIG instance, and
+        power on some boards, which must not take the other figures with them."""
+        nvml, target = self._nvml, self._target
+        assert target is not None
+        out["gpu_uuid"] = self._sampled_uuid
+        gpu = target.gpu
+
+        def util() -> None:
+            if target.mig is not None:  # the GPU's figure would be every instance's
+                raise LookupError("not reported for a MIG instance")
+            out["gpu_util"] = float(nvml.nvmlDeviceGetUtilizationRates(gpu).gpu)
+
+        def mem() -> None:
+            if not target.memory_ok:
+                raise LookupError("MIG instance not identified; the GPU's is every one's")
+            info = nvml.nvmlDeviceGetMemoryInfo(target.mig or gpu)
+            out["gpu_mem_mb"] = info.used / 2**20
+            out["gpu_mem_total_mb"] = info.total / 2**20
+
+        def power() -> None:
+            out["power_w"] = nvml.nvmlDeviceGetPowerUsage(gpu) / 1000.0
+
+        def clock() -> None:
+            out["sm_clock_mhz"] = float(nvml.nvmlDeviceGetClockInfo(gpu, CLOCK_SM))
+            if self._max_clock is None:  # a property of the board: read once
+                self._max_clock = float(nvml.nvmlDeviceGetMaxClockInfo(gpu, CLOCK_SM))
+            out["sm_clock_max_mhz"] = self._max_clock
+
+        def temp() -> None:
+            out["temp_c"] = float(nvml.nvmlDeviceGetTemperature(gpu, TEMPERATURE_GPU))
+
+        def throttle() -> None:
+            get = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+            if get is None:
+                get = nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+            out["throttle"] = throttle_names(int(get(gpu)))
+
+        for name, read in (("util", util), ("mem", mem), ("power", power), ("clock", clock),
+                           ("temp", temp), ("throttle", throttle)):
+            self._metric(out, now, name, read)
+
+    def _metric(self, out: dict[str, Any], now: float, name: str,
+                read: Callable[[], None]) -> None:
+        """Read one metric unless it is resting; METRIC_FAILURES errors in a row rest it,
+        with backoff, and keep the error for the note."""
+        rest = self._rested.get(name)
+        if rest is not None and not rest.due(now):
+            return
+        try:
+            read()
+        except Exception as exc:
+            self._errors[name] = _why(exc)
+            self._failures[name] = self._failures.get(name, 0) + 1
+            if self._failures[name] >= METRIC_FAILURES or rest is not None:
+                self._rested.setdefault(name, _Backoff()).failed(now)
+            return
+        self._failures.pop(name, None)
+        self._rested.pop(name, None)
+        self._errors.pop(name, None)
+
     @staticmethod
-    def _allocator(out: dict[str, Any], index: int) -> None:
+    def _allocator(out: dict[str, Any], index: int | None) -> None:
         """This process's allocator figures for torch device `index` (see above)."""
         cuda = sys.modules["torch"].cuda  # torch is loaded once a device is learned
         stats = cuda.memory_stats_as_nested_dict(index)
@@ -114,11 +250,16 @@ class SystemSampler:
         out["gpu_reserved_mb"] = reserved["current"] / 2**20
         out["gpu_peak_mb"] = allocated["peak"] / 2**20
 
-    def _failed(self, metric: str) -> None:
-        """A metric that failed METRIC_FAILURES times in a row is not asked again."""
-        self._failures[metric] = self._failures.get(metric, 0) + 1
-        if self._failures[metric] >= METRIC_FAILURES:
-            self._dead.add(metric)
+    def _note(self) -> str | None:
+        """Why GPU figures are missing, in one line; None when nothing is."""
+        if self.cuda_index is None:
+            return None
+        if self._nvml is None:
+            wait = math.ceil(max(0.0, self._open_retry.at - self._clock()))
+            return f"NVML not open: {self._open_error} (retry in {wait} s)"[:MAX_NOTE]
+        failing = [f"{name}: {self._errors[name]}" for name in sorted(self._rested)
+                   if name in self._errors]
+        return "; ".join(failing)[:MAX_NOTE] or None
 
     def close(self) -> None:
         if self._nvml is not None:
@@ -127,6 +268,9 @@ class SystemSampler:
             except Exception:
                 pass
             self._nvml = None
-        self._handle = None
+        self._target = None
         self._failures.clear()
-        self._dead.clear()
+        self._rested.clear()
+        self._errors.clear()
+        self._max_clock = None
+        self._sampled_uuid = None

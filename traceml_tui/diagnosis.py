@@ -141,6 +141,40 @@ class Untimed:
     why: str
 
 
+# GPU health beside a COMPUTE STRAGGLER (docs/diagnosis.md, "GPU health"). NVML's reasons
+# that slow the clocks for the GPU's own sake; "idle", "app clocks", "sync boost" and
+# "display clocks" are settings or states, not a fault of the board.
+THROTTLE_FAULTS = ("hw thermal", "sw thermal", "power brake", "hw slowdown", "power cap")
+# An SM clock this share below the median rank's is named: GPU Boost moves clocks a few
+# per cent under load (15 MHz steps), so 10% is beyond its wander, and alone slows the
+# rank's kernels about as much as SKEW_ENTER's gap.
+CLOCK_LOW_SHARE = 0.10
+
+
+@dataclass(frozen=True, slots=True)
+class GpuHealth:
+    """A rank's GPU at its latest NVML sample (agent/sysmetrics.py). None: not read."""
+
+    sm_clock_mhz: float | None = None
+    throttle: tuple[str, ...] = ()
+    power_w: float | None = None
+    temp_c: float | None = None
+
+    @classmethod
+    def of(cls, sys: Mapping[str, object]) -> GpuHealth | None:
+        """From a rank's latest "sys" sample (validated by the protocol); None without
+        NVML health figures."""
+        clock, reasons = sys.get("sm_clock_mhz"), sys.get("throttle")
+        power, temp = sys.get("power_w"), sys.get("temp_c")
+        if clock is None and not reasons:
+            return None
+        num = (int, float)
+        return cls(float(clock) if isinstance(clock, num) else None,
+                   tuple(str(x) for x in reasons) if isinstance(reasons, tuple | list) else (),
+                   float(power) if isinstance(power, num) else None,
+                   float(temp) if isinstance(temp, num) else None)
+
+
 @dataclass(frozen=True, slots=True)
 class RankTiming:
     """One rank's median timings over the window, in ms. None: not measured."""
@@ -153,6 +187,7 @@ class RankTiming:
     node: int = 0
     untimed: tuple[Untimed, ...] = ()
     comm_bytes: int = 0  # gradient bytes all-reduced per step (DDP), 0 when unknown
+    gpu: GpuHealth | None = None  # its GPU's health, where NVML sampled it
 
 
 def bus_gbps(nbytes: float, ms: float, world: int) -> float | None:
@@ -620,11 +655,45 @@ def _straggler(label: str, rank: int, phase: str | None, gap: float, share: floa
             f"every rank waits for: {_NODE_ADVICE[label]}.",
             gap_ms=gap, gap_share=share, node=node, node_ranks=members)
     on_host = f" (host {host})" if host else ""
+    health = gpu_evidence(ranks, rank) if label == COMPUTE_STRAGGLER else None
+    advice = _ADVICE[label]
+    if health is not None:  # the GPU first when it sets this rank apart, else beside
+        text, distinct = health
+        advice = f"{text}; {_GPU_ADVICE}" if distinct else f"{advice}; {text}"
     return Diagnosis(
         label, rank, phase, severity,
         f"Rank {rank}{on_host} spends {gap:.1f} ms more{where} than the median rank, "
-        f"{share:.0%} of the {step_ms:.1f} ms step that every rank waits for: {_ADVICE[label]}.",
+        f"{share:.0%} of the {step_ms:.1f} ms step that every rank waits for: {advice}.",
         gap_ms=gap, gap_share=share)
+
+
+_GPU_ADVICE = ("check its cooling, power limit and clocks (nvidia-smi -q -d "
+               "PERFORMANCE,TEMPERATURE,POWER)")
+
+
+def gpu_evidence(ranks: Sequence[RankTiming], rank: int) -> tuple[str, bool] | None:
+    """What the culprit's GPU says about a compute straggler: throttled for one of
+    THROTTLE_FAULTS, or an SM clock CLOCK_LOW_SHARE below the median rank's; and whether
+    that sets it apart (a low clock, or a throttle that most other ranks do not share)."""
+    mine = next((r.gpu for r in ranks if r.rank == rank), None)
+    if mine is None:
+        return None
+    faults = [f for f in THROTTLE_FAULTS if f in mine.throttle]
+    clocks = [c for r in ranks if r.gpu is not None and _finite(c := r.gpu.sm_clock_mhz)]
+    mid = median(clocks) if len(clocks) >= 2 else None
+    clock = mine.sm_clock_mhz
+    low = (_finite(clock) and mid is not None and mid > 0
+           and clock <= (1.0 - CLOCK_LOW_SHARE) * mid)
+    if not faults and not low:
+        return None
+    vs = f", SM clock {clock:.0f} MHz vs median {mid:.0f}" if _finite(clock) and mid else ""
+    if faults:
+        seen = [r.gpu for r in ranks if r.rank != rank and r.gpu is not None]
+        also = sum(1 for g in seen if any(f in g.throttle for f in faults))
+        others = f" (as are {also} of {len(seen)} other ranks')" if also else ""
+        text = f"rank {rank}'s GPU is throttled ({', '.join(faults)}){others}{vs}"
+        return text, bool(low) or 2 * also < len(seen)
+    return f"rank {rank}'s GPU clocks low{vs}", True
 
 
 # --- hysteresis over time ------------------------------------------------------------------
