@@ -543,10 +543,14 @@ class RunState:
         out = []
         for row, (rs, steps, (step_ms, medians)) in enumerate(
                 zip(ranks, stats.steps.tolist(), stats.medians(), strict=True)):
-            extra = ((self._untimed(rs, steps, stats, row), rs.heartbeat.get("grad_bytes", 0))
-                     if live else ())
-            out.append(dx.RankTiming(rs.ident.rank, steps, step_ms, medians, rs.ident.host,
-                                     rs.ident.node, *extra, gpu=rs.gpu if live else None))
+            ident = rs.ident
+            if live:
+                out.append(dx.RankTiming(ident.rank, steps, step_ms, medians, ident.host,
+                                         ident.node, self._untimed(rs, steps, stats, row),
+                                         rs.heartbeat.get("grad_bytes", 0), rs.gpu))
+            else:
+                out.append(dx.RankTiming(ident.rank, steps, step_ms, medians, ident.host,
+                                         ident.node))
         return out
 
     def _stall_stats(self) -> list[dx.StallStats]:
