@@ -233,7 +233,10 @@ def test_nodes_without_a_shared_folder_or_secret_start_at_once(tmp_path, first):
         return spawn_traceml("run", str(faulty), "--nnodes", "2", "--node-rank", str(k),
                              "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                              "--master-port", str(port), "--run-name", "plain", "--out",
-                             str(outs[k]), "--headless", "--", *script)
+                             str(outs[k]), "--headless", "--", *script,
+                             # node 0 waits this long for proof of a shared folder before
+                             # the secret goes into the store (agent/handover.py)
+                             env={"TRACEML_SHARED_WAIT_S": "2"})
 
     procs = {first: node(first)}
     time.sleep(3)
@@ -260,3 +263,6 @@ def test_nodes_without_a_shared_folder_or_secret_start_at_once(tmp_path, first):
     assert d["node"] == {"index": 1, "ranks": [2, 3]}, d
     # Node 1 says where node 0 keeps the summary: node 0's folder, not its own.
     assert str(outs[0] / "plain" / "final_summary.json") in out1, out1
+    # ... and both nodes said, in one line, that the secret went through the store.
+    for err in (err0, err1):
+        assert "as private as the master port" in err and "TRACEML_SECRET" in err, err

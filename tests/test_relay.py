@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -61,8 +62,7 @@ def two_node_collector(tmp_path):
     try:
         wait_for(lambda: (run_dir / "collector.json").exists(), 30, "the collector")
         info = json.loads((run_dir / "collector.json").read_text())
-        relay = RelayProcess(info["ingest"], 1, free_ports(1), SECRET, None,
-                             tmp_path / "relay.log")
+        relay = RelayProcess(info["ingest"], 1, SECRET, None, tmp_path / "relay.log")
         viewer = ViewClient(info["view"], timeout_s=5, secret=SECRET)
         yield info, relay, viewer, tmp_path / "relay.log"
         viewer.close()
@@ -132,3 +132,76 @@ def test_a_lost_relay_is_reported_while_its_node_has_ranks(two_node_collector):
         wait_for(lambda: viewer.fetch()[0].relays_silent == (1,), 5, "the dashboard to say it")
     finally:
         ctx.destroy(linger=0)
+
+
+# --- the relay binds what it reserves (issue 30, finding 9) ----------------------------
+
+
+def test_the_relays_pipe_per_rank_is_the_collectors_bound():
+    from traceml_tui import collector, relay
+
+    assert relay.LOCAL_HWM == collector.MAX_RECV_HWM
+
+
+def _squat(port: int) -> socket.socket | None:
+    """Another local user binding the relay's port first; None if it cannot."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.listen(1)
+        return sock
+    except OSError:
+        sock.close()
+        return None
+
+
+def test_the_relays_port_cannot_be_squatted_while_it_waits_for_the_secret(tmp_path):
+    """The ranks are told the port at once; the relay waits for the secret (here from a
+    store that never answers). Meanwhile nobody else can take the port, and a rank that
+    connects early is served once the secret arrives."""
+    secret_file = tmp_path / "secret.key"
+    relay = RelayProcess("tcp://127.0.0.1:9", 1, None, f"127.0.0.1:{free_ports(1)}",
+                         tmp_path / "relay.log", secret_file)
+    try:
+        squatter = _squat(relay.port)
+        assert squatter is None, "another user bound the relay's port before the relay did"
+        assert relay.proc.poll() is None and relay.failure() is None
+        keys.write_secret_file(secret_file, SECRET)  # a shared folder's secret shows up
+        wait_for(lambda: "relay for node 1: tcp://127.0.0.1:" in
+                 (tmp_path / "relay.log").read_text(), 30, "the relay to start")
+        assert relay.proc.poll() is None
+    finally:
+        assert relay.stop() == 0
+
+
+def test_a_relay_that_cannot_start_is_said(tmp_path):
+    """A relay that cannot start says why in one line (the launcher prints it on that
+    node's terminal and in its last message)."""
+    relay = RelayProcess("not-an-endpoint", 1, SECRET, None, tmp_path / "relay.log")
+    wait_for(lambda: relay.proc.poll() is not None, 30, "the relay to give up")
+    line = relay.failure()
+    assert line is not None and "node 0 does not see this node's ranks" in line, line
+    assert "relay:" in line
+
+
+def test_a_node_whose_ranks_never_reported_leaves_the_record_incomplete(two_node_collector):
+    """Node 1's relay could not start: node 0 sees only its own rank. The summary says
+    the record is not complete, and which node is missing."""
+    info, _relay, viewer, _ = two_node_collector
+    ctx = zmq.Context()
+    try:
+        direct = _rank_socket(ctx, info["ingest"])
+        for frame in _messages(0, 0, range(30)):
+            direct.send(frame)
+        wait_for(lambda: _steps(viewer)[:1] == [30], 20, "rank 0's steps")
+        control = ctx.socket(zmq.REQ)
+        keys.secure_client(control, keys.derive(SECRET))
+        control.connect(info["control"])
+        control.send_json({"op": "finish", "grace_s": 0.2, "torchrun_exit": 0})
+        assert control.poll(20_000)
+        reply = control.recv_json()
+    finally:
+        ctx.destroy(linger=0)
+    assert reply["ok"] and "no rank of node(s) 1 ever reported" in reply["text"], reply
+    doc = json.loads(open(reply["path"]).read())
+    assert doc["complete"] is False and doc["run"]["nodes_never_seen"] == [1]

@@ -189,3 +189,99 @@ def test_a_forged_hello_naming_an_unrelated_process_gets_no_dump(tmp_path):
     assert dumped == [f"dump --native --pid {rank_pid}", ""], dumped  # never the unrelated
     doc = json.loads((run_dir / "final_summary.json").read_text())
     assert doc["run"]["native_stack_refused"] == 1
+
+
+# --- finding 3: the secret never travels in the clear -----------------------------------
+
+
+@pytest.fixture
+def store():
+    """torchrun's store, as node 0's torchrun runs it (a real TCPStore), and an `until`
+    that says when 'torchrun' ended."""
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from jobs import free_ports
+
+    port = free_ports(1)
+    master = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=10))
+    ended = threading.Event()
+    yield master, port, ended
+    ended.set()
+
+
+def _carries(master, *names: str) -> list[str]:
+    return [n for n in names if master.check([n])]
+
+
+def _node_opts(k: int) -> launcher.RunOptions:
+    return _opts(nnodes=2, node_rank=k, nproc_per_node=1, run_name="sec")
+
+
+def test_with_a_shared_folder_the_store_carries_nothing(tmp_path, store, monkeypatch):
+    from traceml_agent import handover
+
+    master, port, ended = store
+    monkeypatch.delenv("TRACEML_SECRET", raising=False)
+    monkeypatch.setenv(handover.SHARED_WAIT_ENV, "30")
+    shared = tmp_path / "sec"
+    private.make_private_dir(shared)
+    # Node 1 first, before node 0 made the secret: it finds no file yet and waits.
+    assert launcher.run_secret(_node_opts(1), shared) is None
+    node1 = launcher._Handover(_node_opts(1), port, ended.is_set, shared, None)
+    secret = launcher.run_secret(_node_opts(0), shared)
+    node0 = launcher._Handover(_node_opts(0), port, ended.is_set, shared, secret)
+    wait_for(lambda: node0.outcome == "shared", 25, "node 0 to see the folder shared")
+    assert node1.outcome == "shared" and node1.wait_secret(1) == secret
+    assert _carries(master, handover.SECRET_KEY, handover.RUN_DIR_KEY) == []
+    assert secret not in "".join(master.get(k).decode() for k in ("traceml/shared/1",))
+
+
+def test_with_traceml_secret_the_store_carries_nothing(tmp_path, store, monkeypatch):
+    from traceml_agent import handover
+
+    master, port, ended = store
+    monkeypatch.setenv("TRACEML_SECRET", SECRET)
+    torchrun = subprocess.Popen(["sleep", "30"])
+    try:
+        for k in (0, 1):
+            run_dir = tmp_path / f"node{k}"
+            private.make_private_dir(run_dir)
+            node = launcher._Node("tcp://x:1", "tcp://x:2", SECRET)
+            launcher._start_handover(_node_opts(k), node, run_dir, port, torchrun)
+            assert node.handover is None
+        time.sleep(0.5)  # nothing is running that could write: a short look suffices
+        assert _carries(master, handover.SECRET_KEY, handover.RUN_DIR_KEY) == []
+    finally:
+        torchrun.kill()
+        torchrun.wait()
+
+
+def test_without_either_the_secret_goes_through_the_store_and_both_nodes_say_so(
+        tmp_path, store, monkeypatch, capfd):
+    from traceml_agent import handover
+
+    master, port, ended = store
+    monkeypatch.delenv("TRACEML_SECRET", raising=False)
+    monkeypatch.setenv(handover.SHARED_WAIT_ENV, "1")
+    dirs = [tmp_path / "node0" / "sec", tmp_path / "node1" / "sec"]  # no shared folder
+    for d in dirs:
+        d.parent.mkdir()
+        private.make_private_dir(d)
+    secret = launcher.run_secret(_node_opts(0), dirs[0])
+    assert launcher.run_secret(_node_opts(1), dirs[1]) is None
+    # Someone on the network writes a proof of their own for node 1: checked, refused.
+    master.set("traceml/shared/1", "0" * 64)
+    node0 = launcher._Handover(_node_opts(0), port, ended.is_set, dirs[0], secret)
+    node1 = launcher._Handover(_node_opts(1), port, ended.is_set, dirs[1], None)
+    assert node1.wait_secret(30) == secret
+    wait_for(lambda: node0.outcome == "store", 10, "node 0 to publish")
+    assert node1.outcome == "store"
+    err = capfd.readouterr().err
+    warnings = [ln for ln in err.splitlines() if "as private as the master port" in ln]
+    assert len(warnings) == 2, err  # one line on each node's terminal
+    assert all("TRACEML_SECRET on every node, or use a shared --out" in w for w in warnings)
+    assert "node(s) 1 did not show the shared run folder" in warnings[0] + warnings[1]

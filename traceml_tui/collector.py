@@ -46,7 +46,7 @@ from traceml_agent.protocol import (
 )
 from traceml_agent.vocab import COLLECTOR_JSON, LIVE_SNAPSHOT_JSON, STEP_LOG_DIR
 
-from . import private, summary
+from . import descriptors, private, summary
 from .auth import start_authenticator
 from .captures import CaptureBoard
 from .ingest_pump import IngestPump, Route
@@ -161,6 +161,7 @@ class Collector:
         def bind(kind: int, host: str, fixed: int, hwm: int = 1000) -> tuple[zmq.Socket, str]:
             sock = self.ctx.socket(kind)
             sock.setsockopt(zmq.LINGER, 0)
+            descriptors.limit_handshake(sock)  # an idle connection's descriptor comes back
             sock.setsockopt(zmq.RCVHWM, hwm)
             # A peer announcing a bigger frame is dropped at the header, before libzmq
             # allocates it: no sender can make the collector hold more than this per frame.
@@ -182,6 +183,14 @@ class Collector:
         # Viewers on other hosts need the view socket where agents reach the collector.
         self.view, self.view_addr = bind(zmq.REP, bind_host, view_port)
         self.view_remote: str | None = None  # how other hosts reach the view socket
+        # Connections refused or timed out in the handshake (before the pump owns ingest),
+        # and descriptors held back for our own files (descriptors.py).
+        self.handshakes = descriptors.HandshakeCounter()
+        for sock in (self.ingest, self.control, self.view):
+            self.handshakes.watch(sock)
+        self.reserve = descriptors.Reserve()
+        self.metrics: Any = None  # the /metrics server (metrics.MetricsServer), if any
+        self.metrics_error: str | None = None  # why there is none, when it was asked for
         # The ingest socket belongs to its pump thread from here on (ingest_pump.py).
         self.pump = IngestPump(self.ctx, self.ingest)
         self.pump.start()
@@ -234,7 +243,8 @@ class Collector:
     def announce(self) -> None:
         info = {"ingest": self.ingest_addr, "control": self.control_addr, "view": self.view_addr,
                 "pid": os.getpid(), "run_name": self.state.run_name,
-                "host": socket.gethostname(), "view_remote": self.view_remote}
+                "host": socket.gethostname(), "view_remote": self.view_remote,
+                "metrics_error": self.metrics_error}
         private.write_atomic(self.run_dir / COLLECTOR_JSON, json.dumps(info, indent=2) + "\n")
 
     def serve(self) -> None:
@@ -247,8 +257,10 @@ class Collector:
                 self.handle_control()
             if self.view in events:
                 self.views.handle()
+            self.handshakes.drain()
             now = time.monotonic()
             if now >= next_eval:
+                self._count_refusals()
                 self.state.counters["rejected_peers"] = self.rejected_peers
                 self.state.counters["backlog_refused"] = self.pump.refused
                 self.state.evaluate(time.time(), time.monotonic())
@@ -277,6 +289,14 @@ class Collector:
             elif self.exit_when_done and self.all_ranks_finished():
                 codes = [rs.exit_code for rs in self.state.ranks.values()]
                 self.start_finish({"torchrun_exit": 0 if not any(codes) else 1, "grace_s": 0})
+
+    def _count_refusals(self) -> None:
+        """Connections turned away, shown beside the ingest counters."""
+        counters = self.state.counters
+        counters["refused_connections"] = self.handshakes.failed
+        if self.metrics is not None:
+            counters["metrics_refused"] = self.metrics.refused
+            counters["metrics_timed_out"] = self.metrics.timed_out
 
     def all_ranks_finished(self) -> bool:
         ranks = self.state.ranks
@@ -336,7 +356,10 @@ class Collector:
         try:
             snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
             doc = summary.build(snap, summary.RunMeta(complete=False))
-            private.write_atomic(self.run_dir / LIVE_SNAPSHOT_JSON, summary.to_json(doc))
+            text = summary.to_json(doc)
+            descriptors.write_anyway(  # whatever the sockets hold, the record is written
+                lambda: private.write_atomic(self.run_dir / LIVE_SNAPSHOT_JSON, text),
+                self.reserve)
         except OSError as exc:  # a full disk costs the snapshot, not the collector
             print(f"[traceml] collector: could not write snapshot: {exc}", file=sys.stderr)
 
@@ -401,9 +424,20 @@ class Collector:
         quiet_since = now - self.finish_quiet_s
         return all(r.finished or r.last_seen < quiet_since for r in self.state.ranks.values())
 
+    def nodes_never_seen(self) -> list[int]:
+        """Nodes of a multi-node run from which no rank ever reported: the record holds
+        nothing of them, so it is not complete (their relay could not start, or their
+        agents never reached us)."""
+        if self.state.nnodes <= 1:
+            return []
+        seen = {rs.ident.node for rs in self.state.ranks.values()}
+        return [n for n in range(self.state.nnodes) if n not in seen]
+
     def write_record(self, request: dict[str, Any]) -> dict[str, Any]:
         """Write the final summary; the reply the launcher prints."""
         self.drain()
+        self.handshakes.drain()
+        self._count_refusals()
         self.state.evaluate(time.time(), time.monotonic())
         failures = self.state.failures()
         root = request.get("root_cause")
@@ -424,17 +458,27 @@ class Collector:
         extra = dict(request.get("extra", {}))
         if self.earlier_record:
             extra["collector_restarted"] = {"earlier_record": self.earlier_record}
+        unseen = self.nodes_never_seen()
+        if unseen:  # e.g. that node's relay could not start: none of its ranks is here
+            extra["nodes_never_seen"] = unseen
         meta = summary.RunMeta(
             command=list(request.get("command", [])), exit_code=code,
             ended_at=request.get("ended_at") or time.time(),
-            complete=bool(request.get("complete", True)) and not self.earlier_record,
+            complete=(bool(request.get("complete", True)) and not self.earlier_record
+                      and not unseen),
             failed_rank=failed, extra=extra)
         snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
         doc = summary.build(snap, meta)
         reply = {"ok": True, "path": None, "exit_code": code, "failed_rank": failed,
                  "text": summary.render_text(doc)}
+        if unseen:
+            reply["text"] += (f"INCOMPLETE: no rank of node(s) {', '.join(map(str, unseen))} "
+                              f"ever reported (its relay or agents never reached node 0; its "
+                              f"own terminal says why).\n")
         try:
-            reply["path"] = str(summary.write_summary(self.run_dir, doc))
+            path = descriptors.write_anyway(lambda: summary.write_summary(self.run_dir, doc),
+                                            self.reserve)
+            reply["path"] = str(path or self.run_dir / summary.SUMMARY_JSON)
         except OSError as exc:  # a full disk: the record still reaches the terminal
             reply["error"] = f"could not write {summary.SUMMARY_JSON}: {exc}"
         self.step_log.close()
@@ -445,6 +489,9 @@ class Collector:
         self.pump.stop()  # closes the ingest socket on its own thread
         self.control.close()
         self.view.close()
+        self.handshakes.close()
+        if self.metrics is not None:
+            self.metrics.stop()
         if self.auth is not None:
             self.auth.stop()
 
@@ -510,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         print("traceml collector: --world-size must be at least 1", file=sys.stderr)
         return 2
     args.run_dir.mkdir(parents=True, exist_ok=True)
+    descriptors.raise_limit()  # every connection costs a descriptor (descriptors.py)
     try:
         secret = keys.load_secret(args.run_dir, args.secret_file)
     except (OSError, keys.SecretError) as exc:
@@ -552,11 +600,13 @@ def main(argv: list[str] | None = None) -> int:
             from . import metrics
 
             views = collector.views
-            metrics.serve(lambda: (views.now, views.snap), state.run_name, args.metrics_host,
-                          args.metrics_port)
+            collector.metrics = metrics.serve(lambda: (views.now, views.snap), state.run_name,
+                                              args.metrics_host, args.metrics_port)
         except (ImportError, OSError) as exc:  # the run goes on without the metrics
-            print(f"[traceml] collector: no Prometheus metrics on {args.metrics_host}:"
-                  f"{args.metrics_port}: {exc}", file=sys.stderr, flush=True)
+            # Said in collector.json too: the launcher prints it on the user's terminal.
+            collector.metrics_error = (f"no Prometheus metrics on {args.metrics_host}:"
+                                       f"{args.metrics_port}: {exc}")
+            print(f"[traceml] collector: {collector.metrics_error}", file=sys.stderr, flush=True)
         else:
             print(f"[traceml] collector: Prometheus metrics at http://{args.metrics_host}:"
                   f"{args.metrics_port}/metrics", file=sys.stderr, flush=True)

@@ -52,7 +52,7 @@ COLLECTOR_START_TIMEOUT_S = 20.0
 DEFAULT_MASTER_PORT = 29500  # torchrun's own default, for multi-node runs
 # How long the dashboard of a node other than 0 waits for the run's secret from node 0
 # (through torchrun's store, once both torchruns are up); its training does not wait.
-SECRET_WAIT_S = 120.0
+SECRET_WAIT_S = 60.0  # past node 0's wait for the shared folder (handover.SHARED_WAIT_S)
 WRITE_PROBE_BYTES = 64 << 10
 FINISH_TIMEOUT_S = 20.0
 TERM_GRACE_S = 15.0  # after forwarding SIGTERM, how long torchrun gets before SIGKILL
@@ -160,8 +160,8 @@ def prepare_run_dir(opts: RunOptions) -> tuple[str, Path]:
 def run_secret(opts: RunOptions, run_dir: Path) -> str | None:
     """The run's secret (agent/keys.py): TRACEML_SECRET if set; else node 0 creates
     RUN_DIR/secret.key; another node reads it there if the folder is shared and node 0
-    already made it. Else None: that node gets it through torchrun's store
-    (agent/handover.py) and nothing waits for it."""
+    already made it. Else None: that node's launcher, relay and ranks wait for it, from
+    the folder or torchrun's store (agent/handover.py), and nothing else waits."""
     try:
         secret = keys.secret_from_env()
     except keys.SecretError as exc:
@@ -176,46 +176,75 @@ def run_secret(opts: RunOptions, run_dir: Path) -> str | None:
         except (OSError, keys.SecretError) as exc:
             raise LaunchError(f"cannot create the run's secret {path}: "
                               f"{getattr(exc, 'strerror', None) or exc}") from None
-    try:
-        return keys.read_secret_file(path)
-    except (OSError, keys.SecretError):  # not shared, or node 0 not there yet
-        return None
+    return handover.read_file_secret(path)  # not shared, or node 0 not there yet
+
+
+STORE_WARNING = ("the run's secret goes through torchrun's store: this run is as private "
+                 "as the master port {where} (anyone who can reach it can read the secret). "
+                 f"Remedy: set {env.SECRET} on every node, or use a shared --out.")
 
 
 class _Handover(threading.Thread):
-    """Node 0 writes the secret (unless every node has it from $TRACEML_SECRET) and its
-    run folder into torchrun's store; another node reads them. Off the main thread: the
-    training never waits for it."""
+    """What goes through torchrun's store, off the main thread (the training never
+    waits for it; agent/handover.py). Node 0: nothing once every other node proved it
+    shares the run folder, else (after SHARED_WAIT_S) the secret and the folder's path,
+    said in one line. Another node: the secret from the shared folder (then its proof)
+    or from the store (then that line too)."""
 
-    def __init__(self, opts: RunOptions, port: int, until: Any,
-                 publish: dict[str, str] | None = None) -> None:
+    def __init__(self, opts: RunOptions, port: int, until: Any, run_dir: Path,
+                 secret: str | None) -> None:
         super().__init__(name="traceml-handover", daemon=True)
-        self.host, self.port, self.until = opts.master_addr, port, until
-        self.publish = publish
+        self.opts, self.host, self.port, self.until = opts, opts.master_addr, port, until
+        self.run_dir, self.secret = run_dir, secret
         self.values: dict[str, str] = {}
+        self.outcome: str | None = None  # "shared" or "store" once known
         self.start()
 
+    def _warn(self, nodes: list[int] | None = None) -> None:
+        who = "" if nodes is None else (
+            f" (node(s) {', '.join(map(str, nodes))} did not show the shared run folder "
+            f"in {handover.shared_wait_s():.0f} s)")
+        print(f"[traceml] node {self.opts.node_rank}: "
+              + STORE_WARNING.format(where=f"{self.host}:{self.port}") + who,
+              file=sys.stderr, flush=True)
+
     def run(self) -> None:
-        if self.publish is not None:
-            handover.publish(self.host, self.port, self.publish, self.until)
+        if self.opts.node_rank == 0:
+            assert self.secret is not None
+            values = {handover.RUN_DIR_KEY: str(self.run_dir.resolve()),
+                      handover.SECRET_KEY: self.secret}
+            self.outcome = handover.publish_unless_shared(
+                self.host, self.port, self.secret, self.opts.nnodes, self.run_dir, values,
+                self.until, self._warn)
             return
-        for key in (handover.RUN_DIR_KEY, handover.SECRET_KEY):
-            value = handover.fetch(self.host, self.port, key, self.until)
-            if value is None:
-                return
-            self.values[key] = value
+        path = self.run_dir / keys.SECRET_FILE
+        try:
+            secret = handover.fetch_secret(f"{self.host}:{self.port}", self.until, path)
+        except (ValueError, keys.SecretError):
+            return
+        if secret is None:
+            return
+        if handover.read_file_secret(path) == secret:  # a shared folder: prove it
+            self.outcome, self.secret = "shared", secret
+            try:
+                private.open_private(handover.joined_file(self.run_dir,
+                                                          self.opts.node_rank)).close()
+            except OSError:
+                pass
+            handover.prove_shared(self.host, self.port, secret, self.opts.node_rank,
+                                  self.until)
+            return
+        self.outcome, self.secret = "store", secret
+        self._warn()
+        value = handover.fetch(self.host, self.port, handover.RUN_DIR_KEY, self.until)
+        if value is not None:
+            self.values[handover.RUN_DIR_KEY] = value
 
     def wait_secret(self, timeout: float) -> str | None:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.is_alive():
-            if handover.SECRET_KEY in self.values:
-                break
+        while time.monotonic() < deadline and self.is_alive() and self.outcome is None:
             time.sleep(0.1)
-        value = self.values.get(handover.SECRET_KEY)
-        try:
-            return None if value is None else keys.check_secret(value)
-        except keys.SecretError:
-            return None
+        return self.secret
 
 
 def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: float,
@@ -253,7 +282,10 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
     deadline = time.monotonic() + COLLECTOR_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if info_path.exists():
-            return proc, json.loads(info_path.read_text()), control_key
+            info = json.loads(info_path.read_text())
+            if info.get("metrics_error"):  # on the user's terminal, not only in its log
+                print(f"[traceml] {clean_line(str(info['metrics_error']))}", file=sys.stderr)
+            return proc, info, control_key
         if proc.poll() is not None:
             break
         time.sleep(0.05)
@@ -502,9 +534,14 @@ def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _S
     if node.stacks is not None and node.stacks.refused:  # forged pids (native_stacks.py)
         request["extra"]["native_stack_refused"] = node.stacks.refused
     if node.collector is None:
+        relay_failed = None
         if node.relay is not None:  # the ranks are gone: their last messages go out now
+            relay_failed = node.relay.failure()
             node.relay.stop()
-        return _node_done(opts, run_dir, request, node.handover)
+        done = _node_done(opts, run_dir, request, node.handover)
+        if relay_failed:  # said again at the end, beside this node's exit code
+            done["text"] += f"node {opts.node_rank}: {relay_failed}\n"
+        return done
     assert node.control is not None and node.secret is not None and node.control_key
     reply = _finish(node.control, request, node.collector, node.secret, node.control_key)
     if reply is None:
@@ -530,7 +567,9 @@ def _node_done(opts: RunOptions, run_dir: Path, request: dict[str, Any],
     failed_text = "" if failed is None else f", rank {failed} failed"
     node0_dir = None if handed is None else handed.values.get(handover.RUN_DIR_KEY)
     node0_dir = node0_dir and clean_line(node0_dir)  # the store's word: text only
-    if node0_dir:
+    if handed is not None and handed.outcome == "shared":
+        where = f"to {run_dir / summary.SUMMARY_JSON} (the shared run folder)"
+    elif node0_dir:
         where = f"to {Path(node0_dir[:4096]) / summary.SUMMARY_JSON} on that host"
     else:
         where = f"to {summary.SUMMARY_JSON} in its run folder ({run_dir.name} under its --out)"
@@ -611,25 +650,35 @@ def _connect(opts: RunOptions, run_dir: Path, name: str, started_at: float, port
     if opts.relay:
         from .relay import RelayProcess
 
-        node.relay = RelayProcess(node.ingest, opts.node_rank, _free_port(), secret,
+        node.relay = RelayProcess(node.ingest, opts.node_rank, secret,
                                   None if secret else _secret_store(opts, port),
-                                  run_dir / opts.node_file(Path(RELAY_LOG).stem, ".log"))
+                                  run_dir / opts.node_file(Path(RELAY_LOG).stem, ".log"),
+                                  None if secret else run_dir / keys.SECRET_FILE)
+        _say_relay_failure(node.relay, opts.node_rank)
     return node
+
+
+def _say_relay_failure(relay: RelayProcess, node_rank: int) -> None:
+    """A relay that cannot start (its port, node 0 unreachable, no secret) or dies is
+    said on this node's terminal at once: node 0 will not see this node's ranks."""
+
+    def watch() -> None:
+        relay.proc.wait()
+        line = relay.failure()
+        if line:
+            print(f"[traceml] node {node_rank}: {line}", file=sys.stderr, flush=True)
+
+    threading.Thread(target=watch, name="traceml-relay-watch", daemon=True).start()
 
 
 def _start_handover(opts: RunOptions, node: _Node, run_dir: Path, port: int,
                     torchrun: subprocess.Popen) -> None:
-    """Multi-node: node 0 publishes, the others read (see agent/handover.py)."""
-    if not opts.multinode:
+    """Multi-node without $TRACEML_SECRET: see `_Handover` and agent/handover.py. With
+    it, torchrun's store carries nothing of traceml's."""
+    if not opts.multinode or os.environ.get(env.SECRET):
         return
     until = lambda: torchrun.poll() is not None  # noqa: E731 - the store ends with it
-    if opts.node_rank == 0:
-        values = {handover.RUN_DIR_KEY: str(run_dir.resolve())}
-        if not os.environ.get(env.SECRET) and node.secret:
-            values[handover.SECRET_KEY] = node.secret
-        node.handover = _Handover(opts, port, until, publish=values)
-    else:
-        node.handover = _Handover(opts, port, until)
+    node.handover = _Handover(opts, port, until, run_dir, node.secret)
 
 
 def _preflight(opts: RunOptions, run_dir: Path, port: int) -> None:
@@ -672,12 +721,12 @@ def run(opts: RunOptions) -> int:
         child_env.update(nccl_debug.environment(opts.nccl_debug, run_dir))
     if node.secret is not None:
         child_env[env.SECRET] = node.secret
-    else:  # the agents read it from torchrun's store: nobody waits for it
+    else:  # the agents read it from the shared folder or the store: nobody waits for it
         child_env.pop(env.SECRET, None)
         child_env[env.SECRET_STORE] = _secret_store(opts, port)
-        print(f"[traceml] node {opts.node_rank}: no shared run folder or {env.SECRET}; the "
-              f"run's secret comes from node 0 through torchrun's store (docs/security.md)",
-              file=sys.stderr, flush=True)
+        print(f"[traceml] node {opts.node_rank}: the run's secret comes from the shared run "
+              f"folder, else from node 0 through torchrun's store (docs/security.md); the "
+              f"training does not wait for it", file=sys.stderr, flush=True)
     where = f", node {opts.node_rank} of {opts.nnodes}" if opts.multinode else ""
     print(f"[traceml] run {name}: {opts.world_size} rank(s){where}, folder {run_dir}",
           file=sys.stderr, flush=True)
@@ -715,12 +764,13 @@ def run(opts: RunOptions) -> int:
         if not opts.headless and node.secret is None and node.handover is not None:
             print(f"[traceml] node {opts.node_rank}: waiting for node 0's secret to show the "
                   f"dashboard (the training is not waiting)", file=sys.stderr, flush=True)
-            node.secret = node.handover.wait_secret(SECRET_WAIT_S)
+            node.secret = node.handover.wait_secret(handover.shared_wait_s() + SECRET_WAIT_S)
         if opts.headless:
             reply = finish()
         elif node.secret is None:
             print(f"[traceml] node {opts.node_rank}: no secret from node 0 after "
-                  f"{SECRET_WAIT_S:.0f} s; no dashboard here (the job goes on)",
+                  f"{handover.shared_wait_s() + SECRET_WAIT_S:.0f} s; no dashboard here "
+                  f"(the job goes on)",
                   file=sys.stderr, flush=True)
             reply = finish()
         else:

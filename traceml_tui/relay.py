@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -41,6 +43,7 @@ from traceml_agent.protocol import (
     RelayBatch,
     encode_relay_batch,
 )
+from traceml_agent.sanitize import clean_line
 
 from . import private
 from .auth import start_authenticator
@@ -52,7 +55,9 @@ KEEPALIVE_S = 1.0  # an empty batch at least this often: the collector sees the 
 BATCH_BYTES = MAX_MESSAGE_BYTES
 PENDING_BYTES = 32 << 20  # held between ticks; past it rank messages are dropped, counted
 UPSTREAM_HWM = 64  # relay messages queued for node 0 (~13 s of ticks), then dropped
-LOCAL_HWM = 256  # per rank connection, messages queued in libzmq before we take them
+# Per rank connection, messages queued in libzmq before we take them: the collector's own
+# bound (collector.MAX_RECV_HWM, measured there; tests/test_relay.py keeps them equal).
+LOCAL_HWM = 16
 MAX_ROUTES = 4_096  # local connections remembered (a node runs a few dozen ranks at most)
 LINGER_MS = 1_000  # at exit, how long the last batch may take to leave
 
@@ -65,7 +70,11 @@ class Relay:
     """
 
     def __init__(self, ctx: zmq.Context, upstream: str, node: int,
-                 run_keys: keys.CurveKeys | None, local_port: int = 0) -> None:
+                 run_keys: keys.CurveKeys | None, local_port: int = 0,
+                 local_fd: int | None = None) -> None:
+        """`local_fd`: a loopback socket already bound and listening on `local_port`
+        (the launcher's, inherited): used as it is, so the port is never free between
+        its reservation and its use."""
         self.node = node
         self.local = ctx.socket(zmq.ROUTER)
         self.local.setsockopt(zmq.LINGER, 0)
@@ -78,6 +87,8 @@ class Relay:
         if run_keys is not None:
             keys.secure_server(self.local, run_keys)
             keys.secure_client(self.up, run_keys)
+        if local_fd is not None:
+            self.local.setsockopt(zmq.USE_FD, local_fd)
         if local_port:
             self.local.bind(f"tcp://127.0.0.1:{local_port}")
         else:
@@ -200,38 +211,75 @@ class Relay:
         self.up.close()  # lingers up to LINGER_MS for the last batch
 
 
-def _secret(store: str | None, stopping: Callable[[], bool]) -> str | None:
-    """The run's secret: from the environment, else from torchrun's store (handover.py)."""
+def _secret(store: str | None, stopping: Callable[[], bool],
+            secret_file: str | None = None) -> str | None:
+    """The run's secret: from the environment, else from a shared run folder's file or
+    torchrun's store, whichever has it first (handover.py)."""
     secret = keys.secret_from_env()
-    if secret or not store:
+    if secret or not (store or secret_file):
         return secret
-    return handover.fetch_secret(store, stopping)
+    return handover.fetch_secret(store, stopping,
+                                 None if secret_file is None else Path(secret_file))
+
+
+def reserve_loopback() -> socket.socket:
+    """A loopback TCP socket bound to a free port and listening: the port is ours from
+    here on (nobody can squat it), and ranks that connect early wait in its backlog."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
 
 
 class RelayProcess:
     """The launcher's handle on its node's relay (`traceml run` on a node other than 0)."""
 
-    def __init__(self, upstream: str, node: int, port: int, secret: str | None,
-                 secret_store: str | None, log_path: Any) -> None:
-        """`port`: a free loopback port; the relay binds it once it has the run's secret,
-        and the ranks are told it before that."""
-        self.port = port
-        self.address = f"tcp://127.0.0.1:{port}"
+    def __init__(self, upstream: str, node: int, secret: str | None,
+                 secret_store: str | None, log_path: Any, secret_file: Any = None) -> None:
+        """The port is reserved here, bound and listening, and the relay inherits that
+        socket (ZeroMQ's USE_FD): the ranks are told the port at once, before the relay
+        has the run's secret, and nobody else can take it meanwhile."""
+        reserved = reserve_loopback()
+        self.port = reserved.getsockname()[1]
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.stopping = False
         cmd = [sys.executable, "-m", "traceml_tui.relay", "--upstream", upstream,
-               "--node", str(node), "--port", str(self.port), "--parent-pid", str(os.getpid())]
+               "--node", str(node), "--port", str(self.port), "--fd", str(reserved.fileno()),
+               "--parent-pid", str(os.getpid())]
+        if secret_file is not None:
+            cmd += ["--secret-file", str(secret_file)]
         if secret_store:
             cmd += ["--secret-store", secret_store]
         child_env = {k: v for k, v in os.environ.items() if k != env.SECRET}
         if secret:  # in the environment, never on a command line others can read
             child_env[env.SECRET] = secret
-        with private.open_private(log_path) as log:
+        with reserved, private.open_private(log_path) as log:
             # Its own session: the terminal's Ctrl-C reaches the launcher, which stops
             # the relay only after the ranks' last messages went through it.
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                         env=child_env, start_new_session=True)
+                                         env=child_env, start_new_session=True,
+                                         pass_fds=(reserved.fileno(),))
+
+    def failure(self) -> str | None:
+        """One line when the relay ended on its own with an error (it could not start or
+        died): this node's ranks then never reach node 0. None while it runs or after a
+        clean stop."""
+        code = self.proc.poll()
+        if code in (None, 0) or self.stopping:
+            return None
+        try:
+            with open(self.log_path, errors="replace") as f:
+                lines = [ln.strip() for ln in f.read()[-4000:].splitlines() if ln.strip()]
+        except OSError:
+            lines = []
+        why = clean_line(lines[-1])[:300] if lines else f"exit code {code}"
+        return (f"this node's relay stopped ({why}): node 0 does not see this node's ranks; "
+                f"the job goes on (log: {self.log_path})")
 
     def stop(self, timeout: float = 5.0) -> int | None:
         """Flush and stop; the exit code (None if it had to be killed)."""
+        self.stopping = True
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -249,6 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--upstream", required=True, help="the collector's ingest address")
     p.add_argument("--node", type=int, required=True)
     p.add_argument("--port", type=int, required=True, help="the loopback port to listen on")
+    p.add_argument("--fd", type=int, default=None,
+                   help="an inherited socket already bound to --port and listening")
+    p.add_argument("--secret-file", default=None, metavar="PATH",
+                   help="a shared run folder's secret.key, polled for while waiting")
     p.add_argument("--secret-store", default=None, metavar="HOST:PORT",
                    help="where to fetch the run's secret if $TRACEML_SECRET is not set")
     p.add_argument("--parent-pid", type=int, default=None,
@@ -268,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: halt.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher tells us when to stop
     try:
-        secret = _secret(args.secret_store, stopping)
+        secret = _secret(args.secret_store, stopping, args.secret_file)
     except (ValueError, keys.SecretError) as exc:
         print(f"[traceml] relay: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -282,9 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     run_keys = keys.derive(secret) if secret else None
     auth = start_authenticator(ctx, run_keys) if run_keys is not None else None
     try:
-        relay = Relay(ctx, args.upstream, args.node, run_keys, args.port)
+        relay = Relay(ctx, args.upstream, args.node, run_keys, args.port, args.fd)
     except zmq.ZMQError as exc:
-        print(f"[traceml] relay: cannot listen on 127.0.0.1:{args.port}: {exc}",
+        print(f"[traceml] relay: cannot start (listening on 127.0.0.1:{args.port}, sending "
+              f"to {args.upstream}): {exc}",
               file=sys.stderr, flush=True)
         return 2
     print(f"[traceml] relay for node {args.node}: {relay.address} -> {args.upstream}",
