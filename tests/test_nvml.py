@@ -270,6 +270,8 @@ EVIDENCE = [
                                                    for r in range(4)},
      "throttled (power cap) (as are 3 of 3 other ranks')", False),
     ("no NVML on the culprit", {3: None}, None, False),
+    ("sampled while idle: its clock is no load clock", {3: dx.GpuHealth.of(
+        {"sm_clock_mhz": 345.0, "throttle": ("idle",)})}, None, False),
     ("a healthy culprit, a throttled bystander", {1: health(1410.0, "hw thermal")}, None,
      False),
 ]

@@ -169,7 +169,9 @@ class GpuHealth:
         if clock is None and not reasons:
             return None
         num = (int, float)
-        return cls(float(clock) if isinstance(clock, num) else None,
+        # An idle GPU drops its clocks: that reading says nothing about its clock under load.
+        idle = isinstance(reasons, tuple | list) and "idle" in reasons
+        return cls(float(clock) if isinstance(clock, num) and not idle else None,
                    tuple(str(x) for x in reasons) if isinstance(reasons, tuple | list) else (),
                    float(power) if isinstance(power, num) else None,
                    float(temp) if isinstance(temp, num) else None)
