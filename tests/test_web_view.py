@@ -1,6 +1,8 @@
 """`traceml watch --web`: the dashboard served to a real headless browser (Debian's
-Chromium, driven over the DevTools protocol) while a real job runs. The page's terminal
-stream must carry the banner's diagnosis, and a screenshot of the page is taken."""
+Chromium, driven over the DevTools protocol) while a real job runs. The browser opens the
+tokened URL the server printed (it trades the token for a cookie and lands on the clean
+URL); the page's terminal stream must carry the banner's diagnosis, and a screenshot of
+the page is taken."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from jobs import EXAMPLES, free_ports, kill_session, live_ranks_steps, spawn_traceml, wait_for
+from webview import WebServer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytest.importorskip("textual_serve", reason="traceml watch --web needs textual-serve")
@@ -94,14 +97,15 @@ def test_the_dashboard_in_a_browser_shows_the_diagnosis(tmp_path):
                         "--scenario", "input", "--rank", "1", "--delay-ms", "30",
                         "--steps", "100000")
     procs: list[subprocess.Popen] = []
+    servers: list[WebServer] = []
     try:
         run_dir = out / "web"
         wait_for(lambda: min(live_ranks_steps(run_dir) or [0]) >= 40, 120, "the job's steps")
         port = free_ports(2)
-        web = spawn_traceml("watch", str(run_dir), "--web", str(port))
-        procs.append(web)
-        wait_for(lambda: port_open(port) or web.poll() is not None, 60, "the web view")
-        assert web.poll() is None, web.communicate()[1][-2000:]
+        web = WebServer(str(run_dir), port)
+        servers.append(web)
+        url = web.url()  # the tokened URL it printed, as the owner would copy it
+        assert url.startswith(f"http://127.0.0.1:{port}/?token=")
         devtools = port + 1
         browser = subprocess.Popen(
             [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu",
@@ -111,13 +115,14 @@ def test_the_dashboard_in_a_browser_shows_the_diagnosis(tmp_path):
         procs.append(browser)
         wait_for(lambda: port_open(devtools), 60, "Chromium's DevTools port")
         shot = tmp_path / "web-view.png"
-        text = asyncio.run(browse(f"http://127.0.0.1:{port}/", devtools, shot,
-                                  "INPUT STRAGGLER", timeout=120))
+        text = asyncio.run(browse(url, devtools, shot, "INPUT STRAGGLER", timeout=120))
         assert "rank 1" in text and "costs" in text
         assert shot.stat().st_size > 20_000  # a drawn page, not a blank one
         png = shot.read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
     finally:
+        for server in servers:
+            server.stop()  # and its viewers (its session)
         for proc in procs:
             kill_session(proc)  # its children (the tab's viewer) ...
             proc.kill()  # ... and itself: it is not a session leader

@@ -105,7 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "of this terminal (needs textual-serve)")
     watch.add_argument("--web-host", default="127.0.0.1", metavar="HOST",
                        help="address the browser view binds (default 127.0.0.1: reach it "
-                            "through an SSH tunnel)")
+                            "through an SSH tunnel); the page always needs the token in "
+                            "the URL it prints")
+    watch.add_argument("--web-viewers", type=int, default=4, metavar="N",
+                       help="browser tabs (each one a viewer process) open at once "
+                            "(default 4; more are refused)")
 
     cmp = sub.add_parser("compare", help="compare two runs' final_summary.json")
     cmp.add_argument("old", type=Path, metavar="OLD")
@@ -277,17 +281,21 @@ def _serve_web(args: argparse.Namespace, address: str, run_dir: Path | None) -> 
     try:
         from . import web
     except ImportError:
-        print("traceml watch: error: --web needs textual-serve (pip install textual-serve)",
-              file=sys.stderr)
+        print("traceml watch: error: --web needs textual-serve "
+              "(pip install traceml-tui[web])", file=sys.stderr)
         return 2
     if not 1 <= args.web <= 65535:
         print(f"traceml watch: error: --web port {args.web} is not a TCP port", file=sys.stderr)
         return 2
+    if not 1 <= args.web_viewers <= web.MAX_VIEWERS:
+        print(f"traceml watch: error: --web-viewers must be 1 to {web.MAX_VIEWERS}",
+              file=sys.stderr)
+        return 2
     target = str(run_dir) if run_dir is not None else address
-    print(f"traceml watch: serving the dashboard of {target} on "
-          f"http://{args.web_host}:{args.web} (Ctrl-C stops)", file=sys.stderr, flush=True)
     try:
-        web.serve(target, args.secret_file, args.web_host, args.web, "traceml")
+        # It prints the one URL that opens the page (with its token) once it is bound.
+        web.serve(target, args.secret_file, args.web_host, args.web, "traceml",
+                  args.web_viewers)
     except KeyboardInterrupt:
         pass
     except OSError as exc:
