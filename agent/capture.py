@@ -140,12 +140,8 @@ class Capturer:
     def _export(self, prof: Any, capture_id: int) -> None:
         try:
             folder = Path(self.run_dir or ".") / TRACES_DIR
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             path = folder / f"capture{capture_id}-rank{self.rank}.json"
-            tmp = path.with_suffix(f".tmp{os.getpid()}.json")
-            prof.export_chrome_trace(str(tmp))
-            os.chmod(tmp, 0o600)  # the run folder's files are the user's own
-            os.replace(tmp, path)  # the collector never reads a half-written trace
+            _export_private(prof, Path(self.run_dir or "."), path.name)
         except Exception as exc:
             self._finish(capture_id, "failed", error=f"could not write the trace: {exc!r}")
             return
@@ -156,3 +152,58 @@ class Capturer:
         self.events.append({"capture_id": capture_id, "state": state, "steps": 0, "path": path,
                             "error": error})
         self._busy = False
+
+
+_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+
+
+def _export_private(prof: Any, run_dir: Path, name: str) -> None:
+    """The trace into RUN_DIR/traces/NAME without following a link anywhere: the folders
+    opened with O_NOFOLLOW, the profiler's file written in a fresh 0700 folder of ours
+    (mkdir fails on anything planted) reached through the descriptor (/proc/self/fd,
+    where there is one), then renamed into traces/: the collector never reads half a
+    trace, and a swap of a shared run folder cannot send the trace elsewhere."""
+    run_fd = os.open(run_dir, _DIR)
+    try:
+        try:
+            os.mkdir(TRACES_DIR, 0o700, dir_fd=run_fd)
+        except FileExistsError:
+            pass
+        dir_fd = os.open(TRACES_DIR, _DIR, dir_fd=run_fd)
+    finally:
+        os.close(run_fd)
+    scratch = f".{name}.tmp{os.getpid()}"
+    try:
+        os.mkdir(scratch, 0o700, dir_fd=dir_fd)
+        try:
+            through = f"/proc/self/fd/{dir_fd}"
+            base = through if os.path.isdir(through) else str(run_dir / TRACES_DIR)
+            prof.export_chrome_trace(f"{base}/{scratch}/{name}")
+            scratch_fd = os.open(scratch, _DIR, dir_fd=dir_fd)
+            try:  # nobody else can write in our fresh 0700 scratch folder
+                os.chmod(name, 0o600, dir_fd=scratch_fd)  # the user's own, as every file
+                os.replace(name, name, src_dir_fd=scratch_fd, dst_dir_fd=dir_fd)
+            finally:
+                os.close(scratch_fd)
+        finally:
+            _remove_scratch(dir_fd, scratch)
+    finally:
+        os.close(dir_fd)
+
+
+def _remove_scratch(dir_fd: int, scratch: str) -> None:
+    try:
+        fd = os.open(scratch, _DIR, dir_fd=dir_fd)
+    except OSError:
+        return
+    try:
+        for left in os.listdir(fd):  # a failed export's partial file
+            os.unlink(left, dir_fd=fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(scratch, dir_fd=dir_fd)
+    except OSError:
+        pass

@@ -285,3 +285,75 @@ def test_without_either_the_secret_goes_through_the_store_and_both_nodes_say_so(
     assert len(warnings) == 2, err  # one line on each node's terminal
     assert all("TRACEML_SECRET on every node, or use a shared --out" in w for w in warnings)
     assert "node(s) 1 did not show the shared run folder" in warnings[0] + warnings[1]
+
+
+# --- finding 11: a shared --out is used through the verified folder's descriptor --------
+
+
+def test_a_run_folder_swapped_for_a_link_after_start_does_not_redirect_the_record(collector):
+    """Another user swaps OUT/NAME for a symbolic link to a folder of theirs after the
+    collector checked it: the snapshots and the final summary still go to the folder
+    that was checked, nothing to the link's target."""
+    run_dir, proc, info, key, _ctx = collector
+    attacker = run_dir.parent / "attacker"
+    attacker.mkdir()
+    moved = run_dir.parent / "moved"
+    wait_for(lambda: (run_dir / "live_snapshot.json").exists(), 30, "a first snapshot")
+    run_dir.rename(moved)
+    run_dir.symlink_to(attacker)
+    first = (moved / "live_snapshot.json").stat().st_mtime_ns
+    wait_for(lambda: (moved / "live_snapshot.json").stat().st_mtime_ns != first, 30,
+             "the next snapshot, written into the checked folder")
+    request = {"op": "finish", "torchrun_exit": 0, "interrupted": False, "root_cause": None,
+               "command": [], "ended_at": time.time(), "extra": {}, "grace_s": 0}
+    reply = launcher._finish(info["control"], request, proc, SECRET, key)
+    assert reply is not None and reply["ok"], reply
+    assert (moved / "final_summary.json").exists() and (moved / "final_summary.txt").exists()
+    assert list(attacker.iterdir()) == []
+
+
+def test_writes_below_a_pinned_folder_never_follow_a_link(tmp_path):
+    run_dir = tmp_path / "run"
+    private.make_private_dir(run_dir)
+    private.pin_dir(run_dir)
+    (run_dir / "traces").mkdir(mode=0o700)
+    private.write_atomic(run_dir / "traces" / "capture1.txt", "ours")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run_dir / "traces").rename(run_dir / "traces.old")
+    (run_dir / "traces").symlink_to(elsewhere)
+    with pytest.raises(OSError):
+        private.write_atomic(run_dir / "traces" / "capture2.txt", "redirected?")
+    assert list(elsewhere.iterdir()) == []
+    assert (run_dir / "traces.old" / "capture1.txt").read_text() == "ours"
+
+
+def test_a_deep_trace_is_never_written_through_a_swapped_run_folder(tmp_path):
+    """The rank's trace export (the capture temp file): into the real traces folder
+    while the run folder is ours, refused once it has been swapped for a link."""
+    from types import SimpleNamespace
+
+    from traceml_agent.capture import Capturer
+
+    class Profile:  # what torch's profiler does with the path it is given
+        def export_chrome_trace(self, path: str) -> None:
+            with open(path, "w") as f:
+                f.write('{"traceEvents": []}')
+
+    run_dir = tmp_path / "run"
+    private.make_private_dir(run_dir)
+    capturer = Capturer(0, str(run_dir), None, SimpleNamespace(agent_busy=None))
+    capturer._export(Profile(), 1)
+    assert capturer.events[-1]["state"] == "done", capturer.events
+    written = run_dir / "traces" / "capture1-rank0.json"
+    assert written.read_text() == '{"traceEvents": []}'
+    assert oct(written.stat().st_mode & 0o777) == "0o600"
+    assert [p.name for p in (run_dir / "traces").iterdir()] == [written.name]  # no scratch
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run_dir.rename(tmp_path / "moved")
+    run_dir.symlink_to(elsewhere)
+    capturer._export(Profile(), 2)
+    assert capturer.events[-1]["state"] == "failed", capturer.events
+    assert list(elsewhere.iterdir()) == []

@@ -557,6 +557,11 @@ def main(argv: list[str] | None = None) -> int:
         print("traceml collector: --world-size must be at least 1", file=sys.stderr)
         return 2
     args.run_dir.mkdir(parents=True, exist_ok=True)
+    try:  # from here on the record is written through this folder's descriptor
+        private.pin_dir(args.run_dir)
+    except PermissionError as exc:
+        print(f"traceml collector: run folder {exc}: not using it", file=sys.stderr)
+        return 2
     descriptors.raise_limit()  # every connection costs a descriptor (descriptors.py)
     try:
         secret = keys.load_secret(args.run_dir, args.secret_file)

@@ -140,6 +140,7 @@ def prepare_run_dir(opts: RunOptions) -> tuple[str, Path]:
         opts.out.mkdir(parents=True, exist_ok=True)
         try:
             private.make_private_dir(run_dir)
+            private.pin_dir(run_dir)  # written through its descriptor from here on
             private.make_private_dir(run_dir / LOGS_DIR)
         except PermissionError as exc:
             raise LaunchError(f"run folder {exc}: not using it (another user could read the "

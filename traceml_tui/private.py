@@ -6,11 +6,18 @@ So a run folder is used only when it is a real directory owned by us that nobody
 else can write, and one we create is 0700; `traceml watch` attaches only to such
 folders and to files in them that we own. Files are written atomically (a 0600
 temp file in the same folder, renamed): readers never see half a file.
+
+Checked once is not enough: the folder is then used by path, and a later swap of
+`OUT/NAME` (renamed away, a link put in its place) would redirect every write. So the
+launcher and the collector `pin_dir` the run folder once verified: from then on
+`write_atomic` into it (or a folder below it) goes through that folder's descriptor
+(openat, O_NOFOLLOW, an O_EXCL temp file, renameat), never through the path again.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 import tempfile
 from collections.abc import Callable
@@ -18,6 +25,9 @@ from pathlib import Path
 from typing import IO, Any
 
 PRIVATE_DIR_MODE = 0o700
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_PINNED: dict[str, int] = {}  # a verified folder's absolute path -> its descriptor
 
 
 def _owner(uid: int) -> str:
@@ -63,6 +73,50 @@ def make_private_dir(path: Path) -> bool:
     return False
 
 
+def pin_dir(path: Path) -> None:
+    """Verify `path` (`not_private`) and keep a descriptor of it: later atomic writes
+    under it go through the descriptor. PermissionError says why it may not be used."""
+    key = os.path.abspath(path)
+    reason = not_private(Path(key))
+    if reason is None:
+        fd = os.open(key, _DIR_FLAGS)
+        st = os.fstat(fd)  # the folder we opened is the one we checked (no swap between)
+        if (not stat.S_ISDIR(st.st_mode) or (hasattr(os, "getuid") and st.st_uid != os.getuid())
+                or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
+            os.close(fd)
+            reason = "changed while it was checked"
+        else:
+            old = _PINNED.pop(key, None)
+            if old is not None:
+                os.close(old)
+            _PINNED[key] = fd
+            return
+    raise PermissionError(f"{path} {reason}")
+
+
+def _pinned_dir(folder: str) -> tuple[int, bool] | None:
+    """A descriptor of `folder` reached from a pinned folder (itself or one above it,
+    each step below opened without following links), and whether the caller closes it;
+    None if no pinned folder holds it."""
+    rest: list[str] = []
+    here = folder
+    while here not in _PINNED:
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        rest.insert(0, os.path.basename(here))
+        here = parent
+    fd = _PINNED[here]
+    if not rest:
+        return fd, False
+    for i, part in enumerate(rest):
+        sub = os.open(part, _DIR_FLAGS, dir_fd=fd)
+        if i:
+            os.close(fd)
+        fd = sub
+    return fd, True
+
+
 def open_private(path: Path, mode: str = "ab"):
     """Open a file of ours for appending: created 0600, never through a symbolic link."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
@@ -77,6 +131,10 @@ def write_atomic(path: Path, text: str) -> None:
 def write_atomic_with(path: Path, write: Callable[[IO[str]], Any]) -> None:
     """The same, for content streamed into the file by `write(f)` (large exports)."""
     path = Path(path)
+    pinned = _pinned_dir(os.path.abspath(path.parent))
+    if pinned is not None:
+        _write_at(pinned, path.name, write)
+        return
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -88,3 +146,26 @@ def write_atomic_with(path: Path, write: Callable[[IO[str]], Any]) -> None:
         except OSError:
             pass
         raise
+
+
+def _write_at(pinned: tuple[int, bool], name: str, write: Callable[[IO[str]], Any]) -> None:
+    """`write_atomic_with` through a folder's descriptor: an O_EXCL, O_NOFOLLOW temp file
+    of ours (0600) renamed over `name` in the same folder."""
+    dir_fd, close = pinned
+    tmp = f".{name}.{secrets.token_hex(6)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
+                     | getattr(os, "O_CLOEXEC", 0), 0o600, dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                write(f)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
+            raise
+    finally:
+        if close:
+            os.close(dir_fd)
