@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -213,6 +214,44 @@ def test_the_fifth_viewer_is_refused_and_spawns_nothing(server):
     asyncio.run(probe())
     wait_for(lambda: server.viewers() == [], 30, "every viewer to end with its socket")
     assert "refused a viewer over the --web-viewers cap" in server.stderr
+
+
+def test_a_stuck_viewer_is_killed_with_its_socket_and_ctrl_c_ends_them_all(server):
+    """A viewer that cannot quit (stopped, here) still ends when its tab closes, so its
+    slot frees; Ctrl-C on the server ends every viewer left."""
+    url = server.url()
+    base = base_of(url)
+
+    async def probe() -> int:
+        async with session() as http:
+            cookie = await get_cookie(http, url)
+            head = {"Cookie": cookie, "Origin": base}
+            stuck = await http.ws_connect(f"{base}/ws", headers=head)
+            await first_frame(stuck)
+            (stuck_pid,) = server.viewers()
+            os.kill(stuck_pid, signal.SIGSTOP)
+            other = await http.ws_connect(f"{base}/ws", headers=head)
+            await first_frame(other)
+            (other_pid,) = set(server.viewers()) - {stuck_pid}
+            await stuck.close()
+            wait_for(lambda: server.viewers() == [other_pid], 30, "the stuck viewer's end")
+            server.proc.send_signal(signal.SIGINT)
+            wait_for(lambda: server.proc.poll() is not None, 30, "the server to stop")
+            await other.close()
+            return other_pid
+
+    other_pid = asyncio.run(probe())
+    assert server.proc.returncode == 0, server.stderr
+    wait_for(lambda: not _alive(other_pid), 10, "the last viewer's end")
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _as_nobody_works() -> str | None:

@@ -139,7 +139,8 @@ class WebLock:
         if not self.refusals:
             return None
         parts = ", ".join(f"{kind} {n}" for kind, n in sorted(self.refusals.items()))
-        return f"refused {sum(self.refusals.values())} requests ({parts})"
+        total = sum(self.refusals.values())
+        return f"refused {total} request{'s' if total != 1 else ''} in all ({parts})"
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
