@@ -337,3 +337,42 @@ def test_the_panel_says_why_gpu_figures_are_missing():
                                                "(retry in 8 s)")
     final = summary.build(snap, summary.RunMeta())
     assert final["ranks"][1]["sys"]["gpu_note"].startswith("NVML not open")
+
+
+def throttled_state():
+    state = make_state(world_size=8, straggler=2, phase="backward")
+    for rank in range(8):
+        slow = rank == 2
+        state.ingest(sys_msg(rank, 8, sm_clock_mhz=1410.0 if slow else 1980.0,
+                             sm_clock_max_mhz=1980.0, power_w=250.0, temp_c=91.0 if slow
+                             else 60.0, throttle=("hw thermal",) if slow else ()), 0.0)
+    for tick in range(3):
+        state.evaluate(T0 + 10 + tick)
+    return state
+
+
+async def test_the_dashboard_shows_the_culprits_gpu_where_the_user_looks():
+    """In the terminal: the worst-rank panel carries the GPU line, the banner the evidence."""
+    from rich.console import Console
+
+    from canned import StaticSource
+    from traceml_tui.dashboard import DashboardApp
+    from traceml_tui.dashboard.banner import Banner
+    from traceml_tui.dashboard.rank_panel import RankPanel
+
+    def text_of(widget) -> str:
+        console = Console(width=300, record=True, file=open("/dev/null", "w"))
+        console.print(widget.content)
+        return " ".join(console.export_text().split())
+
+    app = DashboardApp(StaticSource(throttled_state()), refresh_s=0.05)
+    async with app.run_test(size=(160, 50)) as pilot:
+        for _ in range(200):
+            if app.state is not None:
+                break
+            await pilot.pause(0.05)
+        worst = text_of(app.query_one("#worst", RankPanel))
+        assert "rank 2" in worst
+        assert "GPU SM 1410/1980 MHz 250 W 91 C clocks held by hw thermal" in worst, worst
+        banner = text_of(app.query_one(Banner))
+        assert "COMPUTE STRAGGLER" in banner and "throttled (hw thermal)" in banner, banner
