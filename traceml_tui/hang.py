@@ -141,7 +141,7 @@ def hidden(p: RankProgress, median_step_ms: float | None, limit: float) -> str |
 
 def hidden_ranks(progress: Sequence[RankProgress], median_step_ms: float | None,
                  override_s: float | None = None) -> dict[int, str]:
-    """rank -> why its steps are not visible, for the ranks `detect` leaves out."""
+    """rank -> why its steps are not visible: the ranks whose progress suspends `detect`."""
     limit = threshold(median_step_ms, override_s)
     return {p.rank: why for p in progress
             if (why := hidden(p, median_step_ms, limit)) is not None}
