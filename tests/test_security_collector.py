@@ -320,8 +320,117 @@ def test_another_node_prints_no_escape_sequence_from_the_run_folder_in_the_store
     from traceml_tui.launcher import _node_done
 
     opts = SimpleNamespace(node_rank=1, master_addr="node0")
-    handed = SimpleNamespace(values={handover.RUN_DIR_KEY: f"/scratch/run{OSC52}{CLEAR}"})
+    handed = SimpleNamespace(values={handover.RUN_DIR_KEY: f"/scratch/run{OSC52}{CLEAR}"},
+                             outcome="store")
     reply = _node_done(opts, tmp_path, {"root_cause": None, "torchrun_exit": 0,
                                         "interrupted": False}, handed)
     assert "/scratch/run" in reply["text"]
     _no_control(reply["text"])
+
+
+# --- 2. bounded servers: idle connections cost the record nothing --------------------------
+
+IDLE = 400  # idle connections to each port: past the collector's starting soft limit
+
+
+def _limit_descriptors(soft: int, hard: int) -> Any:
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    return limit
+
+
+def _scrape(port: int, timeout_s: float = 10.0) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as r:
+        return r.read().decode()
+
+
+@pytest.mark.parametrize("hard", [4096, 256], ids=["soft-limit-raised", "at-the-hard-limit"])
+def test_idle_connections_to_metrics_and_ingest_cost_the_record_nothing(tmp_path, hard):
+    """Issue 30 findings 6 and 7: ~970 idle connections to /metrics (a thread and a
+    descriptor each, no timeout) exhausted the collector's descriptors, snapshot writes
+    failed with EMFILE and the record ended incomplete; raw connections to the ingest port
+    were not even counted. Here the collector starts with a soft limit of 256 (and, in the
+    second case, a hard limit of 256 too: only its caps and its reserve can save it)."""
+    import socket as so
+
+    from jobs import free_ports
+
+    metrics_port = free_ports(1)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = {**os.environ, "TRACEML_SECRET": SECRET}
+    log = open(tmp_path / "collector.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceml_tui", "collector", "--run-dir", str(run_dir),
+         "--world-size", str(WORLD), "--run-name", "idle", "--metrics-port",
+         str(metrics_port)], env=env, stdout=log, stderr=subprocess.STDOUT,
+        preexec_fn=_limit_descriptors(256, hard))
+    collector = None
+    idle: list[so.socket] = []
+    ranks: list[Rank] = []
+    try:
+        wait_for(lambda: (run_dir / "collector.json").exists(), 30, "the collector")
+        collector = object.__new__(Secured)  # the running process, seen as Secured sees it
+        collector.run_dir, collector.proc, collector.log = run_dir, proc, log
+        collector.log_path = tmp_path / "collector.log"
+        collector.info = json.loads((run_dir / "collector.json").read_text())
+        collector.ctx, collector.keys = zmq.Context(), keys.derive(SECRET)
+        collector.viewer = ViewClient(collector.info["view"], timeout_s=10, secret=SECRET)
+        ranks = [Rank(collector, r) for r in range(WORLD)]
+        for r in ranks:
+            r.start()
+        wait_for(lambda: min(r["steps"] for r in collector.summary()["ranks"]) >= 20, 30,
+                 "the ranks")
+        ingest_port = int(collector.info["ingest"].rsplit(":", 1)[1])
+        for port in (metrics_port, ingest_port):
+            for _ in range(IDLE):  # connects, then says nothing (whether accepted or not)
+                sock = so.socket()
+                sock.setblocking(False)
+                sock.connect_ex(("127.0.0.1", port))
+                idle.append(sock)
+        snapshot = run_dir / "live_snapshot.json"
+        written = snapshot.stat().st_mtime_ns
+        # Snapshots go on being written (one every 2 s) while every idle one is open.
+        wait_for(lambda: snapshot.stat().st_mtime_ns != written, 20, "a snapshot written")
+        assert proc.poll() is None, collector.output()
+        assert "traceml_world_size" in _scrape(metrics_port)  # a real scrape is served
+
+        def counted() -> bool:
+            c = collector.summary()["collector"]
+            return (c.get("metrics_refused", 0) + c.get("metrics_timed_out", 0) >= IDLE - 32
+                    and c.get("refused_connections", 0) >= 1)
+
+        wait_for(counted, 30, "the refused and timed-out connections to be counted")
+        for r in ranks:
+            r.stop()
+        ranks = []
+        control = collector.ctx.socket(zmq.REQ)
+        control.setsockopt(zmq.LINGER, 0)
+        keys.secure_client(control, collector.keys)
+        control.connect(collector.info["control"])
+        control.send_json({"op": "finish", "grace_s": 0.5, "exit_code": 0})
+        assert control.poll(30_000), f"finish not answered\n{collector.output()}"
+        assert control.recv_json()["ok"]
+        control.close()
+        assert proc.wait(30) == 0
+        final = json.loads((run_dir / "final_summary.json").read_text())
+        assert final["complete"] is True
+        assert final["collector"]["metrics_refused"] + final["collector"][
+            "metrics_timed_out"] >= IDLE - 32
+        assert "could not write" not in collector.output(), collector.output()
+    finally:
+        for sock in idle:
+            sock.close()
+        for r in ranks:
+            r.stop()
+        if collector is not None:
+            collector.stop()
+        elif proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()

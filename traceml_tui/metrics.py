@@ -12,9 +12,13 @@ values for every node (docs/metrics.md has the arithmetic).
 from __future__ import annotations
 
 import os
+import selectors
+import socket
+import threading
+import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
+from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -175,11 +179,165 @@ def _nodes(view: ViewState) -> list[tuple[int, RankRow]]:
     return list(node_rows(view.rows))
 
 
-def serve(source: Source, run_name: str, host: str, port: int) -> Any:
-    """Start the /metrics HTTP server on a daemon thread; returns the server."""
-    from prometheus_client import start_http_server
+# --- the HTTP server: one thread, bounded -------------------------------------------------
 
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(RunMetrics(source, run_name))
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+# Open scrape connections at once: a Prometheus (or two, in HA pairs) holds one; past this
+# the oldest one that has not sent its request is closed (counted), so idle connections
+# can neither take the collector's descriptors (~970 idle connections once exhausted them:
+# one thread and one descriptor each, no timeout) nor keep a real scrape out.
+MAX_CONNECTIONS = 32
+# A connection must send its request and take its reply within this: an idle or
+# trickling one is closed (counted). A real scrape takes milliseconds on loopback.
+CONNECTION_TIMEOUT_S = 5.0
+MAX_REQUEST_BYTES = 8 << 10  # the request line and headers of a scrape: a few hundred bytes
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+
+class MetricsServer(threading.Thread):
+    """/metrics on one thread with a selector: every scraper gets the same bytes, rendered
+    once per published view (the collector's tick), however many scrape and however often;
+    connections are capped (MAX_CONNECTIONS) and timed out (CONNECTION_TIMEOUT_S).
+    `refused` and `timed_out` count the connections it closed."""
+
+    def __init__(self, source: Source, run_name: str, host: str, port: int) -> None:
+        super().__init__(name="traceml-metrics", daemon=True)
+        self.source = source
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(RunMetrics(source, run_name))
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        self.listener = socket.socket(family, kind, proto)
+        try:
+            self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.listener.bind(addr)
+            self.listener.listen(128)
+        except OSError:
+            self.listener.close()
+            raise
+        self.listener.setblocking(False)
+        self.port = self.listener.getsockname()[1]
+        self.refused = 0
+        self.timed_out = 0
+        self.renders = 0
+        self._view: object = None  # the view the cached exposition was rendered from
+        self._body = b""
+        self._halt = threading.Event()
+
+    def exposition(self) -> bytes:
+        """The text for the current view: rendered on its first scrape, then reused."""
+        view, _ = self.source()
+        if view is None or view is not self._view:
+            self._body = generate_latest(self.registry)
+            self._view = view
+            self.renders += 1
+        return self._body
+
+    def _reply(self, request: bytes) -> bytes:
+        line = request.split(b"\r\n", 1)[0].split()
+        if len(line) >= 2 and line[0] in (b"GET", b"HEAD") and line[1].split(b"?")[0] in (
+                b"/metrics", b"/"):
+            body = self.exposition()
+            head = (b"HTTP/1.1 200 OK\r\nContent-Type: " + CONTENT_TYPE
+                    + b"\r\nContent-Length: " + str(len(body)).encode()
+                    + b"\r\nConnection: close\r\n\r\n")
+            return head if line[0] == b"HEAD" else head + body
+        return b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+    def run(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self.listener, selectors.EVENT_READ, None)
+        conns: dict[socket.socket, _Conn] = {}
+
+        def close(sock: socket.socket) -> None:
+            sel.unregister(sock)
+            sock.close()
+            del conns[sock]
+
+        try:
+            while not self._halt.is_set():
+                for key, _ in sel.select(0.25):
+                    sock = key.fileobj
+                    assert isinstance(sock, socket.socket)
+                    if sock is self.listener:
+                        self._accept(sel, conns)
+                        continue
+                    conn = conns.get(sock)
+                    if conn is None:
+                        continue
+                    if not conn.step(sock, self._reply):
+                        close(sock)
+                    elif conn.reply is not None and key.events != selectors.EVENT_WRITE:
+                        sel.modify(sock, selectors.EVENT_WRITE, None)  # the rest of the reply
+                now = time.monotonic()
+                for sock in [s for s, c in conns.items() if c.deadline < now]:
+                    self.timed_out += 1
+                    close(sock)
+        finally:
+            for sock in list(conns):
+                sock.close()
+            self.listener.close()
+            sel.close()
+
+    def _accept(self, sel: selectors.BaseSelector, conns: dict[socket.socket, _Conn]) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of descriptors: leave the rest in the kernel's backlog
+                return
+            if len(conns) >= MAX_CONNECTIONS:
+                # The oldest connection still silent makes room: idle connections held
+                # open cannot keep a real scrape (its request comes within a ms) out.
+                oldest = next((s for s, c in conns.items() if c.reply is None), None)
+                self.refused += 1
+                if oldest is None:  # every one is being answered
+                    sock.close()
+                    continue
+                sel.unregister(oldest)
+                oldest.close()
+                del conns[oldest]
+            sock.setblocking(False)
+            conns[sock] = _Conn(time.monotonic() + CONNECTION_TIMEOUT_S)
+            sel.register(sock, selectors.EVENT_READ, None)
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self.is_alive():
+            self.join(5)
+
+
+class _Conn:
+    """One scrape: its request read, then its reply written, before its deadline."""
+
+    __slots__ = ("deadline", "request", "reply")
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.request = b""
+        self.reply: memoryview | None = None
+
+    def step(self, sock: socket.socket, reply: Callable[[bytes], bytes]) -> bool:
+        """Read or write what the socket allows; False when the connection is done."""
+        try:
+            if self.reply is None:
+                data = sock.recv(4096)
+                if not data:
+                    return False
+                self.request += data
+                if b"\r\n\r\n" not in self.request:
+                    return len(self.request) <= MAX_REQUEST_BYTES
+                self.reply = memoryview(reply(self.request))
+            sent = sock.send(self.reply)
+            self.reply = self.reply[sent:]
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
+        return len(self.reply) > 0
+
+
+def serve(source: Source, run_name: str, host: str, port: int) -> MetricsServer:
+    """Start the /metrics HTTP server on its thread; returns it."""
+    server = MetricsServer(source, run_name, host, port)
+    server.start()
     return server
