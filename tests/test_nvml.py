@@ -376,3 +376,50 @@ async def test_the_dashboard_shows_the_culprits_gpu_where_the_user_looks():
         assert "GPU SM 1410/1980 MHz 250 W 91 C clocks held by hw thermal" in worst, worst
         banner = text_of(app.query_one(Banner))
         assert "COMPUTE STRAGGLER" in banner and "throttled (hw thermal)" in banner, banner
+
+
+def test_the_full_agent_sends_its_own_gpus_health(monkeypatch):
+    """The agent in-process on the CUDA double (the model on cuda:1, no set_device) with
+    the NVML double listing that GPU second in PCI order, against a real ZeroMQ socket:
+    the sys samples name the GPU by torch's UUID, with its health, and no CUDA call was
+    made off the training thread."""
+    import threading
+    import time
+
+    import torch._dynamo  # noqa: F401 - as test_cuda_path's fixture
+    import zmq
+
+    import traceml_agent
+
+    cuda = CudaDouble(devices=2)
+    monkeypatch.setattr(torch, "cuda", cuda)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    mine = "GPU-00000001-0000-0000-0000-000000000000"  # what the double reports for cuda:1
+    use(monkeypatch, NvmlDouble([Board(uuid(7), A100), Board(mine, reasons=0x40,
+                                                             sm_clock=1410)]))
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    monkeypatch.delenv("TRACEML_SECRET", raising=False)
+    got = None
+    assert traceml_agent.init(endpoint=f"tcp://127.0.0.1:{port}", run_name="nvml")
+    try:
+        model = on_device(nn.Linear(8, 1), 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        cuda.script_uses(1)
+        deadline = time.monotonic() + 15.0
+        while got is None and time.monotonic() < deadline:
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            while sock.poll(0):
+                msg = decode(sock.recv_multipart()[1])
+                if msg.kind == "sys" and msg.body.get("gpu_uuid"):
+                    got = msg.body
+    finally:
+        traceml_agent.shutdown(0)
+        sock.close(0)
+    assert got is not None, "no sys sample with a GPU came"
+    assert (got["gpu_uuid"], got["device"], got["sm_clock_mhz"], got["throttle"]) == (
+        mine, "cuda:1", 1410.0, ("hw thermal",))
+    assert got["gpu_note"] is None
+    assert {c.thread for c in cuda.agent_calls()} == {threading.main_thread().name}
