@@ -129,7 +129,7 @@ class SystemSampler:
             nvml = pynvml
             self._target = visible_devices.nvml_target(
                 pynvml, self.cuda_index, visible_devices.from_env(), self.uuid,
-                os.environ.get("CUDA_DEVICE_ORDER"))
+                visible_devices.order_from_env())
             self._nvml, self._open_error = pynvml, None
             self._sampled_uuid = self._uuid_of(self._target)
         except Exception as exc:

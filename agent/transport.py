@@ -150,7 +150,7 @@ class Sender(threading.Thread):
                 if now >= next_sys:
                     next_sys = now + sys_every
                     # The recorder learns the device on the training thread (device.py);
-                    # NVML is opened then, with the CUDA_VISIBLE_DEVICES the script left.
+                    # NVML is opened then, by the UUID torch reported for it there.
                     index = getattr(self.rec, "device", None)
                     if index is not None and sampler.cuda_index != index:
                         sampler.open_gpu(index, getattr(self.rec, "device_uuid", None))

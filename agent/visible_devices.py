@@ -71,6 +71,12 @@ def from_env() -> list[VisibleDevice] | None:
     return parse(os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
+def order_from_env() -> str | None:
+    """CUDA_DEVICE_ORDER: "PCI_BUS_ID", or unset / "FASTEST_FIRST" (CUDA's default)."""
+    value = os.environ.get("CUDA_DEVICE_ORDER")
+    return value.strip() if value else None
+
+
 def physical_name(cuda_index: int, visible: list[VisibleDevice] | None) -> str:
     """torch's cuda:N named by what CUDA_VISIBLE_DEVICES calls it ("cuda:3", or the UUID),
     comparable across ranks of one host that share a device order."""
