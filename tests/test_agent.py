@@ -178,3 +178,29 @@ def test_importing_the_agent_imports_neither_torch_nor_textual():
             "print(sorted(m for m in ('torch', 'textual') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_heartbeat_carries_the_recorders_progress_and_timing_counts(collector):
+    """Issue 29: the batches fetched, graph replays, timing faults, capture skips, the
+    device rule and a busy agent reach the collector in the heartbeat, bounded."""
+    endpoint, receive_all = collector
+    traceml_agent.init(endpoint=endpoint, run_name="unit")
+    _train(steps=3)
+    rec = traceml_agent._state["rec"]
+    rec.replays, rec.timing_faults, rec.capture_skips = 12, 2, 5
+    rec.device_rule, rec.agent_busy = "current device (parameters on CPU: offload)", "x" * 999
+    messages = receive_all(until_kind="heartbeat", timeout=5.0)
+    beat = None
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:  # a heartbeat taken after the counts were set
+        beats = [m for m in messages if m.kind == "heartbeat" and m.body["replays"] == 12]
+        if beats:
+            beat = beats[-1].body
+            break
+        messages = receive_all(until_kind="heartbeat", timeout=2.0)
+    traceml_agent.shutdown(exit_code=0)
+    assert beat is not None
+    assert (beat["batches"], beat["replays"], beat["timing_faults"],
+            beat["capture_skips"]) == (3, 12, 2, 5)
+    assert beat["device_rule"] == "current device (parameters on CPU: offload)"
+    assert beat["agent_busy"] == "x" * protocol.MAX_STR  # cut to the wire's bound
