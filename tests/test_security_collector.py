@@ -434,3 +434,24 @@ def test_idle_connections_to_metrics_and_ingest_cost_the_record_nothing(tmp_path
             proc.kill()
             proc.wait(10)
         log.close()
+
+
+# --- 4. costly requests rate-limited -------------------------------------------------------
+
+def test_summary_requests_and_exports_are_rate_limited(secured):
+    """Each `summary` request (a viewer's `e`, `traceml export`) cost a full snapshot, with
+    no limit: a key holder asking in a loop kept the collector's core busy. Now a fresh
+    one is built at most every SUMMARY_BACKOFF times its cost; the rest get its bytes."""
+    from traceml_tui.view_server import SUMMARY_BACKOFF
+
+    rank = Rank(secured, 0)
+    rank.start()
+    try:
+        wait_for(lambda: secured.summary()["ranks"][0]["steps"] >= 10, 30, "the rank")
+        built = {secured.summary()["run"]["ended_at"] for _ in range(300)}
+        assert len(built) <= 300 / 3, (len(built), SUMMARY_BACKOFF)
+        # ... and a later request still sees what happened since.
+        steps = rank.steps
+        wait_for(lambda: secured.summary()["ranks"][0]["steps"] >= steps, 10, "a fresh one")
+    finally:
+        rank.stop()
