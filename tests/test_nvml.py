@@ -423,3 +423,33 @@ def test_the_full_agent_sends_its_own_gpus_health(monkeypatch):
         mine, "cuda:1", 1410.0, ("hw thermal",))
     assert got["gpu_note"] is None
     assert {c.thread for c in cuda.agent_calls()} == {threading.main_thread().name}
+
+
+def node_timings(gpu_of_slow: dx.GpuHealth | None) -> list[dx.RankTiming]:
+    """Two nodes of four ranks; every rank of node 1 is slow in backward."""
+    return [dx.RankTiming(r, 20, 100.0, {"dataloader": 1.0, "h2d": 1.0, "forward": 20.0,
+                                         "backward": 60.0 if r >= 4 else 40.0,
+                                         "optimizer": 5.0}, host=f"h{r // 4}", node=r // 4,
+                          gpu=gpu_of_slow if r >= 4 else health())
+            for r in range(8)]
+
+
+NODE_EVIDENCE = [
+    ("a hot node", health(1410.0, "hw thermal"),
+     "4 of its 4 GPUs are throttled (hw thermal), SM clock median 1410 MHz vs 1980 on the "
+     "other nodes"),
+    ("a node clocked low", health(1500.0), "its GPUs clock low, SM clock median 1500 MHz vs "
+     "1980 on the other nodes"),
+    ("a healthy slow node", health(), None),
+    ("no NVML on the node", None, None),
+]
+
+
+@pytest.mark.parametrize("name, gpu, words", NODE_EVIDENCE, ids=[e[0] for e in NODE_EVIDENCE])
+def test_a_slow_nodes_gpus_are_named(name, gpu, words):
+    d = dx.diagnose(node_timings(gpu))
+    assert d.label == dx.COMPUTE_STRAGGLER and d.node == 1
+    if words is None:
+        assert "its GPUs" not in d.summary and "throttled (" not in d.summary
+    else:
+        assert words in d.summary, d.summary

@@ -650,11 +650,12 @@ def _straggler(label: str, rank: int, phase: str | None, gap: float, share: floa
         node, members = whole
         on_host = f", host {host}" if host else ""
         listed = ", ".join(str(m) for m in members)
+        gpus = node_gpu_evidence(ranks, members) if label == COMPUTE_STRAGGLER else None
         return Diagnosis(
             label, rank, phase, severity,
             f"Every rank on node {node} (ranks {listed}{on_host}) spends about {gap:.1f} ms "
             f"more{where} than the median rank, {share:.0%} of the {step_ms:.1f} ms step that "
-            f"every rank waits for: {_NODE_ADVICE[label]}.",
+            f"every rank waits for: {gpus + '; ' if gpus else ''}{_NODE_ADVICE[label]}.",
             gap_ms=gap, gap_share=share, node=node, node_ranks=members)
     on_host = f" (host {host})" if host else ""
     health = gpu_evidence(ranks, rank) if label == COMPUTE_STRAGGLER else None
@@ -671,6 +672,35 @@ def _straggler(label: str, rank: int, phase: str | None, gap: float, share: floa
 
 _GPU_ADVICE = ("check its cooling, power limit and clocks (nvidia-smi -q -d "
                "PERFORMANCE,TEMPERATURE,POWER)")
+
+
+def _faults(gpu: GpuHealth) -> list[str]:
+    return [f for f in THROTTLE_FAULTS if f in gpu.throttle]
+
+
+def _median_clock(gpus: Sequence[GpuHealth]) -> float | None:
+    clocks = [c for g in gpus if _finite(c := g.sm_clock_mhz)]
+    return median(clocks) if clocks else None
+
+
+def node_gpu_evidence(ranks: Sequence[RankTiming], members: Sequence[int]) -> str | None:
+    """What a slow node's GPUs say: how many are throttled (THROTTLE_FAULTS), or their
+    median SM clock CLOCK_LOW_SHARE below the other nodes'."""
+    inside = [r.gpu for r in ranks if r.rank in members and r.gpu is not None]
+    outside = [r.gpu for r in ranks if r.rank not in members and r.gpu is not None]
+    if not inside:
+        return None
+    hot = [g for g in inside if _faults(g)]
+    mine, theirs = _median_clock(inside), _median_clock(outside)
+    vs = (f", SM clock median {mine:.0f} MHz vs {theirs:.0f} on the other nodes"
+          if mine is not None and theirs else "")
+    low = mine is not None and bool(theirs) and mine <= (1.0 - CLOCK_LOW_SHARE) * theirs
+    if not hot and not low:
+        return None
+    if not hot:
+        return f"its GPUs clock low{vs}"
+    named = [f for f in THROTTLE_FAULTS if any(f in g.throttle for g in hot)]
+    return f"{len(hot)} of its {len(inside)} GPUs are throttled ({', '.join(named)}){vs}"
 
 
 def gpu_evidence(ranks: Sequence[RankTiming], rank: int) -> tuple[str, bool] | None:
