@@ -275,6 +275,7 @@ class Recorder:
         t = perf_counter_ns()
         if not self.step_start:
             self.step_start = t
+            self._step_began()
         if active != NO_PHASE:
             self._charge(active, t)
             if len(self.stack) >= MAX_DEPTH:  # unreachable with paired hooks
@@ -306,6 +307,9 @@ class Recorder:
         # t_mark is left where the cancelled phase began: the parent accrues that time.
         if self.active == NO_PHASE:
             self.t_mark = t
+
+    def _step_began(self) -> None:
+        """The first step starts at its first phase (CudaRecorder marks it on the device)."""
 
     def _push(self, idx: int, owner: Any, t: int) -> None:
         self.stack.append((idx, owner, self.step))
@@ -579,6 +583,10 @@ class CudaRecorder(Recorder):
     def _mark(self, idx: int) -> None:
         """The device segment of the (new) innermost phase starts now."""
         if idx in self.DEVICE_PHASES:
+            if self.prev_end is None:
+                # No step-end event before this step (the first, or the first after a
+                # capture): its wall runs from here, on the device clock like its phases.
+                self.prev_end = self._step_event()
             if self.ev_mark is None:
                 self.ev_mark = self._event()
         else:
@@ -619,6 +627,11 @@ class CudaRecorder(Recorder):
         if self.stream is None and not self._in_capture():
             self.stream = self.torch.cuda.current_stream(self.device)
         return self._event(self.stream)
+
+    def _step_began(self) -> None:
+        """The first step's wall runs from its first phase, on the device clock."""
+        if self.prev_end is None:
+            self.prev_end = self._step_event()
 
     def _emit(self, step: int, t: int, wall: int, acc: list[int | None]) -> None:
         """The step's device times are not known yet: park it until its events complete.

@@ -450,6 +450,30 @@ def test_parameters_offloaded_to_the_host_are_timed_on_the_current_device(cuda) 
     assert {c.device for c in cuda.agent_calls() if c.api == "Event.record"} == {1}
 
 
+def test_offloaded_parameters_are_timed_on_the_device_the_batch_moved_to(
+        cuda, monkeypatch) -> None:
+    on_cuda0 = type(on_device(nn.Linear(1, 1), 0).weight)
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):  # x.to("cuda:0"): a tensor that reports cuda:0
+        if args and args[0] == "cuda:0":
+            return on_cuda0(real_to(self, torch.float32), requires_grad=False)
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)  # before the agent's h2d wrapper
+    errors: list = []
+    rec, _ = agent(errors)
+    model = nn.Linear(8, 1)  # parameters on the host
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cuda.script_uses(0)
+    cuda.set_device(1)  # the current device is not where the batches go
+    for _ in range(4):
+        one_step(model, opt, torch.randn(4, 8).to("cuda:0"))
+    assert errors == []
+    assert rec.device == 0
+    assert rec.device_rule == "first CUDA tensor (parameters on CPU: offload)"
+
+
 def test_parameters_on_the_device_say_so(cuda) -> None:
     errors: list = []
     rec, _ = agent(errors)
