@@ -469,12 +469,13 @@ class Collector:
             failed_rank=failed, extra=extra)
         snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
         doc = summary.build(snap, meta)
-        reply = {"ok": True, "path": None, "exit_code": code, "failed_rank": failed,
-                 "text": summary.render_text(doc)}
+        text = summary.render_text(doc)
         if unseen:
-            reply["text"] += (f"INCOMPLETE: no rank of node(s) {', '.join(map(str, unseen))} "
-                              f"ever reported (its relay or agents never reached node 0; its "
-                              f"own terminal says why).\n")
+            text += (f"INCOMPLETE: no rank of node(s) {', '.join(map(str, unseen))} ever "
+                     f"reported (its relay or agents never reached node 0; its own terminal "
+                     f"says why).\n")
+        reply = {"ok": True, "path": None, "exit_code": code, "failed_rank": failed,
+                 "text": text}
         try:
             path = descriptors.write_anyway(lambda: summary.write_summary(self.run_dir, doc),
                                             self.reserve)

@@ -568,7 +568,7 @@ def _node_done(opts: RunOptions, run_dir: Path, request: dict[str, Any],
     failed_text = "" if failed is None else f", rank {failed} failed"
     node0_dir = None if handed is None else handed.values.get(handover.RUN_DIR_KEY)
     node0_dir = node0_dir and clean_line(node0_dir)  # the store's word: text only
-    if handed is not None and handed.outcome == "shared":
+    if getattr(handed, "outcome", None) == "shared":
         where = f"to {run_dir / summary.SUMMARY_JSON} (the shared run folder)"
     elif node0_dir:
         where = f"to {Path(node0_dir[:4096]) / summary.SUMMARY_JSON} on that host"
