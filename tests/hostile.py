@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,6 +196,11 @@ def valid_messages(draw: st.DrawFn) -> bytes:
         body = {k: draw(opt) for k in ("rss_mb", "gpu_mem_mb", "gpu_mem_total_mb")}
         body["cpu_pct"] = draw(st.none() | _bounded_float(1e5))
         body["gpu_util"] = draw(st.none() | _bounded_float(100.0))
+        for name in ("power_w", "sm_clock_mhz", "sm_clock_max_mhz"):  # GPU health (NVML)
+            body[name] = draw(st.none() | _bounded_float(1e5))
+        body["throttle"] = draw(st.none() | st.lists(
+            st.sampled_from(typing.get_args(protocol.ThrottleReason)), max_size=16))
+        body["gpu_note"] = draw(st.none() | st.text(max_size=protocol.MAX_STR))
     elif kind == "heartbeat":
         body = {"step": draw(big), "phase": draw(st.none() | _name(64)),
                 "in_phase_s": draw(opt), "collectives": draw(big),
