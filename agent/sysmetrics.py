@@ -65,6 +65,8 @@ def _why(exc: BaseException) -> str:
     name = type(exc).__name__
     if isinstance(exc, LookupError) and text:  # our own words (visible_devices.py)
         return text
+    if isinstance(exc, ImportError):
+        return "pynvml is not installed (pip install nvidia-ml-py)"
     return f"{name}: {text}" if text and text != name else name
 
 

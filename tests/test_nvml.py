@@ -453,3 +453,11 @@ def test_a_slow_nodes_gpus_are_named(name, gpu, words):
         assert "its GPUs" not in d.summary and "throttled (" not in d.summary
     else:
         assert words in d.summary, d.summary
+
+
+def test_without_pynvml_the_note_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    got = sysmetrics.SystemSampler(0, bare(uuid(1))).sample()
+    assert got["gpu_util"] is None
+    assert got["gpu_note"].startswith("NVML not open: pynvml is not installed (pip install "
+                                      "nvidia-ml-py)")
