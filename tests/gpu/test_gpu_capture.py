@@ -10,7 +10,6 @@ own.
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -39,12 +38,15 @@ def test_whole_step_graph_capture_and_replay(tmp_path, source):
     assert hang_labels(doc) == []
     rank = doc["ranks"][0]
     replays = int(replayed.group(1))
-    # Progress is visible, or its absence is explained (not by the run's name/command).
-    said = json.dumps({k: v for k, v in doc.items() if k != "run"}).lower()
-    assert rank["steps"] >= replays or "replay" in said or "cuda graph" in said, (
-        rank["steps"], replays, rank["untimed"], doc["timing"])
-    # The eager warm-up steps (on a side stream) were timed on the device.
-    assert rank["steps"] >= WARMUP - 1, rank
+    # The agent stepped aside during the capture (and counted what it left untimed).
+    assert rank["capture_skips"] > 0, rank
+    # Every replay seen (the heartbeat's count may miss the last few), and progress
+    # visible: each replay outside a phase is a step (docs/agent-api.md, "Graph replay is
+    # progress"), or the rank says its steps are hidden and hang detection is suspended.
+    assert rank["replays"] >= 0.9 * replays, (rank["replays"], replays)
+    assert rank["steps"] >= 0.9 * replays or rank["steps_hidden"], (rank["steps"], replays)
+    if rank["steps_hidden"]:
+        assert f"{rank['steps_hidden']} (hang detection suspended)" in job.stdout
 
 
 def test_compile_reduce_overhead(tmp_path):

@@ -30,6 +30,7 @@ HOLD_MB = 4096
 SAMPLES = 5
 MEM_SLACK_MB = 256.0
 UTIL_POINTS = 25.0
+TEMP_C = 8.0
 
 
 def _live_sys(run_dir: Path) -> dict[str, Any]:
@@ -59,23 +60,40 @@ def _smi_gpu(uuid: str) -> str:
     raise AssertionError(f"torch's device UUID {uuid} is not among nvidia-smi's GPUs:\n{rows}")
 
 
-def _smi(gpu: str) -> dict[str, float | None]:
-    """used, total, reserved (MiB; reserved None where this nvidia-smi cannot say) and
-    utilisation (%)."""
-    try:
-        row = nvidia_smi("memory.used", "memory.total", "memory.reserved", "utilization.gpu",
-                         gpu=gpu)
-    except subprocess.CalledProcessError:  # an nvidia-smi without memory.reserved
-        row = nvidia_smi("memory.used", "memory.total", "utilization.gpu", gpu=gpu)
+SMI_FIELDS = {"used": "memory.used", "total": "memory.total", "reserved": "memory.reserved",
+              "util": "utilization.gpu", "temp": "temperature.gpu", "power": "power.draw",
+              "sm_clock": "clocks.sm"}
 
-    def num(key: str) -> float | None:
+
+def _smi(gpu: str) -> dict[str, float | None]:
+    """nvidia-smi's figures (MiB, %, °C, W, MHz; None where it says [N/A] or, for
+    memory.reserved, where this nvidia-smi does not know the field)."""
+    fields = dict(SMI_FIELDS)
+    try:
+        row = nvidia_smi(*fields.values(), gpu=gpu)
+    except subprocess.CalledProcessError:  # an older nvidia-smi without memory.reserved
+        del fields["reserved"]
+        row = nvidia_smi(*fields.values(), gpu=gpu)
+
+    def num(field: str) -> float | None:
         try:
-            return float(row[key])
+            return float(row[field])
         except (KeyError, ValueError):
             return None
 
-    return {"used": num("memory.used"), "total": num("memory.total"),
-            "reserved": num("memory.reserved"), "util": num("utilization.gpu")}
+    return {key: num(SMI_FIELDS[key]) for key in SMI_FIELDS}
+
+
+def _wait_job(condition, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    """wait_for, failing at once with the job's output if the job ends first."""
+    def done() -> bool:
+        if proc.poll() is not None and not condition():
+            out, err = proc.communicate()
+            raise AssertionError(f"the job ended (exit {proc.returncode}) before {what}:\n"
+                                 f"{out[-2000:]}\n{err[-3000:]}")
+        return condition()
+
+    wait_for(done, timeout, what)
 
 
 def test_nvml_figures_match_nvidia_smi(tmp_path):
@@ -91,14 +109,15 @@ def test_nvml_figures_match_nvidia_smi(tmp_path):
         start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1", **one_gpu_env()})
     pairs: list[tuple[dict[str, Any], dict[str, float | None]]] = []
     try:
-        wait_for(info.exists, 180, "the job to hold its memory")
-        gpu = _smi_gpu(json.loads(info.read_text())["uuid"])
-        wait_for(lambda: (_live_sys(run_dir).get("gpu_mem_mb") is not None
+        _wait_job(info.exists, proc, 180, "the job held its memory")
+        torch_uuid = json.loads(info.read_text())["uuid"]
+        gpu = _smi_gpu(torch_uuid)
+        _wait_job(lambda: (_live_sys(run_dir).get("gpu_mem_mb") is not None
                           and (_live_sys(run_dir).get("gpu_alloc_mb") or 0) >= HOLD_MB),
-                 90, "NVML and allocator figures in the live snapshot")
+                  proc, 90, "NVML and allocator figures were in the live snapshot")
         for _ in range(SAMPLES):
             seen = _mtime(live)
-            wait_for(lambda seen=seen: _mtime(live) != seen, 30, "a newer live snapshot")
+            _wait_job(lambda seen=seen: _mtime(live) != seen, proc, 30, "a newer live snapshot")
             pairs.append((_live_sys(run_dir), _smi(gpu)))
         stop.touch()
         stdout, stderr = proc.communicate(timeout=120)
@@ -107,12 +126,19 @@ def test_nvml_figures_match_nvidia_smi(tmp_path):
             kill_session(proc)
             proc.communicate()
 
-    print("\nagent (NVML) vs nvidia-smi, MiB and %:")
+    print("\nagent (NVML) vs nvidia-smi: memory MiB, utilisation %, °C, W, SM MHz")
     for agent, smi in pairs:
-        print(f"  used {agent['gpu_mem_mb']:9.0f} vs {smi['used']:9.0f} (reserved "
-              f"{smi['reserved']})   total {agent['gpu_mem_total_mb']:9.0f} vs "
-              f"{smi['total']:9.0f}   util {agent['gpu_util']} vs {smi['util']}   "
-              f"own allocator {agent['gpu_alloc_mb']:.0f} MiB")
+        print(f"  used {agent['gpu_mem_mb']:.0f} vs {smi['used']} (reserved {smi['reserved']})"
+              f"  total {agent['gpu_mem_total_mb']:.0f} vs {smi['total']}"
+              f"  util {agent['gpu_util']} vs {smi['util']}"
+              f"  temp {agent.get('temp_c')} vs {smi['temp']}"
+              f"  power {agent.get('power_w')} vs {smi['power']}"
+              f"  sm clock {agent.get('sm_clock_mhz')} vs {smi['sm_clock']}"
+              f"  own allocator {agent['gpu_alloc_mb']:.0f}  throttle {agent.get('throttle')}")
+    # NVML sampled the GPU torch trains on (issue 29 finding 6: by the UUID torch reports).
+    for agent, _ in pairs:
+        assert (agent.get("gpu_uuid") or "").lower().removeprefix("gpu-") == \
+            gpu.lower().removeprefix("gpu-"), (agent.get("gpu_uuid"), gpu, torch_uuid)
     for agent, smi in pairs:
         slack = MEM_SLACK_MB + (smi["reserved"] if smi["reserved"] is not None else 768.0)
         assert abs(agent["gpu_mem_mb"] - smi["used"]) <= slack, (agent, smi)
@@ -127,6 +153,9 @@ def test_nvml_figures_match_nvidia_smi(tmp_path):
     smi_util = statistics.median(s for _, s in utils)
     assert agent_util >= 50, utils  # the job keeps the GPU busy
     assert abs(agent_util - smi_util) <= UTIL_POINTS, utils
+    temps = [(a.get("temp_c"), s["temp"]) for a, s in pairs
+             if a.get("temp_c") is not None and s["temp"] is not None]
+    assert all(abs(a - s) <= TEMP_C for a, s in temps), temps  # slow to change: close
 
     job = GpuRun(proc.returncode, stdout, stderr, run_dir)
     doc = assert_healthy(job, nproc=1)

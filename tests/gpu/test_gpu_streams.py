@@ -33,8 +33,16 @@ def test_fsdp2_on_one_gpu(tmp_path, offload):
     assert f"done {STEPS} steps" in job.logs, job.tail()
     doc = assert_healthy(job, nproc=1, steps=STEPS)
     assert doc["run"]["parallel"] == "fsdp", doc["run"]
-    timed(doc["ranks"][0]["phase_ms"], "forward", "backward", "optimizer")
+    rank = doc["ranks"][0]
+    timed(rank["phase_ms"], "forward", "backward", "optimizer")
     assert doc["collector"]["records"] >= STEPS, doc["collector"]
+    print(f"\nFSDP2 {'offload' if offload else 'on GPU'}: timing faults "
+          f"{rank['timing_faults']}, device rule {rank['device_rule']!r}")
+    if offload:  # which rule chose the device is said, in the summary and on the terminal
+        assert "offload" in (rank["device_rule"] or ""), rank
+        assert f"timed on the device chosen by: {rank['device_rule']}" in job.stdout
+    else:
+        assert rank["device_rule"] == "parameters", rank
 
 
 def test_side_stream_prefetcher(tmp_path):
@@ -46,6 +54,9 @@ def test_side_stream_prefetcher(tmp_path):
     doc = assert_healthy(job, nproc=2, steps=steps)
     for r in doc["ranks"]:
         timed(r["phase_ms"], "forward", "backward", "sync", "optimizer")
+        # A cross-stream pair that came out negative is a timing fault (that phase not
+        # measured for that step), never a refused record: printed for the table.
+        print(f"\nrank {r['rank']}: timing faults {r['timing_faults']}, h2d {r['phase_ms']['h2d']}")
 
 
 def test_amp_grad_scaler_with_skipped_steps(tmp_path):
