@@ -40,7 +40,6 @@ def server(tmp_path):
         yield srv
     finally:
         srv.stop()
-    assert srv.viewers() == []
 
 
 def session() -> aiohttp.ClientSession:
@@ -77,6 +76,21 @@ async def first_frame(ws: aiohttp.ClientWebSocketResponse, timeout: float = 90) 
         if msg.type == aiohttp.WSMsgType.BINARY:
             return msg.data
         assert msg.type == aiohttp.WSMsgType.TEXT, f"socket ended: {msg}"
+
+
+async def connect_when_free(http: aiohttp.ClientSession, url: str, headers: dict[str, str],
+                            timeout: float = 30) -> aiohttp.ClientWebSocketResponse:
+    """A websocket once a slot is free: the slot of a closed tab frees a moment after its
+    viewer process has gone (the server reaps it first)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            return await http.ws_connect(url, headers=headers)
+        except aiohttp.WSServerHandshakeError as exc:
+            if exc.status != 503 or loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
 
 
 def base_of(url: str) -> str:
@@ -200,10 +214,10 @@ def test_the_fifth_viewer_is_refused_and_spawns_nothing(server):
                 async with http.get(f"{base}/ws", headers=head) as resp:
                     assert resp.status == 503  # also said as a page: one line
                     assert "viewers" in await resp.text()
-                assert server.viewers() == four  # no fifth process, not even briefly
+                assert sorted(server.viewers()) == sorted(four)  # no fifth, not even briefly
                 await sockets.pop().close()
                 wait_for(lambda: len(server.viewers()) == 3, 30, "the closed tab's viewer")
-                ws = await http.ws_connect(f"{base}/ws", headers=head)  # a slot again
+                ws = await connect_when_free(http, f"{base}/ws", head)  # a slot again
                 sockets.append(ws)
                 await first_frame(ws)
                 assert len(server.viewers()) == 4
