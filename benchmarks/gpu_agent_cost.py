@@ -44,6 +44,8 @@ def per_event(torch: Any, index: int, n: int) -> dict[str, float]:
     rec = CudaRecorder(deque(maxlen=16), torch, device=index)
     stream = torch.cuda.current_stream(index)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for ev in events:  # torch creates the CUDA event at its first record: not timed here
+        ev.record(stream)
     torch.cuda.synchronize(index)  # the benchmark's own sync, before timing
 
     t0 = time.perf_counter_ns()
