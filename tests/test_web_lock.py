@@ -372,3 +372,17 @@ def test_without_textual_serve_one_line_error(tmp_path):
     assert out.returncode == 2
     assert out.stderr == ("traceml watch: error: --web needs textual-serve "
                           "(pip install traceml-tui[web])\n")
+
+
+@pytest.mark.parametrize(("host", "ok"), [
+    ("127.0.0.1:8000", True), ("localhost:9000", True), ("[::1]:8000", True),
+    ("LOCALHOST:8000", True), ("127.0.0.1", True), ("evil.example:8000", False),
+    ("127.0.0.1.evil.example:8000", False), ("localhost.:8000", False), ("", False),
+    ("[::1].evil:8000", False), ("gpu-node:8000", True)])
+def test_host_names_a_bound_server_answers_to(host, ok):
+    from traceml_tui.web_lock import WebLock, served_names
+
+    lock = WebLock("t" * 43, served_names("gpu-node"), lambda line: None)
+    assert lock.host_ok(host) is ok
+    assert lock.origin_ok(f"http://{host}", host) is True
+    assert lock.origin_ok(f"http://{host}.evil", host) is False

@@ -100,7 +100,8 @@ def split_host(header: str) -> str:
     """The name part of a Host header ("[::1]:8000" -> "[::1]", "a:8000" -> "a")."""
     header = header.strip().lower()
     if header.startswith("["):
-        return header[: header.find("]") + 1]
+        name, _, rest = header.partition("]")
+        return name + "]" if rest == "" or rest[1:].isdigit() and rest[0] == ":" else ""
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
