@@ -80,19 +80,6 @@ def _client(host: str, port: int) -> Any:
                     timeout=timedelta(seconds=CONNECT_TIMEOUT_S))
 
 
-def publish(host: str, port: int, values: dict[str, str], until: Callable[[], bool]) -> bool:
-    """Write `values` into torchrun's store once it listens; retried until `until()`."""
-    while not until():
-        try:
-            store = _client(host, port)
-            for key, value in values.items():
-                store.set(key, value)
-            return True
-        except Exception:  # not listening yet (torchrun starting), or refused
-            time.sleep(POLL_S)
-    return False
-
-
 def read_file_secret(path: Path | None) -> str | None:
     """The secret from a shared run folder's file, or None while it is not there (or
     half-written: node 0 creates it in place, O_EXCL)."""
