@@ -32,16 +32,20 @@ def main() -> None:
     p.add_argument("--min-replays", type=int, default=50)
     p.add_argument("--mode", choices=("global", "thread_local", "relaxed"), default="global")
     p.add_argument("--source", choices=("tensors", "loader"), default="tensors")
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--dim", type=int, default=512)
+    # Big enough for a step of a few ms on a large GPU: replays then come at the rate of
+    # real training steps, not tens of thousands a second.
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=4096)
     args = p.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(args.dim, 1024), nn.ReLU(), nn.Linear(1024, 1024),
-                          nn.ReLU(), nn.Linear(1024, 1)).to(device)
+    model = nn.Sequential(nn.Linear(args.dim, args.hidden), nn.ReLU(),
+                          nn.Linear(args.hidden, args.hidden), nn.ReLU(),
+                          nn.Linear(args.hidden, 1)).to(device)
     # Plain SGD is capturable as it is (Adam would need capturable=True).
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = nn.MSELoss()
