@@ -4,6 +4,7 @@ quitting the viewer leaves the job running; a viewer whose terminal dies ends wi
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import select
 import signal
@@ -19,11 +20,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jobs import EXAMPLES, live_steps, traceml, wait_for
+from jobs import EXAMPLES, kill_session, live_steps, traceml, wait_for
 from traceml_tui.dashboard import DashboardApp
 from traceml_tui.view_client import ViewClient, resolve_target
 
 pytestmark = pytest.mark.e2e
+FAULTY = Path(__file__).resolve().parent / "faulty_ddp.py"
 
 
 async def test_watch_a_real_run_sees_all_ranks_and_quitting_leaves_it_running(tmp_path):
@@ -276,3 +278,44 @@ def test_a_viewer_never_outlives_its_terminal(tmp_path, canned_collector):
             failures.append(f"round {round_} (session leader {leader} the hangup, "
                             f"{'blocked writing' if stalled else 'mid-frame'}): {failure}")
     assert not failures, "\n".join(failures)
+
+
+def test_a_run_whose_terminal_dies_without_a_hangup_goes_on_headless_and_ends(tmp_path):
+    """`traceml run`'s own dashboard, its terminal closed mid-frame under a session leader
+    that survives the hangup (so no SIGHUP reaches the launcher, which would stop the job):
+    the viewer closes, the job goes on untouched as when the viewer quits, and the launcher
+    ends with it (exit 0, complete record), its output in the run folder."""
+    out = tmp_path / "runs"
+    run_dir = out / "lost"
+    env = {k: v for k, v in os.environ.items() if k != "TRACEML_SECRET"}
+    env.update(TERM="xterm-256color", OMP_NUM_THREADS="1")
+    term = Terminal()
+    session = subprocess.Popen(
+        [sys.executable, "-c", SESSION_LEADER, "survives", sys.executable, "-m", "traceml_tui",
+         "run", str(FAULTY), "--nproc-per-node", "2", "--out", str(out), "--run-name", "lost",
+         "--", "--steps", "500", "--step-ms", "20", "--quiet"],
+        stdin=term.slave, stdout=term.slave, stderr=term.slave, start_new_session=True,
+        env=env, cwd=tmp_path)
+    term.close_slave()
+    try:
+        wait_for(lambda: term.shows(b"rank") and live_steps(run_dir) >= 20, 120,
+                 "the dashboard to draw the job")
+        wait_for(term.mid_frame, 10, "the next frame")
+        term.close()
+        summary = run_dir / "final_summary.json"
+        wait_for(summary.exists, 120, "the job to end")
+        try:
+            code = session.wait(30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the launcher is still running 30 s after its job ended") \
+                from None
+        assert code == 0
+        doc = json.loads(summary.read_text())
+        assert doc["complete"] is True
+        assert [r["steps"] for r in doc["ranks"]] == [500, 500]
+        assert "viewer closed; the job goes on" in (run_dir / "launcher.log").read_text()
+    finally:
+        term.close()
+        if session.poll() is None:
+            kill_session(session)  # the job, its collector and the launcher
+            session.wait(10)

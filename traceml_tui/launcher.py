@@ -585,6 +585,7 @@ def _with_dashboard(node: _Node, run_dir: Path, signals: _Signals,
     crashing) the viewer leaves the job running: we then go on like --headless."""
     import threading
 
+    from . import terminal
     from .dashboard import DashboardApp
     from .view_client import ViewClient
 
@@ -597,15 +598,15 @@ def _with_dashboard(node: _Node, run_dir: Path, signals: _Signals,
 
     app = DashboardApp(ViewClient(node.view, secret=node.secret), run_dir, stop_job=stop_job)
 
-    def close_viewer() -> None:  # from the SIGHUP handler, on the event loop's thread
-        import asyncio
+    def close_viewer() -> None:  # from the SIGHUP handler (the UI thread may be blocked)
+        app.terminal_lost()
 
-        try:
-            asyncio.get_running_loop().call_soon_threadsafe(app.exit)
-        except RuntimeError:  # the viewer is not running (yet, or any more)
-            pass
+    def terminal_gone() -> None:  # from the watchdog: no hangup came; the job goes on
+        _detach_from_terminal(signals.hangup_log)
+        app.terminal_lost()
 
     signals.on_hangup = close_viewer
+    terminal.exit_with_terminal(on_lost=terminal_gone, default_hangup=False)
 
     def watcher() -> None:
         try:

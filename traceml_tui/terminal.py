@@ -51,14 +51,17 @@ def is_terminal(stream: TextIO) -> bool:
 
 
 def exit_with_terminal(fds: tuple[int, ...] = (0, 1, 2),
-                       on_lost: Callable[[], None] | None = None) -> threading.Thread:
-    """A viewer never outlives its terminal: SIGHUP gets the kernel's default action back
-    (death, whatever the threads are doing, even if our parent ignored it), and a daemon
-    thread that needs nothing from the event loop watches the terminal descriptors among
-    `fds`; on a hangup, an error or a descriptor gone it calls `on_lost` (default: leave
-    at once with HANGUP_EXIT, restoring nothing: there is no terminal to restore, and any
-    cleanup could block on it). Call from the main thread before the app starts."""
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+                       on_lost: Callable[[], None] | None = None,
+                       default_hangup: bool = True) -> threading.Thread:
+    """A viewer never outlives its terminal: a daemon thread that needs nothing from the
+    event loop watches the terminal descriptors among `fds`; on a hangup, an error or a
+    descriptor gone it calls `on_lost` (default: leave at once with HANGUP_EXIT,
+    restoring nothing: there is no terminal to restore, and any cleanup could block on
+    it). With `default_hangup`, SIGHUP also gets the kernel's default action back (death,
+    whatever the threads are doing, even if our parent ignored it); `traceml run` keeps
+    its own handler. Call from the main thread before the app starts."""
+    if default_hangup:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
     # Only descriptors that are a terminal we can ask (our controlling one) are watched.
     ttys = tuple(fd for fd in dict.fromkeys(fds) if _isatty(fd) and _alive(fd))
     thread = threading.Thread(target=_watch, args=(ttys, on_lost or _hard_exit),

@@ -184,6 +184,20 @@ class DashboardApp(App[None]):
         if self.state is not None:
             self.state = replace(self.state, finished=True, exit_code=exit_code)
 
+    def terminal_lost(self) -> None:
+        """From any thread (a hangup handler, the terminal watchdog): the terminal is gone.
+        Textual's output thread dies on its first EIO and the UI thread then blocks for
+        ever on the full output queue, so whatever is queued from now on is thrown away;
+        then the app exits (its own writes on the way out are thrown away too)."""
+        writer = getattr(self._driver, "_writer_thread", None)
+        queue = getattr(writer, "_queue", None)
+        if queue is not None:
+            threading.Thread(target=_discard, args=(queue,), name="traceml-discard",
+                             daemon=True).start()
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self.exit)
+
     def on_resize(self) -> None:
         self.redraw()
 
@@ -385,3 +399,11 @@ class DashboardApp(App[None]):
             self.source.close()
         except Exception:
             pass
+
+
+def _discard(queue: Any) -> None:
+    """Empties Textual's output queue, writing nothing, until its end mark (None), which
+    is put back for the output thread if that one is still alive to wait for it."""
+    while queue.get() is not None:
+        pass
+    queue.put(None)
