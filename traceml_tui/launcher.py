@@ -235,8 +235,8 @@ class _Handover(threading.Thread):
             handover.prove_shared(self.host, self.port, secret, self.opts.node_rank,
                                   self.until)
             return
+        self._warn()  # before the dashboard (which waits for the outcome) takes the screen
         self.outcome, self.secret = "store", secret
-        self._warn()
         value = handover.fetch(self.host, self.port, handover.RUN_DIR_KEY, self.until)
         if value is not None:
             self.values[handover.RUN_DIR_KEY] = value
