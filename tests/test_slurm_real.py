@@ -22,6 +22,7 @@ import pytest
 
 from jobs import EXAMPLES, free_ports
 
+MUNGED_PID = "/run/munge/munged.pid"
 DAEMONS = ("slurmctld", "slurmd", "munged", "srun", "sbatch", "sinfo")
 MISSING = [d for d in DAEMONS if shutil.which(d) is None]
 pytestmark = pytest.mark.skipif(bool(MISSING) or os.geteuid() != 0,
@@ -29,10 +30,11 @@ pytestmark = pytest.mark.skipif(bool(MISSING) or os.geteuid() != 0,
                                 if MISSING else "starting slurmd needs root")
 
 
-def _munge() -> None:
-    """munged running, with a key (the packages install one; make it if not)."""
+def _munge() -> bool:
+    """munged running, with a key (the packages install one; make it if not). True if
+    we started it (then the module stops it: nothing of the suite's outlives it)."""
     if subprocess.run(["munge", "-n"], capture_output=True).returncode == 0:
-        return
+        return False
     Path("/run/munge").mkdir(parents=True, exist_ok=True)
     shutil.chown("/run/munge", "munge", "munge")
     if not Path("/etc/munge/munge.key").exists():
@@ -41,15 +43,23 @@ def _munge() -> None:
                    capture_output=True, check=False)
     for _ in range(50):
         if subprocess.run(["munge", "-n"], capture_output=True).returncode == 0:
-            return
+            return True
         time.sleep(0.1)
+    _stop_munge()
     pytest.skip("munged did not start")
+
+
+def _stop_munge() -> None:
+    try:
+        os.kill(int(Path(MUNGED_PID).read_text()), signal.SIGTERM)
+    except (OSError, ValueError):
+        pass
 
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     """A one-node cluster: its slurm.conf's path (SLURM_CONF for the commands)."""
-    _munge()
+    started_munge = _munge()
     root = tmp_path_factory.mktemp("slurm")
     for d in ("state", "spool-tn0", "spool-tn1", "log"):
         (root / d).mkdir()
@@ -101,6 +111,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                 os.kill(int((root / pid_file).read_text()), signal.SIGTERM)
             except (OSError, ValueError):
                 pass
+        if started_munge:
+            _stop_munge()
 
 
 def test_srun_runs_traceml_as_a_job_step(slurm, tmp_path):
