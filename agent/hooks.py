@@ -230,7 +230,7 @@ def _patch_dataloader(torch: Any) -> None:
             batch = original(self)
         finally:
             try:
-                if rec.thread is None or rec.thread == me:  # not dropped by a claim
+                if rec.thread == me or rec.thread is None:  # not dropped by a claim
                     rec.end(self)
             except Exception as exc:
                 _fail(exc)
