@@ -76,7 +76,8 @@ def survivors() -> list[tuple[psutil.Process, str]]:
     me = os.getpid()
     found: dict[int, tuple[psutil.Process, str]] = {}
     mark = f"{SESSION_VAR}={SESSION}".encode()
-    for entry in Path("/proc").iterdir():
+    proc_dir = Path("/proc")
+    for entry in proc_dir.iterdir() if proc_dir.is_dir() else ():
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
         try:
