@@ -526,7 +526,12 @@ def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
 def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
     global _step_optimizer
     rec = _rec
-    if rec is None or (_get_ident() != rec.thread and not _admit(rec, OPTIMIZER)):
+    if rec is None:
+        return
+    # Its pre hook put it innermost on the training thread's stack (the common case,
+    # without a thread query); else it must be a thread the stack admits.
+    if rec.owner is not optimizer and _get_ident() != rec.thread \
+            and not _admit(rec, OPTIMIZER):
         return
     try:
         rec.end(optimizer)

@@ -389,8 +389,10 @@ def test_a_background_prefetch_thread_leaves_the_training_threads_phases_timed()
         assert all(phases[i] is not None for i in (FORWARD, BACKWARD, OPTIMIZER)), phases
     waited = sorted(p[DATALOADER] or 0 for _, _, _, p in steps)
     walls = sorted(w for _, _, w, _ in steps)
-    # The loader (16 ms a batch) is the bottleneck: most of each step is input wait.
-    assert waited[len(waited) // 2] > 0.5 * walls[len(walls) // 2], (waited, walls)
+    # The loader (16 ms a batch of sleeps) is the bottleneck: most of each step is input
+    # wait (the model's own work is well under a millisecond; 0.4 leaves room for a
+    # starved CI machine).
+    assert waited[len(waited) // 2] > 0.4 * walls[len(walls) // 2], (waited, walls)
 
 
 def test_autograds_device_thread_runs_the_sync_split_and_other_threads_pass(
