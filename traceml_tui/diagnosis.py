@@ -692,9 +692,10 @@ def node_gpu_evidence(ranks: Sequence[RankTiming], members: Sequence[int]) -> st
         return None
     hot = [g for g in inside if _faults(g)]
     mine, theirs = _median_clock(inside), _median_clock(outside)
-    vs = (f", SM clock median {mine:.0f} MHz vs {theirs:.0f} on the other nodes"
-          if mine is not None and theirs else "")
-    low = mine is not None and bool(theirs) and mine <= (1.0 - CLOCK_LOW_SHARE) * theirs
+    vs, low = "", False
+    if mine is not None and theirs:
+        vs = f", SM clock median {mine:.0f} MHz vs {theirs:.0f} on the other nodes"
+        low = mine <= (1.0 - CLOCK_LOW_SHARE) * theirs
     if not hot and not low:
         return None
     if not hot:
