@@ -386,6 +386,15 @@ def test_idle_connections_to_metrics_and_ingest_cost_the_record_nothing(tmp_path
             r.start()
         wait_for(lambda: min(r["steps"] for r in collector.summary()["ranks"]) >= 20, 30,
                  "the ranks")
+        # The finish comes over a connection made before the flood: at a hard limit of 256
+        # a new connection waits until the idle ones' handshakes time out and libzmq
+        # accepts it (it races the idle ones' retries for each freed descriptor).
+        control = collector.ctx.socket(zmq.REQ)
+        control.setsockopt(zmq.LINGER, 0)
+        keys.secure_client(control, collector.keys)
+        control.connect(collector.info["control"])
+        control.send_json({"op": "ping"})
+        assert control.poll(30_000) and control.recv_json()["ok"]  # connected
         ingest_port = int(collector.info["ingest"].rsplit(":", 1)[1])
         for port in (metrics_port, ingest_port):
             for _ in range(IDLE):  # connects, then says nothing (whether accepted or not)
@@ -400,19 +409,23 @@ def test_idle_connections_to_metrics_and_ingest_cost_the_record_nothing(tmp_path
         assert proc.poll() is None, collector.output()
         assert "traceml_world_size" in _scrape(metrics_port)  # a real scrape is served
 
+        seen: dict[str, int] = {}
+
+        # At a hard limit of 256 the kernel holds most of them in its backlog a while.
+        closed = IDLE - 32 if hard > 2 * IDLE else 32
+
         def counted() -> bool:
-            c = collector.summary()["collector"]
-            return (c.get("metrics_refused", 0) + c.get("metrics_timed_out", 0) >= IDLE - 32
+            c = seen.update(collector.summary()["collector"]) or seen
+            return (c.get("metrics_refused", 0) + c.get("metrics_timed_out", 0) >= closed
                     and c.get("refused_connections", 0) >= 1)
 
-        wait_for(counted, 30, "the refused and timed-out connections to be counted")
+        deadline = time.monotonic() + 30
+        while not counted():
+            assert time.monotonic() < deadline, f"refusals not counted: {seen}"
+            time.sleep(0.2)
         for r in ranks:
             r.stop()
         ranks = []
-        control = collector.ctx.socket(zmq.REQ)
-        control.setsockopt(zmq.LINGER, 0)
-        keys.secure_client(control, collector.keys)
-        control.connect(collector.info["control"])
         control.send_json({"op": "finish", "grace_s": 0.5, "exit_code": 0})
         assert control.poll(30_000), f"finish not answered\n{collector.output()}"
         assert control.recv_json()["ok"]
@@ -421,7 +434,7 @@ def test_idle_connections_to_metrics_and_ingest_cost_the_record_nothing(tmp_path
         final = json.loads((run_dir / "final_summary.json").read_text())
         assert final["complete"] is True
         assert final["collector"]["metrics_refused"] + final["collector"][
-            "metrics_timed_out"] >= IDLE - 32
+            "metrics_timed_out"] >= closed
         assert "could not write" not in collector.output(), collector.output()
     finally:
         for sock in idle:

@@ -189,6 +189,7 @@ MAX_CONNECTIONS = 32
 # A connection must send its request and take its reply within this: an idle or
 # trickling one is closed (counted). A real scrape takes milliseconds on loopback.
 CONNECTION_TIMEOUT_S = 5.0
+ACCEPT_BACKOFF_S = 0.25  # out of descriptors, accept again after this (never spin)
 MAX_REQUEST_BYTES = 8 << 10  # the request line and headers of a scrape: a few hundred bytes
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
@@ -221,6 +222,7 @@ class MetricsServer(threading.Thread):
         self._view: object = None  # the view the cached exposition was rendered from
         self._body = b""
         self._halt = threading.Event()
+        self._listen_after = 0.0  # out of descriptors: accept again from then on
 
     def exposition(self) -> bytes:
         """The text for the current view: rendered on its first scrape, then reused."""
@@ -268,6 +270,9 @@ class MetricsServer(threading.Thread):
                     elif conn.reply is not None and key.events != selectors.EVENT_WRITE:
                         sel.modify(sock, selectors.EVENT_WRITE, None)  # the rest of the reply
                 now = time.monotonic()
+                if self._listen_after and now >= self._listen_after:
+                    self._listen_after = 0.0
+                    sel.register(self.listener, selectors.EVENT_READ, None)
                 for sock in [s for s, c in conns.items() if c.deadline < now]:
                     self.timed_out += 1
                     close(sock)
@@ -284,6 +289,8 @@ class MetricsServer(threading.Thread):
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:  # out of descriptors: leave the rest in the kernel's backlog
+                self._listen_after = time.monotonic() + ACCEPT_BACKOFF_S  # and do not spin
+                sel.unregister(self.listener)
                 return
             if len(conns) >= MAX_CONNECTIONS:
                 # The oldest connection still silent makes room: idle connections held
