@@ -12,7 +12,10 @@ import uuid
 from pathlib import Path
 
 import psutil
-from conftest import GRACE_VAR
+
+# conftest.GRACE_VAR: not imported by name, since tests/gpu has a conftest module too and
+# whichever pytest loaded last owns the name "conftest".
+GRACE_VAR = "TRACEML_TEST_LEAK_GRACE_S"
 
 CONFTEST = Path(__file__).resolve().parent / "conftest.py"
 
