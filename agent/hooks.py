@@ -40,7 +40,11 @@ untimed, except while the training thread is inside `backward` (on a GPU, autogr
 runs gradient hooks, final callbacks and the collectives they start on its device
 threads). A DataLoader fetched on another thread (a prefetch thread) is counted and
 its running time is kept apart: the training thread's idle time while it runs is
-input wait (recorder.py). Each hook pays one `get_ident()` comparison for this.
+input wait (recorder.py). The DataLoader, collective and h2d hooks always ask which
+thread calls them (one `get_ident()`); the forward, backward and optimizer hooks, the
+hottest, ask only while `rec.check_threads` says the job has a thread of its own
+besides the training thread (one alive when the training thread is known, or started
+later: `threading.Thread.start` is wrapped to notice it).
 
 CUDA graphs (built with CUDA only): `CUDAGraph.capture_begin/capture_end` are wrapped
 to count the captures in progress (the recorder makes no CUDA call while one is), and
@@ -85,7 +89,6 @@ _grad_order: list[Any] = []  # learning: parameters in the order their gradients
 _grad_probes: list[Any] = []  # learning: temporary hooks on the roots' parameters
 _step_optimizer: Any = None
 _BACKWARD_OWNER = object()
-_in_backward = False  # the training thread is inside a timed backward
 _scaler_mark = 0  # the step count at the last GradScaler.update (a skipped step shows)
 _end_learning_patch: Callable[[], None] = lambda: None  # noqa: E731 - restores Module.__call__
 
@@ -93,11 +96,11 @@ _end_learning_patch: Callable[[], None] = lambda: None  # noqa: E731 - restores 
 def install(rec: Recorder, torch: Any, on_error: Callable[[BaseException], None],
             observer: StepObserver | None = None) -> None:
     global _rec, _on_error, _learning, _step_optimizer, _obs, _is_compiling
-    global _finish_pending, _depth, _learning_forwards, _in_backward, _scaler_mark
+    global _finish_pending, _depth, _learning_forwards, _scaler_mark
     global _in_autograd
     _rec, _on_error, _obs = rec, on_error, observer
     _learning, _step_optimizer, _finish_pending = True, None, False
-    _in_backward, _scaler_mark = False, rec.step
+    _scaler_mark = rec.step
     _depth = _learning_forwards = 0
     _is_compiling = _compiling_probe(torch)
     _in_autograd = _autograd_probe(torch)
@@ -110,6 +113,7 @@ def install(rec: Recorder, torch: Any, on_error: Callable[[BaseException], None]
     _hook_optimizer(torch)
     _patch_collectives(torch)
     _patch_grad_scaler(torch)
+    _patch_thread_start()
     if device.cuda_built(torch):  # not is_available(): no CUDA call before the script's
         _patch_h2d(torch)
         _patch_graphs(torch)
@@ -171,7 +175,13 @@ def _admit(rec: Recorder, idx: int) -> bool:
             return rec.loader_thread == ident
         rec.claim_thread(ident)
         return True
-    return idx != DATALOADER and _in_backward and _in_autograd()
+    rec.check_threads = True  # a thread of the job's besides the training thread
+    return idx != DATALOADER and _in_autograd() and _in_backward(rec)
+
+
+def _in_backward(rec: Recorder) -> bool:
+    """The training thread is inside a timed backward (its frame is on the stack)."""
+    return any(frame[0] == BACKWARD for frame in list(rec.stack))
 
 
 def _autograd_probe(torch: Any) -> Callable[[], bool]:
@@ -413,7 +423,7 @@ def _wrap_call(cls: type) -> None:
         rec = _rec
         if rec is None or (_DYNAMO in _modules and _is_compiling()):
             return original(self, *args, **kwargs)
-        if _get_ident() != rec.thread and not _admit(rec, FORWARD):
+        if rec.check_threads and _get_ident() != rec.thread and not _admit(rec, FORWARD):
             return original(self, *args, **kwargs)
         try:
             started = rec.begin(FORWARD, self)
@@ -483,11 +493,10 @@ def _patch_backward(torch: Any) -> None:
     _queue_callback = autograd.Variable._execution_engine.queue_callback
 
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        global _in_backward
         rec = _rec
         if rec is None or (_DYNAMO in _modules and _is_compiling()):  # never traced
             return original(tensors, *args, **kwargs)
-        if _get_ident() != rec.thread and not _admit(rec, BACKWARD):
+        if rec.check_threads and _get_ident() != rec.thread and not _admit(rec, BACKWARD):
             return original(tensors, *args, **kwargs)
         try:
             started = rec.begin_backward(_BACKWARD_OWNER)
@@ -496,11 +505,9 @@ def _patch_backward(torch: Any) -> None:
             started = False
         if not started:
             return original(tensors, *args, **kwargs)
-        _in_backward = True  # autograd's device threads may use the stack meanwhile
-        try:
+        try:  # autograd's device threads may use the stack meanwhile (_admit)
             return original(tensors, *args, **kwargs)
         finally:
-            _in_backward = False
             try:
                 rec.end_backward(_BACKWARD_OWNER)
             except Exception as exc:
@@ -515,7 +522,8 @@ def _patch_backward(torch: Any) -> None:
 
 def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
     rec = _rec
-    if rec is None or (_get_ident() != rec.thread and not _admit(rec, OPTIMIZER)):
+    if rec is None or (rec.check_threads and _get_ident() != rec.thread
+                       and not _admit(rec, OPTIMIZER)):
         return
     try:
         rec.begin(OPTIMIZER, optimizer)
@@ -530,7 +538,7 @@ def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
         return
     # Its pre hook put it innermost on the training thread's stack (the common case,
     # without a thread query); else it must be a thread the stack admits.
-    if rec.owner is not optimizer and _get_ident() != rec.thread \
+    if rec.owner is not optimizer and rec.check_threads and _get_ident() != rec.thread \
             and not _admit(rec, OPTIMIZER):
         return
     try:
@@ -705,6 +713,27 @@ def _guarded(call: Callable[..., Any], *args: Any) -> None:
         call(*args)
     except Exception as exc:
         _fail(exc)
+
+
+# --- threads ---------------------------------------------------------------------------
+
+
+def _patch_thread_start() -> None:
+    """A thread the job starts may call a hooked function: from then on the hottest hooks
+    ask which thread calls them (recorder.py, `check_threads`). The agent's own threads
+    ("traceml-*") never call one."""
+    import threading
+
+    original = threading.Thread.start
+
+    def start(self: Any, *args: Any, **kwargs: Any) -> Any:
+        rec = _rec
+        if rec is not None and not str(self.name).startswith("traceml"):
+            rec.check_threads = True
+        return original(self, *args, **kwargs)
+
+    start.__wrapped__ = original  # type: ignore[attr-defined]
+    _setattr(threading.Thread, "start", start)
 
 
 # --- GradScaler -----------------------------------------------------------------------

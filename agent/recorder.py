@@ -40,6 +40,7 @@ every phase while such a fetch is running is its input wait.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from time import perf_counter_ns
@@ -86,6 +87,8 @@ def capturing() -> bool:
 class Recorder:
     """Host-clock recorder, used on CPU jobs."""
 
+    DEFERRED = False  # steps are appended as they close (CudaRecorder parks them)
+
     __slots__ = (
         "out",
         "names",
@@ -119,6 +122,7 @@ class Recorder:
         "device_rule",
         "agent_busy",
         "thread",
+        "check_threads",
         "loader_thread",
         "bg_loader",
         "bg_busy",
@@ -170,6 +174,11 @@ class Recorder:
         # The training thread (get_ident), once it opens forward, backward or optimizer;
         # before that, the thread whose DataLoader fetch was provisionally timed.
         self.thread: int | None = None
+        # Whether the forward/backward/optimizer hooks must ask which thread calls them:
+        # until the training thread is known, and once the job has another thread of
+        # its own (alive at the claim, or started later: hooks.py wraps Thread.start).
+        # A job without one pays no thread query there (the DataLoader hook always asks).
+        self.check_threads = True
         self.loader_thread: int | None = None
         # Fetches on a background loader thread: how many run now, since when, and the
         # time any ran in total (ns); bg_seen: that total when last charged as input.
@@ -185,12 +194,20 @@ class Recorder:
         """`ident` is the training thread (it opens a step's work). What another thread's
         provisional DataLoader fetch left on the stack was not the training thread's."""
         self.thread = ident
+        self.check_threads = self._other_threads()
         if self.loader_thread not in (None, ident):
             self.stack = []
             self.active, self.owner = NO_PHASE, None
             self.acc = [None] * len(self.names)
             self.step_start = 0
         self.loader_thread = None
+
+    def _other_threads(self) -> bool:
+        """Whether a Python thread other than the training thread and the agent's own
+        ("traceml-*") is alive: one of the job's, which may call a hooked function."""
+        me = self.thread
+        return any(t.ident != me and not t.name.startswith("traceml")
+                   for t in threading.enumerate())
 
     def bg_begin(self) -> None:
         """A background thread starts a DataLoader fetch (off the stack)."""
@@ -427,7 +444,10 @@ class Recorder:
         elif self.bg_loader:
             self._bg_input(t)
             self.t_mark = t
-        self._emit(self.step, t, t - start, self.acc)
+        if self.DEFERRED:
+            self._emit(self.step, t, t - start, self.acc)
+        else:  # _emit written out (a Python call saved per step on the host clock)
+            self.out.append((self.step, t, t - start, self.acc))
         self.step += 1
         self.step_start = t
         self.last_step_t = t
@@ -509,6 +529,7 @@ class CudaRecorder(Recorder):
                  "max_pending", "dropped_pairs", "_capturing", "device", "device_uuid",
                  "stream")
     DEVICE_PHASES = frozenset({H2D, FORWARD, BACKWARD, SYNC, OPTIMIZER})
+    DEFERRED = True
     begin = Recorder._begin_composed
     end = Recorder._end_composed
 
@@ -778,6 +799,7 @@ class LazyCudaRecorder(CudaRecorder):
     _push = Recorder._push
     _resume = Recorder._resume
     _emit = Recorder._emit
+    DEFERRED = False
 
     def close_step(self) -> None:
         Recorder.close_step(self)

@@ -416,7 +416,7 @@ def test_autograds_device_thread_runs_the_sync_split_and_other_threads_pass(
     other = threading.Thread(target=beside, name="ema")
     for _ in range(3):
         one_step(model, opt)
-    other.start()
+    other.start()  # started after the training thread is known
     try:
         for _ in range(30):
             one_step(model, opt)
