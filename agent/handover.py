@@ -42,11 +42,15 @@ SHARED_KEY = "traceml/shared/{node}"  # a node's proof that it read the shared s
 CONNECT_TIMEOUT_S = 5.0
 POLL_S = 1.0
 # How long node 0 waits for every other node to prove it reads the shared run folder
-# before the secret goes into the store (mode 3 above). Long enough for a node started a
-# little later and for a network filesystem to show it node 0's new file; the ranks of a
-# node without a shared folder report this much later (they train at once). The
-# environment variable of that name changes it (seconds).
-SHARED_WAIT_S = 60.0
+# before the secret goes into the store (mode 3 above). A node of a shared folder polls
+# every POLL_S and proves within a second or two of node 0 writing the file (srun and
+# torchrun start the nodes together); the ranks of a node WITHOUT a shared folder cannot
+# report before this wait ends, so a long wait costs every such run its first seconds of
+# figures (a 12 s job lost all of them at 60 s). A node started later than this, or a
+# network filesystem slower than this to show the file, falls back to the store, which
+# both nodes say in one line with the remedy (TRACEML_SECRET): never less private than
+# before proofs existed. The environment variable of that name changes it (seconds).
+SHARED_WAIT_S = 8.0
 SHARED_WAIT_ENV = "TRACEML_SHARED_WAIT_S"
 
 
