@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from traceml_agent import hooks
 from traceml_agent.recorder import FORWARD, MEASURED, SYNC, Recorder
 
-BROADCAST_MS = 30.0
+BROADCAST_MS = 100.0  # far above a tiny forward even on a starved 2-core box (47 ms seen)
 
 
 @pytest.fixture
@@ -70,6 +70,6 @@ def test_ddps_buffer_broadcast_inside_forward_is_sync(group, monkeypatch):
         # one-rank gradient allreduce (well under a millisecond idle, a few under load),
         # so it is bounded by half the broadcast again, not by a fixed 2 ms. Forward
         # would hold the whole sleep if the broadcast were counted there; its own work is
-        # under a millisecond idle and well under the broadcast on a starved VM (17 ms).
+        # under a millisecond idle and well under the broadcast on a starved VM (47 ms).
         assert broadcast_ms - 0.5 <= sync / 1e6 < 1.5 * broadcast_ms, (ns, broadcast_ms)
         assert forward / 1e6 < broadcast_ms, (ns, broadcast_ms)
