@@ -5,7 +5,6 @@ code, the text summary, the rank logs, final_summary.json)."""
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import shutil
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobs import ROOT, traceml, validate_schema
+from jobs import ROOT, Finished, traceml, validate_schema
 
 JOBS = Path(__file__).resolve().parent / "jobs"
 # A first torch.compile, NCCL's start and a cold CUDA context take tens of seconds.
@@ -43,15 +42,8 @@ def missing_gpu() -> str | None:
 
 
 @dataclass
-class GpuRun:
-    returncode: int
-    stdout: str
-    stderr: str
-    run_dir: Path
-
-    @property
-    def summary(self) -> dict[str, Any]:
-        return json.loads((self.run_dir / "final_summary.json").read_text())
+class GpuRun(Finished):
+    """A finished GPU job (jobs.Finished), with its ranks' own output."""
 
     @property
     def logs(self) -> str:
