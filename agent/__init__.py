@@ -52,9 +52,12 @@ def _inert_in_child() -> None:
     _lock = threading.Lock()  # it may have been held by another thread at the fork
     _state["rec"] = None
     _state["sender"] = None
-    from . import hooks
-
-    hooks.go_inert()
+    # Only a process that installed the hooks has any to quiet: a fork of the collector
+    # (which imports the vocabulary only) must not import more, it may be out of
+    # descriptors (descriptors.write_anyway).
+    hooks = sys.modules.get(f"{__name__}.hooks")
+    if hooks is not None:
+        hooks.go_inert()
 
 
 if hasattr(os, "register_at_fork"):
