@@ -30,7 +30,7 @@ SECRET_FILE = vocab.SECRET_KEY
 _HEX = frozenset("0123456789abcdef")
 
 
-ZAP_DOMAIN = "traceml"  # the authenticator (traceml_tui/auth.py) answers for this domain
+ZAP_DOMAIN = "traceml"  # the authenticator (traceml_tui/collect/auth.py) answers for this domain
 
 
 class SecretError(ValueError):

@@ -478,7 +478,7 @@ def decode_capture_request(data: bytes) -> tuple[int, int]:
     return req.id, req.steps
 
 
-# --- node relays (traceml_tui/relay.py) -------------------------------------------------
+# --- node relays (traceml_tui/collect/relay.py) -------------------------------------------------
 # A relay forwards its node's ranks to the collector as one two-frame message per tick,
 #   [RELAY_TAG, RelayBatch]
 # whose payloads are rank messages exactly as the ranks sent them (the collector decodes

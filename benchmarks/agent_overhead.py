@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def start_collector(run_dir: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "traceml_tui.collector", "--run-dir",
+    proc = subprocess.Popen([sys.executable, "-m", "traceml_tui.collect.collector", "--run-dir",
                              str(run_dir), "--world-size", "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     info = run_dir / "collector.json"

@@ -35,9 +35,9 @@ import zmq
 
 from traceml_agent import protocol
 from traceml_agent.protocol import PHASES, Identity
-from traceml_tui.collector import DRAIN_BATCH, Collector
-from traceml_tui.state import RunState
-from traceml_tui.windows import window_steps_for
+from traceml_tui.collect.collector import DRAIN_BATCH, Collector
+from traceml_tui.judge.state import RunState
+from traceml_tui.judge.windows import window_steps_for
 
 U64, F64 = struct.Struct(">Q"), struct.Struct(">d")
 SEQ_S, STEP_S, HB_S = 0x2AAA_0000_0000_0001, 0x2BBB_0000_0000_0000, 0x2CCC_0000_0000_0001

@@ -19,7 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # canned states
 
 from canned import make_state  # noqa: E402
-from traceml_tui import summary, view_build, view_state  # noqa: E402
+from traceml_tui import viewmodel  # noqa: E402
+from traceml_tui.collect import view_build
+from traceml_tui.report import summary
 
 
 def main() -> None:
@@ -49,7 +51,7 @@ def main() -> None:
         summary.to_json(summary.build(snap, summary.RunMeta(complete=False)))
 
     def view() -> None:
-        view_state.encode_view(view_build.build(state.snapshot(now, 0.0), state.recent_steps))
+        viewmodel.encode_view(view_build.build(state.snapshot(now, 0.0), state.recent_steps))
 
     print(json.dumps({"ranks": args.ranks, "window_steps": state.window_steps,
                       "evaluate_ms": cpu_ms(evaluate),

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # canned states
 
 from canned import StaticSource, make_state, make_view, with_history  # noqa: E402
-from traceml_tui.view_state import VIEW_PHASES, decode_view, encode_view  # noqa: E402
+from traceml_tui.viewmodel import VIEW_PHASES, decode_view, encode_view  # noqa: E402
 
 
 def _with_history(state):
@@ -36,7 +36,7 @@ def _with_history(state):
 
 
 async def frame_times(world: int, frames: int, nodes_view: bool) -> list[float]:
-    from traceml_tui.dashboard import DashboardApp
+    from traceml_tui.view.dashboard import DashboardApp
 
     states = [_with_history(make_state(world_size=world, nproc_per_node=8, steps=16,
                                        straggler=world // 3, seed=s)) for s in (1, 2)]

@@ -18,7 +18,7 @@ import time
 
 from traceml_agent import protocol
 from traceml_agent.protocol import PHASES, Identity
-from traceml_tui.state import RunState
+from traceml_tui.judge.state import RunState
 
 
 def main() -> None:

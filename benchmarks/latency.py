@@ -39,13 +39,13 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from traceml_tui.view_client import (  # noqa: E402
+from traceml_tui.view.client import (  # noqa: E402
     ViewClient,
     ViewUnavailable,
     WatchTargetError,
     resolve_target,
 )
-from traceml_tui.view_state import ViewState  # noqa: E402
+from traceml_tui.viewmodel import ViewState  # noqa: E402
 
 JOB = ROOT / "benchmarks" / "latency_job.py"
 WORLD = 4

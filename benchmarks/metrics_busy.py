@@ -36,7 +36,7 @@ def serve(mode: str, port: int, ranks: int) -> None:
     from prometheus_client.registry import CollectorRegistry
 
     from canned import T0, make_state, make_view
-    from traceml_tui import metrics
+    from traceml_tui.collect import metrics
 
     state = make_state(world_size=ranks, nproc_per_node=8, steps=12, straggler=ranks // 3,
                        phase="forward")

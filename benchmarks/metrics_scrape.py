@@ -20,7 +20,7 @@ from prometheus_client import generate_latest  # noqa: E402
 from prometheus_client.registry import CollectorRegistry  # noqa: E402
 
 from canned import T0, make_state, make_view  # noqa: E402
-from traceml_tui import metrics  # noqa: E402
+from traceml_tui.collect import metrics  # noqa: E402
 
 
 def main() -> None:

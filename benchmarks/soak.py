@@ -3,7 +3,7 @@
     python benchmarks/soak.py --ranks 16384 --ranks-per-node 8 --seconds 600
 
 What is real: the `Collector` (its serve() loop, in a child process pinned to core 0,
-CURVE on every socket with a run secret), the `Relay` objects of traceml_tui/relay.py
+CURVE on every socket with a run secret), the `Relay` objects of traceml_tui/collect/relay.py
 (one per node, each with its own CURVE connection to the collector, batching per tick
 exactly as in a run), the wire bytes (protocol.encode, patched per message as in
 collector_ingest.py). What is simulated: the ranks, in one process on the other core,
@@ -58,9 +58,9 @@ from collector_ingest import (  # noqa: E402 - the same simulated agent bytes
 from traceml_agent import keys, protocol  # noqa: E402
 from traceml_agent.protocol import PHASES, Identity  # noqa: E402
 from traceml_agent.transport import send_interval_s, sys_interval_s  # noqa: E402
-from traceml_tui.auth import start_authenticator  # noqa: E402
-from traceml_tui.relay import TICK_S, Relay  # noqa: E402
-from traceml_tui.windows import window_steps_for  # noqa: E402
+from traceml_tui.collect.auth import start_authenticator  # noqa: E402
+from traceml_tui.collect.relay import TICK_S, Relay  # noqa: E402
+from traceml_tui.judge.windows import window_steps_for  # noqa: E402
 
 SECRET = "5a" * 32
 SAMPLE_S = 10.0

@@ -2,7 +2,7 @@
 --no-relay), against a real collector process for minutes. Does ingest keep
 up the whole time, and does the collector's memory stay flat once warm?
 
-A real `python -m traceml_tui.collector` (plain loopback mode, as `traceml run` starts it)
+A real `python -m traceml_tui.collect.collector` (plain loopback mode, as `traceml run` starts it)
 takes the traffic of --ranks simulated agents from --senders processes. Each rank has its
 own DEALER connection (as real agents do; --conns to share fewer) and sends what an agent
 sends: one hello, then --rate steps batches a second (--records-per-msg records each) plus
@@ -55,8 +55,8 @@ from collector_ingest import stamp, templates
 from traceml_agent import protocol
 from traceml_agent.protocol import Identity
 from traceml_agent.vocab import LIVE_SNAPSHOT_JSON
-from traceml_tui.summary import SUMMARY_JSON
-from traceml_tui.windows import window_steps_for
+from traceml_tui.judge.windows import window_steps_for
+from traceml_tui.report.summary import SUMMARY_JSON
 
 SEND_HWM = 2_000  # per rank, as agent/transport.py
 SEND_CHUNK = 2_000  # sends between two looks at the clock
@@ -172,7 +172,7 @@ class CollectorProcess:
         run_dir.mkdir(parents=True)
         self.log = open(run_dir.parent / "collector.log", "wb")  # closed in close()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "traceml_tui.collector", "--run-dir", str(run_dir),
+            [sys.executable, "-m", "traceml_tui.collect.collector", "--run-dir", str(run_dir),
              "--world-size", str(world), "--run-name", "soak"],
             stdout=self.log, stderr=subprocess.STDOUT, env=env,
             # Before it starts any thread: ZeroMQ's I/O thread inherits the mask.
@@ -312,7 +312,7 @@ class FrozenViews:
         self.payloads, self.i = payloads, 0
 
     def fetch(self, pinned: int | None) -> tuple[Any, None]:
-        from traceml_tui.view_state import decode_view
+        from traceml_tui.viewmodel import decode_view
 
         self.i += 1
         return decode_view(self.payloads[self.i % len(self.payloads)]), None
@@ -326,7 +326,7 @@ class FrozenViews:
 
 async def frame_times(payloads: list[bytes], frames: int) -> list[float]:
     """As benchmarks/dashboard_frame.py: CPU per refresh (decode, apply, draw) at 160x50."""
-    from traceml_tui.dashboard import DashboardApp
+    from traceml_tui.view.dashboard import DashboardApp
 
     source = FrozenViews(payloads)
     app = DashboardApp(source, refresh_s=3600)  # we drive the refreshes

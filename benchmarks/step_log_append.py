@@ -1,4 +1,4 @@
-"""Cost of logging one step record in traceml_tui.step_log (the collector's hot path).
+"""Cost of logging one step record in traceml_tui.runfolder.step_log (the collector's hot path).
 
     python benchmarks/step_log_append.py [--records 500000] [--rounds 5]
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from traceml_agent.protocol import PHASES, StepRecord
-from traceml_tui.step_log import StepLogWriter, read_steps
+from traceml_tui.runfolder.step_log import StepLogWriter, read_steps
 
 
 def one_round(records: list[StepRecord], batch: int, budget: int) -> tuple[float, float]:

@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # canned states
 
 from canned import StaticSource, make_state, with_history  # noqa: E402
-from traceml_tui.dashboard import DashboardApp  # noqa: E402
-from traceml_tui.view_client import ViewClient, resolve_target  # noqa: E402
+from traceml_tui.view.client import ViewClient, resolve_target  # noqa: E402
+from traceml_tui.view.dashboard import DashboardApp  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

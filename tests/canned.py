@@ -14,9 +14,10 @@ from msgspec.structs import replace
 
 from traceml_agent.checks import Finding
 from traceml_agent.protocol import PHASES, Identity, Message, StepRecord
-from traceml_tui import summary, view_build
-from traceml_tui.state import RunState
-from traceml_tui.view_state import CaptureView, RankDetail, ViewState
+from traceml_tui.collect import view_build
+from traceml_tui.judge.state import RunState
+from traceml_tui.report import summary
+from traceml_tui.viewmodel import CaptureView, RankDetail, ViewState
 
 T0 = 1_700_000_000.0  # a fixed clock: canned states never read the real one
 BASE_MS = {"dataloader": 0.3, "h2d": None, "forward": 1.0, "backward": 1.5, "sync": 2.0,
@@ -112,7 +113,7 @@ def with_history(state: RunState, seconds: float = 75.0, onset_s: float = 25.0,
                  step_ms: float = 6.0, extra_ms: float = 30.0) -> RunState:
     """A run's time chart: balanced steps, then a straggler from `onset_s` (fixed values,
     one point per 0.5 s evaluation, as the collector adds them)."""
-    from traceml_tui.history import History
+    from traceml_tui.judge.history import History
 
     state.history = History()
     t = 0.0

@@ -34,7 +34,7 @@ from traceml_agent.checks import (
     param_checksum,
 )
 from traceml_agent.vocab import format_ranks
-from traceml_tui.setup_checks import compare_checksums, compare_devices, merge_findings
+from traceml_tui.judge.setup_checks import compare_checksums, compare_devices, merge_findings
 
 WORLD = 2  # the world size the checks are told about
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from jobs import traceml
-from traceml_tui.compare import NOISE_SHARE, compare, metrics, render, verdict
+from traceml_tui.report.compare import NOISE_SHARE, compare, metrics, render, verdict
 
 
 def summary(name: str, step: float, dataloader: list[float], label: str = "BALANCED",

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from traceml_tui import cost
-from traceml_tui import diagnosis as dx
-from traceml_tui.windows import AlignedSteps, WindowBlock
+from traceml_tui.judge import cost
+from traceml_tui.judge import diagnosis as dx
+from traceml_tui.judge.windows import AlignedSteps, WindowBlock
 
 N = 40  # steps
 RNG = np.random.default_rng(0)

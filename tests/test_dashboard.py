@@ -8,13 +8,13 @@ import pytest
 from textual.widgets import Static
 
 from canned import StaticSource, make_state
-from traceml_tui.dashboard import DashboardApp
-from traceml_tui.dashboard.banner import Banner
-from traceml_tui.dashboard.heat_table import HeatTable
-from traceml_tui.dashboard.rank_panel import RankPanel
-from traceml_tui.dashboard.screens import HelpScreen, PromptScreen
-from traceml_tui.dashboard.status_bar import StatusBar
-from traceml_tui.view_state import CaptureView
+from traceml_tui.view.dashboard import DashboardApp
+from traceml_tui.view.dashboard.banner import Banner
+from traceml_tui.view.dashboard.heat_table import HeatTable
+from traceml_tui.view.dashboard.rank_panel import RankPanel
+from traceml_tui.view.dashboard.screens import HelpScreen, PromptScreen
+from traceml_tui.view.dashboard.status_bar import StatusBar
+from traceml_tui.viewmodel import CaptureView
 
 SIZE = (140, 44)
 
@@ -285,7 +285,7 @@ async def test_a_slow_node_and_a_silent_node_are_named():
 
 async def test_setup_checks_are_counted_and_c_shows_evidence_and_fix():
     from traceml_agent.checks import Finding
-    from traceml_tui.dashboard.screens import ChecksScreen
+    from traceml_tui.view.dashboard.screens import ChecksScreen
 
     found = Finding("no-distributed-sampler", "critical", (0, 1),
                     "DataLoader without a DistributedSampler: every rank reads all 512 samples",
@@ -308,7 +308,7 @@ async def test_setup_checks_are_counted_and_c_shows_evidence_and_fix():
 
 
 async def test_t_asks_for_a_deep_trace_of_the_pinned_rank_and_T_reads_it():
-    from traceml_tui.dashboard.screens import TraceScreen
+    from traceml_tui.view.dashboard.screens import TraceScreen
 
     source = StaticSource(make_state())
     app = DashboardApp(source, refresh_s=0.05)

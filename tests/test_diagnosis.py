@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import pytest
 
-from traceml_tui import diagnosis as dx
-from traceml_tui.diagnosis import (
+from traceml_tui.judge import diagnosis as dx
+from traceml_tui.judge.diagnosis import (
     BALANCED,
     COMPUTE_STRAGGLER,
     CONFIRM_TICKS,

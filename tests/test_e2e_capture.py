@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from jobs import EXAMPLES, live_steps, spawn_traceml, wait_for
-from traceml_tui.view_client import ViewClient, resolve_target
+from traceml_tui.view.client import ViewClient, resolve_target
 
 pytestmark = pytest.mark.e2e
 

@@ -102,7 +102,7 @@ def test_a_lost_relay_stops_the_figures_not_the_training(tmp_path):
 
     def relay() -> psutil.Process | None:
         for child in psutil.Process(p1.pid).children(recursive=True):
-            if "traceml_tui.relay" in child.cmdline():
+            if "traceml_tui.collect.relay" in child.cmdline():
                 return child
         return None
 
@@ -195,7 +195,7 @@ def test_two_hosts_with_their_own_addresses(tmp_path, two_hosts):
 
 def test_live_view_shows_the_node_not_started_yet(tmp_path):
     """Node 0 alone for a while: its dashboard data says node 1's ranks have not reported."""
-    from traceml_tui.view_client import ViewClient, resolve_target
+    from traceml_tui.view.client import ViewClient, resolve_target
 
     out, port = tmp_path / "runs", free_ports(3)
     p0 = spawn_traceml(*node_args(out, "late", 0, port, script_args=("--steps", "60")))

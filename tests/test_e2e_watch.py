@@ -21,8 +21,8 @@ import psutil
 import pytest
 
 from jobs import EXAMPLES, kill_session, live_steps, traceml, wait_for
-from traceml_tui.dashboard import DashboardApp
-from traceml_tui.view_client import ViewClient, resolve_target
+from traceml_tui.view.client import ViewClient, resolve_target
+from traceml_tui.view.dashboard import DashboardApp
 
 pytestmark = pytest.mark.e2e
 FAULTY = Path(__file__).resolve().parent / "faulty_ddp.py"
@@ -84,7 +84,7 @@ def test_watch_from_another_node_uses_the_address_node_0_advertised(tmp_path, mo
     import json
     import socket
 
-    from traceml_tui.view_client import resolve_target
+    from traceml_tui.view.client import resolve_target
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -121,7 +121,7 @@ def canned_collector() -> Iterator[str]:
     import zmq
 
     from canned import make_state, make_view
-    from traceml_tui.view_state import encode_detail, encode_view
+    from traceml_tui.viewmodel import encode_detail, encode_view
 
     views = [encode_view(make_view(make_state(world_size=64, nproc_per_node=8, seed=i,
                                               straggler=3 + 7 * i, extra_ms=10.0 + 9 * i)))

@@ -37,9 +37,9 @@ import pytest
 
 from jobs import free_ports, validate_schema, wait_for
 from traceml_agent.transport import SEND_INTERVAL_S
-from traceml_tui.collector import SNAPSHOT_INTERVAL_S
-from traceml_tui.launcher import TERM_GRACE_S
-from traceml_tui.view_client import ViewClient, resolve_target
+from traceml_tui.collect.collector import SNAPSHOT_INTERVAL_S
+from traceml_tui.launch.launcher import TERM_GRACE_S
+from traceml_tui.view.client import ViewClient, resolve_target
 
 pytestmark = pytest.mark.e2e
 
@@ -332,7 +332,7 @@ def _read_line(proc: subprocess.Popen, timeout: float) -> str:
 
 FROZEN_VIEWER = """
 import sys
-from traceml_tui.view_client import ViewClient, resolve_target
+from traceml_tui.view.client import ViewClient, resolve_target
 address, _, secret = resolve_target(sys.argv[1])
 client = ViewClient(address, secret=secret)
 client.fetch()

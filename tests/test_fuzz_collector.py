@@ -1,6 +1,6 @@
 """Fuzz the collector: hostile traffic never crashes it, never grows it, never costs the record.
 
-The main test starts a real collector process (`python -m traceml_tui.collector`, plain
+The main test starts a real collector process (`python -m traceml_tui.collect.collector`, plain
 loopback mode) and sends 100,000 hostile messages to its ingest socket (tests/hostile.py:
 random bytes, truncated and mangled msgpack, every field swapped for anything msgpack can
 carry, NaN and infinities, huge numbers, strings, arrays and nesting, unknown versions and
@@ -34,9 +34,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from traceml_agent.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode
-from traceml_tui import summary, view_build, view_state
-from traceml_tui.collector import TRANSPORT_FRAME_LIMIT as TRANSPORT_LIMIT
-from traceml_tui.state import MAX_RUN_PHASES, RunState
+from traceml_tui import viewmodel
+from traceml_tui.collect import view_build
+from traceml_tui.collect.collector import TRANSPORT_FRAME_LIMIT as TRANSPORT_LIMIT
+from traceml_tui.judge.state import MAX_RUN_PHASES, RunState
+from traceml_tui.report import summary
 
 N_HOSTILE = 100_000
 N_VALID = 5_000
@@ -50,14 +52,14 @@ COUNTED = ("messages", "malformed", "foreign")
 # --- a real collector process -------------------------------------------------------------
 
 class CollectorProcess:
-    """`python -m traceml_tui.collector` in plain loopback mode, and its three sockets."""
+    """`python -m traceml_tui.collect.collector` in plain loopback mode, and its three sockets."""
 
     def __init__(self, run_dir: Path) -> None:
         env = {k: v for k, v in os.environ.items() if k != "TRACEML_SECRET"}
         self.run_dir = run_dir
         self.log = open(run_dir.parent / "collector.log", "wb")  # closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "traceml_tui.collector", "--run-dir", str(run_dir),
+            [sys.executable, "-m", "traceml_tui.collect.collector", "--run-dir", str(run_dir),
              "--world-size", str(WORLD), "--run-name", "fuzz"],
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.ctx = zmq.Context()
@@ -206,7 +208,7 @@ def assert_record(counters: dict[str, int], ranks: list[dict[str, Any]], exp: Ex
     assert [r["pid"] for r in ranks] == [i.pid for i in hostile.IDENTS]
 
 
-# --- what the fuzz found (fixed in traceml_tui/collector.py; kept as regressions) ------------
+# --- what the fuzz found (fixed in traceml_tui/collect/collector.py; kept as regressions) ---
 
 BIG_FRAME = 64 << 20
 
@@ -283,7 +285,7 @@ def test_decode_and_ingest_raise_nothing_but_protocol_error(payloads):
     snap = state.snapshot(now, mono + 60.0, full=True)
     doc = summary.build(snap, summary.RunMeta(complete=False))
     json.dumps(doc, allow_nan=False)  # strict JSON: no NaN or infinity reached the record
-    view_state.encode_view(view_build.build(snap, state.recent_steps))
+    viewmodel.encode_view(view_build.build(snap, state.recent_steps))
     assert state.counters["messages"] + state.counters["foreign"] == decoded
     assert state.counters["malformed"] >= len(payloads) - decoded
     assert len(state.phases) <= MAX_RUN_PHASES

@@ -1,11 +1,11 @@
-"""The hang rules (traceml_tui/hang.py): pure, table-driven."""
+"""The hang rules (traceml_tui/judge/hang.py): pure, table-driven."""
 
 from __future__ import annotations
 
 import pytest
 
-from traceml_tui import hang
-from traceml_tui.hang import (
+from traceml_tui.judge import hang
+from traceml_tui.judge.hang import (
     BEHIND,
     DEAD,
     DIVERGED,
@@ -223,7 +223,7 @@ def test_hang_py_reads_no_clock():
 
 def _state_with_steps(world: int = 2):
     from traceml_agent.protocol import PHASES, Identity, decode, encode
-    from traceml_tui.state import RunState
+    from traceml_tui.judge.state import RunState
 
     state = RunState("graphs", world_size=world, started_at=1_700_000_000.0)
     idents = [Identity(r, r, 0, f"host{r}", 100 + r, world) for r in range(world)]
@@ -246,8 +246,9 @@ def test_a_job_replaying_cuda_graphs_is_not_a_hang_and_says_why():
     """After a whole-step capture no step closes, but the replays keep rising: no HANG for
     a minute; the view marks the ranks "hidden" and says why, and so does the summary.
     Once the replays stop rising too, the threshold runs out and HANG is declared."""
-    from traceml_tui import summary, view_build
-    from traceml_tui.view_state import HIDDEN
+    from traceml_tui.collect import view_build
+    from traceml_tui.report import summary
+    from traceml_tui.viewmodel import HIDDEN
 
     state, idents = _state_with_steps()
     for t in range(2, 62):
@@ -296,7 +297,7 @@ def test_records_the_collector_refused_are_counted_per_rank_and_shown():
     """One negative phase in a batch of ten: nine steps recorded, one counted as refused,
     in the ingest counters, the rank's row of the summary and its text."""
     from traceml_agent.protocol import PHASES, decode, encode
-    from traceml_tui import summary
+    from traceml_tui.report import summary
 
     state, idents = _state_with_steps()
     records = [[s, 1_700_000_100.0 + s, 50.0, 5.0, 1.0, 15.0, 20.0, 2.0, 5.0, 2.0]

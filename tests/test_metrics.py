@@ -18,7 +18,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from canned import T0, make_state, make_view
 from jobs import EXAMPLES, free_ports, kill_session, spawn_traceml, wait_for
-from traceml_tui import metrics
+from traceml_tui.collect import metrics
 
 
 def scrape(state) -> dict[str, list]:

@@ -15,10 +15,10 @@ import pytest
 from test_state import ident, steps  # noqa: F401 - helpers of the state tests
 
 from jobs import EXAMPLES, kill_session, spawn_traceml, wait_for
-from traceml_tui import summary
-from traceml_tui.collector import native_stack_error
-from traceml_tui.native_stacks import stuck_ranks
-from traceml_tui.state import NATIVE_THREAD, RunState
+from traceml_tui.collect.collector import native_stack_error
+from traceml_tui.judge.state import NATIVE_THREAD, RunState
+from traceml_tui.launch.native_stacks import stuck_ranks
+from traceml_tui.report import summary
 
 
 def test_only_this_nodes_named_ranks_without_a_stack_are_dumped():

@@ -12,7 +12,7 @@ import pytest
 from traceml_agent import nccl_log, protocol
 from traceml_agent.nccl_log import NcclState, parse
 from traceml_agent.protocol import Identity, ProtocolError, decode, encode
-from traceml_tui import nccl_debug
+from traceml_tui.launch import nccl_debug
 
 HEAD = "node3:4242:4300 [3] NCCL INFO "
 STARTED = (HEAD + "AllReduce: opCount {n} size 4194304 datatype 7 op 0 root 0 "
@@ -95,8 +95,8 @@ def test_the_stacks_message_carries_the_nccl_state_bounded():
 def test_a_hang_prints_each_ranks_last_collectives():
     from test_state import T0, steps  # the shared fixtures of the state tests
 
-    from traceml_tui import summary
-    from traceml_tui.state import RunState
+    from traceml_tui.judge.state import RunState
+    from traceml_tui.report import summary
 
     state = RunState("run", world_size=2, started_at=T0)
     for rank in (0, 1):

@@ -15,7 +15,7 @@ import netns
 import pytest
 
 from jobs import traceml
-from traceml_tui import netcheck_math as nm
+from traceml_tui.judge import bandwidth as nm
 
 GB = 1e9
 

@@ -20,8 +20,9 @@ from canned import T0, make_state
 from traceml_agent import hooks, protocol, sysmetrics
 from traceml_agent.protocol import Identity, decode, encode
 from traceml_agent.recorder import LazyCudaRecorder
-from traceml_tui import diagnosis as dx
-from traceml_tui import summary, view_build
+from traceml_tui.collect import view_build
+from traceml_tui.judge import diagnosis as dx
+from traceml_tui.report import summary
 
 A100 = "NVIDIA A100-SXM4-80GB"
 H100 = "NVIDIA H100 80GB HBM3"
@@ -356,9 +357,9 @@ async def test_the_dashboard_shows_the_culprits_gpu_where_the_user_looks():
     from rich.console import Console
 
     from canned import StaticSource
-    from traceml_tui.dashboard import DashboardApp
-    from traceml_tui.dashboard.banner import Banner
-    from traceml_tui.dashboard.rank_panel import RankPanel
+    from traceml_tui.view.dashboard import DashboardApp
+    from traceml_tui.view.dashboard.banner import Banner
+    from traceml_tui.view.dashboard.rank_panel import RankPanel
 
     def text_of(widget) -> str:
         console = Console(width=300, record=True, file=open("/dev/null", "w"))

@@ -12,11 +12,11 @@ from collections import defaultdict
 import pytest
 
 from traceml_agent.protocol import PHASES, Identity, decode, encode
-from traceml_tui import diagnosis as dx
-from traceml_tui import summary
-from traceml_tui.perfetto import DIAGNOSIS_PID, STEP_TID, build_trace, write_trace
-from traceml_tui.state import LIVE_STEPS, RunState
-from traceml_tui.step_log import LoggedStep, StepLogWriter, read_steps
+from traceml_tui.judge import diagnosis as dx
+from traceml_tui.judge.state import LIVE_STEPS, RunState
+from traceml_tui.report import summary
+from traceml_tui.report.perfetto import DIAGNOSIS_PID, STEP_TID, build_trace, write_trace
+from traceml_tui.runfolder.step_log import LoggedStep, StepLogWriter, read_steps
 
 T0 = 1_790_000_000.0
 # dataloader, h2d, forward, backward, sync, optimizer, wait: 100 ms, h2d not measured.

@@ -18,9 +18,11 @@ from hypothesis import strategies as st
 
 from jobs import validate_schema
 from traceml_agent.protocol import ProtocolError, decode
-from traceml_tui import collector as collector_mod
-from traceml_tui import summary, view_build, view_state
-from traceml_tui.state import RunState
+from traceml_tui import viewmodel
+from traceml_tui.collect import collector as collector_mod
+from traceml_tui.collect import view_build
+from traceml_tui.judge.state import RunState
+from traceml_tui.report import summary
 
 # C0 and C1 controls except newline (lines) and tab; DEL too. A terminal acts on these.
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -51,7 +53,7 @@ def test_the_summary_of_any_received_traffic_is_valid_strict_and_terminal_safe(p
     text = summary.render_text(doc)
     assert not CONTROL.search(text), repr(CONTROL.search(text))
     view = view_build.build(snap, state.recent_steps)
-    view_state.decode_view(view_state.encode_view(view))
+    viewmodel.decode_view(viewmodel.encode_view(view))
 
 
 class FakeSocket:

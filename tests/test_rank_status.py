@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from traceml_tui.state import RankSnapshot
-from traceml_tui.view_build import rank_status
-from traceml_tui.view_state import DONE, FAILED, OK, STALE, STOPPED, WAITING
+from traceml_tui.collect.view_build import rank_status
+from traceml_tui.judge.state import RankSnapshot
+from traceml_tui.viewmodel import DONE, FAILED, OK, STALE, STOPPED, WAITING
 
 BASE = RankSnapshot(rank=0, local_rank=0, node=0, host="h", pid=1, reported=True, steps=50,
                     window_steps=50, step_ms=None, phase_ms={}, live_step_ms=20.0,

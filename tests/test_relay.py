@@ -1,4 +1,4 @@
-"""Node relays (traceml_tui/relay.py): another node's ranks reach node 0's collector
+"""Node relays (traceml_tui/collect/relay.py): another node's ranks reach node 0's collector
 through one relay process on their node, with the run's keys on both legs.
 
 A real collector process and a real relay process (as `traceml run` starts them);
@@ -21,8 +21,8 @@ import zmq
 from jobs import free_ports, wait_for
 from traceml_agent import keys, protocol
 from traceml_agent.protocol import PHASES, Identity
-from traceml_tui.relay import RelayProcess
-from traceml_tui.view_client import ViewClient
+from traceml_tui.collect.relay import RelayProcess
+from traceml_tui.view.client import ViewClient
 
 SECRET = "ab" * 32
 
@@ -138,7 +138,7 @@ def test_a_lost_relay_is_reported_while_its_node_has_ranks(two_node_collector):
 
 
 def test_the_relays_pipe_per_rank_is_the_collectors_bound():
-    from traceml_tui import collector, relay
+    from traceml_tui.collect import collector, relay
 
     assert relay.LOCAL_HWM == collector.MAX_RECV_HWM
 

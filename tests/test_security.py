@@ -21,7 +21,7 @@ import zmq
 from jobs import wait_for
 from traceml_agent import keys, protocol
 from traceml_agent.protocol import PHASES, Identity
-from traceml_tui.view_client import ViewClient, ViewUnavailable
+from traceml_tui.view.client import ViewClient, ViewUnavailable
 
 SECRET = "ab" * 32
 
@@ -153,7 +153,7 @@ def test_a_forged_client_without_the_keys_changes_nothing(secured):
 
 
 def test_a_viewer_with_the_run_folder_attaches(secured):
-    from traceml_tui.view_client import resolve_target
+    from traceml_tui.view.client import resolve_target
 
     run_dir, _ = secured
     (run_dir / keys.SECRET_FILE).write_text(SECRET + "\n")

@@ -25,8 +25,8 @@ import zmq
 from jobs import wait_for
 from traceml_agent import keys
 from traceml_agent.protocol import PHASES, Identity, decode, encode
-from traceml_tui.state import MAX_STEP_JUMP, MAX_STEPS_PER_S, RANK_QUIET_S, RunState
-from traceml_tui.view_client import ViewClient
+from traceml_tui.judge.state import MAX_STEP_JUMP, MAX_STEPS_PER_S, RANK_QUIET_S, RunState
+from traceml_tui.view.client import ViewClient
 
 SECRET = "cd" * 32
 BALANCED = [10.0, 1.0, None, 2.0, 3.0, 1.0, 1.0, 2.0]  # step_ms, then PHASES
@@ -256,7 +256,7 @@ def _no_control(text: str) -> None:
 
 
 def test_a_deep_trace_puts_no_escape_sequence_on_the_trace_screen_or_in_its_file(tmp_path):
-    from traceml_tui.captures import CaptureBoard
+    from traceml_tui.collect.deep_traces import CaptureBoard
 
     run_dir = tmp_path / "run"
     traces = run_dir / "traces"
@@ -300,7 +300,7 @@ def test_traceml_compare_prints_no_escape_sequence_from_the_files_it_is_given(tm
 
 
 def test_netcheck_prints_no_escape_sequence_from_the_host_names_it_gathered(tmp_path):
-    from traceml_tui.netcheck import render
+    from traceml_tui.launch.netcheck import render
 
     node = {"node": 0, "host": f"node0{OSC52}", "interface": f"eth0{CLEAR}", "mtu": 1500,
             "speed_mbps": None, "infiniband": []}
@@ -317,7 +317,7 @@ def test_another_node_prints_no_escape_sequence_from_the_run_folder_in_the_store
     from types import SimpleNamespace
 
     from traceml_agent import handover
-    from traceml_tui.launcher import _node_done
+    from traceml_tui.launch.launcher import _node_done
 
     opts = SimpleNamespace(node_rank=1, master_addr="node0")
     handed = SimpleNamespace(values={handover.RUN_DIR_KEY: f"/scratch/run{OSC52}{CLEAR}"},
@@ -455,7 +455,7 @@ def test_summary_requests_and_exports_are_rate_limited(secured):
     """Each `summary` request (a viewer's `e`, `traceml export`) cost a full snapshot, with
     no limit: a key holder asking in a loop kept the collector's core busy. Now a fresh
     one is built at most every SUMMARY_BACKOFF times its cost; the rest get its bytes."""
-    from traceml_tui.view_server import SUMMARY_BACKOFF
+    from traceml_tui.collect.view_server import SUMMARY_BACKOFF
 
     rank = Rank(secured, 0)
     rank.start()

@@ -21,13 +21,14 @@ import zmq
 from jobs import EXAMPLES, wait_for
 from traceml_agent import keys, protocol
 from traceml_agent.protocol import PHASES, Identity
-from traceml_tui import launcher, private
+from traceml_tui.launch import launcher, options
+from traceml_tui.runfolder import folders
 
 SECRET = "cd" * 32
 
 
-def _opts(**kw) -> launcher.RunOptions:
-    return launcher.RunOptions(script=EXAMPLES / "ddp_toy.py", **kw)
+def _opts(**kw) -> options.RunOptions:
+    return options.RunOptions(script=EXAMPLES / "ddp_toy.py", **kw)
 
 
 def _rank_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
@@ -64,7 +65,7 @@ def _rank_messages(rank: int, pid: int, steps: range, seq: int) -> list[bytes]:
 def collector(tmp_path):
     """Node 0's collector for one rank, started by the launcher's own function."""
     run_dir = tmp_path / "run"
-    private.make_private_dir(run_dir)
+    folders.make_private_dir(run_dir)
     proc, info, key = launcher.start_collector(run_dir, "sec", _opts(), time.time(), SECRET, 0)
     ctx = zmq.Context()
     try:
@@ -115,7 +116,7 @@ def test_the_control_key_is_nowhere_a_rank_can_read(collector):
 
 
 def test_a_collector_without_its_key_on_stdin_does_not_start(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "traceml_tui.collector", "--run-dir",
+    done = subprocess.run([sys.executable, "-m", "traceml_tui.collect.collector", "--run-dir",
                            str(tmp_path / "r"), "--world-size", "1", "--control-key-stdin"],
                           input="short\n", capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "64 hex characters" in done.stderr
@@ -140,10 +141,10 @@ def test_a_forged_hello_naming_an_unrelated_process_gets_no_dump(tmp_path):
     is refused and counted in the summary."""
     import threading
 
-    from traceml_tui.native_stacks import NativeStackWatcher, control_sender
+    from traceml_tui.launch.native_stacks import NativeStackWatcher, control_sender
 
     run_dir = tmp_path / "run"
-    private.make_private_dir(run_dir)
+    folders.make_private_dir(run_dir)
     proc, info, key = launcher.start_collector(run_dir, "sec", _opts(nproc_per_node=2,
                                                hang_after=7.0), time.time(), SECRET, 0)
     unrelated = subprocess.Popen(["sleep", "300"])  # the owner's, not the run's
@@ -217,7 +218,7 @@ def _carries(master, *names: str) -> list[str]:
     return [n for n in names if master.check([n])]
 
 
-def _node_opts(k: int) -> launcher.RunOptions:
+def _node_opts(k: int) -> options.RunOptions:
     return _opts(nnodes=2, node_rank=k, nproc_per_node=1, run_name="sec")
 
 
@@ -228,7 +229,7 @@ def test_with_a_shared_folder_the_store_carries_nothing(tmp_path, store, monkeyp
     monkeypatch.delenv("TRACEML_SECRET", raising=False)
     monkeypatch.setenv(handover.SHARED_WAIT_ENV, "30")
     shared = tmp_path / "sec"
-    private.make_private_dir(shared)
+    folders.make_private_dir(shared)
     # Node 1 first, before node 0 made the secret: it finds no file yet and waits.
     assert launcher.run_secret(_node_opts(1), shared) is None
     node1 = launcher._Handover(_node_opts(1), port, ended.is_set, shared, None)
@@ -249,7 +250,7 @@ def test_with_traceml_secret_the_store_carries_nothing(tmp_path, store, monkeypa
     try:
         for k in (0, 1):
             run_dir = tmp_path / f"node{k}"
-            private.make_private_dir(run_dir)
+            folders.make_private_dir(run_dir)
             node = launcher._Node("tcp://x:1", "tcp://x:2", SECRET)
             launcher._start_handover(_node_opts(k), node, run_dir, port, torchrun)
             assert node.handover is None
@@ -270,7 +271,7 @@ def test_without_either_the_secret_goes_through_the_store_and_both_nodes_say_so(
     dirs = [tmp_path / "node0" / "sec", tmp_path / "node1" / "sec"]  # no shared folder
     for d in dirs:
         d.parent.mkdir()
-        private.make_private_dir(d)
+        folders.make_private_dir(d)
     secret = launcher.run_secret(_node_opts(0), dirs[0])
     assert launcher.run_secret(_node_opts(1), dirs[1]) is None
     # Someone on the network writes a proof of their own for node 1: checked, refused.
@@ -314,16 +315,16 @@ def test_a_run_folder_swapped_for_a_link_after_start_does_not_redirect_the_recor
 
 def test_writes_below_a_pinned_folder_never_follow_a_link(tmp_path):
     run_dir = tmp_path / "run"
-    private.make_private_dir(run_dir)
-    private.pin_dir(run_dir)
+    folders.make_private_dir(run_dir)
+    folders.pin_dir(run_dir)
     (run_dir / "traces").mkdir(mode=0o700)
-    private.write_atomic(run_dir / "traces" / "capture1.txt", "ours")
+    folders.write_atomic(run_dir / "traces" / "capture1.txt", "ours")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (run_dir / "traces").rename(run_dir / "traces.old")
     (run_dir / "traces").symlink_to(elsewhere)
     with pytest.raises(OSError):
-        private.write_atomic(run_dir / "traces" / "capture2.txt", "redirected?")
+        folders.write_atomic(run_dir / "traces" / "capture2.txt", "redirected?")
     assert list(elsewhere.iterdir()) == []
     assert (run_dir / "traces.old" / "capture1.txt").read_text() == "ours"
 
@@ -341,7 +342,7 @@ def test_a_deep_trace_is_never_written_through_a_swapped_run_folder(tmp_path):
                 f.write('{"traceEvents": []}')
 
     run_dir = tmp_path / "run"
-    private.make_private_dir(run_dir)
+    folders.make_private_dir(run_dir)
     capturer = Capturer(0, str(run_dir), None, SimpleNamespace(agent_busy=None))
     capturer._export(Profile(), 1)
     assert capturer.events[-1]["state"] == "done", capturer.events

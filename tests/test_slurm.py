@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from jobs import EXAMPLES, spawn_traceml
-from traceml_tui.slurm import PORT_BASE, PORT_SPAN, SlurmError, expand_hostlist, from_env
+from traceml_tui.launch.slurm import PORT_BASE, PORT_SPAN, SlurmError, expand_hostlist, from_env
 
 
 @pytest.mark.parametrize("text, hosts", [

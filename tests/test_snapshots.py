@@ -9,8 +9,8 @@ import pytest
 
 from canned import StaticSource, make_hang_state, make_state, with_history
 from traceml_agent.checks import Finding
-from traceml_tui.dashboard import DashboardApp
-from traceml_tui.view_state import CaptureView
+from traceml_tui.view.dashboard import DashboardApp
+from traceml_tui.viewmodel import CaptureView
 
 WIDE = (150, 46)
 NARROW = (80, 24)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from traceml_agent.protocol import PHASES, Identity, decode, encode
-from traceml_tui import diagnosis as dx
-from traceml_tui.state import LIVE_STEPS, WARMUP_STEPS, RunState
+from traceml_tui.judge import diagnosis as dx
+from traceml_tui.judge.state import LIVE_STEPS, WARMUP_STEPS, RunState
 
 T0 = 1_700_000_000.0
 # Per PHASES order: dataloader, h2d, forward, backward, sync, optimizer, wait (100 ms).
@@ -230,7 +230,7 @@ def test_evaluate_waits_for_min_steps(n_steps, label):
 
 def test_a_sender_inventing_phase_names_cannot_grow_the_collector():
     """Each new phase name costs a window per rank; names beyond the run's limit are refused."""
-    from traceml_tui.state import MAX_RUN_PHASES
+    from traceml_tui.judge.state import MAX_RUN_PHASES
 
     state = RunState("run", world_size=1)
     ident = Identity(rank=0, local_rank=0, node=0, host="h", pid=1, world_size=1)

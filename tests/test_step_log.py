@@ -8,12 +8,7 @@ import os
 import pytest
 
 from traceml_agent.protocol import PHASES, StepRecord
-from traceml_tui.step_log import (
-    FILE_NAMES,
-    LoggedStep,
-    StepLogWriter,
-    read_steps,
-)
+from traceml_tui.runfolder.step_log import FILE_NAMES, LoggedStep, StepLogWriter, read_steps
 
 SEVEN = (1.0, None, 3.0, 4.0, 0.5, 2.0, 0.25)
 

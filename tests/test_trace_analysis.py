@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from traceml_tui import trace_analysis as ta
+from traceml_tui.report import trace_analysis as ta
 
 TRACES = Path(__file__).parent / "data" / "traces"
 GPU = TRACES / "gpu_handwritten.json"
@@ -222,7 +222,7 @@ def test_a_ranks_trace_path_is_read_only_inside_the_runs_traces_folder(tmp_path)
     import os
     import time
 
-    from traceml_tui.trace_analysis import load_trace
+    from traceml_tui.report.trace_analysis import load_trace
 
     root = tmp_path / "traces"
     root.mkdir()

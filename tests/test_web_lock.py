@@ -380,7 +380,7 @@ def test_without_textual_serve_one_line_error(tmp_path):
     ("127.0.0.1.evil.example:8000", False), ("localhost.:8000", False), ("", False),
     ("[::1].evil:8000", False), ("gpu-node:8000", True)])
 def test_host_names_a_bound_server_answers_to(host, ok):
-    from traceml_tui.web_lock import WebLock, served_names
+    from traceml_tui.view.web_lock import WebLock, served_names
 
     lock = WebLock("t" * 43, served_names("gpu-node"), lambda line: None)
     assert lock.host_ok(host) is ok

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from window_reference import Ring
 
-from traceml_tui.windows import (
+from traceml_tui.judge.windows import (
     MAX_WINDOW_STEPS,
     MIN_WINDOW_STEPS,
     STANDARD_SERIES,

@@ -1,12 +1,12 @@
 """The per-rank windows as the collector kept them before numpy (pure Python rings), kept
-as the reference the vectorised windows (traceml_tui/windows.py) are checked against."""
+as the reference the vectorised windows (traceml_tui/judge/windows.py) are checked against."""
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
 
-from traceml_tui.windows import Quantiles, sorted_quantiles
+from traceml_tui.judge.windows import Quantiles, sorted_quantiles
 
 NAN = float("nan")
 

@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import __version__, nccl_debug, slurm, terminal
-from .slurm import SlurmError
+from . import __version__
+from .launch import nccl_debug, slurm, terminal
+from .launch.slurm import SlurmError
 
 RUN_USAGE = "traceml run SCRIPT [options] [-- SCRIPT ARGS...]"
 
@@ -170,7 +171,8 @@ def _split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _cmd_run(parser: argparse.ArgumentParser, argv: list[str], full_argv: list[str]) -> int:
-    from .launcher import LaunchError, RunOptions, run
+    from .launch.launcher import run
+    from .launch.options import LaunchError, RunOptions
 
     ours, script_args = _split_script_args(argv)
     run_parser = parser._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr,index]
@@ -229,8 +231,8 @@ def _node_flags(args: argparse.Namespace, script: Path) -> dict[str, Any]:
 
 
 def _cmd_netcheck(args: argparse.Namespace) -> int:
-    from . import netcheck
-    from .launcher import RunOptions
+    from .launch import netcheck
+    from .launch.options import RunOptions
 
     if args.timeout <= 0:
         print("traceml netcheck: error: --timeout must be a positive number of seconds",
@@ -255,7 +257,7 @@ def _cmd_netcheck(args: argparse.Namespace) -> int:
 
 
 def _cmd_watch(args: argparse.Namespace) -> int:
-    from .view_client import ViewClient, WatchTargetError, resolve_target
+    from .view.client import ViewClient, WatchTargetError, resolve_target
 
     try:
         address, run_dir, secret = resolve_target(args.target, args.out, args.secret_file)
@@ -269,7 +271,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
         print("traceml watch: error: the dashboard needs a terminal in the foreground "
               "(not a background job, not redirected)", file=sys.stderr)
         return 2
-    from .dashboard import DashboardApp
+    from .view.dashboard import DashboardApp
 
     if not web_viewer:  # its terminal gone (hangup, EOF, EIO), the viewer goes too
         terminal.exit_with_terminal()
@@ -279,7 +281,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 
 def _serve_web(args: argparse.Namespace, address: str, run_dir: Path | None) -> int:
     try:
-        from . import web
+        from .view import web
     except ImportError:
         print("traceml watch: error: --web needs textual-serve "
               "(pip install traceml-tui[web])", file=sys.stderr)
@@ -306,7 +308,7 @@ def _serve_web(args: argparse.Namespace, address: str, run_dir: Path | None) -> 
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .export import ExportError, export_perfetto
+    from .report.export import ExportError, export_perfetto
 
     try:
         counts = export_perfetto(args.run_dir, args.perfetto, args.last_steps)
@@ -319,7 +321,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from .compare import CompareError, compare, load, render
+    from .report.compare import CompareError, compare, load, render
 
     try:
         result = compare(load(args.old), load(args.new))
@@ -337,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["run"]:
         return _cmd_run(parser, argv, argv)
     if argv[:1] == ["collector"]:
-        from .collector import main as collector_main
+        from .collect.collector import main as collector_main
 
         return collector_main(argv[1:])
     args = parser.parse_args(argv)

@@ -1,0 +1,640 @@
+"""The collector: its own process, ingesting every rank's messages over ZeroMQ.
+
+Sockets (addresses are written to RUN_DIR/collector.json once bound):
+  ingest   ROUTER, where every agent's DEALER connects. Loopback unless told otherwise.
+  control  REP on loopback, for the launcher: "ping", and "finish" (drain the ranks'
+           last messages, write final_summary.json, reply with the job's exit code).
+  view     REP on loopback, for dashboards (any number): "view" returns the frozen
+           ViewState of the last tick (encoded once, shared by all viewers) and the
+           detail of the viewer's pinned rank; "summary" returns a summary document
+           of the current state (for snapshot export). Viewers only read: a viewer
+           that hangs or crashes never touches the job or the record (view_server.py).
+
+Its parts: the ingest pump owns the ingest socket (ingest_pump.py), RunState keeps and
+judges the ranks' records (state.py), the view server answers viewers, the capture
+board runs deep traces (captures.py); this module binds the sockets, schedules the
+ticks and writes the record at the end.
+
+Every few seconds it rewrites RUN_DIR/live_snapshot.json atomically (the same
+shape as the final summary, marked incomplete), so the record survives even if
+this process is killed. Run it directly with `traceml collector` to collect from
+scripts that call `traceml_agent.init()` themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from traceml_agent import keys
+from traceml_agent.protocol import (
+    MAX_RELAY_BATCH_BYTES,
+    RELAY_TAG,
+    ProtocolError,
+    decode,
+    decode_relay_batch,
+)
+from traceml_agent.vocab import COLLECTOR_JSON, LIVE_SNAPSHOT_JSON, STEP_LOG_DIR
+from traceml_tui.judge.state import RunState
+from traceml_tui.report import summary
+from traceml_tui.runfolder import folders
+from traceml_tui.runfolder.step_log import StepLogWriter
+
+from . import descriptors
+from .auth import start_authenticator
+from .deep_traces import CaptureBoard
+from .ingest_pump import IngestPump, Route
+from .view_server import ViewServer
+
+EVAL_INTERVAL_S = 0.5  # live diagnosis cadence: a change shows within ~1-2 s
+# With thousands of ranks one evaluation (diagnosis + the viewers' frozen state) costs
+# ~170 ms at 4,096 ranks and ~0.9 s at 16,384: ticks are spaced at least this many times
+# their cost apart, so they never take more than a sixth of the collector's core from
+# ingest (the dashboard then refreshes every ~0.9 s at 4,096 ranks, ~5 s at 16,384;
+# every 0.5 s up to ~1,024).
+EVAL_BACKOFF = 5.0
+SNAPSHOT_INTERVAL_S = 2.0  # how much a crash of this process can lose, at most
+FINISH_GRACE_S = 3.0  # at the end, how long to wait for ranks' last batches
+# With several nodes, other nodes' ranks end on their own clock (their torchrun may still
+# be tearing down when ours returns): wait longer for their goodbyes, and call a rank
+# gone only after missing its 1 s heartbeat more than twice.
+FINISH_GRACE_MULTINODE_S = 10.0
+QUIET_S, QUIET_MULTINODE_S = 0.5, 2.5
+DRAIN_BATCH = 5_000  # messages taken per loop turn before looking at the clock
+DRAIN_SLICE_S = 0.05  # ... or this long, so ticks and control requests are never starved
+# A snapshot write may take a while with thousands of ranks: the next one waits at least
+# this many times as long as the last took, so writing never takes more than a tenth of
+# the core from ingest (16,384 ranks: ~1.4 s a write, one every ~15 s; 1,024: every 2 s).
+SNAPSHOT_BACKOFF = 9.0
+# Messages queued inside ZeroMQ for the collector cost up to one 8 KiB receive buffer each
+# (measured: 1,024 peers x 100 queued 170-byte messages held 643 MiB), and the limit is per
+# connection. So the per-connection limit comes from a total budget: past it, messages
+# wait in the agents' own bounded queues (which drop and count), not in our memory.
+RECV_BACKLOG_BYTES = 64 << 20
+QUEUED_MESSAGE_BYTES = 8 << 10
+MIN_RECV_HWM = 8
+# ... and never more than this many per connection: a key holder's frames may be 1 MiB
+# each, and while the ingest pump waits for the GIL (a long decode on the main thread)
+# libzmq keeps filling the pipe up to the limit: at 2,048 (the budget's figure for a
+# 4-rank run) four flooding connections took the collector to +1.9 GiB; at 16, +130 MiB.
+# 16 messages is over a second of an agent's traffic; the pump empties pipes in ms.
+MAX_RECV_HWM = 16
+# Frames above this are refused by libzmq at the header: one message of the protocol's
+# largest size in a relay's batch, plus room for the envelope.
+TRANSPORT_FRAME_LIMIT = MAX_RELAY_BATCH_BYTES + 1024
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+_NUMBER = (int, float)
+_FINISH_FIELDS: dict[str, tuple[type, ...]] = {
+    "op": (str,), "torchrun_exit": (int, type(None)), "interrupted": (bool,),
+    "root_cause": (list, type(None)), "command": (list,), "ended_at": (*_NUMBER, type(None)),
+    "extra": (dict,), "exit_code": (int, type(None)), "grace_s": _NUMBER, "complete": (bool,),
+}
+
+
+def finish_request_error(request: dict[str, Any]) -> str | None:
+    """What is wrong with a "finish" request, or None. Control is loopback-only and
+    authenticated when the run has a secret, but a bad request must still never cost
+    the record."""
+    for name, value in request.items():
+        kinds = _FINISH_FIELDS.get(name)
+        if kinds is None:
+            return f"unknown field {name!r}"
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            return f"{name} has the wrong type"
+    if not all(isinstance(x, str) for x in request.get("command", [])):
+        return "command must be a list of strings"
+    root = request.get("root_cause")
+    if root is not None and not (len(root) == 2 and all(type(x) is int for x in root)):
+        return "root_cause must be [rank, exit code]"
+    if not 0 <= request.get("grace_s", 0) <= 600:
+        return "grace_s must be between 0 and 600"
+    return None
+
+
+# Control requests only the launcher may make: with --control-key-stdin they must carry
+# the key it wrote to our stdin (never in an environment, argument or file a rank sees).
+LAUNCHER_OPS = ("finish", "native_stack")
+CONTROL_KEY_CHARS = 64
+
+NATIVE_STACK_MAX = 16_000  # characters of one py-spy dump
+
+
+def native_stack_error(request: dict[str, Any], world_size: int) -> str | None:
+    """What is wrong with a "native_stack" request, or None."""
+    if set(request) != {"op", "rank", "pid", "text"}:
+        return "fields must be op, rank, pid, text"
+    rank, pid, text = request["rank"], request["pid"], request["text"]
+    if type(rank) is not int or not 0 <= rank < world_size:
+        return "rank out of range"
+    if type(pid) is not int or pid <= 0:
+        return "pid must be a positive integer"
+    if not isinstance(text, str) or len(text) > NATIVE_STACK_MAX:
+        return f"text must be a string of at most {NATIVE_STACK_MAX} characters"
+    return None
+
+
+def recv_hwm(world_size: int) -> int:
+    return min(MAX_RECV_HWM, max(MIN_RECV_HWM,
+                                 RECV_BACKLOG_BYTES // QUEUED_MESSAGE_BYTES // max(1, world_size)))
+
+
+class Collector:
+    def __init__(self, run_dir: Path, state: RunState, bind_host: str = "127.0.0.1",
+                 port: int = 0, view_port: int = 0, secret: str | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.state = state
+        self.ctx: zmq.Context = zmq.Context.instance()
+        self.auth: Any = None
+        self.rejected_peers = 0  # handshakes refused: a peer without the run's keys
+        run_keys = None if secret is None else self._start_auth(secret)
+
+        def bind(kind: int, host: str, fixed: int, hwm: int = 1000) -> tuple[zmq.Socket, str]:
+            sock = self.ctx.socket(kind)
+            sock.setsockopt(zmq.LINGER, 0)
+            descriptors.limit_handshake(sock)  # an idle connection's descriptor comes back
+            sock.setsockopt(zmq.RCVHWM, hwm)
+            # A peer announcing a bigger frame is dropped at the header, before libzmq
+            # allocates it: no sender can make the collector hold more than this per frame.
+            sock.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_FRAME_LIMIT)
+            if run_keys is not None:
+                keys.secure_server(sock, run_keys)
+            if fixed:
+                sock.bind(f"tcp://{host}:{fixed}")
+            else:
+                fixed = sock.bind_to_random_port(f"tcp://{host}")
+            # A wildcard bind is reached locally through loopback.
+            local = "127.0.0.1" if host in ("0.0.0.0", "*") else host
+            return sock, f"tcp://{local}:{fixed}"
+
+        self.ingest, self.ingest_addr = bind(zmq.ROUTER, bind_host, port,
+                                             recv_hwm(state.world_size))
+        # Only the launcher on this host talks to control: loopback, whatever the bind.
+        self.control, self.control_addr = bind(zmq.REP, "127.0.0.1", 0)
+        # Viewers on other hosts need the view socket where agents reach the collector.
+        self.view, self.view_addr = bind(zmq.REP, bind_host, view_port)
+        self.view_remote: str | None = None  # how other hosts reach the view socket
+        # Connections refused or timed out in the handshake (before the pump owns ingest),
+        # and descriptors held back for our own files (descriptors.py).
+        self.handshakes = descriptors.HandshakeCounter()
+        for sock in (self.ingest, self.control, self.view):
+            self.handshakes.watch(sock)
+        self.reserve = descriptors.Reserve()
+        self.metrics: Any = None  # the /metrics server (metrics.MetricsServer), if any
+        self.metrics_error: str | None = None  # why there is none, when it was asked for
+        # The ingest socket belongs to its pump thread from here on (ingest_pump.py).
+        self.pump = IngestPump(self.ctx, self.ingest)
+        self.pump.start()
+        self.poller = zmq.Poller()
+        self.poller.register(self.pump.wake, zmq.POLLIN)
+        self.poller.register(self.control, zmq.POLLIN)
+        self.poller.register(self.view, zmq.POLLIN)
+        # A collector started on a folder that already holds a live record (a restart):
+        # keep that record beside ours, and never call ours complete.
+        self.earlier_record = self._keep_earlier_record()
+        self.routes: dict[int, Route] = {}  # rank -> its connection, to send it requests
+        self.captures = CaptureBoard(self.run_dir)
+        self.step_log = StepLogWriter(self.run_dir / STEP_LOG_DIR)
+        self.views = ViewServer(self.view, state, self.captures, self.routes, self.pump.send)
+        self.stopping = False
+        self.done = False
+        self.finishing: tuple[dict[str, Any], bool] | None = None  # (request, reply?)
+        self.finish_deadline = 0.0
+        self.finish_quiet_s = QUIET_S
+        self.exit_when_done = False
+        self.parent_pid: int | None = None  # the launcher, watched when given
+        self.control_key: str | None = None  # --control-key-stdin: the launcher's key
+
+    def _keep_earlier_record(self) -> str | None:
+        live = self.run_dir / LIVE_SNAPSHOT_JSON
+        if not live.exists():
+            return None
+        n = 1
+        while (kept := self.run_dir / f"live_snapshot.before-restart-{n}.json").exists():
+            n += 1
+        try:
+            live.rename(kept)
+        except OSError:
+            return str(live)
+        return str(kept)
+
+    def _start_auth(self, secret: str) -> keys.CurveKeys:
+        """CURVE on every socket, and a ZAP authenticator that admits only the run's
+        client key: a peer without the secret never gets a message in."""
+        run_keys = keys.derive(secret)
+
+        def rejected() -> None:
+            self.rejected_peers += 1
+
+        self.auth = start_authenticator(self.ctx, run_keys, rejected)
+        return run_keys
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def announce(self) -> None:
+        info = {"ingest": self.ingest_addr, "control": self.control_addr, "view": self.view_addr,
+                "pid": os.getpid(), "run_name": self.state.run_name,
+                "host": socket.gethostname(), "view_remote": self.view_remote,
+                "metrics_error": self.metrics_error}
+        folders.write_atomic(self.run_dir / COLLECTOR_JSON, json.dumps(info, indent=2) + "\n")
+
+    def serve(self) -> None:
+        next_eval = next_snap = time.monotonic()
+        while not self.done:
+            events = dict(self.poller.poll(0 if self.pump.pending() else 100))
+            if self.pump.wake in events or self.pump.pending():
+                self.drain()
+            if self.control in events and self.finishing is None:  # REP: one at a time
+                self.handle_control()
+            if self.view in events:
+                self.views.handle()
+            self.handshakes.drain()
+            now = time.monotonic()
+            if now >= next_eval:
+                self._count_refusals()
+                self.state.counters["rejected_peers"] = self.rejected_peers
+                self.state.counters["backlog_refused"] = self.pump.refused
+                self.state.evaluate(time.time(), time.monotonic())
+                self.views.refresh()
+                self.step_log.flush_if_due()
+                cost = time.monotonic() - now
+                next_eval = now + max(EVAL_INTERVAL_S, EVAL_BACKOFF * cost)
+            if now >= next_snap:
+                self.write_live()
+                done = time.monotonic()
+                next_snap = done + max(SNAPSHOT_INTERVAL_S, SNAPSHOT_BACKOFF * (done - now))
+            if self.parent_pid and os.getppid() != self.parent_pid and not self.stopping:
+                # The launcher died without asking us to finish (SIGKILL, OOM): nobody
+                # will; write what we have, marked incomplete, and leave.
+                print("[traceml] collector: the launcher is gone; writing the record",
+                      file=sys.stderr, flush=True)
+                self.stopping = True
+            if self.finishing is not None:
+                if self.finish_ready():
+                    request, reply_to_launcher = self.finishing
+                    reply = self.write_record(request)
+                    if reply_to_launcher:
+                        self.control.send_json(reply)
+            elif self.stopping:  # SIGTERM: write what we have and leave
+                self.start_finish({"exit_code": None, "complete": False})
+            elif self.exit_when_done and self.all_ranks_finished():
+                codes = [rs.exit_code for rs in self.state.ranks.values()]
+                self.start_finish({"torchrun_exit": 0 if not any(codes) else 1, "grace_s": 0})
+
+    def _count_refusals(self) -> None:
+        """Connections turned away, shown beside the ingest counters."""
+        counters = self.state.counters
+        counters["refused_connections"] = self.handshakes.failed
+        if self.metrics is not None:
+            counters["metrics_refused"] = self.metrics.refused
+            counters["metrics_timed_out"] = self.metrics.timed_out
+
+    def all_ranks_finished(self) -> bool:
+        ranks = self.state.ranks
+        return len(ranks) == self.state.world_size and all(r.finished for r in ranks.values())
+
+    def drain(self, limit: int = DRAIN_BATCH) -> int:
+        n = 0
+        mono = time.monotonic()
+        deadline = mono + DRAIN_SLICE_S
+        while n < limit and mono <= deadline:
+            batch = self.pump.take(min(256, limit - n))
+            if not batch:
+                break
+            n += len(batch)
+            for frames in batch:
+                self._receive(frames, mono)
+            mono = time.monotonic()
+        return n
+
+    def _receive(self, frames: list[bytes], mono: float) -> None:
+        if len(frames) == 2:
+            self._receive_one((frames[0], None), frames[1], mono)
+        elif len(frames) == 3 and frames[1] == RELAY_TAG:
+            self._receive_relayed(frames, mono)
+        else:
+            self.state.count_malformed()
+
+    def _receive_relayed(self, frames: list[bytes], mono: float) -> None:
+        """A node relay's batch: each payload as if its rank had sent it directly."""
+        try:
+            batch = decode_relay_batch(frames[2])
+        except ProtocolError:
+            self.state.count_malformed()
+            return
+        self.state.relay_seen(batch.node, batch.batches, batch.dropped, mono)
+        conn = frames[0]
+        for route, payload in zip(batch.routes, batch.payloads, strict=True):
+            self._receive_one((conn, route), payload, mono)
+
+    def _receive_one(self, route: Route, payload: bytes, mono: float) -> None:
+        try:
+            msg = decode(payload)
+        except ProtocolError:
+            self.state.count_malformed()
+            return
+        if not self.state.ingest(msg, mono, route):  # a live rank's record is its connection's
+            return
+        rank = msg.ident.rank
+        self.routes[rank] = route
+        kind = msg.kind
+        if kind == "steps":
+            self.step_log.append_records(rank, msg.phases, msg.records)
+        elif kind == "capture":
+            self.captures.on_event(rank, msg.body)
+
+    def write_live(self) -> None:
+        try:
+            snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
+            doc = summary.build(snap, summary.RunMeta(complete=False))
+            text = summary.to_json(doc)
+            descriptors.write_anyway(  # whatever the sockets hold, the record is written
+                lambda: folders.write_atomic(self.run_dir / LIVE_SNAPSHOT_JSON, text),
+                self.reserve)
+        except OSError as exc:  # a full disk costs the snapshot, not the collector
+            print(f"[traceml] collector: could not write snapshot: {exc}", file=sys.stderr)
+
+    # --- control --------------------------------------------------------------------
+
+    def handle_control(self) -> None:
+        try:
+            request = json.loads(self.control.recv())
+            op = request.get("op")
+        except (ValueError, AttributeError, RecursionError):
+            self.control.send_json({"ok": False, "error": "bad request"})
+            return
+        if op in LAUNCHER_OPS and not self._from_launcher(request.pop("key", None)):
+            # The run's secret is in every rank: it admits a peer to this socket, but
+            # only the launcher's own key ends the record or adds a stack to it.
+            counters = self.state.counters
+            counters["control_refused"] = counters.get("control_refused", 0) + 1
+            self.control.send_json({"ok": False, "error": f"{op} refused: not the launcher"})
+            return
+        if op == "ping":
+            self.control.send_json({"ok": True, "ranks": len(self.state.ranks)})
+        elif op == "native_stack":  # from node 0's launcher (native_stacks.py)
+            problem = native_stack_error(request, self.state.world_size)
+            if problem is None:
+                self.state.set_native_stack(request["rank"], request["pid"], request["text"])
+            self.control.send_json({"ok": problem is None, "error": problem})
+        elif op == "finish":
+            problem = finish_request_error(request)
+            if problem:  # the record is only ever finished by a well-formed request
+                self.control.send_json({"ok": False, "error": problem})
+                return
+            self.start_finish(request, reply_to_launcher=True)  # answered when written
+        else:
+            self.control.send_json({"ok": False, "error": f"unknown op {op!r}"})
+
+    def _from_launcher(self, key: object) -> bool:
+        """A request carrying the key `traceml run` gave us on stdin (none by hand: a
+        hand-started collector has no launcher, and its secret is the only lock)."""
+        if self.control_key is None:
+            return True
+        return isinstance(key, str) and hmac.compare_digest(key.encode(),
+                                                            self.control_key.encode())
+
+    def start_finish(self, request: dict[str, Any], reply_to_launcher: bool = False) -> None:
+        """Begin the end of the run: wait (a bounded time) for the ranks' goodbyes while
+        still serving viewers, then `write_record`. Never blocks the serve loop."""
+        multinode = self.state.nnodes > 1
+        grace = FINISH_GRACE_MULTINODE_S if multinode else FINISH_GRACE_S
+        self.finish_quiet_s = QUIET_MULTINODE_S if multinode else QUIET_S
+        self.finish_deadline = time.monotonic() + float(request.get("grace_s", grace))
+        self.finishing = (request, reply_to_launcher)
+
+    def finish_ready(self) -> bool:
+        """Every rank said goodbye, or the grace ran out, or (torchrun has exited) the
+        ranks that did not say goodbye have been quiet long enough to be gone."""
+        assert self.finishing is not None
+        now = time.monotonic()
+        if now >= self.finish_deadline or self.all_ranks_finished():
+            return True
+        if self.finishing[0].get("torchrun_exit") is None:
+            return False
+        quiet_since = now - self.finish_quiet_s
+        return all(r.finished or r.last_seen < quiet_since for r in self.state.ranks.values())
+
+    def nodes_never_seen(self) -> list[int]:
+        """Nodes of a multi-node run from which no rank ever reported: the record holds
+        nothing of them, so it is not complete (their relay could not start, or their
+        agents never reached us)."""
+        if self.state.nnodes <= 1:
+            return []
+        seen = {rs.ident.node for rs in self.state.ranks.values()}
+        return [n for n in range(self.state.nnodes) if n not in seen]
+
+    def write_record(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Write the final summary; the reply the launcher prints."""
+        self.drain()
+        self.handshakes.drain()
+        self._count_refusals()
+        self.state.evaluate(time.time(), time.monotonic())
+        failures = self.state.failures()
+        root = request.get("root_cause")
+        if isinstance(root, list) and len(root) == 2 and root[0] in self.state.ranks:
+            # torchrun saw this rank fail first; a rank killed by a signal said no goodbye.
+            # A rank that said goodbye is already in `failures`, in the order the failures
+            # happened: keep that order (torchrun on one node knows only that node's ranks).
+            rank, exitcode = int(root[0]), int(root[1])
+            rs = self.state.ranks[rank]
+            if rs.exit_code is None:
+                rs.exit_code = exitcode
+                rank_code = 128 - exitcode if exitcode < 0 else exitcode
+                failures = [(rank, rank_code)] + [f for f in failures if f[0] != rank]
+        code, failed = summary.job_exit_code(
+            request.get("torchrun_exit"), bool(request.get("interrupted")), failures)
+        if request.get("exit_code") is not None:
+            code = request["exit_code"]
+        extra = dict(request.get("extra", {}))
+        if self.earlier_record:
+            extra["collector_restarted"] = {"earlier_record": self.earlier_record}
+        unseen = self.nodes_never_seen()
+        if unseen:  # e.g. that node's relay could not start: none of its ranks is here
+            extra["nodes_never_seen"] = unseen
+        meta = summary.RunMeta(
+            command=list(request.get("command", [])), exit_code=code,
+            ended_at=request.get("ended_at") or time.time(),
+            complete=(bool(request.get("complete", True)) and not self.earlier_record
+                      and not unseen),
+            failed_rank=failed, extra=extra)
+        snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
+        doc = summary.build(snap, meta)
+        text = summary.render_text(doc)
+        if unseen:
+            text += (f"INCOMPLETE: no rank of node(s) {', '.join(map(str, unseen))} ever "
+                     f"reported (its relay or agents never reached node 0; its own terminal "
+                     f"says why).\n")
+        reply = {"ok": True, "path": None, "exit_code": code, "failed_rank": failed,
+                 "text": text}
+        try:
+            path = descriptors.write_anyway(lambda: summary.write_summary(self.run_dir, doc),
+                                            self.reserve)
+            reply["path"] = str(path or self.run_dir / summary.SUMMARY_JSON)
+        except OSError as exc:  # a full disk: the record still reaches the terminal
+            reply["error"] = f"could not write {summary.SUMMARY_JSON}: {exc}"
+        self.step_log.close()
+        self.done = True
+        return reply
+
+    def close(self) -> None:
+        self.pump.stop()  # closes the ingest socket on its own thread
+        self.control.close()
+        self.view.close()
+        self.handshakes.close()
+        if self.metrics is not None:
+            self.metrics.stop()
+        if self.auth is not None:
+            self.auth.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="traceml collector",
+                                description="Collect from agents and write the run's summary.")
+    p.add_argument("--run-dir", required=True, type=Path)
+    p.add_argument("--run-name", default="")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--nproc-per-node", type=int, default=None)
+    p.add_argument("--bind", default="127.0.0.1",
+                   help="address for the ingest and view sockets (default loopback only)")
+    p.add_argument("--port", type=int, default=0, help="ingest port (0: any free port)")
+    p.add_argument("--view-port", type=int, default=0, help="view port (0: any free port)")
+    p.add_argument("--secret-file", type=Path, default=None,
+                   help="the run's secret (default: $TRACEML_SECRET, else RUN_DIR/secret.key); "
+                        "with one, every socket requires the run's CURVE keys")
+    p.add_argument("--advertise", default=None, metavar="HOST",
+                   help="the address other hosts use for this one (written to collector.json, "
+                        "so `traceml watch RUN_DIR` works from another node)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --bind without a secret (anyone who can reach "
+                        "the port can then send data)")
+    p.add_argument("--started-at", type=float, default=None)
+    p.add_argument("--hang-after", type=float, default=None, metavar="SECONDS",
+                   help="declare a hang after this long without a step (default: derived "
+                        "from step times, at least 10 s)")
+    p.add_argument("--preflight", type=Path, default=None, metavar="NETCHECK_JSON",
+                   help="the preflight's netcheck.json (traceml run --preflight)")
+    p.add_argument("--parent-pid", type=int, default=None, metavar="PID",
+                   help="the launcher's pid: if it dies, write the record and exit")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at /metrics on this port (docs/metrics.md)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="address the metrics bind (default 127.0.0.1)")
+    p.add_argument("--control-key-stdin", action="store_true",
+                   help="read a key from stdin (one line, 64 hex characters): finish and "
+                        "native_stack control requests must carry it (traceml run does this)")
+    p.add_argument("--exit-when-done", action="store_true",
+                   help="write the summary and exit once every rank has said goodbye")
+    return p
+
+
+def _read_preflight(path: Path) -> dict[str, Any]:
+    """What the summary keeps of the preflight (our own file, written before training)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return {"path": str(path), "error": f"unreadable: {exc}"}
+    largest = (doc.get("collectives") or {}).get("all_reduce") or [{}]
+    return {"path": str(path), "healthy": bool(doc.get("healthy")),
+            "slow": list(doc.get("slow") or []), "mtu_mismatch": doc.get("mtu_mismatch"),
+            "missing": doc.get("missing"), "wall_s": doc.get("wall_s"),
+            "all_reduce_busbw_gbps": largest[-1].get("busbw_gbps"),
+            "all_reduce_bytes": largest[-1].get("bytes")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.world_size < 1:
+        print("traceml collector: --world-size must be at least 1", file=sys.stderr)
+        return 2
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    try:  # from here on the record is written through this folder's descriptor
+        folders.pin_dir(args.run_dir)
+    except PermissionError as exc:
+        print(f"traceml collector: run folder {exc}: not using it", file=sys.stderr)
+        return 2
+    descriptors.raise_limit()  # every connection costs a descriptor (descriptors.py)
+    try:
+        secret = keys.load_secret(args.run_dir, args.secret_file)
+    except (OSError, keys.SecretError) as exc:
+        print(f"traceml collector: cannot use the secret: {exc}", file=sys.stderr)
+        return 2
+    if secret is None and args.bind not in LOOPBACK and not args.insecure:
+        print(f"traceml collector: --bind {args.bind} would take data from the network without "
+              f"authentication; give the run a secret (docs/security.md) or pass --insecure",
+              file=sys.stderr)
+        return 2
+    if secret is not None and not zmq.has("curve"):
+        print("traceml collector: this pyzmq has no CURVE support", file=sys.stderr)
+        return 2
+    state = RunState(args.run_name or args.run_dir.name, args.world_size, args.nnodes,
+                     args.nproc_per_node, args.started_at or time.time(),
+                     hang_after_s=args.hang_after)
+    if args.preflight is not None:
+        state.set_preflight(_read_preflight(args.preflight))
+    try:
+        collector = Collector(args.run_dir, state, args.bind, args.port, args.view_port, secret)
+        if args.advertise:
+            view_port = collector.view_addr.rsplit(":", 1)[1]
+            collector.view_remote = f"tcp://{args.advertise}:{view_port}"
+    except zmq.ZMQError as exc:
+        print(f"traceml collector: cannot listen on {args.bind} ports {args.port}/"
+              f"{args.view_port}: {exc}", file=sys.stderr)
+        return 2
+    collector.exit_when_done = args.exit_when_done
+    if args.control_key_stdin:
+        key = sys.stdin.readline().strip()
+        if len(key) != CONTROL_KEY_CHARS or not all(c in "0123456789abcdef" for c in key):
+            print("traceml collector: --control-key-stdin: expected 64 hex characters on stdin",
+                  file=sys.stderr)
+            collector.close()
+            return 2
+        collector.control_key = key
+    collector.parent_pid = args.parent_pid
+    if args.metrics_port is not None:
+        try:
+            from . import metrics
+
+            views = collector.views
+            collector.metrics = metrics.serve(lambda: (views.now, views.snap), state.run_name,
+                                              args.metrics_host, args.metrics_port)
+        except (ImportError, OSError) as exc:  # the run goes on without the metrics
+            # Said in collector.json too: the launcher prints it on the user's terminal.
+            collector.metrics_error = (f"no Prometheus metrics on {args.metrics_host}:"
+                                       f"{args.metrics_port}: {exc}")
+            print(f"[traceml] collector: {collector.metrics_error}", file=sys.stderr, flush=True)
+        else:
+            print(f"[traceml] collector: Prometheus metrics at http://{args.metrics_host}:"
+                  f"{args.metrics_port}/metrics", file=sys.stderr, flush=True)
+
+    def on_term(signum: int, frame: Any) -> None:
+        collector.stopping = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    collector.announce()
+    print(f"[traceml] collector for {state.run_name!r} ({args.world_size} ranks) "
+          f"listening on {collector.ingest_addr}\n"
+          f"[traceml] start the ranks with TRACEML_ENDPOINT={collector.ingest_addr}",
+          file=sys.stderr, flush=True)
+    try:
+        collector.serve()
+    finally:
+        collector.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,358 @@
+"""A relay per node: the node's ranks send here, and one batch per tick goes to node 0.
+
+Without it, node 0's collector holds one encrypted connection per rank and takes one
+ZeroMQ message per rank every ~100 ms: at 16,384 ranks that is 16,384 CURVE sessions
+and ~160,000 messages a second through one process. With it, the `traceml run` of every
+other node starts this relay (`python -m traceml_tui.collect.relay`), the node's ranks connect
+to it over loopback, and node 0 receives one message per node per tick, carrying that
+node's rank messages unchanged (protocol.RELAY_TAG). The collector still decodes and
+validates every rank message itself: a relay holds the same key as a rank, not more.
+
+The relay never slows the training: the ranks' sends are as non-blocking as before,
+its own queues are bounded (what does not fit is dropped and counted, and the count
+reaches the collector in the next batch), and if the relay dies the ranks' messages
+queue in their own bounded sockets and are dropped there: the collector sees the
+node's ranks fall silent, as it would for a lost network, and says so.
+
+Requests from the collector to a rank (a deep-trace capture) come back the same way,
+addressed by the route number the batch gave the rank's message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from traceml_agent import env, handover, keys
+from traceml_agent.protocol import (
+    MAX_MESSAGE_BYTES,
+    MAX_RELAY_BATCH,
+    RELAY_ROUTE,
+    RELAY_TAG,
+    RelayBatch,
+    encode_relay_batch,
+)
+from traceml_agent.sanitize import clean_line
+from traceml_tui.runfolder import folders
+
+from .auth import start_authenticator
+
+TICK_S = 0.2  # one batch per tick: ~5 messages a second per node reach node 0
+KEEPALIVE_S = 1.0  # an empty batch at least this often: the collector sees the relay live
+# Payload bytes per relay message: any valid rank message fits alone (a batch may carry
+# protocol.MAX_RELAY_BATCH_BYTES), and small ones share a batch up to this much.
+BATCH_BYTES = MAX_MESSAGE_BYTES
+PENDING_BYTES = 32 << 20  # held between ticks; past it rank messages are dropped, counted
+UPSTREAM_HWM = 64  # relay messages queued for node 0 (~13 s of ticks), then dropped
+# Per rank connection, messages queued in libzmq before we take them: the collector's own
+# bound (collector.MAX_RECV_HWM, measured there; tests/test_relay.py keeps them equal).
+LOCAL_HWM = 16
+MAX_ROUTES = 4_096  # local connections remembered (a node runs a few dozen ranks at most)
+LINGER_MS = 1_000  # at exit, how long the last batch may take to leave
+
+
+class Relay:
+    """One node's relay: a loopback ROUTER for its ranks, a DEALER to the collector.
+
+    Several can share a process and a context (benchmarks/soak.py runs thousands, fed
+    through `add()` and sent by `tick()`); the relay process drives one with `serve()`.
+    """
+
+    def __init__(self, ctx: zmq.Context, upstream: str, node: int,
+                 run_keys: keys.CurveKeys | None, local_port: int = 0,
+                 local_fd: int | None = None) -> None:
+        """`local_fd`: a loopback socket already bound and listening on `local_port`
+        (the launcher's, inherited): used as it is, so the port is never free between
+        its reservation and its use."""
+        self.node = node
+        self.local = ctx.socket(zmq.ROUTER)
+        self.local.setsockopt(zmq.LINGER, 0)
+        self.local.setsockopt(zmq.RCVHWM, LOCAL_HWM)
+        self.local.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 1024)
+        self.up = ctx.socket(zmq.DEALER)
+        self.up.setsockopt(zmq.SNDHWM, UPSTREAM_HWM)
+        self.up.setsockopt(zmq.LINGER, LINGER_MS)
+        self.up.setsockopt(zmq.MAXMSGSIZE, 1024)  # node 0 sends it only small requests
+        if run_keys is not None:
+            keys.secure_server(self.local, run_keys)
+            keys.secure_client(self.up, run_keys)
+        if local_fd is not None:
+            self.local.setsockopt(zmq.USE_FD, local_fd)
+        if local_port:
+            self.local.bind(f"tcp://127.0.0.1:{local_port}")
+        else:
+            local_port = self.local.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{local_port}"
+        self.up.connect(upstream)
+        self._route_of: dict[bytes, int] = {}
+        self._conn_of: dict[int, bytes] = {}
+        self._next_route = 0
+        self._routes: list[int] = []
+        self._payloads: list[bytes] = []
+        self._pending_bytes = 0
+        self.batches = 0  # relay messages sent
+        self.forwarded = 0  # rank messages sent on
+        self.dropped = 0  # rank messages lost here (full queues)
+        self._last_sent = 0.0
+
+    # --- rank side ------------------------------------------------------------------
+
+    def _route(self, conn: bytes) -> int:
+        route = self._route_of.get(conn)
+        if route is None:
+            if len(self._route_of) >= MAX_ROUTES:  # bounded: forget the oldest half
+                for old in list(self._route_of)[: MAX_ROUTES // 2]:
+                    del self._conn_of[self._route_of.pop(old)]
+            route = self._next_route
+            self._next_route = (route + 1) & 0xFFFF_FFFF
+            self._route_of[conn] = route
+            self._conn_of[route] = conn
+        return route
+
+    def add(self, conn: bytes, payload: bytes) -> None:
+        """One rank message for the next batch."""
+        size = len(payload)
+        if self._pending_bytes + size > PENDING_BYTES or size > MAX_MESSAGE_BYTES:
+            self.dropped += 1
+            return
+        self._routes.append(self._route(conn))
+        self._payloads.append(payload)
+        self._pending_bytes += size
+
+    def on_local(self) -> None:
+        """Take what the ranks sent."""
+        recv = self.local.recv_multipart
+        for _ in range(10_000):
+            try:
+                frames = recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) == 2:
+                self.add(frames[0], frames[1])
+
+    # --- collector side ---------------------------------------------------------------
+
+    def on_upstream(self) -> None:
+        """Requests from the collector to one of our ranks: [RELAY_TAG, route, request]."""
+        while True:
+            try:
+                frames = self.up.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or frames[0] != RELAY_TAG or len(frames[1]) != RELAY_ROUTE.size:
+                continue
+            conn = self._conn_of.get(RELAY_ROUTE.unpack(frames[1])[0])
+            if conn is None:
+                continue
+            try:
+                self.local.send_multipart([conn, frames[2]], zmq.NOBLOCK)
+            except zmq.ZMQError:  # the rank is gone or its queue is full: a lost request
+                pass
+
+    def tick(self, now: float) -> None:
+        """Send what is pending, in batches; an empty one now and then as a keepalive."""
+        if not self._payloads and now - self._last_sent < KEEPALIVE_S:
+            return
+        routes, payloads = self._routes, self._payloads
+        self._routes, self._payloads, self._pending_bytes = [], [], 0
+        start = 0
+        while True:
+            end, size = start, 0
+            while end < len(payloads) and end - start < MAX_RELAY_BATCH:
+                size += len(payloads[end])
+                if size > BATCH_BYTES and end > start:
+                    break
+                end += 1
+            batch = RelayBatch(self.node, self.batches, self.dropped, routes[start:end],
+                               payloads[start:end])
+            try:
+                self.up.send_multipart([RELAY_TAG, encode_relay_batch(batch)], zmq.NOBLOCK)
+                self.batches += 1
+                self.forwarded += end - start
+            except zmq.ZMQError:  # node 0 is slow or gone: this batch is lost, counted
+                self.dropped += end - start
+            start = end
+            if start >= len(payloads):
+                break
+        self._last_sent = now
+
+    def serve(self, stop: Callable[[], bool]) -> None:
+        poller = zmq.Poller()
+        poller.register(self.local, zmq.POLLIN)
+        poller.register(self.up, zmq.POLLIN)
+        next_tick = time.monotonic() + TICK_S
+        while not stop():
+            wait_ms = max(0, int((next_tick - time.monotonic()) * 1000))
+            events = dict(poller.poll(min(wait_ms, 100)))
+            if self.local in events:
+                self.on_local()
+            if self.up in events:
+                self.on_upstream()
+            now = time.monotonic()
+            if now >= next_tick:
+                self.tick(now)
+                next_tick = now + TICK_S
+        self.on_local()  # the ranks' last words (goodbyes) go out with the last batch
+        self.tick(float("inf"))
+
+    def close(self) -> None:
+        self.local.close()
+        self.up.close()  # lingers up to LINGER_MS for the last batch
+
+
+def _secret(store: str | None, stopping: Callable[[], bool],
+            secret_file: str | None = None) -> str | None:
+    """The run's secret: from the environment, else from a shared run folder's file or
+    torchrun's store, whichever has it first (handover.py)."""
+    secret = keys.secret_from_env()
+    if secret or not (store or secret_file):
+        return secret
+    return handover.fetch_secret(store, stopping,
+                                 None if secret_file is None else Path(secret_file))
+
+
+def reserve_loopback() -> socket.socket:
+    """A loopback TCP socket bound to a free port and listening: the port is ours from
+    here on (nobody can squat it), and ranks that connect early wait in its backlog."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
+class RelayProcess:
+    """The launcher's handle on its node's relay (`traceml run` on a node other than 0)."""
+
+    def __init__(self, upstream: str, node: int, secret: str | None,
+                 secret_store: str | None, log_path: Any, secret_file: Any = None) -> None:
+        """The port is reserved here, bound and listening, and the relay inherits that
+        socket (ZeroMQ's USE_FD): the ranks are told the port at once, before the relay
+        has the run's secret, and nobody else can take it meanwhile."""
+        reserved = reserve_loopback()
+        self.port = reserved.getsockname()[1]
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.stopping = False
+        cmd = [sys.executable, "-m", "traceml_tui.collect.relay", "--upstream", upstream,
+               "--node", str(node), "--port", str(self.port), "--fd", str(reserved.fileno()),
+               "--parent-pid", str(os.getpid())]
+        if secret_file is not None:
+            cmd += ["--secret-file", str(secret_file)]
+        if secret_store:
+            cmd += ["--secret-store", secret_store]
+        child_env = {k: v for k, v in os.environ.items() if k != env.SECRET}
+        if secret:  # in the environment, never on a command line others can read
+            child_env[env.SECRET] = secret
+        with reserved, folders.open_private(log_path) as log:
+            # Its own session: the terminal's Ctrl-C reaches the launcher, which stops
+            # the relay only after the ranks' last messages went through it.
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                         env=child_env, start_new_session=True,
+                                         pass_fds=(reserved.fileno(),))
+
+    def failure(self) -> str | None:
+        """One line when the relay ended on its own with an error (it could not start or
+        died): this node's ranks then never reach node 0. None while it runs or after a
+        clean stop."""
+        code = self.proc.poll()
+        if code in (None, 0) or self.stopping:
+            return None
+        try:
+            with open(self.log_path, errors="replace") as f:
+                lines = [ln.strip() for ln in f.read()[-4000:].splitlines() if ln.strip()]
+        except OSError:
+            lines = []
+        why = clean_line(lines[-1])[:300] if lines else f"exit code {code}"
+        return (f"this node's relay stopped ({why}): node 0 does not see this node's ranks; "
+                f"the job goes on (log: {self.log_path})")
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        """Flush and stop; the exit code (None if it had to be killed)."""
+        self.stopping = True
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                return None
+        return self.proc.returncode
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m traceml_tui.collect.relay",
+                                description="Forward this node's ranks to the collector.")
+    p.add_argument("--upstream", required=True, help="the collector's ingest address")
+    p.add_argument("--node", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="the loopback port to listen on")
+    p.add_argument("--fd", type=int, default=None,
+                   help="an inherited socket already bound to --port and listening")
+    p.add_argument("--secret-file", default=None, metavar="PATH",
+                   help="a shared run folder's secret.key, polled for while waiting")
+    p.add_argument("--secret-store", default=None, metavar="HOST:PORT",
+                   help="where to fetch the run's secret if $TRACEML_SECRET is not set")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="the launcher's pid: when it is gone, flush and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    halt = threading.Event()
+
+    def stopping() -> bool:
+        if args.parent_pid and os.getppid() != args.parent_pid:
+            halt.set()
+        return halt.is_set()
+
+    signal.signal(signal.SIGTERM, lambda *_: halt.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher tells us when to stop
+    try:
+        secret = _secret(args.secret_store, stopping, args.secret_file)
+    except (ValueError, keys.SecretError) as exc:
+        print(f"[traceml] relay: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if secret is None and not halt.is_set():
+        print(f"[traceml] relay: no run secret ({env.SECRET} or --secret-store)",
+              file=sys.stderr, flush=True)
+        return 2
+    if halt.is_set():
+        return 0
+    ctx = zmq.Context(io_threads=1)
+    run_keys = keys.derive(secret) if secret else None
+    auth = start_authenticator(ctx, run_keys) if run_keys is not None else None
+    try:
+        relay = Relay(ctx, args.upstream, args.node, run_keys, args.port, args.fd)
+    except zmq.ZMQError as exc:
+        print(f"[traceml] relay: cannot start (listening on 127.0.0.1:{args.port}, sending "
+              f"to {args.upstream}): {exc}",
+              file=sys.stderr, flush=True)
+        return 2
+    print(f"[traceml] relay for node {args.node}: {relay.address} -> {args.upstream}",
+          file=sys.stderr, flush=True)
+    try:
+        relay.serve(stopping)
+    finally:
+        relay.close()
+        if auth is not None:
+            auth.stop()
+        ctx.term()
+    print(f"[traceml] relay for node {args.node}: forwarded {relay.forwarded} messages in "
+          f"{relay.batches} batches, dropped {relay.dropped}", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""The collector's view socket: viewers ask, the collector answers from frozen state.
+
+Once per evaluation tick the state is frozen into a `ViewState` (view_build.py) and
+encoded once; every viewer gets the same bytes. A viewer may also ask for one rank's
+detail, a deep-trace capture, or the summary so far. Whatever a viewer sends, it gets
+exactly one reply and can never end the record (tests/test_properties.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import zmq
+from msgspec.structs import replace
+
+from traceml_agent.capture import MAX_CAPTURE_STEPS
+from traceml_agent.protocol import encode_capture_request
+from traceml_tui import viewmodel
+from traceml_tui.judge.state import RunState, Snapshot
+from traceml_tui.report import summary
+
+from . import view_build
+from .deep_traces import DEFAULT_STEPS, CaptureBoard, capture_roles
+from .ingest_pump import Route
+
+MAX_CAPTURE_RANKS = 64  # ranks one capture request may name (a pinned rank and a few more)
+# A "summary" (a viewer's `e` export, `traceml export`) costs a full snapshot: ~0.1 s at
+# 1,024 ranks, ~1.4 s at 16,384. A fresh one is built at most once per this many times
+# the last one's cost, and requests in between get its bytes: however many viewers ask,
+# summaries take at most a tenth of the collector's core (as snapshot writes do).
+SUMMARY_BACKOFF = 9.0
+
+
+class ViewServer:
+    """`sock`: the collector's REP view socket; `routes`: each rank's connection, shared
+    with the collector's ingest; `send_to(route, frame)`: a request down a connection."""
+
+    def __init__(self, sock: zmq.Socket, state: RunState, captures: CaptureBoard,
+                 routes: dict[int, Route], send_to: Callable[[Route, bytes], None]) -> None:
+        self.sock = sock
+        self.state = state
+        self.captures = captures
+        self.routes = routes
+        self.send_to = send_to
+        self.snap: Snapshot | None = None
+        self.now: viewmodel.ViewState | None = None
+        self.bytes = b""
+        self.errors = 0  # requests whose handler failed (answered with an error)
+        self._summary = b""  # the last summary's bytes, and when the next may be built
+        self._summary_next = 0.0
+
+    def refresh(self) -> None:
+        """Freeze the state for viewers once per tick; every viewer gets the same bytes."""
+        snap = self.state.snapshot(time.time(), time.monotonic())
+        self.snap = snap
+        self.now = replace(view_build.build(snap, self.state.recent_steps),
+                                capture=self.captures.view())
+        self.bytes = viewmodel.encode_view(self.now)
+
+    def handle(self) -> None:
+        """One view request, one reply. Whatever a viewer sends, a handler error becomes
+        an error reply: a viewer (or any key holder) can never end the record."""
+        try:
+            request = msgpack.unpackb(self.sock.recv(), raw=False)
+            op = request.get("op")
+        except Exception:
+            self.sock.send(msgpack.packb({"error": "bad request"}))
+            return
+        try:
+            self._answer(request, op)
+        except Exception as exc:  # a bug or a request no check foresaw
+            self.errors += 1
+            try:
+                self.sock.send(msgpack.packb({"error": f"request failed: {type(exc).__name__}"}))
+            except zmq.ZMQError:  # the reply was already sent (REP state): nothing to do
+                pass
+
+    def _answer(self, request: dict[str, Any], op: Any) -> None:
+        if op == "view":
+            if self.now is None:
+                self.refresh()
+            pinned = request.get("rank")
+            extra = None
+            if type(pinned) is int and self.snap is not None and self.now is not None:
+                extra = view_build.detail(self.snap, pinned, self.now,
+                                          self.state.recent_steps(pinned))
+            self.sock.send_multipart([self.bytes, viewmodel.encode_detail(extra)])
+        elif op == "capture":
+            self.sock.send(msgpack.packb(self.start_capture(request)))
+        elif op == "summary":
+            self.sock.send(self.summary_bytes())
+        else:
+            self.sock.send(msgpack.packb({"error": f"unknown op {op!r}"}))
+
+    def summary_bytes(self) -> bytes:
+        """The summary so far, built afresh at most every SUMMARY_BACKOFF times its cost."""
+        start = time.monotonic()
+        if not self._summary or start >= self._summary_next:
+            snap = self.state.snapshot(time.time(), start, full=True)
+            self._summary = msgpack.packb(summary.build(snap, summary.RunMeta(complete=False)))
+            done = time.monotonic()
+            self._summary_next = done + SUMMARY_BACKOFF * (done - start)
+        return self._summary
+
+    def start_capture(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A viewer asks for a deep trace: of the ranks it names (the pinned one; the median
+        rank is added to compare with), else of the worst and the median rank."""
+        steps = request.get("steps", DEFAULT_STEPS)
+        ranks = request.get("ranks")
+        if type(steps) is not int or not 1 <= steps <= MAX_CAPTURE_STEPS:
+            return {"ok": False, "error": f"steps must be 1-{MAX_CAPTURE_STEPS}"}
+        if ranks is not None and (not isinstance(ranks, list) or len(ranks) > MAX_CAPTURE_RANKS
+                                  or not all(type(r) is int for r in ranks)):
+            return {"ok": False, "error": f"ranks must be a list of at most "
+                                          f"{MAX_CAPTURE_RANKS} rank numbers"}
+        if self.now is None:
+            self.refresh()
+        roles = capture_roles(self.now, ranks)
+        roles = {r: role for r, role in roles.items() if r in self.routes}
+        cap, error = self.captures.start(roles, steps)
+        if cap is None:
+            return {"ok": False, "error": error}
+        for rank in cap.ranks:
+            self.send_to(self.routes[rank], encode_capture_request(cap.id, steps))
+        return {"ok": True, "id": cap.id, "ranks": list(cap.ranks), "steps": steps}

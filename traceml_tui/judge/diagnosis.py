@@ -1,0 +1,758 @@
+"""The step-time diagnosis: pure functions from window statistics to a label.
+
+No I/O, no clocks: the collector passes in each rank's median timings and gets a
+`Diagnosis` back, so every rule is testable from a table. docs/diagnosis.md
+explains each threshold.
+
+The comparison is always worst rank vs median rank, on *local work* only:
+input = dataloader + h2d, compute = forward + backward + optimizer. Time a rank
+spends waiting for the others (the "sync" phase, the exposed collective wait
+inside backward) is deliberately left out: under DDP a straggler's extra work
+shows up as sync time on every *other* rank, so counting it would point at the
+wrong ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from math import isfinite
+from statistics import median
+from typing import TypeGuard
+
+from traceml_agent.vocab import (  # noqa: F401 (re-exported)
+    BALANCED,
+    COMM_BOUND,
+    COMPUTE_PHASES,
+    COMPUTE_STRAGGLER,
+    CRITICAL,
+    HANG,
+    INFO,
+    INPUT_BOUND,
+    INPUT_PHASES,
+    INPUT_STRAGGLER,
+    LABELS,
+    LOCAL_PHASES,
+    PERIODIC_STALL,
+    STRAGGLER,
+    STRAGGLER_LABELS,
+    TIMING_INCOMPLETE,
+    WAIT,
+    WAIT_HEAVY,
+    WARMUP,
+    WARNING,
+    format_ranks,
+)
+
+# The labels, severities and phase groups are the product's vocabulary (vocab.py); they
+# are re-exported here because the rules below are where they get their meaning.
+from .bandwidth import bus_factor
+
+# --- thresholds (docs/diagnosis.md gives the reasoning) -------------------------------------
+
+# Steps a rank needs in the window before its medians mean anything: the first
+# steps carry one-off costs (allocator warm-up, DDP bucket rebuild, lazy init).
+MIN_STEPS = 8
+# A worst-vs-median gap in input or compute matters when it costs at least this
+# share of the median step: every rank of a synchronous job pays the straggler's
+# gap once per step, so 10% of the step is 10% of the job's throughput.
+SKEW_ENTER = 0.10
+# Once a straggler label holds, it is kept until the gap falls below this share,
+# so a gap hovering around 10% does not make the label flicker.
+SKEW_EXIT = 0.06
+# Gaps below this many milliseconds are timer and scheduler noise, whatever
+# their share of a very short step.
+MIN_GAP_MS = 0.2
+# A gap at least this share of the step is critical: the job runs at most
+# 1/(1+share) of its balanced speed (two-thirds at 0.5).
+CRITICAL_SHARE = 0.50
+# Input is "broad" when the median rank spends this share of its step in input.
+INPUT_BOUND_ENTER = 0.30
+INPUT_BOUND_EXIT = 0.22
+# Residual wait (not dataloader, h2d, forward, backward, sync or optimizer) this
+# share of the median rank's step is worth a look: logging, checkpointing, stalls.
+WAIT_HEAVY_ENTER = 0.30
+WAIT_HEAVY_EXIT = 0.22
+# The zero-code hooks see these phases in every training loop they time; a rank whose
+# recent steps have none of one (after warm-up) ran it somewhere the hooks are blind to,
+# and its time went to residual "wait".
+EXPECTED_PHASES = COMPUTE_PHASES
+# A phase closed for lack of its end hook (recorder.py) on this share of a rank's steps
+# is not timed: its time after the missed end went to whatever was open around it. Rare
+# forced closes (an exception unwinding through a hook-less frame) are noise.
+FORCED_SHARE = 0.05
+FORCED_MIN = 3
+# Consecutive evaluations a new live label must win before it replaces the old one.
+CONFIRM_TICKS = 2
+# A straggler is named from LIVE_STEPS (32) steps, whose median moves only after 17 of
+# them changed: a rank that recovered kept the banner for tens of steps. So the live
+# label also asks the most recent steps (`recent` in diagnose): the straggler must still
+# be at least SKEW_EXIT behind there. Their number is RECENT_S of steps, between
+# RECENT_MIN and RECENT_MAX: a median of 8 flips after 5 recovered steps and ignores 3
+# noisy ones; with slow steps, 3 steps (2 s of them, at least 3) keep clearing within
+# a few seconds.
+RECENT_MIN, RECENT_MAX = 3, 8
+RECENT_S = 2.0
+
+
+def recent_steps(step_ms: float | None) -> int:
+    """How many of a rank's newest steps the recent check reads."""
+    if step_ms is None or not step_ms > 0:
+        return RECENT_MAX
+    steps = RECENT_S * 1000.0 / step_ms  # inf for a sub-normal step: no round() of it
+    return RECENT_MAX if steps >= RECENT_MAX else max(RECENT_MIN, round(steps))
+# Periodic stalls are invisible to medians: a few stalled steps in a window of many move
+# no median, yet each costs the whole job its length. A step is a stall when it takes at
+# least STALL_FACTOR times the rank's typical (median) step and STALL_MIN_MS more: a
+# doubled step is far outside a healthy job's step-to-step noise (a few percent), and the
+# floor keeps timer noise of sub-millisecond steps out.
+STALL_FACTOR = 2.0
+STALL_MIN_MS = 5.0
+# The label needs at least this many stalls of one rank in the window, recurring with a
+# period: at least PERIOD_SHARE of the gaps between them within PERIOD_TOLERANCE of
+# their median (one stray hiccup does not break a checkpoint's rhythm; scheduler noise
+# has none) ...
+STALL_MIN_COUNT = 3
+PERIOD_TOLERANCE = 0.2
+PERIOD_SHARE = 0.75
+# ... and stalls costing the job at least this share of the window's time: 5 % is what a
+# user would fix (an async checkpoint recovers it); exit at 3 % against flicker.
+STALL_SHARE_ENTER = 0.05
+STALL_SHARE_EXIT = 0.03
+# COMM-BOUND when the median rank spends at least this share of its step in exposed
+# collective wait (sync) and no straggler, input or stall rule fired first (a
+# straggler's victims wait in sync too). Half: the accelerators then idle at least half
+# of every step for the network; a DDP job whose allreduces overlap backward well
+# exposes 5-25 % (bigger buckets and overlap are the first advice at 50 %). Exit at 40 %.
+COMM_BOUND_ENTER = 0.50
+COMM_BOUND_EXIT = 0.40
+# A whole node is the straggler when every rank on the worst rank's node is behind the
+# median rank by at least this share of the worst rank's gap, and no rank on another node
+# is. Half, because with half the ranks slow the median sits halfway between the two
+# groups: every slow rank is then exactly one worst-gap behind, every fast one ahead.
+NODE_MEMBER_SHARE = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Untimed:
+    """A phase the agent could not time on a rank, and why."""
+
+    phase: str
+    why: str
+
+
+# GPU health beside a COMPUTE STRAGGLER (docs/diagnosis.md, "GPU health"). NVML's reasons
+# that slow the clocks for the GPU's own sake; "idle", "app clocks", "sync boost" and
+# "display clocks" are settings or states, not a fault of the board.
+THROTTLE_FAULTS = ("hw thermal", "sw thermal", "power brake", "hw slowdown", "power cap")
+# An SM clock this share below the median rank's is named: GPU Boost moves clocks a few
+# per cent under load (15 MHz steps), so 10% is beyond its wander, and alone slows the
+# rank's kernels about as much as SKEW_ENTER's gap.
+CLOCK_LOW_SHARE = 0.10
+
+
+@dataclass(frozen=True, slots=True)
+class GpuHealth:
+    """A rank's GPU at its latest NVML sample (agent/sysmetrics.py). None: not read."""
+
+    sm_clock_mhz: float | None = None
+    throttle: tuple[str, ...] = ()
+    power_w: float | None = None
+    temp_c: float | None = None
+
+    @classmethod
+    def of(cls, sys: Mapping[str, object]) -> GpuHealth | None:
+        """From a rank's latest "sys" sample (validated by the protocol); None without
+        NVML health figures."""
+        clock, reasons = sys.get("sm_clock_mhz"), sys.get("throttle")
+        power, temp = sys.get("power_w"), sys.get("temp_c")
+        if clock is None and not reasons:
+            return None
+        num = (int, float)
+        # An idle GPU drops its clocks: that reading says nothing about its clock under load.
+        idle = isinstance(reasons, tuple | list) and "idle" in reasons
+        return cls(float(clock) if isinstance(clock, num) and not idle else None,
+                   tuple(str(x) for x in reasons) if isinstance(reasons, tuple | list) else (),
+                   float(power) if isinstance(power, num) else None,
+                   float(temp) if isinstance(temp, num) else None)
+
+
+@dataclass(frozen=True, slots=True)
+class RankTiming:
+    """One rank's median timings over the window, in ms. None: not measured."""
+
+    rank: int
+    steps: int
+    step_ms: float | None
+    phase_ms: Mapping[str, float | None]
+    host: str = ""
+    node: int = 0
+    untimed: tuple[Untimed, ...] = ()
+    comm_bytes: int = 0  # gradient bytes all-reduced per step (DDP), 0 when unknown
+    gpu: GpuHealth | None = None  # its GPU's health, where NVML sampled it
+
+
+def bus_gbps(nbytes: float, ms: float, world: int) -> float | None:
+    """nccl-tests' bus bandwidth of an all-reduce of `nbytes` in `ms` among `world`
+    ranks, in GB/s: algorithm bandwidth (bytes / time) x 2(n-1)/n, the share of the data
+    each rank's link carries in a ring, so figures compare across world sizes."""
+    if not nbytes or not ms or ms <= 0 or world < 2:
+        return None
+    return nbytes / (ms / 1000.0) / 1e9 * bus_factor("all_reduce", world)
+
+
+def untimed_phases(seen: Mapping[str, int], window_steps: int, forced: Mapping[str, int],
+                   steps: int, auto: bool, capture_skips: int = 0,
+                   timing_faults: int = 0) -> tuple[Untimed, ...]:
+    """The phases of one rank that the diagnosis must not rely on. `seen`: of the rank's
+    `window_steps` recent steps, on how many each expected phase was measured; `forced`:
+    per phase, the times it was closed without its end hook in the rank's `steps` steps;
+    `auto`: the zero-code hooks time the loop (with the explicit API the user decides
+    what is timed). `capture_skips`, `timing_faults`: the agent's counts of timings it
+    skipped inside a CUDA graph capture and of event pairs it could not use (negative or
+    failed: sent as not measured). They say why a phase is missing, and with the explicit
+    API they make a phase the user times but that was measured on fewer than half the
+    steps untimed too (the agent, not the user, left it out)."""
+    out = []
+    agent_skipped = capture_skips > 0 or timing_faults > 0
+    if (auto or agent_skipped) and window_steps >= MIN_STEPS:
+        for phase in EXPECTED_PHASES:
+            n = seen.get(phase, 0)
+            if n * 2 < window_steps and (auto or n > 0):  # a loop's phase runs every step
+                out.append(Untimed(phase, _missing_why(n, window_steps, capture_skips,
+                                                       timing_faults)))
+    listed = {u.phase for u in out}
+    for phase, count in forced.items():
+        if phase not in listed and count >= max(FORCED_MIN, FORCED_SHARE * steps):
+            out.append(Untimed(phase, f"closed without its end hook on {count} of {steps} "
+                                      f"steps"))
+    return tuple(out)
+
+
+def _missing_why(n: int, window_steps: int, capture_skips: int, timing_faults: int) -> str:
+    """Why a phase of the loop was measured on fewer than half the recent steps."""
+    causes = []
+    if capture_skips:
+        causes.append(f"not timed inside a CUDA graph capture ({capture_skips} skipped)")
+    if timing_faults:
+        causes.append(f"{timing_faults} timing faults (event pairs negative or failed)")
+    if not causes:  # the hooks never opened it: a loop they do not see
+        return ("never seen by the hooks" if n == 0 else
+                f"seen on only {n} of {window_steps} steps")
+    seen = "never measured" if n == 0 else f"measured on only {n} of {window_steps} steps"
+    return f"{'; '.join(causes)}: {seen}"
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """One stalled step of one rank: how much longer than typical, and the phase that
+    holds most of that excess ("sync" on a rank that only waited for another)."""
+
+    step: int
+    excess_ms: float
+    phase: str
+
+
+@dataclass(frozen=True, slots=True)
+class StallStats:
+    """One rank's stalls over its window of `steps` steps of typically `step_ms`."""
+
+    rank: int
+    stalls: tuple[Stall, ...]
+    steps: int
+    step_ms: float
+
+
+def stall_threshold(typical_ms: float | None) -> float | None:
+    """The step time from which a step of this rank is a stall (None: not yet known)."""
+    if typical_ms is None or not typical_ms > 0:
+        return None
+    return max(STALL_FACTOR * typical_ms, typical_ms + STALL_MIN_MS)
+
+
+def stall_of(step: int, step_ms: float, typical_ms: float, names: Sequence[str],
+             values: Sequence[float | None], typical: Mapping[str, float | None]) -> Stall:
+    """The stall in one step: its excess over the typical step, and the phase whose time
+    grew the most over its own median (an unmeasured phase grows by nothing)."""
+    best, grew = WAIT, float("-inf")
+    for name, value in zip(names, values, strict=False):
+        if value is None:
+            continue
+        extra = value - (typical.get(name) or 0.0)
+        if extra > grew:
+            best, grew = name, extra
+    return Stall(step, step_ms - typical_ms, best)
+
+
+def period(steps: Sequence[int]) -> int | None:
+    """The period of recurring steps, when they recur regularly (see PERIOD_*)."""
+    if len(steps) < STALL_MIN_COUNT:
+        return None
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+    mid = median(gaps)
+    if mid < 2:
+        return None  # consecutive slow steps are a slow stretch, not a rhythm
+    close = sum(1 for g in gaps if abs(g - mid) <= max(1.0, PERIOD_TOLERANCE * mid))
+    return round(mid) if close >= PERIOD_SHARE * len(gaps) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnosis:
+    label: str
+    rank: int | None
+    phase: str | None
+    severity: str
+    summary: str
+    # Evidence: the worst-vs-median gap, in ms and as a share of the median step.
+    gap_ms: float | None = None
+    gap_share: float | None = None
+    # Set when every rank of one node is behind (a host-level cause): its index and ranks.
+    node: int | None = None
+    node_ranks: tuple[int, ...] = ()
+
+    @property
+    def subject(self) -> tuple[str, str, int | None]:
+        """What the label is about: a node when a whole node is behind (its worst rank may
+        change from tick to tick without anything changing for the user), else a rank."""
+        if self.node is not None:
+            return (self.label, "node", self.node)
+        return (self.label, "rank", self.rank)
+
+    def to_json(self) -> dict:
+        return {
+            "label": self.label,
+            "rank": self.rank,
+            "phase": self.phase,
+            "severity": self.severity,
+            "summary": self.summary,
+            "gap_ms": None if self.gap_ms is None else round(self.gap_ms, 3),
+            "gap_share": None if self.gap_share is None else round(self.gap_share, 4),
+            "node": None if self.node is None else {"index": self.node,
+                                                   "ranks": list(self.node_ranks)},
+        }
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+def _finite(value: float | None) -> TypeGuard[float]:
+    return value is not None and isfinite(value)
+
+
+def _group(timing: RankTiming, phases: Sequence[str]) -> float | None:
+    """Sum of the measured phases of a group; None when none of them was measured."""
+    vals = [v for v in (timing.phase_ms.get(p) for p in phases) if _finite(v)]
+    return sum(vals) if vals else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Skew:
+    rank: int
+    gap_ms: float
+    share: float
+
+
+def _skew(ranks: Sequence[RankTiming], phases: Sequence[str], step_ms: float) -> _Skew | None:
+    """Worst rank vs median rank for a group of phases. Ties go to the lowest rank."""
+    values = [(r.rank, v) for r in ranks if (v := _group(r, phases)) is not None]
+    if len(values) < 2:
+        return None
+    mid = median([v for _, v in values])
+    worst_rank, worst = max(values, key=lambda rv: (rv[1], -rv[0]))
+    gap = worst - mid
+    return _Skew(worst_rank, gap, gap / step_ms)
+
+
+def phase_gaps(ranks: Sequence[RankTiming], rank: int, phases: Sequence[str]) -> dict[str, float]:
+    """For one rank: its median minus the median rank's, per phase (ms)."""
+    me = next(r for r in ranks if r.rank == rank)
+    gaps = {}
+    for p in phases:
+        mine = me.phase_ms.get(p)
+        others = [v for v in (r.phase_ms.get(p) for r in ranks) if _finite(v)]
+        if _finite(mine) and others:
+            gaps[p] = mine - median(others)
+    return gaps
+
+
+def _worst_phase(ranks: Sequence[RankTiming], rank: int, phases: Sequence[str]) -> str | None:
+    gaps = phase_gaps(ranks, rank, phases)
+    if not gaps:
+        return None
+    return max(phases, key=lambda p: gaps.get(p, float("-inf")))
+
+
+def _share(ranks: Sequence[RankTiming], phases: Sequence[str]) -> float:
+    """The median rank's share of its step spent in a group of phases."""
+    shares = []
+    for r in ranks:
+        value = _group(r, phases)
+        step_ms = r.step_ms
+        if value is not None and _finite(step_ms) and step_ms > 0:
+            shares.append(value / step_ms)
+    return median(shares) if shares else 0.0
+
+
+# --- the classifier ----------------------------------------------------------------------
+
+
+# Under FSDP, forward and backward contain the job's collectives (parameter all-gathers,
+# gradient reduce-scatters): a rank waiting there for a straggler looks slower in forward
+# than the straggler itself. Only phases without collectives are compared across ranks.
+FSDP_COMPUTE_PHASES = ("optimizer",)
+
+
+Recent = Sequence[RankTiming] | Callable[[], Sequence[RankTiming]] | None
+
+
+def _still_behind(recent: Recent, rank: int, phases: Sequence[str]) -> bool:
+    """Whether `rank` is still at least SKEW_EXIT behind the median rank in `phases` over
+    the most recent steps (see RECENT_S). Without recent timings (the whole-run verdict,
+    offline use) there is nothing to contradict the window."""
+    if recent is None:
+        return True
+    if callable(recent):
+        recent = recent()
+    ready = [r for r in recent if r.steps >= RECENT_MIN and _finite(r.step_ms)]
+    values = {r.rank: _group(r, phases) for r in ready}
+    mine = values.get(rank)
+    others = [v for v in values.values() if v is not None]
+    if mine is None or len(others) < 2:
+        return True
+    step_ms = median([r.step_ms for r in ready if r.step_ms is not None])
+    gap = mine - median(others)
+    return gap >= MIN_GAP_MS and gap >= SKEW_EXIT * step_ms
+
+
+def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
+             collectives_in_compute: bool = False, framework: str | None = None,
+             recent: Recent = None,
+             stalls: Sequence[StallStats] | None = None,
+             preflight_busbw: float | None = None) -> Diagnosis:
+    """Classify the window. `active` is the label currently shown: its own condition is
+    tested with the lower exit threshold (hysteresis), every other with the enter one.
+    `collectives_in_compute`: an FSDP job (see FSDP_COMPUTE_PHASES). `framework`: the
+    training framework the agents saw, named in the hint when timing is incomplete.
+    `recent`: the same ranks over their newest few steps (RECENT_S), or a function that
+    gives them (asked only when a straggler rule holds on the window): a straggler the
+    window still holds but those steps no longer show has recovered, and is not named.
+    `stalls`: each rank's stalled steps over its window (periodic_stall).
+    `preflight_busbw`: the all-reduce bus bandwidth `traceml netcheck` measured before
+    training (GB/s), which COMM-BOUND's evidence compares against."""
+    compute = FSDP_COMPUTE_PHASES if collectives_in_compute else COMPUTE_PHASES
+    ready = [r for r in ranks if r.steps >= MIN_STEPS and _finite(r.step_ms) and r.step_ms > 0]
+    if not ready:
+        most = max((r.steps for r in ranks), default=0)
+        return Diagnosis(WARMUP, None, None, INFO,
+                         f"Collecting steps: {most} of {MIN_STEPS} needed before judging.")
+    step_ms = median([r.step_ms for r in ready if r.step_ms is not None])
+    # Untimed local phases: their time sits in "wait", so balance, residual wait and any
+    # comparison of that group cannot be judged; a group fully timed still can.
+    untimed = {u.phase for r in ready for u in r.untimed}
+    input_blind = bool(untimed & set(INPUT_PHASES))
+    compute_blind = bool(untimed & set(COMPUTE_PHASES))
+
+    def over(share: float, enter: float, leave: float, *holding: str) -> bool:
+        return share >= (leave if active in holding else enter)
+
+    in_skew = None if input_blind else _skew(ready, INPUT_PHASES, step_ms)
+    cp_skew = None if compute_blind else _skew(ready, compute, step_ms)
+    in_hit = (in_skew is not None and in_skew.gap_ms >= MIN_GAP_MS
+              and over(in_skew.share, SKEW_ENTER, SKEW_EXIT, INPUT_STRAGGLER, STRAGGLER)
+              and _still_behind(recent, in_skew.rank, INPUT_PHASES))
+    cp_hit = (cp_skew is not None and cp_skew.gap_ms >= MIN_GAP_MS
+              and over(cp_skew.share, SKEW_ENTER, SKEW_EXIT, COMPUTE_STRAGGLER, STRAGGLER)
+              and _still_behind(recent, cp_skew.rank, compute))
+
+    if in_hit and cp_hit and in_skew is not None and cp_skew is not None:
+        worst = in_skew if in_skew.gap_ms >= cp_skew.gap_ms else cp_skew
+        phase = _worst_phase(ready, worst.rank, INPUT_PHASES + compute)
+        gap = in_skew.gap_ms + cp_skew.gap_ms if in_skew.rank == cp_skew.rank else worst.gap_ms
+        return _straggler(STRAGGLER, worst.rank, phase, gap, gap / step_ms, step_ms, ready,
+                          INPUT_PHASES + compute)
+    if in_hit and in_skew is not None:
+        phase = _worst_phase(ready, in_skew.rank, INPUT_PHASES)
+        return _straggler(INPUT_STRAGGLER, in_skew.rank, phase, in_skew.gap_ms, in_skew.share,
+                          step_ms, ready, INPUT_PHASES)
+    if cp_hit and cp_skew is not None:
+        phase = _worst_phase(ready, cp_skew.rank, compute)
+        return _straggler(COMPUTE_STRAGGLER, cp_skew.rank, phase, cp_skew.gap_ms, cp_skew.share,
+                          step_ms, ready, compute)
+
+    input_share = 0.0 if input_blind else _share(ready, INPUT_PHASES)
+    if over(input_share, INPUT_BOUND_ENTER, INPUT_BOUND_EXIT, INPUT_BOUND):
+        phase = max(INPUT_PHASES, key=lambda p: median(
+            [v for r in ready if _finite(v := r.phase_ms.get(p))] or [0.0]))
+        return Diagnosis(
+            INPUT_BOUND, None, phase, WARNING,
+            f"Every rank spends about {input_share:.0%} of its {step_ms:.1f} ms step waiting for "
+            f"input: speed up the input pipeline on all ranks (more DataLoader workers, "
+            f"pin_memory, prefetching, cheaper preprocessing).",
+            gap_share=input_share)
+    stall = periodic_stall(stalls or (), active)
+    if stall is not None:
+        return stall
+    if untimed:
+        return _incomplete(ready, framework)
+    sync_share = _share(ready, ("sync",))
+    if over(sync_share, COMM_BOUND_ENTER, COMM_BOUND_EXIT, COMM_BOUND):
+        return comm_bound(ready, sync_share, step_ms, preflight_busbw)
+    wait_share = _share(ready, (WAIT,))
+    if over(wait_share, WAIT_HEAVY_ENTER, WAIT_HEAVY_EXIT, WAIT_HEAVY):
+        return Diagnosis(
+            WAIT_HEAVY, None, WAIT, WARNING,
+            f"About {wait_share:.0%} of each {step_ms:.1f} ms step is outside the timed phases "
+            f"on every rank: look for logging, checkpointing, validation, .item()/CPU syncs or "
+            f"other work between optimizer steps.",
+            gap_share=wait_share)
+    return Diagnosis(
+        BALANCED, None, None, INFO,
+        f"{len(ready)} rank{'s' if len(ready) != 1 else ''} balanced at a median "
+        f"{step_ms:.1f} ms per step; no rank stands out in input or compute.")
+
+
+def comm_bound(ranks: Sequence[RankTiming], share: float, step_ms: float,
+               preflight_busbw: float | None) -> Diagnosis:
+    """COMM-BOUND, with the achieved bus bandwidth per rank where the gradient bytes are
+    known: bytes all-reduced per step over the rank's exposed sync time. Part of each
+    transfer overlaps backward, so this is an upper bound of what the slowest link did."""
+    world = len(ranks)
+    rates = [(r.rank, g) for r in ranks
+             if (g := bus_gbps(r.comm_bytes, r.phase_ms.get("sync") or 0.0, world)) is not None]
+    sync_ms = median([r.phase_ms.get("sync") or 0.0 for r in ranks])
+    evidence = ""
+    if rates:
+        nbytes = median([r.comm_bytes for r in ranks if r.comm_bytes])
+        slow_rank, slow = min(rates, key=lambda x: (x[1], x[0]))
+        mid = median([g for _, g in rates])
+        evidence = (f" DDP all-reduces {nbytes / 1e6:.1f} MB of gradients per step: about "
+                    f"{mid:.3g} GB/s of bus bandwidth over the exposed wait (lowest: rank "
+                    f"{slow_rank}, {slow:.3g} GB/s)")
+        if preflight_busbw:
+            evidence += (f", against {preflight_busbw:.3g} GB/s measured by the preflight "
+                         f"({mid / preflight_busbw:.0%} of it)")
+        evidence += "."
+    return Diagnosis(
+        COMM_BOUND, None, "sync", WARNING,
+        f"Every rank spends about {share:.0%} of its {step_ms:.1f} ms step waiting in "
+        f"collectives ({sync_ms:.1f} ms of exposed sync) and no rank is behind: the job is "
+        f"communication-bound.{evidence} Try larger DDP buckets (bucket_cap_mb) and more "
+        f"overlap (gradient accumulation with no_sync), find_unused_parameters=False, a "
+        f"gradient compression hook (fp16/bf16, PowerSGD); check the interface the "
+        f"backend uses (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) and the links: traceml "
+        f"netcheck (docs/network.md).",
+        gap_share=share)
+
+
+_STALL_HINT = {
+    "wait": "outside forward, backward and the optimizer: checkpointing, evaluation, "
+            "logging or uploads between steps",
+    "dataloader": "in the DataLoader: a worker restart, a shard or file opened every few "
+                  "steps",
+}
+
+
+def periodic_stall(stats: Sequence[StallStats], active: str | None) -> Diagnosis | None:
+    """PERIODIC STALL: a rank (or every rank) whose own work stalls with a period, costing
+    the job at least STALL_SHARE_ENTER of the window's time. The ranks that only waited
+    for it stall too, in sync: they are the victims, not the cause."""
+    causes = []
+    for st in stats:
+        own = [s for s in st.stalls if s.phase != "sync"]
+        rhythm = period([s.step for s in own])
+        if len(own) >= STALL_MIN_COUNT and rhythm is not None:
+            causes.append((st, own, rhythm))
+    if not causes:
+        return None
+    window_ms = median([st.steps * st.step_ms for st in stats if st.steps])
+    st, own, rhythm = max(causes, key=lambda c: (sum(s.excess_ms for s in c[1]), -c[0].rank))
+    lost_ms = sum(s.excess_ms for s in own)
+    share = lost_ms / (window_ms + lost_ms) if window_ms > 0 else 0.0
+    if share < (STALL_SHARE_EXIT if active == PERIODIC_STALL else STALL_SHARE_ENTER):
+        return None
+    phases = [s.phase for s in own]
+    phase = max(sorted(set(phases)), key=phases.count)
+    each = lost_ms / len(own)
+    everyone = len(causes) == len(stats) > 1
+    who = "Every rank" if everyone else f"Rank {st.rank}"
+    waits = ("" if everyone else
+             "; the other ranks wait for it in their next collective (their sync)")
+    where = _STALL_HINT.get(phase, f"in {phase}")
+    return Diagnosis(
+        PERIODIC_STALL, None if everyone else st.rank, phase, WARNING,
+        f"{who} stalls every {rhythm} steps ({len(own)} times in the last {st.steps} "
+        f"steps), about {each:.0f} ms each, {where}{waits}: the job lost "
+        f"{lost_ms / 1000:.1f} s, {share:.0%} of its time. Make it asynchronous "
+        f"(torch.distributed.checkpoint.async_save), run evaluation on every rank or off "
+        f"the critical path, log from a background thread.",
+        gap_ms=each, gap_share=share)
+
+
+def _incomplete(ranks: Sequence[RankTiming], framework: str | None) -> Diagnosis:
+    """No verdict from phases that were not seen: say which, where and why instead."""
+    where: dict[tuple[str, str], list[int]] = {}
+    for r in ranks:
+        for u in r.untimed:
+            where.setdefault((u.phase, u.why), []).append(r.rank)
+    parts = [f"{phase} on rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)} ({why})"
+             for (phase, why), rs in sorted(where.items())]
+    first = min(where)[0]
+    under = f" under {framework}" if framework else ""
+    return Diagnosis(
+        TIMING_INCOMPLETE, None, first, WARNING,
+        f"Timing incomplete{under}: could not time {'; '.join(parts)}. That time counts as "
+        f"wait, so no straggler, balance or wait verdict is given from it: time the loop with "
+        f"traceml_agent.phase() (docs/agent-api.md); docs/frameworks.md lists what each "
+        f"framework exposes.")
+
+
+_ADVICE = {
+    INPUT_STRAGGLER: "check its input pipeline (uneven shards, rank-local preprocessing, "
+                     "slow storage on its host)",
+    COMPUTE_STRAGGLER: "check its model-side work (uneven input shapes, rank-local branches, "
+                       "extra forward/backward/optimizer work, hooks that run on one rank)",
+    STRAGGLER: "input and compute are both uneven; fix the phase with the largest gap first",
+}
+
+
+_NODE_ADVICE = {
+    INPUT_STRAGGLER: "the host is the cause, not one rank: a slow storage path or network "
+                     "mount, or a CPU busy with other work on that host",
+    COMPUTE_STRAGGLER: "the host is the cause, not one rank: slower or throttled GPUs, a "
+                       "different GPU model, or other jobs on that host",
+    STRAGGLER: "the host is the cause, not one rank: compare its storage, CPUs and GPUs "
+               "with the other nodes'",
+}
+
+def slow_node(ranks: Sequence[RankTiming], worst_rank: int, phases: Sequence[str],
+              gap_ms: float) -> tuple[int, tuple[int, ...]] | None:
+    """(node, its ranks) when the worst rank's whole node is behind and nobody else is."""
+    if len({r.node for r in ranks}) < 2:
+        return None
+    values = [(r, v) for r in ranks if (v := _group(r, phases)) is not None]
+    mid = median([v for _, v in values])
+    node = next(r.node for r in ranks if r.rank == worst_rank)
+    slow = {r.rank for r, v in values if v - mid >= NODE_MEMBER_SHARE * gap_ms}
+    members = {r.rank for r in ranks if r.node == node}
+    if len(members) < 2 or slow != members:
+        return None
+    return node, tuple(sorted(members))
+
+
+def _straggler(label: str, rank: int, phase: str | None, gap: float, share: float,
+               step_ms: float, ranks: Sequence[RankTiming], phases: Sequence[str]
+               ) -> Diagnosis:
+    severity = CRITICAL if share >= CRITICAL_SHARE else WARNING
+    where = f" in {phase}" if phase else ""
+    host = next((r.host for r in ranks if r.rank == rank), "")
+    whole = slow_node(ranks, rank, phases, gap)
+    if whole is not None:
+        node, members = whole
+        on_host = f", host {host}" if host else ""
+        listed = ", ".join(str(m) for m in members)
+        gpus = node_gpu_evidence(ranks, members) if label == COMPUTE_STRAGGLER else None
+        return Diagnosis(
+            label, rank, phase, severity,
+            f"Every rank on node {node} (ranks {listed}{on_host}) spends about {gap:.1f} ms "
+            f"more{where} than the median rank, {share:.0%} of the {step_ms:.1f} ms step that "
+            f"every rank waits for: {gpus + '; ' if gpus else ''}{_NODE_ADVICE[label]}.",
+            gap_ms=gap, gap_share=share, node=node, node_ranks=members)
+    on_host = f" (host {host})" if host else ""
+    health = gpu_evidence(ranks, rank) if label == COMPUTE_STRAGGLER else None
+    advice = _ADVICE[label]
+    if health is not None:  # the GPU first when it sets this rank apart, else beside
+        text, distinct = health
+        advice = f"{text}; {_GPU_ADVICE}" if distinct else f"{advice}; {text}"
+    return Diagnosis(
+        label, rank, phase, severity,
+        f"Rank {rank}{on_host} spends {gap:.1f} ms more{where} than the median rank, "
+        f"{share:.0%} of the {step_ms:.1f} ms step that every rank waits for: {advice}.",
+        gap_ms=gap, gap_share=share)
+
+
+_GPU_ADVICE = ("check its cooling, power limit and clocks (nvidia-smi -q -d "
+               "PERFORMANCE,TEMPERATURE,POWER)")
+
+
+def _faults(gpu: GpuHealth) -> list[str]:
+    return [f for f in THROTTLE_FAULTS if f in gpu.throttle]
+
+
+def _median_clock(gpus: Sequence[GpuHealth]) -> float | None:
+    clocks = [c for g in gpus if _finite(c := g.sm_clock_mhz)]
+    return median(clocks) if clocks else None
+
+
+def node_gpu_evidence(ranks: Sequence[RankTiming], members: Sequence[int]) -> str | None:
+    """What a slow node's GPUs say: how many are throttled (THROTTLE_FAULTS), or their
+    median SM clock CLOCK_LOW_SHARE below the other nodes'."""
+    inside = [r.gpu for r in ranks if r.rank in members and r.gpu is not None]
+    outside = [r.gpu for r in ranks if r.rank not in members and r.gpu is not None]
+    if not inside:
+        return None
+    hot = [g for g in inside if _faults(g)]
+    mine, theirs = _median_clock(inside), _median_clock(outside)
+    vs, low = "", False
+    if mine is not None and theirs:
+        vs = f", SM clock median {mine:.0f} MHz vs {theirs:.0f} on the other nodes"
+        low = mine <= (1.0 - CLOCK_LOW_SHARE) * theirs
+    if not hot and not low:
+        return None
+    if not hot:
+        return f"its GPUs clock low{vs}"
+    named = [f for f in THROTTLE_FAULTS if any(f in g.throttle for g in hot)]
+    return f"{len(hot)} of its {len(inside)} GPUs are throttled ({', '.join(named)}){vs}"
+
+
+def gpu_evidence(ranks: Sequence[RankTiming], rank: int) -> tuple[str, bool] | None:
+    """What the culprit's GPU says about a compute straggler: throttled for one of
+    THROTTLE_FAULTS, or an SM clock CLOCK_LOW_SHARE below the median rank's; and whether
+    that sets it apart (a low clock, or a throttle that most other ranks do not share)."""
+    mine = next((r.gpu for r in ranks if r.rank == rank), None)
+    if mine is None:
+        return None
+    faults = [f for f in THROTTLE_FAULTS if f in mine.throttle]
+    clocks = [c for r in ranks if r.gpu is not None and _finite(c := r.gpu.sm_clock_mhz)]
+    mid = median(clocks) if len(clocks) >= 2 else None
+    clock = mine.sm_clock_mhz
+    low = (_finite(clock) and mid is not None and mid > 0
+           and clock <= (1.0 - CLOCK_LOW_SHARE) * mid)
+    if not faults and not low:
+        return None
+    vs = f", SM clock {clock:.0f} MHz vs median {mid:.0f}" if _finite(clock) and mid else ""
+    if faults:
+        seen = [r.gpu for r in ranks if r.rank != rank and r.gpu is not None]
+        also = sum(1 for g in seen if any(f in g.throttle for f in faults))
+        others = f" (as are {also} of {len(seen)} other ranks')" if also else ""
+        text = f"rank {rank}'s GPU is throttled ({', '.join(faults)}){others}{vs}"
+        return text, bool(low) or 2 * also < len(seen)
+    return f"rank {rank}'s GPU clocks low{vs}", True
+
+
+# --- hysteresis over time ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LiveLabel:
+    """The label on display and the challenger that must win CONFIRM_TICKS times to replace it."""
+
+    shown: Diagnosis
+    challenger: str | None = None
+    wins: int = 0
+
+
+def settle(live: LiveLabel | None, candidate: Diagnosis) -> LiveLabel:
+    """Advance the displayed label by one evaluation. A new label (or a new rank for the
+    same label) must win CONFIRM_TICKS evaluations in a row; the shown label's own
+    evidence refreshes at once. Leaving WARMUP needs no confirmation."""
+    if live is None:
+        return LiveLabel(candidate)
+    if candidate.subject == live.shown.subject:
+        return LiveLabel(candidate)
+    if live.shown.label == WARMUP:
+        return LiveLabel(candidate)
+    key = "|".join(map(str, candidate.subject))
+    wins = live.wins + 1 if live.challenger == key else 1
+    if wins >= CONFIRM_TICKS:
+        return LiveLabel(candidate)
+    return replace(live, challenger=key, wins=wins)

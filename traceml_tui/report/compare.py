@@ -1,0 +1,214 @@
+"""`traceml compare OLD NEW`: what changed between two runs' final_summary.json.
+
+The verdict follows the median step time, the number that decides how long a job
+takes: a change within NOISE_SHARE of the old value is "unchanged within noise".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from traceml_agent.sanitize import clean_line
+from traceml_agent.vocab import COMPUTE_PHASES, INPUT_PHASES
+from traceml_tui.judge.windows import median
+
+# Step-time medians of repeated identical runs on a shared machine differ by a few
+# percent; below 5% a change cannot be told from that noise.
+NOISE_SHARE = 0.05
+
+# Realistic DDP scaling efficiency by GPU count, from the DDP guide this project grew
+# from (seed 002, "Scaling Efficiency Analysis"): communication, synchronization and
+# bandwidth keep it below 100%, more so as the job grows. Counts in between take the
+# row below them; beyond 16, the 16 row.
+EXPECTED_EFFICIENCY = {2: (0.90, 0.95), 4: (0.85, 0.95), 8: (0.80, 0.90), 16: (0.75, 0.90)}
+
+INPUT = INPUT_PHASES
+COMPUTE = COMPUTE_PHASES
+
+
+class CompareError(Exception):
+    """A summary that cannot be read: printed as one line."""
+
+
+def load(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise CompareError(f"no such file: {path}") from None
+    except (OSError, ValueError) as exc:
+        raise CompareError(f"{path} is not a readable JSON summary: {exc}") from None
+    if not isinstance(doc, dict) or not {"step_ms", "ranks", "diagnosis"} <= doc.keys():
+        raise CompareError(f"{path} is not a traceml final_summary.json")
+    return doc
+
+
+def _group_ms(rank: dict[str, Any], phases: tuple[str, ...]) -> float | None:
+    vals = [v for p in phases if (v := (rank["phase_ms"].get(p) or {}).get("median")) is not None]
+    return sum(vals) if vals else None
+
+
+def metrics(doc: dict[str, Any]) -> dict[str, float | None]:
+    ranks = [r for r in doc["ranks"] if r.get("steps", 0) > 0]
+    local = [v for r in ranks if (v := _group_ms(r, INPUT + COMPUTE)) is not None]
+    def across(phases: tuple[str, ...]) -> float | None:
+        return median([v for r in ranks if (v := _group_ms(r, phases)) is not None])
+    return {
+        "step_ms": doc["step_ms"].get("median"),
+        "skew_ms": (max(local) - mid) if (mid := median(local)) is not None else None,
+        "input_ms": across(INPUT),
+        "compute_ms": across(COMPUTE),
+        "sync_ms": across(("sync",)),
+        "wait_ms": across(("wait",)),
+    }
+
+
+def verdict(old: float | None, new: float | None) -> str:
+    if old is None or new is None or old <= 0:
+        return "unknown"
+    change = (new - old) / old
+    if change <= -NOISE_SHARE:
+        return "improved"
+    if change >= NOISE_SHARE:
+        return "regressed"
+    return "unchanged"
+
+
+def compare(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    mo, mn = metrics(old), metrics(new)
+    rows = {}
+    for key in mo:
+        a, b = mo[key], mn[key]
+        delta = None if a is None or b is None else b - a
+        pct = None if delta is None or not a else delta / a
+        rows[key] = {"old": _r(a), "new": _r(b), "delta": _r(delta),
+                     "change": None if pct is None else round(pct, 4)}
+    return {
+        "old": old["run"]["name"], "new": new["run"]["name"],
+        "metrics": rows,
+        "diagnosis": {"old": _diag(old), "new": _diag(new)},
+        "verdict": verdict(mo["step_ms"], mn["step_ms"]),
+        "noise_share": NOISE_SHARE,
+        "scaling": scaling(old, new),
+        "prediction": prediction(old, new),
+    }
+
+
+def prediction(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | None:
+    """How close OLD's what-if (the step it predicted without its culprit: cost.py) came
+    to the step NEW measured: for a run before a fix and the run after it."""
+    w = (old.get("cost") or {}).get("what_if")
+    # The what-if predicts the mean step (a stall every tenth step counts for a tenth);
+    # summaries before it had only the median.
+    measured = new["step_ms"].get("mean") or new["step_ms"].get("median")
+    if not w or not measured:
+        return None
+    same = (old["run"].get("world_size") or len(old["ranks"])) == (
+        new["run"].get("world_size") or len(new["ranks"]))
+    error = (w["step_ms"] - measured) / measured
+    return {"label": w["label"], "culprit": w["culprit"], "rank": w.get("rank"),
+            "node": w.get("node"), "phase": w.get("phase"),
+            "predicted_step_ms": w["step_ms"], "measured_step_ms": _r(measured),
+            "error": round(error, 4), "weak": w.get("weak"), "same_world": same}
+
+
+def _rate(doc: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(samples/s, steps/s) of a run; older summaries have no throughput: steps from the
+    median step time."""
+    t = doc.get("throughput") or {}
+    steps = t.get("steps_per_s")
+    if steps is None and doc["step_ms"].get("median"):
+        steps = 1000.0 / doc["step_ms"]["median"]
+    return t.get("samples_per_s"), steps
+
+
+def expected_efficiency(ranks: int) -> tuple[float, float] | None:
+    rows = [n for n in EXPECTED_EFFICIENCY if n <= ranks]
+    return EXPECTED_EFFICIENCY[max(rows)] if rows else None
+
+
+def scaling(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | None:
+    """When NEW runs on more ranks than OLD (e.g. a 1-rank baseline): its speedup and
+    scaling efficiency, beside the range the DDP guide calls realistic."""
+    wo = old["run"].get("world_size") or len(old["ranks"])
+    wn = new["run"].get("world_size") or len(new["ranks"])
+    if wn <= wo:
+        return None
+    (so, to), (sn, tn) = _rate(old), _rate(new)
+    if so and sn:
+        basis, a, b = "samples/s", so, sn
+    elif to and tn:  # weak scaling: the same batch per rank, so samples/s ~ steps/s x ranks
+        basis, a, b = "steps/s x ranks (assumes the same batch per rank)", to * wo, tn * wn
+    else:
+        return None
+    speedup, ideal = b / a, wn / wo
+    efficiency = speedup / ideal
+    expected = expected_efficiency(round(ideal)) if wo == 1 else None
+    if expected is None:
+        assessment = "no reference range (the guide's table starts from one rank)"
+    elif efficiency < expected[0]:
+        assessment = "below the realistic range: look at sync (collective wait) and input"
+    elif efficiency > expected[1]:
+        assessment = "above the realistic range"
+    else:
+        assessment = "within the realistic range"
+    return {"old_ranks": wo, "new_ranks": wn, "basis": basis, "old_rate": _r(a),
+            "new_rate": _r(b), "speedup": round(speedup, 3), "ideal": round(ideal, 3),
+            "efficiency": round(efficiency, 4),
+            "expected": None if expected is None else list(expected), "assessment": assessment}
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
+
+
+def _diag(doc: dict[str, Any]) -> dict[str, Any]:
+    d = doc["diagnosis"]
+    return {"label": d["label"], "rank": d.get("rank"), "phase": d.get("phase")}
+
+
+LABELS = {"step_ms": "step time", "skew_ms": "worst-rank skew", "input_ms": "input",
+          "compute_ms": "compute", "sync_ms": "sync (collective wait)", "wait_ms": "wait"}
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [f"traceml compare: {result['old']} -> {result['new']}", "",
+             f"{'median ms per step':<24} {'old':>9} {'new':>9} {'change':>9}"]
+    for key, row in result["metrics"].items():
+        def cell(v: float | None) -> str:
+            return "-" if v is None else f"{v:.2f}"
+        change = "-" if row["change"] is None else f"{row['change']:+.1%}"
+        lines.append(f"{LABELS[key]:<24} {cell(row['old']):>9} {cell(row['new']):>9} "
+                     f"{change:>9}")
+    d = result["diagnosis"]
+    def label(x: dict[str, Any]) -> str:
+        return x["label"] + (f" (rank {x['rank']})" if x["rank"] is not None else "")
+    lines += ["", f"diagnosis: {label(d['old'])} -> {label(d['new'])}"]
+    v = result["verdict"]
+    explain = {"improved": "faster", "regressed": "slower",
+               "unchanged": f"within noise (±{NOISE_SHARE:.0%})",
+               "unknown": "step time missing in one summary"}[v]
+    lines.append(f"verdict: {v.upper()}: step time {explain}")
+    p = result.get("prediction")
+    if p:
+        who = (f"node {p['node']}" if p["culprit"] == "node" else
+               f"rank {p['rank']}" if p["culprit"] in ("rank", "stalls") else
+               f"{p['phase']} on every rank")
+        lines += ["", f"prediction: without {p['label']} ({who}) the old run predicted "
+                      f"{p['predicted_step_ms']:.2f} ms per step; the new run measured "
+                      f"{p['measured_step_ms']:.2f} ms ({p['error']:+.0%} off)"
+                  + ("" if p["same_world"] else "; the runs' world sizes differ")
+                  + (" [weak estimate]" if p["weak"] else "")]
+    sc = result.get("scaling")
+    if sc:
+        expected = ("" if sc["expected"] is None else
+                    f" (realistic for {sc['new_ranks']}: {sc['expected'][0]:.0%}-"
+                    f"{sc['expected'][1]:.0%})")
+        lines += ["", f"scaling {sc['old_ranks']} -> {sc['new_ranks']} ranks, by {sc['basis']}: "
+                      f"{sc['old_rate']:.1f} -> {sc['new_rate']:.1f}",
+                  f"  speedup {sc['speedup']:.2f}x of an ideal {sc['ideal']:.0f}x: efficiency "
+                  f"{sc['efficiency']:.0%}{expected}",
+                  f"  {sc['assessment']}"]
+    # Every field came from the files given (anyone's): no escape sequence, no line break.
+    return "\n".join(map(clean_line, lines)) + "\n"

@@ -1,0 +1,49 @@
+"""`traceml export RUN_DIR --perfetto OUT.json`: the whole job's phase timeline for Perfetto.
+
+Reads the collector's step log (RUN_DIR/steps/, bounded) and the run's summary (final,
+or the live snapshot of a run still going) and writes one Chrome-trace file: a process
+per rank, a track per phase, step markers, diagnosis episodes and hangs as events
+(perfetto.py). Opens in https://ui.perfetto.dev beside the torch.profiler traces that
+deep-trace captures leave in RUN_DIR/traces/.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from traceml_agent.vocab import LIVE_SNAPSHOT_JSON, STEP_LOG_DIR
+from traceml_tui.runfolder.step_log import read_steps
+
+from . import perfetto, summary
+
+
+class ExportError(Exception):
+    """A run folder that cannot be exported: one line for the user."""
+
+
+def _summary_doc(run_dir: Path) -> dict[str, Any] | None:
+    for name in (summary.SUMMARY_JSON, LIVE_SNAPSHOT_JSON):
+        try:
+            return json.loads((run_dir / name).read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def export_perfetto(run_dir: Path, out: Path, last_steps: int | None = None) -> dict[str, int]:
+    if not run_dir.is_dir():
+        raise ExportError(f"no such run folder: {run_dir}")
+    log_dir = run_dir / STEP_LOG_DIR
+    if not log_dir.is_dir():
+        raise ExportError(f"{run_dir} has no step log ({STEP_LOG_DIR}/): is it a traceml run "
+                          f"folder from this version?")
+    records = list(read_steps(log_dir))
+    if not records:
+        raise ExportError(f"the step log in {log_dir} is empty: no step was recorded")
+    try:
+        perfetto.write_trace(out, records, _summary_doc(run_dir), last_steps_per_rank=last_steps)
+    except OSError as exc:
+        raise ExportError(f"cannot write {out}: {exc.strerror or exc}") from None
+    return {"ranks": len({r.rank for r in records}), "records": len(records)}

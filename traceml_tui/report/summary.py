@@ -1,0 +1,443 @@
+"""final_summary.json (docs/spec/SUMMARY.md, tests/data/summary.schema.json) and its
+text twin, built from a Snapshot.
+
+The same function builds the live snapshot file the collector rewrites every few
+seconds, so a run that ends badly (collector killed, machine lost) still leaves a
+record of the same shape, marked ``"complete": false``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from traceml_agent import nccl_log
+from traceml_agent.vocab import SUMMARY_JSON, SUMMARY_TXT, format_ranks
+from traceml_tui.judge import diagnosis as dx
+from traceml_tui.judge.state import Episode, Snapshot, hours_unit
+from traceml_tui.judge.windows import median
+from traceml_tui.runfolder.folders import write_atomic
+
+SCHEMA_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class RunMeta:
+    """What the launcher knows about the run that the agents do not."""
+
+    command: list[str] = field(default_factory=list)
+    exit_code: int | None = None
+    ended_at: float | None = None
+    complete: bool = True
+    failed_rank: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def iso(epoch: float | None) -> str | None:
+    if epoch is None:
+        return None
+    return datetime.fromtimestamp(epoch, tz=timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _q(q: Any) -> dict[str, float | None] | None:
+    return None if q is None else q.to_json()
+
+
+def _round(v: float | None, nd: int = 4) -> float | None:
+    return None if v is None else round(v, nd)
+
+
+def _who(d: dict[str, Any]) -> str:
+    if d.get("node"):
+        return f"  node {d['node']['index']} (ranks {', '.join(map(str, d['node']['ranks']))})"
+    return f"  rank {d['rank']}" if d["rank"] is not None else ""
+
+
+def _episode(e: Episode, duration_s: float, world: int) -> dict[str, Any]:
+    return {"label": e.label, "rank": e.rank, "phase": e.phase, "severity": e.severity,
+            "start": iso(e.start), "end": iso(e.end), "start_step": e.start_step,
+            "end_step": e.end_step, "summary": e.summary, "node": e.node,
+            **_lost(e.lost_s, duration_s, world)}
+
+
+def _lost(lost_s: float | None, duration_s: float, world: int) -> dict[str, Any]:
+    """Job seconds lost, as a share of the run and in device-hours (every rank idles for
+    them: seconds x world size / 3600)."""
+    if lost_s is None:
+        return {"lost_s": None, "lost_share": None, "gpu_hours_lost": None}
+    return {"lost_s": round(lost_s, 3),
+            "lost_share": round(lost_s / duration_s, 4) if duration_s > 0 else None,
+            "gpu_hours_lost": round(lost_s * world / 3600.0, 4)}
+
+
+def _cost(snap: Snapshot, diagnosis: dx.Diagnosis, duration_s: float) -> dict[str, Any]:
+    """What the run's problems cost (the episodes' lost time summed) and what the job
+    would do without the diagnosed one (cost.py; docs/diagnosis.md)."""
+    lost = [e.lost_s for e in snap.timeline if e.lost_s is not None]
+    what_if = (snap.final_what_if if diagnosis is snap.final else
+               snap.what_if if diagnosis is snap.live else None)
+    if what_if is not None and what_if.label != diagnosis.label:
+        what_if = None
+    return {**_lost(sum(lost) if lost else None, duration_s, snap.world_size),
+            "hours_unit": hours_unit(snap.ranks),
+            "what_if": None if what_if is None else what_if.to_json()}
+
+
+def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
+    """The summary document. `snap` must be a full snapshot (whole-window quantiles)."""
+    # A hang at the end is the verdict; otherwise the whole window's diagnosis.
+    diagnosis = snap.live if snap.live.label == dx.HANG else (snap.final or snap.live)
+    step_medians = [(r.rank, r.step_ms.median) for r in snap.ranks
+                    if r.reported and r.step_ms is not None]
+    worst_rank, worst = (max(step_medians, key=lambda x: (x[1], -x[0]))
+                         if step_medians else (None, None))
+    duration_s = (meta.ended_at or snap.now) - snap.started_at
+    ranks = []
+    for r in snap.ranks:
+        rate = _throughput(r.step_ms.median if r.step_ms else None,
+                           snap.batch_sizes.get(r.rank))
+        ranks.append({
+            "rank": r.rank, "local_rank": r.local_rank, "node": r.node, "host": r.host,
+            "pid": r.pid, "device": r.device or None, "reported": r.reported,
+            "steps": r.steps, "window_steps": r.window_steps,
+            "step_ms": _q(r.step_ms) or {"median": None, "p95": None},
+            "phase_ms": {p: _q(r.phase_ms.get(p)) for p in snap.phases},
+            "throughput": rate,
+            "sys": {k: _round(v, 2) if isinstance(v, float) else v  # GPU note, throttle
+                    for k, v in r.sys.items() if k != "device"},
+            "exit_code": r.exit_code, "error": r.error, "dropped_records": r.dropped,
+            "progress": {"collectives": r.collectives, "phase": r.phase,
+                         "in_collective": r.in_collective, "since_step_s": _round(
+                             r.since_step_s, 2)},
+            "untimed": [{"phase": u.phase, "why": u.why} for u in r.untimed],
+            "agent_off": r.agent_off,
+            "bad_records": r.bad_records, "device_rule": r.device_rule,
+            "steps_hidden": r.steps_hidden, "agent_busy": r.agent_busy,
+            "replays": r.replays, "batches": r.batches, "timing_faults": r.timing_faults,
+            "capture_skips": r.capture_skips,
+        })
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "complete": meta.complete,
+        "run": {
+            "name": snap.run_name, "world_size": snap.world_size, "nnodes": snap.nnodes,
+            "started_at": iso(snap.started_at), "ended_at": iso(meta.ended_at or snap.now),
+            "duration_s": round(duration_s, 3),
+            "exit_code": meta.exit_code, "failed_rank": meta.failed_rank,
+            "command": list(meta.command), "steps": snap.total_steps,
+            "ranks_reporting": snap.reporting, "parallel": snap.parallel, **meta.extra,
+        },
+        "phases": list(snap.phases),
+        "diagnosis": diagnosis.to_json(),
+        "cost": _cost(snap, diagnosis, duration_s),
+        "checks": [f.to_wire() for f in snap.checks],
+        "live_diagnosis": {**snap.live.to_json(), "since": iso(snap.live_since)},
+        "step_ms": {"median": _round(median([m for _, m in step_medians])),
+                    "worst": _round(worst), "worst_rank": worst_rank,
+                    "mean": _round(snap.mean_step_ms)},
+        "ranks": ranks,
+        "throughput": _job_throughput(ranks),
+        "timing": _timing(snap),
+        "timeline": [_episode(e, duration_s, snap.world_size) for e in snap.timeline],
+        "hang": _hang(snap),
+        "comm": _comm(snap),
+        "preflight": snap.preflight,
+        "collector": dict(snap.counters),
+        "relays": _relays(snap),
+    }
+
+
+def _relays(snap: Snapshot) -> dict[str, Any] | None:
+    """The node relays (relay.py), when the run had any: which went silent, what they
+    lost. A silent relay's node reads as silent ranks; this says why."""
+    if not snap.relays:
+        return None
+    return {"nodes": [r.node for r in snap.relays],
+            "silent": [r.node for r in snap.relays if r.silent],
+            "batches": sum(r.batches for r in snap.relays),
+            "lost_batches": sum(r.lost_batches for r in snap.relays),
+            "dropped": sum(r.dropped for r in snap.relays)}
+
+
+def _comm(snap: Snapshot) -> dict[str, Any]:
+    """The job's collective wait: the median rank's share of its step in sync, and per
+    rank the achieved all-reduce bus bandwidth over its exposed sync time (where DDP's
+    gradient bytes are known). docs/network.md explains the figures."""
+    shares, per_rank = [], []
+    for r in snap.ranks:
+        if not r.reported or r.step_ms is None:
+            continue
+        sync = r.phase_ms.get("sync")
+        sync_ms = None if sync is None else sync.median
+        if sync_ms is not None and r.step_ms.median > 0:
+            shares.append(sync_ms / r.step_ms.median)
+        gbps = dx.bus_gbps(r.grad_bytes, sync_ms or 0.0, snap.world_size)
+        per_rank.append({"rank": r.rank, "sync_ms": _round(sync_ms),
+                         "bytes_per_step": r.grad_bytes or None, "busbw_gbps": _round(gbps)})
+    rates = [x["busbw_gbps"] for x in per_rank if x["busbw_gbps"] is not None]
+    return {"sync_share": _round(median(shares)) if shares else None,
+            "busbw_gbps": _round(median(rates)) if rates else None,
+            "preflight_busbw_gbps": snap.preflight_busbw, "ranks": per_rank}
+
+
+# A step shorter than a microsecond is not a measurement: no rate from it (1000 / 5e-324
+# is infinite, and infinity is not JSON).
+MIN_RATE_STEP_MS = 1e-3
+
+
+def _throughput(step_ms: float | None, batch: int | None) -> dict[str, float | None]:
+    """Steps per second from the median step; samples per second where the agent saw the
+    DataLoader's batch size (one batch per step; gradient accumulation makes it larger)."""
+    steps = None if not step_ms or step_ms < MIN_RATE_STEP_MS else 1000.0 / step_ms
+    samples = None if steps is None or batch is None else steps * batch
+    return {"steps_per_s": _round(steps, 3), "samples_per_s": _round(samples, 2),
+            "batch_size": batch}
+
+
+def _job_throughput(ranks: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The job's rate: a synchronous job steps at its median rank's rate; samples add up
+    over ranks (when every reporting rank's batch size is known)."""
+    live = [r["throughput"] for r in ranks if r["throughput"]["steps_per_s"]]
+    samples = [t["samples_per_s"] for t in live]
+    return {"steps_per_s": _round(median([t["steps_per_s"] for t in live]), 3),
+            "samples_per_s": (_round(sum(samples), 2)
+                              if samples and all(v is not None for v in samples) else None),
+            "ranks": len(live)}
+
+
+def _timing(snap: Snapshot) -> dict[str, Any]:
+    """Which phases could not be timed, on which ranks and why (docs/frameworks.md)."""
+    where: dict[tuple[str, str], list[int]] = {}
+    for r in snap.ranks:
+        for u in r.untimed:
+            where.setdefault((u.phase, u.why), []).append(r.rank)
+    return {"complete": not where, "framework": snap.framework,
+            "untimed": [{"phase": phase, "why": why, "ranks": ranks}
+                        for (phase, why), ranks in sorted(where.items())]}
+
+
+def _hang(snap: Snapshot) -> dict[str, Any] | None:
+    """The evidence of a hang that was going on when the snapshot was taken."""
+    report = snap.hang
+    if report is None:
+        return None
+    return {
+        "kind": report.kind, "ranks": list(report.culprits), "since": iso(snap.hang_since),
+        "stalled_s": round(report.stalled_s, 1), "threshold_s": round(report.threshold_s, 1),
+        "progress": [{"rank": r.rank, "host": r.host, "steps": r.steps, "phase": r.phase,
+                      "collectives": r.collectives, "in_collective": r.in_collective,
+                      "groups": dict(r.groups), "in_group": r.in_group, "nccl": r.nccl}
+                     for r in snap.ranks if r.reported],
+        "stacks": {str(r.rank): [{"thread": name, "stack": text} for name, text in r.stacks]
+                   for r in snap.ranks if r.stacks},
+    }
+
+
+def job_exit_code(torchrun_exit: int | None, interrupted: bool,
+                  failures: list[tuple[int, int]]) -> tuple[int | None, int | None]:
+    """The training job's exit code and the rank that failed first.
+
+    torchrun itself exits 1 whatever a rank's code was; the agents report each rank's
+    own code, so a script that exits 3 on one rank makes `traceml run` exit 3.
+    """
+    failed_rank = failures[0][0] if failures else None
+    if interrupted:
+        return 130, failed_rank
+    if torchrun_exit == 0:
+        return 0, None
+    if failures:
+        return failures[0][1], failed_rank
+    return torchrun_exit, None
+
+
+# --- text ------------------------------------------------------------------------------
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def render_text(doc: dict[str, Any]) -> str:
+    """A short, human summary of a summary document (printed at the end of headless runs)."""
+    run, d = doc["run"], doc["diagnosis"]
+    lines = [
+        f"traceml run {run['name']}: {run['world_size']} rank(s), {run['steps']} steps in "
+        f"{run.get('duration_s', 0):.1f} s, exit code {run['exit_code']}"
+        + ("" if doc.get("complete", True) else "  [INCOMPLETE: built from the last snapshot]"),
+        "",
+        f"Diagnosis: {d['label']}" + _who(d)
+        + (f"  phase {d['phase']}" if d["phase"] else "") + f"  [{d['severity']}]",
+        f"  {d['summary']}",
+        *cost_lines(doc.get("cost")),
+        "",
+    ]
+    pre = doc.get("preflight")
+    if pre:
+        verdict = ("healthy" if pre.get("healthy") else "UNHEALTHY: " + "; ".join(
+            [f"node {x['node']} ({x['host']}) slow, {x['ratio']:.0%} of the median"
+             for x in pre.get("slow") or []] + [pre.get("mtu_mismatch") or ""]).strip("; "))
+        busbw = pre.get("all_reduce_busbw_gbps")
+        lines.insert(-1, f"  Preflight (traceml netcheck): {verdict}"
+                         + (f"; all_reduce busbw {busbw:.3g} GB/s" if busbw else "")
+                         + f" ({pre.get('path')})")
+    timing = doc.get("timing") or {}
+    for u in timing.get("untimed", []):
+        lines.insert(-1, f"  Not timed: {u['phase']} on rank(s) {format_ranks(u['ranks'])}: "
+                         f"{u['why']}.")
+    off: dict[str, list[int]] = {}
+    for r in doc["ranks"]:
+        if r.get("agent_off"):
+            off.setdefault(r["agent_off"], []).append(r["rank"])
+    for why, ranks in off.items():
+        lines.insert(-1, f"  Agent off on rank(s) {format_ranks(ranks)} (its steps after "
+                         f"that are not counted): {why}")
+    for line in _agent_lines(doc["ranks"]):
+        lines.insert(-1, line)
+    silent = (doc.get("relays") or {}).get("silent")
+    if silent:
+        lines.insert(-1, f"  The relay of node(s) {format_ranks(silent)} stopped sending: "
+                         f"their ranks' figures end there, not their training (see "
+                         f"relay-node<N>.log in that node's run folder).")
+    phases = doc["phases"]
+    node = d.get("node")
+    blamed = set(node["ranks"]) if node else {d["rank"]}
+    head = f"{'rank':>5} {'host':<14} {'steps':>6} {'step':>8} " + " ".join(
+        f"{p[:9]:>9}" for p in phases)
+    lines += ["Median ms per step over the last window (rank: median of its steps):", head]
+    for r in doc["ranks"]:
+        cells = " ".join(f"{_ms((r['phase_ms'].get(p) or {}).get('median')):>9}" for p in phases)
+        mark = " <" if r["rank"] in blamed else ""
+        lines.append(f"{r['rank']:>5} {r['host'][:14]:<14} {r['steps']:>6} "
+                     f"{_ms(r['step_ms']['median']):>8} {cells}{mark}")
+    hang_doc = doc.get("hang")
+    if hang_doc and hang_doc.get("stacks"):
+        for rank in hang_doc["ranks"][:2]:
+            threads = hang_doc["stacks"].get(str(rank)) or []
+            if threads:
+                lines += [""] + _stack_lines(rank, threads[0])
+    if hang_doc:
+        logged = [p for p in hang_doc.get("progress", []) if p.get("nccl")]
+        if logged:  # --nccl-debug: the seed's opCount comparison, done for the user
+            lines += ["", "NCCL logs, each rank's last collectives:"]
+            for p in logged:
+                lines.append(f"  rank {p['rank']}: {nccl_log.describe(p['nccl'])}")
+                if p["nccl"].get("unused"):
+                    lines.append(f"    DDP: {p['nccl']['unused'][:300]}")
+    for r in doc["ranks"]:
+        if (r.get("exit_code") or 0) < 0 and not r.get("error"):
+            lines += ["", f"Rank {r['rank']} died: killed by signal {-r['exit_code']}"
+                          f"{_signal_name(-r['exit_code'])} (no exception, no goodbye)."]
+    # The rank that failed first leads: the others' errors are usually its consequences
+    # (a peer closing the connection in the middle of a collective).
+    first = doc["run"].get("failed_rank")
+    failed = sorted((r for r in doc["ranks"] if r.get("error")),
+                    key=lambda r: (r["rank"] != first, r["rank"]))
+    for r in failed[:2]:
+        tail = r["error"].strip().splitlines()[-3:]
+        lines += ["", f"Rank {r['rank']} failed (exit {r['exit_code']}):"] + [
+            f"  {t}" for t in tail]
+    checks = doc.get("checks") or []
+    if checks:
+        lines += ["", f"Setup checks: {len(checks)} finding(s)"]
+        for c in checks:
+            named = ",".join(map(str, c["ranks"][:8])) + ("..." if len(c["ranks"]) > 8 else "")
+            lines += [f"  [{c['severity']}] {c['id']} (rank {named}): {c['evidence']}",
+                      f"      fix: {c['fix']}"]
+    episodes = [e for e in doc["timeline"] if e["label"] not in (dx.WARMUP,)]
+    if len(episodes) > 1:
+        lines += ["", "Timeline:"]
+        for e in episodes[-10:]:
+            who = f" rank {e['rank']}" if e["rank"] is not None else ""
+            if e.get("node") is not None:
+                who = f" node {e['node']}"
+            until = f"-{e['end_step']}" if e.get("end_step") is not None else "-"
+            lost = (f"  (cost the job {e['lost_s']:.1f} s)" if e.get("lost_s") else "")
+            lines.append(f"  steps {e['start_step']:>6}{until:<7}  {e['label']}{who}{lost}")
+    return "\n".join(lines) + "\n"
+
+
+def _agent_lines(ranks: list[dict[str, Any]]) -> list[str]:
+    """What the agents could not show as steps or time, and what the collector refused,
+    each said once with its ranks."""
+    said: dict[str, list[int]] = {}
+    for r in ranks:
+        if r.get("steps_hidden"):
+            said.setdefault(f"{r['steps_hidden']} (hang detection suspended)",
+                            []).append(r["rank"])
+        if r.get("device_rule"):
+            said.setdefault(f"timed on the device chosen by: {r['device_rule']}",
+                            []).append(r["rank"])
+    out = [f"  Rank(s) {format_ranks(rs)}: {what}." for what, rs in list(said.items())[:6]]
+    bad = [(r["rank"], r["bad_records"]) for r in ranks if r.get("bad_records")]
+    if bad:
+        out.append(f"  The collector refused {sum(n for _, n in bad)} malformed step "
+                   f"record(s) of rank(s) {format_ranks([rank for rank, _ in bad])} (the "
+                   f"agents counted them as sent; their batches' other steps were kept).")
+    return out
+
+
+def cost_lines(c: dict[str, Any] | None) -> list[str]:
+    """The cost section in words: what the problem takes from every step, what the run
+    lost to it, and the step the job would have without it."""
+    if not c:
+        return []
+    out = []
+    w = c.get("what_if")
+    if w:
+        out.append(f"  Cost: {w['saving_ms']:.1f} ms of every {w['now_step_ms']:.1f} ms step "
+                   f"({w['share']:.0%}). Without it: {w['step_ms']:.1f} ms per step, "
+                   f"{w['speedup']:.2f}x faster ({w['reasoning'].rstrip('.')}).")
+        if w.get("weak"):
+            out.append(f"  The estimate is weak: {w['weak']}.")
+    if c.get("lost_s"):
+        share = f", {c['lost_share']:.0%} of the run" if c.get("lost_share") is not None else ""
+        out.append(f"  The run lost {c['lost_s']:.1f} s to it{share}: "
+                   f"{c['gpu_hours_lost']:.3g} {c['hours_unit']}-hours.")
+    return out
+
+
+def _stack_lines(rank: int, thread: dict[str, Any]) -> list[str]:
+    """A rank's stack in a few lines: the innermost calls of its own (Python, innermost
+    last), or of a stack taken from outside (py-spy: the main thread, innermost first)."""
+    text = thread["stack"].rstrip().splitlines()
+    if thread["thread"].startswith("native"):
+        start = next((i + 1 for i, t in enumerate(text) if "MainThread" in t), 0)
+        calls = [t.strip() for t in text[start:start + 8] if t.startswith("    ")]
+        return [f"Rank {rank}, taken from outside (py-spy --native), innermost call "
+                f"first:"] + [f"  {t}" for t in calls]
+    return [f"Rank {rank}, {thread['thread']}, innermost call last:"] + [
+        f"  {t}" for t in text[-6:]]
+
+
+def _signal_name(signum: int) -> str:
+    import signal
+
+    try:
+        return f" ({signal.Signals(signum).name})"
+    except ValueError:
+        return ""
+
+
+_JSON = msgspec.json.Encoder()
+
+# --- files -----------------------------------------------------------------------------
+
+
+def to_json(doc: dict[str, Any], indent: int = 0) -> str:
+    """A summary document as JSON text, by msgspec's encoder (C: ~10x faster than the
+    json module on 16,384 ranks' rows). A NaN that slipped through becomes null."""
+    data = _JSON.encode(doc)
+    if indent:
+        data = msgspec.json.format(data, indent=indent)
+    return data.decode() + "\n"
+
+
+def write_summary(run_dir: Path, doc: dict[str, Any]) -> Path:
+    run_dir = Path(run_dir)
+    write_atomic(run_dir / SUMMARY_JSON, to_json(doc, indent=2))
+    write_atomic(run_dir / SUMMARY_TXT, render_text(doc))
+    return run_dir / SUMMARY_JSON

@@ -1,0 +1,155 @@
+"""A viewer's connection to a collector's view socket, and how `traceml watch` finds it.
+
+REQ/REP with a timeout: if the collector does not answer (gone, restarting, a
+tunnel dropped), the REQ socket is thrown away and a fresh one is made for the
+next poll ("lazy pirate"), so a viewer never wedges. Data side: no textual here.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+
+from traceml_agent import keys
+from traceml_agent.vocab import COLLECTOR_JSON, SUMMARY_JSON
+from traceml_tui.runfolder import folders
+from traceml_tui.viewmodel import RankDetail, ViewState, decode_detail, decode_view
+
+REQUEST_TIMEOUT_S = 2.0
+
+
+class ViewUnavailable(Exception):
+    """The collector did not answer in time, or answered with an error."""
+
+
+class ViewClient:
+    def __init__(self, address: str, timeout_s: float = REQUEST_TIMEOUT_S,
+                 secret: str | None = None) -> None:
+        self.address = address
+        self.keys = None if secret is None else keys.derive(secret)
+        self.timeout_ms = int(timeout_s * 1000)
+        self.ctx: zmq.Context = zmq.Context.instance()
+        self.sock: zmq.Socket | None = None
+        # The poller and an export may ask at once; a REQ socket takes one request at a time.
+        self.lock = threading.Lock()
+
+    def _socket(self) -> zmq.Socket:
+        if self.sock is None:
+            self.sock = self.ctx.socket(zmq.REQ)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            if self.keys is not None:
+                keys.secure_client(self.sock, self.keys)
+            self.sock.connect(self.address)
+        return self.sock
+
+    def _request(self, request: dict[str, Any]) -> list[bytes]:
+        with self.lock:
+            return self._request_locked(request)
+
+    def _request_locked(self, request: dict[str, Any]) -> list[bytes]:
+        sock = self._socket()
+        sock.send(msgpack.packb(request))
+        if not sock.poll(self.timeout_ms):
+            sock.close(0)
+            self.sock = None
+            hint = "" if self.keys else " (if the run has a secret: set TRACEML_SECRET)"
+            raise ViewUnavailable(f"no answer from the collector at {self.address}{hint}")
+        return sock.recv_multipart()
+
+    def fetch(self, pinned: int | None = None) -> tuple[ViewState, RankDetail | None]:
+        frames = self._request({"op": "view", "rank": pinned})
+        if len(frames) == 1:  # a failed request: the collector says why
+            try:
+                error = msgpack.unpackb(frames[0], raw=False)["error"]
+            except Exception:
+                error = "unreadable reply"
+            raise ViewUnavailable(f"the collector could not answer: {str(error)[:200]}")
+        try:
+            return decode_view(frames[0]), decode_detail(frames[1])
+        except ValueError as exc:
+            raise ViewUnavailable(f"unreadable view from the collector: {exc}") from None
+
+    def summary(self) -> dict[str, Any]:
+        frames = self._request({"op": "summary"})
+        doc = msgpack.unpackb(frames[0], raw=False)
+        if "error" in doc:
+            raise ViewUnavailable(doc["error"])
+        return doc
+
+    def capture(self, ranks: list[int] | None = None, steps: int = 5) -> dict[str, Any]:
+        """Ask for a deep trace (ranks None: the worst and the median rank). The reply says
+        {"ok": True, "id", "ranks"} or {"ok": False, "error"}; progress comes in the view."""
+        frames = self._request({"op": "capture", "ranks": ranks, "steps": steps})
+        return msgpack.unpackb(frames[0], raw=False)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+
+
+class WatchTargetError(Exception):
+    """`traceml watch` could not find what to attach to: one clear line for the user."""
+
+
+def resolve_target(target: str | None, base: Path = Path("traceml_runs"),
+                   secret_file: Path | None = None) -> tuple[str, Path | None, str | None]:
+    """(view address, run folder or None, the run's secret or None) for
+    `traceml watch [RUN_DIR | tcp://HOST:PORT]`."""
+    if target and target.startswith("tcp://"):
+        return target, None, _secret(None, secret_file)
+    if target is None:
+        run_dir = newest_live_run(base)
+        if run_dir is None:
+            raise WatchTargetError(f"no live run under {base}/ (give a run folder or "
+                                   f"tcp://HOST:PORT)")
+    else:
+        run_dir = Path(target)
+        if not run_dir.is_dir():
+            raise WatchTargetError(f"no such run folder: {run_dir}")
+    info = run_dir / COLLECTOR_JSON
+    if not info.exists():
+        raise WatchTargetError(f"{run_dir} is not a traceml run folder (no {COLLECTOR_JSON})")
+    for path, is_dir in ((run_dir, True), (info, False)):
+        reason = folders.not_private(path, is_dir)
+        if reason:
+            raise WatchTargetError(f"{path} {reason}: not attaching (its address and secret "
+                                   f"could be anyone's)")
+    if (run_dir / SUMMARY_JSON).exists():
+        raise WatchTargetError(f"the run in {run_dir} has ended; its record is "
+                               f"{run_dir / 'final_summary.json'}")
+    try:
+        doc = json.loads(info.read_text())
+        address = doc["view"]
+    except (ValueError, KeyError, OSError) as exc:
+        raise WatchTargetError(f"cannot read {info}: {exc}") from None
+    if doc.get("view_remote") and doc.get("host") not in (None, socket.gethostname()):
+        address = doc["view_remote"]  # a shared run folder, read on another node
+    return address, run_dir, _secret(run_dir, secret_file)
+
+
+def _secret(run_dir: Path | None, secret_file: Path | None) -> str | None:
+    try:
+        return keys.load_secret(run_dir, secret_file)
+    except OSError as exc:
+        raise WatchTargetError(f"cannot read the run's secret: {exc}") from None
+    except keys.SecretError as exc:
+        raise WatchTargetError(str(exc)) from None
+
+
+def newest_live_run(base: Path) -> Path | None:
+    """The most recently started run folder under `base` that has no final summary yet."""
+    if not base.is_dir():
+        return None
+    # Only folders and collector.json files that are ours and private: on a shared --out,
+    # another user's folder could point us at their address with their secret.
+    live = [d for d in base.iterdir()
+            if not folders.not_private(d) and not folders.not_private(d / COLLECTOR_JSON, False)
+            and not (d / SUMMARY_JSON).exists()]
+    return max(live, key=lambda d: (d / COLLECTOR_JSON).stat().st_mtime, default=None)
