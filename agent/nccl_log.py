@@ -1,6 +1,6 @@
 """What a rank's own NCCL debug log says about its last collectives (`--nccl-debug`).
 
-The network-debugging workflow (seed 003) greps each rank's NCCL log for its last
+The network-debugging workflow greps each rank's NCCL log for its last
 `opCount`: a collective that started and never logged DONE is the one the rank is
 stuck in, and ranks whose last opCounts differ entered different collectives. With
 `traceml run --nccl-debug INFO` every rank logs to its own file in the run folder

@@ -148,7 +148,7 @@ def test_a_long_checkpoint_step_is_not_a_hang(tmp_path):
 def test_nccl_debug_puts_each_ranks_last_opcount_beside_the_hang(tmp_path):
     """`--nccl-debug`: every rank logs to its own file in the run folder; when the job
     hangs, each agent reads its own log's tail and the summary compares the last opCounts
-    as seed 003 does by hand. Gloo writes no NCCL log, so the example writes NCCL's lines
+    as the network guide does by hand. Gloo writes no NCCL log, so the example writes NCCL's lines
     itself (--fake-nccl-log): what is tested is the plumbing, from the variables each rank
     gets to the lines the user reads."""
     out = tmp_path / "runs"

@@ -1,4 +1,4 @@
-"""`--nccl-debug`: the NCCL log parser on lines of NCCL's own format (seed 003), the
+"""`--nccl-debug`: the NCCL log parser on lines of NCCL's own format, the
 environment each rank gets, and the evidence the agent sends and the summary prints."""
 
 from __future__ import annotations

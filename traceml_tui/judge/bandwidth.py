@@ -6,7 +6,7 @@ cluster teams already read:
           output, reduce_scatter: the input before scattering);
   busbw = algbw x the share of S each rank's link carries in a ring:
           all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, broadcast 1.
-(Seed 003's "2 x size / latency" for all_reduce's algbw is not nccl-tests' definition:
+(The network guide's "2 x size / latency" for all_reduce's algbw is not nccl-tests' definition:
 its factor 2 belongs in busbw.) Compare busbw with the link's speed.
 
 Localisation: nccl-tests gives one number for the whole job. Here every pair of nodes

@@ -1,4 +1,4 @@
-"""`traceml run --nccl-debug LEVEL`: the debug environment of seed 003, set per rank.
+"""`traceml run --nccl-debug LEVEL`: the network guide's debug environment, per rank.
 
 The seed's wrapper sets NCCL_DEBUG, NCCL_DEBUG_SUBSYS and NCCL_DEBUG_FILE for every
 rank and TORCH_DISTRIBUTED_DEBUG=DETAIL (here never, see TORCH_DEBUG), then greps each

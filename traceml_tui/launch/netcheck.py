@@ -1,4 +1,4 @@
-"""`traceml netcheck`: the network check of seed 003, in one command, on every node.
+"""`traceml netcheck`: the network guide's check, in one command, on every node.
 
 The same launch flags as `traceml run` (and the same Slurm detection), run on every
 node like training. torchrun starts netcheck_worker.py in every rank; node 0's rank 0

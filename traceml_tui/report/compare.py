@@ -19,7 +19,7 @@ from traceml_tui.judge.windows import median
 NOISE_SHARE = 0.05
 
 # Realistic DDP scaling efficiency by GPU count, from the DDP guide this project grew
-# from (seed 002, "Scaling Efficiency Analysis"): communication, synchronization and
+# from ("Scaling Efficiency Analysis"): communication, synchronization and
 # bandwidth keep it below 100%, more so as the job grows. Counts in between take the
 # row below them; beyond 16, the 16 row.
 EXPECTED_EFFICIENCY = {2: (0.90, 0.95), 4: (0.85, 0.95), 8: (0.80, 0.90), 16: (0.75, 0.90)}

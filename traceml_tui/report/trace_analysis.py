@@ -37,7 +37,7 @@ from traceml_agent.sanitize import clean_line
 
 # --- thresholds ------------------------------------------------------------------------
 
-# A kernel launch costs ~5-20 µs of CPU time (seed 001, pattern 5): a kernel shorter than
+# A kernel launch costs ~5-20 µs of CPU time (bottleneck guide, pattern 5): a kernel shorter than
 # 10 µs finishes before the CPU can issue the next one, so a stream of them is launch-bound.
 SMALL_KERNEL_US = 10.0
 # "Most kernels tiny": above half of all kernels, fusing them is the first thing to try.
@@ -64,7 +64,7 @@ TOP_N = 10  # rows in each "top" table
 MAX_TRACE_BYTES = 512 << 20  # a rank's trace file, on disk and decompressed
 GAPS_N = 5  # idle gaps reported, longest first
 
-# Pattern ids, each one section of seed 001's guide, with its title.
+# Pattern ids, each one section of the bottleneck guide, with its title.
 PATTERNS = {
     "gpu_idle": "GPU idle gaps (bubbles)",
     "no_overlap": "AllReduce not overlapping backward",
@@ -696,7 +696,7 @@ def _row_values(a: TraceAnalysis) -> dict[str, float | None]:
 def compare(worst: TraceAnalysis, median: TraceAnalysis) -> Comparison:
     """The worst rank's trace beside the median rank's, metric by metric.
 
-    Straggler signature (seed 001, pattern 3): in a synchronous job every rank's step takes
+    Straggler signature (bottleneck guide, pattern 3): in a synchronous job every rank's step takes
     as long as the slowest one's, so step times do not tell. The straggler does more local
     work (step minus collectives) and spends *less* time in collectives than the median
     rank, which sits in the AllReduce waiting for it."""
