@@ -13,8 +13,9 @@ Three layers, so each runs where its evidence is:
 - `StepObserver` is called by the agent's hooks on every batch, backward and optimizer
   step, costs well under a microsecond per call once the one-off checks are done, and
   reports a finding only when its evidence is conclusive;
-- cross-rank functions (`compare_checksums`, `compare_devices`, `merge_findings`) run
-  in the collector, on values every rank sent: a mistake that is only visible across
+- cross-rank comparisons (`compare_checksums`, `compare_devices`, `merge_findings`,
+  in traceml_tui/judge/setup_checks.py) run in the collector, on values every rank
+  sent: a mistake that is only visible across
   ranks is never found with a collective of our own, which could hang or reorder
   the job's collectives.
 

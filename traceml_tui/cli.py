@@ -1,4 +1,5 @@
-"""The `traceml` command: run, compare, collector (docs/spec/CLI.md).
+"""The `traceml` command: run, watch, compare, export, netcheck, collector
+(docs/spec/CLI.md).
 
 User mistakes end in one clear line and exit code 2, never a traceback.
 """
