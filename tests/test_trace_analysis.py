@@ -195,7 +195,7 @@ def test_cpu_trace_steps_dataloader_and_collectives(cpu_ranks):
 
 def test_compare_names_the_straggler_the_others_wait_for(cpu_ranks):
     rank0, rank1 = cpu_ranks
-    result = ta.compare(rank1, rank0)
+    result = ta.compare_ranks(rank1, rank0)
     rows = {r.metric: r for r in result.rows}
     assert (result.worst_rank, result.median_rank) == (1, 0)
     assert rows["dataloader_us_per_step"].delta >= 15_000
@@ -205,7 +205,7 @@ def test_compare_names_the_straggler_the_others_wait_for(cpu_ranks):
     assert [f.pattern for f in result.findings] == ["straggler"]
     assert "rank 1" in result.findings[0].evidence
     # The other way round, the fast rank is no straggler.
-    assert ta.compare(rank0, rank1).findings == ()
+    assert ta.compare_ranks(rank0, rank1).findings == ()
     assert json.loads(json.dumps(result.to_dict()))["rows"][0]["metric"] == "steps"
 
 

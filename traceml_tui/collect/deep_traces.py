@@ -189,7 +189,7 @@ class CaptureBoard:
         worst = next((r for r, role in cap.roles.items() if role in ("worst", "pinned")), None)
         median = next((r for r, role in cap.roles.items() if role == "median"), None)
         if worst in analyses and median in analyses and worst != median:
-            comparison = trace_analysis.compare(analyses[worst], analyses[median])
+            comparison = trace_analysis.compare_ranks(analyses[worst], analyses[median])
             doc["comparison"] = comparison.to_dict()
             parts.append(_comparison_text(comparison, worst, median))
         for rank, analysis in sorted(analyses.items()):

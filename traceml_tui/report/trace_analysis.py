@@ -97,7 +97,7 @@ _EPS_US = 1e-3  # trace timestamps are floats with ns resolution
 
 
 @dataclass(frozen=True)
-class Finding:
+class TracePattern:
     pattern: str  # a key of PATTERNS
     title: str
     evidence: str
@@ -188,7 +188,7 @@ class TraceAnalysis:
     h2d_copies: HostToDevice | None
     comm_overlap: Overlap | None  # None also on a GPU trace without collective kernels
     needs_gpu: tuple[str, ...]  # metrics left None because the trace has no GPU activity
-    findings: tuple[Finding, ...]
+    findings: tuple[TracePattern, ...]
     notes: tuple[str, ...]
 
     def to_dict(self) -> dict[str, Any]:
@@ -602,8 +602,8 @@ def _overlap(kernels: list[_Span], notes: list[str]) -> Overlap | None:
 # --- findings --------------------------------------------------------------------------
 
 
-def _finding(pattern: str, evidence: str, hint: str) -> Finding:
-    return Finding(pattern, PATTERNS[pattern], evidence, hint)
+def _finding(pattern: str, evidence: str, hint: str) -> TracePattern:
+    return TracePattern(pattern, PATTERNS[pattern], evidence, hint)
 
 
 def _with_findings(a: TraceAnalysis) -> TraceAnalysis:
@@ -662,7 +662,7 @@ class Comparison:
     worst_rank: int | None
     median_rank: int | None
     rows: tuple[CompareRow, ...]
-    findings: tuple[Finding, ...]
+    findings: tuple[TracePattern, ...]
 
     def to_dict(self) -> dict[str, Any]:
         return _rounded(asdict(self))
@@ -693,7 +693,7 @@ def _row_values(a: TraceAnalysis) -> dict[str, float | None]:
     }
 
 
-def compare(worst: TraceAnalysis, median: TraceAnalysis) -> Comparison:
+def compare_ranks(worst: TraceAnalysis, median: TraceAnalysis) -> Comparison:
     """The worst rank's trace beside the median rank's, metric by metric.
 
     Straggler signature (bottleneck guide, pattern 3): in a synchronous job every rank's step takes
