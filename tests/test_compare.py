@@ -70,8 +70,9 @@ def test_a_file_that_is_not_a_summary_is_one_clear_error(tmp_path):
     bad.write_text('{"hello": 1}')
     proc = traceml("compare", str(bad), str(bad), timeout=60)
     assert proc.returncode == 2
-    assert "not a traceml final_summary.json" in proc.stderr
+    assert f"{bad} is not a traceml summary: Object missing required field" in proc.stderr
     assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def rated(name: str, world: int, steps_per_s: float, samples_per_s: float | None) -> dict:

@@ -282,7 +282,7 @@ def test_a_deep_trace_puts_no_escape_sequence_on_the_trace_screen_or_in_its_file
 def _summary_doc(name: str, label: str) -> dict[str, Any]:
     phases = {"dataloader": 1.0, "forward": 2.0, "backward": 3.0, "sync": 1.0}
     return {"run": {"name": name}, "step_ms": {"median": 10.0},
-            "diagnosis": {"label": label, "rank": f"1{CLEAR}", "phase": None},
+            "diagnosis": {"label": label, "rank": 1, "phase": f"forward{CLEAR}"},
             "ranks": [{"rank": 0, "steps": 10, "phase_ms": {
                 p: {"median": v, "p95": v} for p, v in phases.items()}}]}
 
@@ -297,6 +297,13 @@ def test_traceml_compare_prints_no_escape_sequence_from_the_files_it_is_given(tm
     assert proc.returncode == 0, proc.stderr
     assert "STRAGGLER" in proc.stdout
     _no_control(proc.stdout)
+    # A field of the wrong type (the summary model refuses it): one line, no escape.
+    doc = _summary_doc("bad", "BALANCED")
+    doc["diagnosis"]["rank"] = f"1{CLEAR}"
+    old.write_text(json.dumps(doc))
+    proc = traceml("compare", str(old), str(new), timeout=60)
+    assert proc.returncode == 2 and "is not a traceml summary" in proc.stderr, proc.stderr
+    _no_control(proc.stderr)
 
 
 def test_netcheck_prints_no_escape_sequence_from_the_host_names_it_gathered(tmp_path):

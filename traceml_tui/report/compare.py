@@ -6,13 +6,15 @@ takes: a change within NOISE_SHARE of the old value is "unchanged within noise".
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from traceml_agent.sanitize import clean_line
 from traceml_agent.vocab import COMPUTE_PHASES, INPUT_PHASES
 from traceml_tui.judge.windows import median
+
+from .model import NotASummary, Rank, Summary, from_doc
+from .model import load as load_summary
 
 # Step-time medians of repeated identical runs on a shared machine differ by a few
 # percent; below 5% a change cannot be told from that noise.
@@ -32,30 +34,32 @@ class CompareError(Exception):
     """A summary that cannot be read: printed as one line."""
 
 
-def load(path: Path) -> dict[str, Any]:
+def load(path: Path) -> Summary:
+    """A summary file through the model (model.py): one CompareError line if it is not."""
     try:
-        doc = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise CompareError(f"no such file: {path}") from None
-    except (OSError, ValueError) as exc:
-        raise CompareError(f"{path} is not a readable JSON summary: {exc}") from None
-    if not isinstance(doc, dict) or not {"step_ms", "ranks", "diagnosis"} <= doc.keys():
-        raise CompareError(f"{path} is not a traceml final_summary.json")
-    return doc
+        return load_summary(path)
+    except NotASummary as exc:
+        raise CompareError(str(exc)) from None
 
 
-def _group_ms(rank: dict[str, Any], phases: tuple[str, ...]) -> float | None:
-    vals = [v for p in phases if (v := (rank["phase_ms"].get(p) or {}).get("median")) is not None]
+def _typed(doc: Summary | dict[str, Any]) -> Summary:
+    return doc if isinstance(doc, Summary) else from_doc(doc)
+
+
+def _group_ms(rank: Rank, phases: tuple[str, ...]) -> float | None:
+    vals = [q.median for p in phases
+            if (q := rank.phase_ms.get(p)) is not None and q.median is not None]
     return sum(vals) if vals else None
 
 
-def metrics(doc: dict[str, Any]) -> dict[str, float | None]:
-    ranks = [r for r in doc["ranks"] if r.get("steps", 0) > 0]
+def metrics(doc: Summary | dict[str, Any]) -> dict[str, float | None]:
+    doc = _typed(doc)
+    ranks = [r for r in doc.ranks if r.steps > 0]
     local = [v for r in ranks if (v := _group_ms(r, INPUT + COMPUTE)) is not None]
     def across(phases: tuple[str, ...]) -> float | None:
         return median([v for r in ranks if (v := _group_ms(r, phases)) is not None])
     return {
-        "step_ms": doc["step_ms"].get("median"),
+        "step_ms": doc.step_ms.median,
         "skew_ms": (max(local) - mid) if (mid := median(local)) is not None else None,
         "input_ms": across(INPUT),
         "compute_ms": across(COMPUTE),
@@ -75,7 +79,8 @@ def verdict(old: float | None, new: float | None) -> str:
     return "unchanged"
 
 
-def compare(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+def compare(old: Summary | dict[str, Any], new: Summary | dict[str, Any]) -> dict[str, Any]:
+    old, new = _typed(old), _typed(new)
     mo, mn = metrics(old), metrics(new)
     rows = {}
     for key in mo:
@@ -85,7 +90,7 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         rows[key] = {"old": _r(a), "new": _r(b), "delta": _r(delta),
                      "change": None if pct is None else round(pct, 4)}
     return {
-        "old": old["run"]["name"], "new": new["run"]["name"],
+        "old": old.run.name, "new": new.run.name,
         "metrics": rows,
         "diagnosis": {"old": _diag(old), "new": _diag(new)},
         "verdict": verdict(mo["step_ms"], mn["step_ms"]),
@@ -95,17 +100,16 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def prediction(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | None:
+def prediction(old: Summary, new: Summary) -> dict[str, Any] | None:
     """How close OLD's what-if (the step it predicted without its culprit: cost.py) came
     to the step NEW measured: for a run before a fix and the run after it."""
-    w = (old.get("cost") or {}).get("what_if")
+    w = old.cost.what_if if old.cost is not None else None
     # The what-if predicts the mean step (a stall every tenth step counts for a tenth);
     # summaries before it had only the median.
-    measured = new["step_ms"].get("mean") or new["step_ms"].get("median")
+    measured = new.step_ms.mean or new.step_ms.median
     if not w or not measured:
         return None
-    same = (old["run"].get("world_size") or len(old["ranks"])) == (
-        new["run"].get("world_size") or len(new["ranks"]))
+    same = _world(old) == _world(new)
     error = (w["step_ms"] - measured) / measured
     return {"label": w["label"], "culprit": w["culprit"], "rank": w.get("rank"),
             "node": w.get("node"), "phase": w.get("phase"),
@@ -113,14 +117,18 @@ def prediction(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | Non
             "error": round(error, 4), "weak": w.get("weak"), "same_world": same}
 
 
-def _rate(doc: dict[str, Any]) -> tuple[float | None, float | None]:
+def _world(doc: Summary) -> int:
+    return doc.run.world_size or len(doc.ranks)
+
+
+def _rate(doc: Summary) -> tuple[float | None, float | None]:
     """(samples/s, steps/s) of a run; older summaries have no throughput: steps from the
     median step time."""
-    t = doc.get("throughput") or {}
-    steps = t.get("steps_per_s")
-    if steps is None and doc["step_ms"].get("median"):
-        steps = 1000.0 / doc["step_ms"]["median"]
-    return t.get("samples_per_s"), steps
+    t = doc.throughput
+    steps = None if t is None else t.steps_per_s
+    if steps is None and doc.step_ms.median:
+        steps = 1000.0 / doc.step_ms.median
+    return (None if t is None else t.samples_per_s), steps
 
 
 def expected_efficiency(ranks: int) -> tuple[float, float] | None:
@@ -128,11 +136,10 @@ def expected_efficiency(ranks: int) -> tuple[float, float] | None:
     return EXPECTED_EFFICIENCY[max(rows)] if rows else None
 
 
-def scaling(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | None:
+def scaling(old: Summary, new: Summary) -> dict[str, Any] | None:
     """When NEW runs on more ranks than OLD (e.g. a 1-rank baseline): its speedup and
     scaling efficiency, beside the range the DDP guide calls realistic."""
-    wo = old["run"].get("world_size") or len(old["ranks"])
-    wn = new["run"].get("world_size") or len(new["ranks"])
+    wo, wn = _world(old), _world(new)
     if wn <= wo:
         return None
     (so, to), (sn, tn) = _rate(old), _rate(new)
@@ -163,9 +170,9 @@ def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 3)
 
 
-def _diag(doc: dict[str, Any]) -> dict[str, Any]:
-    d = doc["diagnosis"]
-    return {"label": d["label"], "rank": d.get("rank"), "phase": d.get("phase")}
+def _diag(doc: Summary) -> dict[str, Any]:
+    d = doc.diagnosis
+    return {"label": d.label, "rank": d.rank, "phase": d.phase}
 
 
 LABELS = {"step_ms": "step time", "skew_ms": "worst-rank skew", "input_ms": "input",

@@ -22,6 +22,8 @@ from traceml_tui.judge.state import Episode, Snapshot, hours_unit
 from traceml_tui.judge.windows import median
 from traceml_tui.runfolder.folders import write_atomic
 
+from . import model
+
 SCHEMA_VERSION = "1"
 
 
@@ -108,21 +110,23 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
             "phase_ms": {p: _q(r.phase_ms.get(p)) for p in snap.phases},
             "throughput": rate,
             "sys": {k: _round(v, 2) if isinstance(v, float) else v  # GPU note, throttle
-                    for k, v in r.sys.items() if k != "device"},
+                    for k, v in (r.sys.sample() if r.sys else {}).items() if k != "device"},
             "exit_code": r.exit_code, "error": r.error, "dropped_records": r.dropped,
-            "progress": {"collectives": r.collectives, "phase": r.phase,
-                         "in_collective": r.in_collective, "since_step_s": _round(
+            "progress": {"collectives": r.heartbeat.collectives, "phase": r.heartbeat.phase,
+                         "in_collective": r.heartbeat.in_collective, "since_step_s": _round(
                              r.since_step_s, 2)},
             "untimed": [{"phase": u.phase, "why": u.why} for u in r.untimed],
-            "agent_off": r.agent_off,
-            "bad_records": r.bad_records, "device_rule": r.device_rule,
-            "steps_hidden": r.steps_hidden, "agent_busy": r.agent_busy,
-            "replays": r.replays, "batches": r.batches, "timing_faults": r.timing_faults,
-            "capture_skips": r.capture_skips,
+            "agent_off": r.heartbeat.agent_off,
+            "bad_records": r.bad_records, "device_rule": r.heartbeat.device_rule,
+            "steps_hidden": r.steps_hidden, "agent_busy": r.heartbeat.agent_busy,
+            "replays": r.heartbeat.replays, "batches": r.heartbeat.batches,
+            "timing_faults": r.heartbeat.timing_faults,
+            "capture_skips": r.heartbeat.capture_skips,
         })
     return {
         "schema_version": SCHEMA_VERSION,
         "complete": meta.complete,
+        "failure": failure(ranks, meta),
         "run": {
             "name": snap.run_name, "world_size": snap.world_size, "nnodes": snap.nnodes,
             "started_at": iso(snap.started_at), "ended_at": iso(meta.ended_at or snap.now),
@@ -151,6 +155,39 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
     }
 
 
+# The exit code `traceml run` gives an interrupted job (Ctrl-C): its ranks' deaths are
+# the user's doing, not a failure to lead with.
+INTERRUPTED_EXIT = 130
+# The exception's last line, as much as a summary line holds.
+MAX_ERROR_LINE = 300
+
+
+def failure(ranks: list[dict[str, Any]], meta: RunMeta) -> dict[str, Any] | None:
+    """The rank that failed first, what ended it (exit code or signal, its exception's
+    last line) and after how many steps: what the summary, its text and the dashboard's
+    banner lead with (issue 32, failures first). The rank torchrun or the collector saw
+    fail first (meta.failed_rank) leads; the others are usually its consequences."""
+    if meta.exit_code == INTERRUPTED_EXIT:
+        return None
+    failed = [r for r in ranks if r["exit_code"] not in (None, 0)]
+    if not failed:
+        return None
+    failed.sort(key=lambda r: (r["rank"] != meta.failed_rank, r["rank"]))
+    r = failed[0]
+    code = r["exit_code"]
+    lines = [t.strip() for t in (r["error"] or "").strip().splitlines() if t.strip()]
+    error = lines[-1][:MAX_ERROR_LINE] if lines else None
+    signame = _signal_name(-code).strip(" ()") or None if code < 0 else None
+    how = (f"was killed by signal {-code}" + (f" ({signame})" if signame else "")
+           if code < 0 else f"exited with code {code}")
+    others = [o["rank"] for o in failed[1:]]
+    text = (f"FAILED: rank {r['rank']} {how} after {r['steps']} steps"
+            + (f": {error}" if error else "")
+            + (f" (then rank(s) {format_ranks(others)})" if others else ""))
+    return {"rank": r["rank"], "exit_code": code, "signal": signame, "error": error,
+            "step": r["steps"], "others": others, "summary": text}
+
+
 def _relays(snap: Snapshot) -> dict[str, Any] | None:
     """The node relays (relay.py), when the run had any: which went silent, what they
     lost. A silent relay's node reads as silent ranks; this says why."""
@@ -175,9 +212,10 @@ def _comm(snap: Snapshot) -> dict[str, Any]:
         sync_ms = None if sync is None else sync.median
         if sync_ms is not None and r.step_ms.median > 0:
             shares.append(sync_ms / r.step_ms.median)
-        gbps = dx.bus_gbps(r.grad_bytes, sync_ms or 0.0, snap.world_size)
+        gbps = dx.bus_gbps(r.heartbeat.grad_bytes, sync_ms or 0.0, snap.world_size)
         per_rank.append({"rank": r.rank, "sync_ms": _round(sync_ms),
-                         "bytes_per_step": r.grad_bytes or None, "busbw_gbps": _round(gbps)})
+                         "bytes_per_step": r.heartbeat.grad_bytes or None,
+                         "busbw_gbps": _round(gbps)})
     rates = [x["busbw_gbps"] for x in per_rank if x["busbw_gbps"] is not None]
     return {"sync_share": _round(median(shares)) if shares else None,
             "busbw_gbps": _round(median(rates)) if rates else None,
@@ -228,9 +266,12 @@ def _hang(snap: Snapshot) -> dict[str, Any] | None:
     return {
         "kind": report.kind, "ranks": list(report.culprits), "since": iso(snap.hang_since),
         "stalled_s": round(report.stalled_s, 1), "threshold_s": round(report.threshold_s, 1),
-        "progress": [{"rank": r.rank, "host": r.host, "steps": r.steps, "phase": r.phase,
-                      "collectives": r.collectives, "in_collective": r.in_collective,
-                      "groups": dict(r.groups), "in_group": r.in_group, "nccl": r.nccl}
+        "progress": [{"rank": r.rank, "host": r.host, "steps": r.steps,
+                      "phase": r.heartbeat.phase, "collectives": r.heartbeat.collectives,
+                      "in_collective": r.heartbeat.in_collective,
+                      "groups": dict(sorted(r.heartbeat.groups.items())),
+                      "in_group": r.heartbeat.in_group,
+                      "nccl": None if r.nccl is None else msgspec.to_builtins(r.nccl)}
                      for r in snap.ranks if r.reported],
         "stacks": {str(r.rank): [{"thread": name, "stack": text} for name, text in r.stacks]
                    for r in snap.ranks if r.stacks},
@@ -264,12 +305,15 @@ def _ms(v: float | None) -> str:
 def render_text(doc: dict[str, Any]) -> str:
     """A short, human summary of a summary document (printed at the end of headless runs)."""
     run, d = doc["run"], doc["diagnosis"]
+    failed = doc.get("failure")
     lines = [
+        *([failed["summary"]] if failed else []),  # failures first (issue 32)
         f"traceml run {run['name']}: {run['world_size']} rank(s), {run['steps']} steps in "
         f"{run.get('duration_s', 0):.1f} s, exit code {run['exit_code']}"
         + ("" if doc.get("complete", True) else "  [INCOMPLETE: built from the last snapshot]"),
         "",
-        f"Diagnosis: {d['label']}" + _who(d)
+        ("Diagnosis of the steps before it: " if failed else "Diagnosis: ") + d["label"]
+        + _who(d)
         + (f"  phase {d['phase']}" if d["phase"] else "") + f"  [{d['severity']}]",
         f"  {d['summary']}",
         *cost_lines(doc.get("cost")),
@@ -422,18 +466,14 @@ def _signal_name(signum: int) -> str:
         return ""
 
 
-_JSON = msgspec.json.Encoder()
-
 # --- files -----------------------------------------------------------------------------
 
 
 def to_json(doc: dict[str, Any], indent: int = 0) -> str:
-    """A summary document as JSON text, by msgspec's encoder (C: ~10x faster than the
-    json module on 16,384 ranks' rows). A NaN that slipped through becomes null."""
-    data = _JSON.encode(doc)
-    if indent:
-        data = msgspec.json.format(data, indent=indent)
-    return data.decode() + "\n"
+    """A summary document as JSON text, written through the model (model.py: a field of
+    the wrong type fails here, not in a reader), by msgspec (C: ~10x faster than the json
+    module on 16,384 ranks' rows). A NaN that slipped through becomes null."""
+    return model.encode(doc, indent).decode() + "\n"
 
 
 def write_summary(run_dir: Path, doc: dict[str, Any]) -> Path:

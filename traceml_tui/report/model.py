@@ -1,0 +1,236 @@
+"""final_summary.json as a typed model (docs/spec/SUMMARY.md, summary.schema.json).
+
+The summary is written through `Summary` (summary.py builds the document, `encode`
+validates it against these Structs) and every reader that loads one (compare, export,
+the launcher's fallback, the headless progress lines) goes through `load`/`decode`: a
+file that is not a summary is one line of error (`NotASummary`), never a KeyError deep
+in a report. Reading is tolerant: keys this version does not know (a newer file) are
+ignored, and everything beyond the contract's core has a default (an older or a
+hand-written file). Field order is the file's key order.
+
+Sections whose inner shape is owned by another module (a rank's `sys` sample, the
+what-if of cost.py, the hang's evidence, the collector's counters) stay mappings here:
+their writers define them and no reader needs them typed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+from traceml_agent.sanitize import clean_line
+
+# A summary of 16,384 ranks is ~10 MB; anything far beyond that is not one of ours.
+MAX_SUMMARY_BYTES = 512 * 1024 * 1024
+
+
+class NotASummary(Exception):
+    """A file that is not a readable traceml summary: its message is one line."""
+
+
+class _S(Struct, kw_only=True):
+    """Base: keyword construction; unknown keys are ignored when decoding."""
+
+
+class Quantiles(_S, frozen=True, kw_only=True):
+    median: float | None = None
+    p95: float | None = None
+
+
+class NodeRef(_S, kw_only=True):
+    index: int
+    ranks: list[int] = []
+
+
+class Diagnosis(_S, kw_only=True):
+    label: str
+    rank: int | None = None
+    phase: str | None = None
+    severity: str = "info"
+    summary: str = ""
+    gap_ms: float | None = None
+    gap_share: float | None = None
+    node: NodeRef | None = None
+
+
+class LiveDiagnosis(Diagnosis, kw_only=True):
+    since: str | None = None
+
+
+class Failure(_S, kw_only=True):
+    """The rank that failed first, as the summary's lead (issue 32: failures first)."""
+
+    rank: int
+    exit_code: int | None = None  # the rank's own exit code; negative: killed by a signal
+    signal: str | None = None  # e.g. "SIGKILL", when a signal killed it
+    error: str | None = None  # the last line of its exception, when it raised
+    step: int | None = None  # the steps it had completed
+    others: list[int] = []  # ranks that failed after it (usually its consequences)
+    summary: str = ""  # the line the text summary and the banner lead with
+
+
+class Run(_S, kw_only=True):
+    name: str = ""
+    world_size: int = 0
+    nnodes: int = 1
+    started_at: str | None = None
+    ended_at: str | None = None
+    duration_s: float | None = None
+    exit_code: int | None = None
+    failed_rank: int | None = None
+    command: list[str] = []
+    steps: int = 0
+    ranks_reporting: int = 0
+    parallel: Any = None
+    # What the launcher and the collector add when they have it (RunMeta.extra): absent,
+    # not null, when they do not.
+    run_dir: str | UnsetType = UNSET
+    logs: str | UnsetType = UNSET
+    torchrun_exit_code: int | None | UnsetType = UNSET
+    native_stack_refused: Any = UNSET
+    collector_restarted: dict[str, Any] | UnsetType = UNSET
+    nodes_never_seen: list[int] | UnsetType = UNSET
+
+
+class StepMs(_S, kw_only=True):
+    median: float | None = None
+    worst: float | None = None
+    worst_rank: int | None = None
+    mean: float | None = None
+
+
+class Throughput(_S, kw_only=True):
+    steps_per_s: float | None = None
+    samples_per_s: float | None = None
+    batch_size: int | None | UnsetType = UNSET  # a rank's
+    ranks: int | UnsetType = UNSET  # the job's: ranks with a rate
+
+
+class Rank(_S, kw_only=True):
+    rank: int
+    local_rank: int = 0
+    node: int = 0
+    host: str = ""
+    pid: int | None = None
+    device: str | None = None
+    reported: bool = True
+    steps: int = 0
+    window_steps: int = 0
+    step_ms: Quantiles = Quantiles()
+    phase_ms: dict[str, Quantiles | None] = {}
+    throughput: Throughput | None = None
+    sys: dict[str, Any] = {}
+    exit_code: int | None = None
+    error: str | None = None
+    dropped_records: int = 0
+    progress: dict[str, Any] = {}
+    untimed: list[dict[str, Any]] = []
+    agent_off: str | None = None
+    bad_records: int = 0
+    device_rule: str | None = None
+    steps_hidden: str | None = None
+    agent_busy: str | None = None
+    replays: int = 0
+    batches: int = 0
+    timing_faults: int = 0
+    capture_skips: int = 0
+
+
+class Episode(_S, kw_only=True):
+    label: str
+    rank: int | None = None
+    phase: str | None = None
+    severity: str = "info"
+    start: str | None = None
+    end: str | None = None
+    start_step: int | None = None
+    end_step: int | None = None
+    summary: str = ""
+    node: int | None = None
+    lost_s: float | None = None
+    lost_share: float | None = None
+    gpu_hours_lost: float | None = None
+
+
+class Cost(_S, kw_only=True):
+    lost_s: float | None = None
+    lost_share: float | None = None
+    gpu_hours_lost: float | None = None
+    hours_unit: str = "GPU"
+    what_if: dict[str, Any] | None = None  # cost.WhatIf.to_json()
+
+
+class Summary(_S, kw_only=True):
+    schema_version: str = "1"
+    complete: bool = True
+    failure: Failure | None = None
+    run: Run
+    phases: list[str] = []
+    diagnosis: Diagnosis
+    cost: Cost | None = None
+    checks: list[dict[str, Any]] = []
+    live_diagnosis: LiveDiagnosis | None = None
+    step_ms: StepMs
+    ranks: list[Rank]
+    throughput: Throughput | None = None
+    timing: dict[str, Any] | None = None
+    timeline: list[Episode] = []
+    hang: dict[str, Any] | None = None
+    comm: dict[str, Any] | None = None
+    preflight: dict[str, Any] | None = None
+    collector: dict[str, int] = {}
+    relays: dict[str, Any] | None = None
+
+
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder(Summary)
+
+
+def from_doc(doc: dict[str, Any]) -> Summary:
+    """A summary document (summary.build's dict) as the model; raises NotASummary."""
+    try:
+        return msgspec.convert(doc, Summary)
+    except msgspec.ValidationError as exc:
+        raise NotASummary(f"not a traceml summary: {clean_line(str(exc))}") from None
+
+
+def to_doc(s: Summary) -> dict[str, Any]:
+    """The model as plain JSON values (for the text renderer, msgpack, JSON tools)."""
+    out: dict[str, Any] = msgspec.to_builtins(s)
+    return out
+
+
+def encode(doc: dict[str, Any] | Summary, indent: int = 0) -> bytes:
+    """JSON bytes of a summary, written through the model (a NaN becomes null)."""
+    data = _ENCODER.encode(doc if isinstance(doc, Summary) else from_doc(doc))
+    return msgspec.json.format(data, indent=indent) if indent else data
+
+
+def decode(data: bytes | str, name: str = "summary") -> Summary:
+    """A summary from JSON text; NotASummary("NAME is not a traceml summary: why")."""
+    try:
+        return _DECODER.decode(data)
+    except msgspec.ValidationError as exc:
+        why = str(exc)
+    except msgspec.DecodeError as exc:
+        why = f"not JSON ({exc})"
+    raise NotASummary(clean_line(f"{name} is not a traceml summary: {why}")[:500])
+
+
+def load(path: Path) -> Summary:
+    """Read a summary file through the model; every failure is one NotASummary line."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SUMMARY_BYTES + 1)
+    except FileNotFoundError:
+        raise NotASummary(f"no such file: {clean_line(str(path))}") from None
+    except OSError as exc:
+        raise NotASummary(clean_line(f"cannot read {path}: {exc.strerror or exc}")) from None
+    if len(data) > MAX_SUMMARY_BYTES:
+        raise NotASummary(clean_line(f"{path} is not a traceml summary: over "
+                                     f"{MAX_SUMMARY_BYTES >> 20} MB"))
+    return decode(data, str(path))
