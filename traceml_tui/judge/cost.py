@@ -24,7 +24,7 @@ is paid by nobody, and the estimate says so instead of promising it.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,17 +37,14 @@ from traceml_agent.vocab import (
     INPUT_STRAGGLER,
     PERIODIC_STALL,
     STRAGGLER,
+    SYNC,
     WAIT,
     WAIT_HEAVY,
 )
 
 from .diagnosis import FSDP_COMPUTE_PHASES, STALL_FACTOR, STALL_MIN_MS, Diagnosis
-from .windows import AlignedSteps
+from .windows import AlignedSteps, nan_medians
 
-# The labels with a culprit to take away; the others (balanced, comm-bound, hang, timing
-# incomplete, warm-up) have no what-if.
-COSTED_LABELS = frozenset({INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER, INPUT_BOUND,
-                           WAIT_HEAVY, PERIODIC_STALL})
 # Rank-steps the model reads at most per estimate: a what-if over 1,024 ranks' whole
 # 512-step windows took ~80 ms of the collector's one core, for a figure that 64 recent
 # steps give as well. Small jobs still read their whole window (128 ranks x 512 steps).
@@ -129,20 +126,6 @@ class Savings:
         return float(self.saving_ms[newer].sum()), int(newer.sum())
 
 
-def _median(x: np.ndarray) -> np.ndarray:
-    """Per step (column), the median over ranks of the measured values; NaN where none.
-    np.nanmedian falls back to a Python loop over columns when any value is NaN."""
-    if not np.isnan(x).any():
-        return np.median(x, axis=0)
-    ordered = np.sort(x, axis=0)  # NaN sorts last
-    n = np.count_nonzero(~np.isnan(x), axis=0)
-    cols = np.arange(x.shape[1])
-    lo, hi = np.maximum((n - 1) // 2, 0), np.maximum(n // 2, 0)
-    out = (ordered[lo, cols] + ordered[hi, cols]) / 2.0
-    out[n == 0] = np.nan
-    return out
-
-
 def _group(data: AlignedSteps, phases: Sequence[str]) -> np.ndarray | None:
     """Per rank and step, the sum of the measured phases of a group (an unmeasured phase
     adds nothing); None when no rank measured any of them."""
@@ -159,24 +142,13 @@ def _group(data: AlignedSteps, phases: Sequence[str]) -> np.ndarray | None:
 def savings(d: Diagnosis, data: AlignedSteps, fsdp: bool = False) -> Savings | None:
     """Step by step, what the diagnosed problem costs the job; None for a label without a
     culprit to remove (balanced, comm-bound, hang, ...) or too few common steps."""
-    if data.step_ms.shape[1] < MIN_STEPS or len(data.ranks) == 0:
+    price = PRICING.get(d.label)
+    if price is None or data.step_ms.shape[1] < MIN_STEPS or len(data.ranks) == 0:
         return None
     with warnings.catch_warnings():
         # numpy's nan-reductions warn on all-NaN slices: here those are simply no value.
         warnings.simplefilter("ignore", RuntimeWarning)
-        job = _median(data.step_ms)
-        if d.label in (INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER):
-            out = _straggler(d, data, fsdp, job)
-        elif d.label == INPUT_BOUND:
-            out = _everywhere(data, INPUT_PHASES, INPUT_PHASES + _compute(fsdp), job,
-                              "input on every rank fully overlapped with compute "
-                              "(prefetched by DataLoader workers)")
-        elif d.label == WAIT_HEAVY:
-            out = _wait(data, job)
-        elif d.label == PERIODIC_STALL:
-            out = _stalls(d, data, job)
-        else:
-            return None
+        out = price(d, data, fsdp, nan_medians(data.step_ms))
     if out is None:
         return None
     keep = ~np.isnan(out.job_ms) & ~np.isnan(out.saving_ms)
@@ -228,7 +200,7 @@ def job_step_ms(data: AlignedSteps) -> float | None:
         return None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        per_step = _median(data.step_ms)
+        per_step = nan_medians(data.step_ms)
     per_step = per_step[~np.isnan(per_step)]
     return float(per_step.mean()) if len(per_step) else None
 
@@ -255,7 +227,7 @@ def _straggler(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray
         return None
     # "The median rank" is the median of the other ranks: with half the ranks on a slow
     # node, the median of all of them sits halfway between the two groups.
-    median_gap = _median(gap[~mask])
+    median_gap = nan_medians(gap[~mask])
     fixed = local[mask] - np.maximum(0.0, gap[mask] - median_gap)
     pace = np.nanmax(local, axis=0)
     pace_fixed = np.fmax(np.nanmax(local[~mask], axis=0), np.nanmax(fixed, axis=0))
@@ -268,7 +240,7 @@ def _straggler(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray
     if fsdp:
         weak = ("FSDP: forward and backward hold collectives, so only the gap in "
                 f"{what} is counted")
-    sync = data.phase_ms.get("sync")
+    sync = data.phase_ms.get(SYNC)
     paid = None
     saving = excess
     if sync is not None and not np.all(np.isnan(sync[~mask])) and not np.all(np.isnan(sync[mask])):
@@ -276,7 +248,7 @@ def _straggler(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray
         # beyond the culprit's own is what they pay for it. Both are noisy measures of
         # one delay, so the check scales the steps' excess by the ratio of the totals
         # (a per-step minimum of two noisy figures would be biased low).
-        paid = np.maximum(0.0, _median(sync[~mask]) - np.nanmin(sync[mask], axis=0))
+        paid = np.maximum(0.0, nan_medians(sync[~mask]) - np.nanmin(sync[mask], axis=0))
         mean_excess, mean_paid = float(np.nanmean(excess)), float(np.nanmean(paid))
         if mean_excess > 0:
             saving = excess * min(1.0, mean_paid / mean_excess)
@@ -290,30 +262,34 @@ def _straggler(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray
                    "node" if d.node is not None else "rank", weak, why)
 
 
-def _everywhere(data: AlignedSteps, removed: Sequence[str], local_phases: Sequence[str],
-                job: np.ndarray, why: str) -> Savings | None:
-    """A phase slow on every rank: the job's pace with that phase taking no time."""
-    local = _group(data, local_phases)
-    gone = _group(data, removed)
+def _input_bound(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray
+                 ) -> Savings | None:
+    """Input slow on every rank: the job's pace with input taking no time."""
+    local = _group(data, INPUT_PHASES + _compute(fsdp))
+    gone = _group(data, INPUT_PHASES)
     if local is None or gone is None:
         return None
     pace = np.nanmax(local, axis=0)
     excess = np.maximum(0.0, pace - np.nanmax(local - gone, axis=0))
     return Savings(data.steps, job, excess, excess, None, "phase",
-                   "assumes the work can be fully overlapped (an upper bound)", why)
+                   "assumes the work can be fully overlapped (an upper bound)",
+                   "input on every rank fully overlapped with compute "
+                   "(prefetched by DataLoader workers)")
 
 
-def _wait(data: AlignedSteps, job: np.ndarray) -> Savings | None:
+def _wait_heavy(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray
+                ) -> Savings | None:
+    """Residual wait on every rank: the step without it (the median rank's)."""
     wait = data.phase_ms.get(WAIT)
     if wait is None:
         return None
-    saving = _median(wait)
+    saving = nan_medians(wait)
     return Savings(data.steps, job, saving, saving, None, "phase",
                    "assumes that work can move off the critical path (an upper bound)",
                    "the time outside the timed phases taken off every step")
 
 
-def _stalls(d: Diagnosis, data: AlignedSteps, job: np.ndarray) -> Savings | None:
+def _stalls(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray) -> Savings | None:
     """Periodic stalls: each step at least STALL_FACTOR times the typical one costs the
     job its excess over the typical step (the culprit's own steps when one rank stalls;
     the others wait for it in their next collective, which must not count twice)."""
@@ -326,8 +302,23 @@ def _stalls(d: Diagnosis, data: AlignedSteps, job: np.ndarray) -> Savings | None
     else:
         steps_ms = job
         who = "every rank's stalls"
-    typical = float(np.nanmedian(steps_ms))
+    typical = float(nan_medians(steps_ms[:, None])[0])
     threshold = max(STALL_FACTOR * typical, typical + STALL_MIN_MS)
     excess = np.where(steps_ms >= threshold, steps_ms - typical, 0.0)
     return Savings(data.steps, job, excess, excess, None, "stalls", None,
                    f"{who} made asynchronous")
+
+
+# How each costed label is priced: its culprit taken away, step by step. The costed labels
+# are its keys; the others (balanced, comm-bound, hang, timing incomplete, warm-up) have
+# no culprit whose work could be taken away, and no what-if.
+Pricing = Callable[[Diagnosis, AlignedSteps, bool, np.ndarray], Savings | None]
+PRICING: Mapping[str, Pricing] = {
+    INPUT_STRAGGLER: _straggler,
+    COMPUTE_STRAGGLER: _straggler,
+    STRAGGLER: _straggler,
+    INPUT_BOUND: _input_bound,
+    WAIT_HEAVY: _wait_heavy,
+    PERIODIC_STALL: _stalls,
+}
+COSTED_LABELS = frozenset(PRICING)

@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from math import isfinite
-from statistics import median
-from typing import TypeGuard
+from typing import NamedTuple, TypeGuard
 
 from traceml_agent.vocab import (  # noqa: F401 (re-exported)
     BALANCED,
@@ -31,11 +30,11 @@ from traceml_agent.vocab import (  # noqa: F401 (re-exported)
     INPUT_BOUND,
     INPUT_PHASES,
     INPUT_STRAGGLER,
-    LABELS,
-    LOCAL_PHASES,
+    OPTIMIZER,
     PERIODIC_STALL,
+    STALL_HINTS,
     STRAGGLER,
-    STRAGGLER_LABELS,
+    SYNC,
     TIMING_INCOMPLETE,
     WAIT,
     WAIT_HEAVY,
@@ -47,6 +46,7 @@ from traceml_agent.vocab import (  # noqa: F401 (re-exported)
 # The labels, severities and phase groups are the product's vocabulary (vocab.py); they
 # are re-exported here because the rules below are where they get their meaning.
 from .bandwidth import bus_factor
+from .windows import median
 
 # --- thresholds (docs/diagnosis.md gives the reasoning) -------------------------------------
 
@@ -289,7 +289,7 @@ def period(steps: Sequence[int]) -> int | None:
     if len(steps) < STALL_MIN_COUNT:
         return None
     gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
-    mid = median(gaps)
+    mid = median(gaps, empty=0.0)
     if mid < 2:
         return None  # consecutive slow steps are a slow stretch, not a rhythm
     close = sum(1 for g in gaps if abs(g - mid) <= max(1.0, PERIOD_TOLERANCE * mid))
@@ -357,7 +357,7 @@ def _skew(ranks: Sequence[RankTiming], phases: Sequence[str], step_ms: float) ->
     values = [(r.rank, v) for r in ranks if (v := _group(r, phases)) is not None]
     if len(values) < 2:
         return None
-    mid = median([v for _, v in values])
+    mid = median([v for _, v in values], empty=0.0)
     worst_rank, worst = max(values, key=lambda rv: (rv[1], -rv[0]))
     gap = worst - mid
     return _Skew(worst_rank, gap, gap / step_ms)
@@ -371,7 +371,7 @@ def phase_gaps(ranks: Sequence[RankTiming], rank: int, phases: Sequence[str]) ->
         mine = me.phase_ms.get(p)
         others = [v for v in (r.phase_ms.get(p) for r in ranks) if _finite(v)]
         if _finite(mine) and others:
-            gaps[p] = mine - median(others)
+            gaps[p] = mine - median(others, empty=0.0)
     return gaps
 
 
@@ -390,7 +390,7 @@ def _share(ranks: Sequence[RankTiming], phases: Sequence[str]) -> float:
         step_ms = r.step_ms
         if value is not None and _finite(step_ms) and step_ms > 0:
             shares.append(value / step_ms)
-    return median(shares) if shares else 0.0
+    return median(shares, empty=0.0)
 
 
 # --- the classifier ----------------------------------------------------------------------
@@ -399,7 +399,7 @@ def _share(ranks: Sequence[RankTiming], phases: Sequence[str]) -> float:
 # Under FSDP, forward and backward contain the job's collectives (parameter all-gathers,
 # gradient reduce-scatters): a rank waiting there for a straggler looks slower in forward
 # than the straggler itself. Only phases without collectives are compared across ranks.
-FSDP_COMPUTE_PHASES = ("optimizer",)
+FSDP_COMPUTE_PHASES = (OPTIMIZER,)
 
 
 Recent = Sequence[RankTiming] | Callable[[], Sequence[RankTiming]] | None
@@ -419,9 +419,173 @@ def _still_behind(recent: Recent, rank: int, phases: Sequence[str]) -> bool:
     others = [v for v in values.values() if v is not None]
     if mine is None or len(others) < 2:
         return True
-    step_ms = median([r.step_ms for r in ready if r.step_ms is not None])
-    gap = mine - median(others)
+    step_ms = median([r.step_ms for r in ready if r.step_ms is not None], empty=0.0)
+    gap = mine - median(others, empty=0.0)
     return gap >= MIN_GAP_MS and gap >= SKEW_EXIT * step_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """What every rule reads: one evaluation's ranks and the statistics over them. Built
+    once per evaluation (`Window.of`); the rules only read it."""
+
+    ranks: Sequence[RankTiming]  # every rank that reported
+    ready: Sequence[RankTiming]  # those with MIN_STEPS steps and a step time
+    step_ms: float  # the median ready rank's step (0.0 while none is ready)
+    active: str | None  # the label shown now: its own rule leaves at its exit threshold
+    compute: tuple[str, ...]  # the compute phases compared across ranks (FSDP: fewer)
+    untimed: frozenset[str]  # phases some ready rank could not time
+    input_gap: _Skew | None  # the worst input gap, where it is material and still there
+    compute_gap: _Skew | None  # the same for compute
+    framework: str | None
+    stalls: Sequence[StallStats]
+    preflight_busbw: float | None
+
+    @classmethod
+    def of(cls, ranks: Sequence[RankTiming], active: str | None, fsdp: bool,
+           framework: str | None, recent: Recent, stalls: Sequence[StallStats] | None,
+           preflight_busbw: float | None) -> Window:
+        compute = FSDP_COMPUTE_PHASES if fsdp else COMPUTE_PHASES
+        ready = [r for r in ranks
+                 if r.steps >= MIN_STEPS and _finite(r.step_ms) and r.step_ms > 0]
+        step_ms = median([r.step_ms for r in ready if r.step_ms is not None], empty=0.0)
+        # Untimed local phases: their time sits in "wait", so balance, residual wait and
+        # any comparison of that group cannot be judged; a group fully timed still can.
+        untimed = frozenset(u.phase for r in ready for u in r.untimed)
+
+        def gap(phases: Sequence[str], group: Sequence[str], *holding: str) -> _Skew | None:
+            if untimed & set(group):  # under FSDP an untimed forward blinds compute too
+                return None
+            skew = _skew(ready, phases, step_ms)
+            hit = (skew is not None and skew.gap_ms >= MIN_GAP_MS
+                   and skew.share >= (SKEW_EXIT if active in holding else SKEW_ENTER)
+                   and _still_behind(recent, skew.rank, phases))
+            return skew if hit else None
+
+        return cls(ranks, ready, step_ms, active, compute, untimed,
+                   gap(INPUT_PHASES, INPUT_PHASES, INPUT_STRAGGLER, STRAGGLER),
+                   gap(compute, COMPUTE_PHASES, COMPUTE_STRAGGLER, STRAGGLER),
+                   framework, stalls or (), preflight_busbw)
+
+    def over(self, share: float, enter: float, leave: float, label: str) -> bool:
+        """Whether a share passes a rule's threshold: `leave` while its label is shown
+        (hysteresis), `enter` otherwise."""
+        return share >= (leave if self.active == label else enter)
+
+
+# --- the rules, each a pure function of the window: a verdict, or None to pass -------------
+
+
+def _warmup(w: Window) -> Diagnosis | None:
+    if w.ready:
+        return None
+    most = max((r.steps for r in w.ranks), default=0)
+    return Diagnosis(WARMUP, None, None, INFO,
+                     f"Collecting steps: {most} of {MIN_STEPS} needed before judging.")
+
+
+def _straggler_in_both(w: Window) -> Diagnosis | None:
+    """Behind in input and in compute: the larger gap names the rank (one rank: both)."""
+    inp, cmp = w.input_gap, w.compute_gap
+    if inp is None or cmp is None:
+        return None
+    worst = inp if inp.gap_ms >= cmp.gap_ms else cmp
+    phases = INPUT_PHASES + w.compute
+    gap = inp.gap_ms + cmp.gap_ms if inp.rank == cmp.rank else worst.gap_ms
+    return _straggler(STRAGGLER, worst.rank, _worst_phase(w.ready, worst.rank, phases), gap,
+                      gap / w.step_ms, w.step_ms, w.ready, phases)
+
+
+def _input_straggler(w: Window) -> Diagnosis | None:
+    s = w.input_gap
+    if s is None:
+        return None
+    return _straggler(INPUT_STRAGGLER, s.rank, _worst_phase(w.ready, s.rank, INPUT_PHASES),
+                      s.gap_ms, s.share, w.step_ms, w.ready, INPUT_PHASES)
+
+
+def _compute_straggler(w: Window) -> Diagnosis | None:
+    s = w.compute_gap
+    if s is None:
+        return None
+    return _straggler(COMPUTE_STRAGGLER, s.rank, _worst_phase(w.ready, s.rank, w.compute),
+                      s.gap_ms, s.share, w.step_ms, w.ready, w.compute)
+
+
+def _input_bound(w: Window) -> Diagnosis | None:
+    share = 0.0 if w.untimed & set(INPUT_PHASES) else _share(w.ready, INPUT_PHASES)
+    if not w.over(share, INPUT_BOUND_ENTER, INPUT_BOUND_EXIT, INPUT_BOUND):
+        return None
+    phase = max(INPUT_PHASES, key=lambda p: median(
+        [v for r in w.ready if _finite(v := r.phase_ms.get(p))], empty=0.0))
+    return Diagnosis(
+        INPUT_BOUND, None, phase, WARNING,
+        f"Every rank spends about {share:.0%} of its {w.step_ms:.1f} ms step waiting for "
+        f"input: speed up the input pipeline on all ranks (more DataLoader workers, "
+        f"pin_memory, prefetching, cheaper preprocessing).",
+        gap_share=share)
+
+
+def _periodic_stall(w: Window) -> Diagnosis | None:
+    return periodic_stall(w.stalls, w.active)
+
+
+def _timing_incomplete(w: Window) -> Diagnosis | None:
+    return _incomplete(w.ready, w.framework) if w.untimed else None
+
+
+def _comm_bound(w: Window) -> Diagnosis | None:
+    share = _share(w.ready, (SYNC,))
+    if not w.over(share, COMM_BOUND_ENTER, COMM_BOUND_EXIT, COMM_BOUND):
+        return None
+    return comm_bound(w.ready, share, w.step_ms, w.preflight_busbw)
+
+
+def _wait_heavy(w: Window) -> Diagnosis | None:
+    share = _share(w.ready, (WAIT,))
+    if not w.over(share, WAIT_HEAVY_ENTER, WAIT_HEAVY_EXIT, WAIT_HEAVY):
+        return None
+    return Diagnosis(
+        WAIT_HEAVY, None, WAIT, WARNING,
+        f"About {share:.0%} of each {w.step_ms:.1f} ms step is outside the timed phases "
+        f"on every rank: look for logging, checkpointing, validation, .item()/CPU syncs or "
+        f"other work between optimizer steps.",
+        gap_share=share)
+
+
+def _balanced(w: Window) -> Diagnosis | None:
+    n = len(w.ready)
+    return Diagnosis(
+        BALANCED, None, None, INFO,
+        f"{n} rank{'s' if n != 1 else ''} balanced at a median {w.step_ms:.1f} ms per "
+        f"step; no rank stands out in input or compute.")
+
+
+class Rule(NamedTuple):
+    """A label and the rule that gives it."""
+
+    label: str
+    judge: Callable[[Window], Diagnosis | None]
+
+
+# Priority is position: the first rule that answers gives the label (docs/diagnosis.md,
+# "Rules, in order"). Stragglers come before the job-wide labels: one slow rank makes
+# every rank's step long, and that is the thing to fix first. A periodic stall is one
+# cause of residual wait, named more precisely than WAIT-HEAVY; untimed phases withhold
+# the verdicts that would read their time as wait. BALANCED always answers. HANG is not
+# here: it is judged from progress, not from a window (hang.py).
+RULES: tuple[Rule, ...] = (
+    Rule(WARMUP, _warmup),
+    Rule(STRAGGLER, _straggler_in_both),
+    Rule(INPUT_STRAGGLER, _input_straggler),
+    Rule(COMPUTE_STRAGGLER, _compute_straggler),
+    Rule(INPUT_BOUND, _input_bound),
+    Rule(PERIODIC_STALL, _periodic_stall),
+    Rule(TIMING_INCOMPLETE, _timing_incomplete),
+    Rule(COMM_BOUND, _comm_bound),
+    Rule(WAIT_HEAVY, _wait_heavy),
+    Rule(BALANCED, _balanced),
+)
 
 
 def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
@@ -429,86 +593,24 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
              recent: Recent = None,
              stalls: Sequence[StallStats] | None = None,
              preflight_busbw: float | None = None) -> Diagnosis:
-    """Classify the window. `active` is the label currently shown: its own condition is
-    tested with the lower exit threshold (hysteresis), every other with the enter one.
+    """Classify the window: the verdict of the first rule in RULES that gives one.
+    `active` is the label currently shown: its own condition is tested with the lower
+    exit threshold (hysteresis), every other with the enter one.
     `collectives_in_compute`: an FSDP job (see FSDP_COMPUTE_PHASES). `framework`: the
     training framework the agents saw, named in the hint when timing is incomplete.
     `recent`: the same ranks over their newest few steps (RECENT_S), or a function that
-    gives them (asked only when a straggler rule holds on the window): a straggler the
+    gives them (asked only when a straggler gap holds on the window): a straggler the
     window still holds but those steps no longer show has recovered, and is not named.
     `stalls`: each rank's stalled steps over its window (periodic_stall).
     `preflight_busbw`: the all-reduce bus bandwidth `traceml netcheck` measured before
     training (GB/s), which COMM-BOUND's evidence compares against."""
-    compute = FSDP_COMPUTE_PHASES if collectives_in_compute else COMPUTE_PHASES
-    ready = [r for r in ranks if r.steps >= MIN_STEPS and _finite(r.step_ms) and r.step_ms > 0]
-    if not ready:
-        most = max((r.steps for r in ranks), default=0)
-        return Diagnosis(WARMUP, None, None, INFO,
-                         f"Collecting steps: {most} of {MIN_STEPS} needed before judging.")
-    step_ms = median([r.step_ms for r in ready if r.step_ms is not None])
-    # Untimed local phases: their time sits in "wait", so balance, residual wait and any
-    # comparison of that group cannot be judged; a group fully timed still can.
-    untimed = {u.phase for r in ready for u in r.untimed}
-    input_blind = bool(untimed & set(INPUT_PHASES))
-    compute_blind = bool(untimed & set(COMPUTE_PHASES))
-
-    def over(share: float, enter: float, leave: float, *holding: str) -> bool:
-        return share >= (leave if active in holding else enter)
-
-    in_skew = None if input_blind else _skew(ready, INPUT_PHASES, step_ms)
-    cp_skew = None if compute_blind else _skew(ready, compute, step_ms)
-    in_hit = (in_skew is not None and in_skew.gap_ms >= MIN_GAP_MS
-              and over(in_skew.share, SKEW_ENTER, SKEW_EXIT, INPUT_STRAGGLER, STRAGGLER)
-              and _still_behind(recent, in_skew.rank, INPUT_PHASES))
-    cp_hit = (cp_skew is not None and cp_skew.gap_ms >= MIN_GAP_MS
-              and over(cp_skew.share, SKEW_ENTER, SKEW_EXIT, COMPUTE_STRAGGLER, STRAGGLER)
-              and _still_behind(recent, cp_skew.rank, compute))
-
-    if in_hit and cp_hit and in_skew is not None and cp_skew is not None:
-        worst = in_skew if in_skew.gap_ms >= cp_skew.gap_ms else cp_skew
-        phase = _worst_phase(ready, worst.rank, INPUT_PHASES + compute)
-        gap = in_skew.gap_ms + cp_skew.gap_ms if in_skew.rank == cp_skew.rank else worst.gap_ms
-        return _straggler(STRAGGLER, worst.rank, phase, gap, gap / step_ms, step_ms, ready,
-                          INPUT_PHASES + compute)
-    if in_hit and in_skew is not None:
-        phase = _worst_phase(ready, in_skew.rank, INPUT_PHASES)
-        return _straggler(INPUT_STRAGGLER, in_skew.rank, phase, in_skew.gap_ms, in_skew.share,
-                          step_ms, ready, INPUT_PHASES)
-    if cp_hit and cp_skew is not None:
-        phase = _worst_phase(ready, cp_skew.rank, compute)
-        return _straggler(COMPUTE_STRAGGLER, cp_skew.rank, phase, cp_skew.gap_ms, cp_skew.share,
-                          step_ms, ready, compute)
-
-    input_share = 0.0 if input_blind else _share(ready, INPUT_PHASES)
-    if over(input_share, INPUT_BOUND_ENTER, INPUT_BOUND_EXIT, INPUT_BOUND):
-        phase = max(INPUT_PHASES, key=lambda p: median(
-            [v for r in ready if _finite(v := r.phase_ms.get(p))] or [0.0]))
-        return Diagnosis(
-            INPUT_BOUND, None, phase, WARNING,
-            f"Every rank spends about {input_share:.0%} of its {step_ms:.1f} ms step waiting for "
-            f"input: speed up the input pipeline on all ranks (more DataLoader workers, "
-            f"pin_memory, prefetching, cheaper preprocessing).",
-            gap_share=input_share)
-    stall = periodic_stall(stalls or (), active)
-    if stall is not None:
-        return stall
-    if untimed:
-        return _incomplete(ready, framework)
-    sync_share = _share(ready, ("sync",))
-    if over(sync_share, COMM_BOUND_ENTER, COMM_BOUND_EXIT, COMM_BOUND):
-        return comm_bound(ready, sync_share, step_ms, preflight_busbw)
-    wait_share = _share(ready, (WAIT,))
-    if over(wait_share, WAIT_HEAVY_ENTER, WAIT_HEAVY_EXIT, WAIT_HEAVY):
-        return Diagnosis(
-            WAIT_HEAVY, None, WAIT, WARNING,
-            f"About {wait_share:.0%} of each {step_ms:.1f} ms step is outside the timed phases "
-            f"on every rank: look for logging, checkpointing, validation, .item()/CPU syncs or "
-            f"other work between optimizer steps.",
-            gap_share=wait_share)
-    return Diagnosis(
-        BALANCED, None, None, INFO,
-        f"{len(ready)} rank{'s' if len(ready) != 1 else ''} balanced at a median "
-        f"{step_ms:.1f} ms per step; no rank stands out in input or compute.")
+    w = Window.of(ranks, active, collectives_in_compute, framework, recent, stalls,
+                  preflight_busbw)
+    for rule in RULES:
+        verdict = rule.judge(w)
+        if verdict is not None:
+            return verdict
+    raise AssertionError("BALANCED, the last rule, always answers")
 
 
 def comm_bound(ranks: Sequence[RankTiming], share: float, step_ms: float,
@@ -518,13 +620,13 @@ def comm_bound(ranks: Sequence[RankTiming], share: float, step_ms: float,
     transfer overlaps backward, so this is an upper bound of what the slowest link did."""
     world = len(ranks)
     rates = [(r.rank, g) for r in ranks
-             if (g := bus_gbps(r.comm_bytes, r.phase_ms.get("sync") or 0.0, world)) is not None]
-    sync_ms = median([r.phase_ms.get("sync") or 0.0 for r in ranks])
+             if (g := bus_gbps(r.comm_bytes, r.phase_ms.get(SYNC) or 0.0, world)) is not None]
+    sync_ms = median([r.phase_ms.get(SYNC) or 0.0 for r in ranks], empty=0.0)
     evidence = ""
     if rates:
-        nbytes = median([r.comm_bytes for r in ranks if r.comm_bytes])
+        nbytes = median([r.comm_bytes for r in ranks if r.comm_bytes], empty=0.0)
         slow_rank, slow = min(rates, key=lambda x: (x[1], x[0]))
-        mid = median([g for _, g in rates])
+        mid = median([g for _, g in rates], empty=0.0)
         evidence = (f" DDP all-reduces {nbytes / 1e6:.1f} MB of gradients per step: about "
                     f"{mid:.3g} GB/s of bus bandwidth over the exposed wait (lowest: rank "
                     f"{slow_rank}, {slow:.3g} GB/s)")
@@ -533,7 +635,7 @@ def comm_bound(ranks: Sequence[RankTiming], share: float, step_ms: float,
                          f"({mid / preflight_busbw:.0%} of it)")
         evidence += "."
     return Diagnosis(
-        COMM_BOUND, None, "sync", WARNING,
+        COMM_BOUND, None, SYNC, WARNING,
         f"Every rank spends about {share:.0%} of its {step_ms:.1f} ms step waiting in "
         f"collectives ({sync_ms:.1f} ms of exposed sync) and no rank is behind: the job is "
         f"communication-bound.{evidence} Try larger DDP buckets (bucket_cap_mb) and more "
@@ -544,27 +646,19 @@ def comm_bound(ranks: Sequence[RankTiming], share: float, step_ms: float,
         gap_share=share)
 
 
-_STALL_HINT = {
-    "wait": "outside forward, backward and the optimizer: checkpointing, evaluation, "
-            "logging or uploads between steps",
-    "dataloader": "in the DataLoader: a worker restart, a shard or file opened every few "
-                  "steps",
-}
-
-
 def periodic_stall(stats: Sequence[StallStats], active: str | None) -> Diagnosis | None:
     """PERIODIC STALL: a rank (or every rank) whose own work stalls with a period, costing
     the job at least STALL_SHARE_ENTER of the window's time. The ranks that only waited
     for it stall too, in sync: they are the victims, not the cause."""
     causes = []
     for st in stats:
-        own = [s for s in st.stalls if s.phase != "sync"]
+        own = [s for s in st.stalls if s.phase != SYNC]
         rhythm = period([s.step for s in own])
         if len(own) >= STALL_MIN_COUNT and rhythm is not None:
             causes.append((st, own, rhythm))
     if not causes:
         return None
-    window_ms = median([st.steps * st.step_ms for st in stats if st.steps])
+    window_ms = median([st.steps * st.step_ms for st in stats if st.steps], empty=0.0)
     st, own, rhythm = max(causes, key=lambda c: (sum(s.excess_ms for s in c[1]), -c[0].rank))
     lost_ms = sum(s.excess_ms for s in own)
     share = lost_ms / (window_ms + lost_ms) if window_ms > 0 else 0.0
@@ -577,7 +671,7 @@ def periodic_stall(stats: Sequence[StallStats], active: str | None) -> Diagnosis
     who = "Every rank" if everyone else f"Rank {st.rank}"
     waits = ("" if everyone else
              "; the other ranks wait for it in their next collective (their sync)")
-    where = _STALL_HINT.get(phase, f"in {phase}")
+    where = STALL_HINTS.get(phase, f"in {phase}")  # the phase table's hints
     return Diagnosis(
         PERIODIC_STALL, None if everyone else st.rank, phase, WARNING,
         f"{who} stalls every {rhythm} steps ({len(own)} times in the last {st.steps} "
@@ -630,7 +724,7 @@ def slow_node(ranks: Sequence[RankTiming], worst_rank: int, phases: Sequence[str
     if len({r.node for r in ranks}) < 2:
         return None
     values = [(r, v) for r in ranks if (v := _group(r, phases)) is not None]
-    mid = median([v for _, v in values])
+    mid = median([v for _, v in values], empty=0.0)
     node = next(r.node for r in ranks if r.rank == worst_rank)
     slow = {r.rank for r, v in values if v - mid >= NODE_MEMBER_SHARE * gap_ms}
     members = {r.rank for r in ranks if r.node == node}

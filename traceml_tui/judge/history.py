@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .windows import median
+
 MAX_POINTS = 512
 # (seconds since the run started, median step, median own work, worst own work), in ms.
 Point = tuple[float, float | None, float | None, float | None]
@@ -60,10 +62,4 @@ class History:
 
 def point(elapsed_s: float, steps: Sequence[float], own: Sequence[float]) -> Point:
     """A tick's point from every rank's live step time and own work (ms)."""
-    def median(values: Sequence[float]) -> float | None:
-        vals = sorted(values)
-        n = len(vals)
-        if not n:
-            return None
-        return vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) / 2.0
     return (round(elapsed_s, 2), median(steps), median(own), max(own) if own else None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -61,9 +61,31 @@ def sorted_quantiles(vals: list[float]) -> Quantiles | None:
     return Quantiles(median, p95)
 
 
-def median(values: Sequence[float]) -> float | None:
+@overload
+def median(values: Iterable[float]) -> float | None: ...
+@overload
+def median(values: Iterable[float], empty: float) -> float: ...
+def median(values: Iterable[float], empty: float | None = None) -> float | None:
+    """The median of the finite values (the mean of the middle two for an even count), or
+    `empty` when there are none: the one median of the collector, with `nan_medians` its
+    form over arrays."""
     q = quantiles(values)
-    return None if q is None else q.median
+    return empty if q is None else q.median
+
+
+def nan_medians(x: np.ndarray) -> np.ndarray:
+    """Per column (for the cost model: per step), the median of the measured values, by
+    the same arithmetic as `median`; NaN where none. np.nanmedian falls back to a Python
+    loop over columns when any value is NaN."""
+    if not np.isnan(x).any():
+        return np.median(x, axis=0)
+    ordered = np.sort(x, axis=0)  # NaN sorts last
+    n = np.count_nonzero(~np.isnan(x), axis=0)
+    cols = np.arange(x.shape[1])
+    lo, hi = np.maximum((n - 1) // 2, 0), np.maximum(n // 2, 0)
+    out = (ordered[lo, cols] + ordered[hi, cols]) / 2.0
+    out[n == 0] = np.nan
+    return out
 
 
 @dataclass(frozen=True, slots=True)
