@@ -266,7 +266,9 @@ def test_a_deep_trace_puts_no_escape_sequence_on_the_trace_screen_or_in_its_file
     board = CaptureBoard(run_dir)
     cap, error = board.start({0: "pinned"}, 3)
     assert cap is not None, error
-    board.on_event(0, {"capture_id": cap.id, "state": "done", "path": str(trace), "error": None})
+    done = decode(encode("capture", Identity(0, 0, 0, "h", 1, 1), 1, 1.0, capture_id=cap.id,
+                         state="done", path=str(trace)))
+    board.on_event(0, done.body)
 
     def analysed() -> bool:
         view = board.view()
@@ -331,8 +333,8 @@ def test_another_node_prints_no_escape_sequence_from_the_run_folder_in_the_store
                              outcome="store")
     reply = _node_done(opts, tmp_path, {"root_cause": None, "torchrun_exit": 0,
                                         "interrupted": False}, handed)
-    assert "/scratch/run" in reply["text"]
-    _no_control(reply["text"])
+    assert "/scratch/run" in reply.text
+    _no_control(reply.text)
 
 
 # --- 2. bounded servers: idle connections cost the record nothing --------------------------

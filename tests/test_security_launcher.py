@@ -98,7 +98,7 @@ def test_a_key_holders_finish_is_refused_and_counted_while_the_rank_trains(colle
     request = {"op": "finish", "torchrun_exit": 0, "interrupted": False, "root_cause": None,
                "command": ["t"], "ended_at": time.time(), "extra": {}, "grace_s": 0.5}
     reply = launcher._finish(info["control"], request, proc, SECRET, key)
-    assert reply is not None and reply["ok"] is True, reply
+    assert reply is not None and reply.ok is True, reply
     doc = json.loads((run_dir / "final_summary.json").read_text())
     assert doc["complete"] is True and doc["ranks"][0]["steps"] == 10
     assert doc["collector"]["control_refused"] == 3
@@ -176,7 +176,7 @@ def test_a_forged_hello_naming_an_unrelated_process_gets_no_dump(tmp_path):
                    "extra": {"native_stack_refused": watcher.refused}, "grace_s": 0}
         stop.set()
         reply = launcher._finish(info["control"], request, proc, SECRET, key)
-        assert reply is not None and reply["ok"], reply
+        assert reply is not None and reply.ok, reply
         for s in socks:
             s.close()
     finally:
@@ -308,7 +308,7 @@ def test_a_run_folder_swapped_for_a_link_after_start_does_not_redirect_the_recor
     request = {"op": "finish", "torchrun_exit": 0, "interrupted": False, "root_cause": None,
                "command": [], "ended_at": time.time(), "extra": {}, "grace_s": 0}
     reply = launcher._finish(info["control"], request, proc, SECRET, key)
-    assert reply is not None and reply["ok"], reply
+    assert reply is not None and reply.ok, reply
     assert (moved / "final_summary.json").exists() and (moved / "final_summary.txt").exists()
     assert list(attacker.iterdir()) == []
 

@@ -40,13 +40,14 @@ from traceml_agent import keys
 from traceml_agent.protocol import (
     MAX_RELAY_BATCH_BYTES,
     RELAY_TAG,
+    Capture,
     ProtocolError,
     decode,
     decode_relay_batch,
 )
 from traceml_agent.vocab import COLLECTOR_JSON, LIVE_SNAPSHOT_JSON, STEP_LOG_DIR
 from traceml_tui.judge.state import RunState
-from traceml_tui.report import summary
+from traceml_tui.report import ending, summary
 from traceml_tui.runfolder import folders
 from traceml_tui.runfolder.step_log import StepLogWriter
 
@@ -348,10 +349,9 @@ class Collector:
             return
         rank = msg.ident.rank
         self.routes[rank] = route
-        kind = msg.kind
-        if kind == "steps":
+        if msg.kind == "steps":
             self.step_log.append_records(rank, msg.phases, msg.records)
-        elif kind == "capture":
+        elif isinstance(msg.body, Capture):
             self.captures.on_event(rank, msg.body)
 
     def write_live(self) -> None:
@@ -471,22 +471,15 @@ class Collector:
             failed_rank=failed, extra=extra)
         snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
         doc = summary.build(snap, meta)
-        text = summary.render_text(doc)
-        if unseen:
-            text += (f"INCOMPLETE: no rank of node(s) {', '.join(map(str, unseen))} ever "
-                     f"reported (its relay or agents never reached node 0; its own terminal "
-                     f"says why).\n")
-        reply = {"ok": True, "path": None, "exit_code": code, "failed_rank": failed,
-                 "text": text}
-        try:
-            path = descriptors.write_anyway(lambda: summary.write_summary(self.run_dir, doc),
-                                            self.reserve)
-            reply["path"] = str(path or self.run_dir / summary.SUMMARY_JSON)
-        except OSError as exc:  # a full disk: the record still reaches the terminal
-            reply["error"] = f"could not write {summary.SUMMARY_JSON}: {exc}"
+        note = "" if not unseen else (
+            f"INCOMPLETE: no rank of node(s) {', '.join(map(str, unseen))} ever reported (its "
+            f"relay or agents never reached node 0; its own terminal says why).\n")
+        reply = ending.summary_reply(  # a full disk: the record still reaches the terminal
+            self.run_dir, doc, lambda: descriptors.write_anyway(
+                lambda: summary.write_summary(self.run_dir, doc), self.reserve), note)
         self.step_log.close()
         self.done = True
-        return reply
+        return reply.to_wire()
 
     def close(self) -> None:
         self.pump.stop()  # closes the ingest socket on its own thread

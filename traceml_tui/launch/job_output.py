@@ -7,7 +7,6 @@ keeps its last lines, and torchrun's own report of the rank that failed first.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import re
 import sys
@@ -16,7 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from traceml_agent.sanitize import clean_line
 from traceml_agent.vocab import LIVE_SNAPSHOT_JSON
+from traceml_tui.report.model import NotASummary, Summary, load
 
 STATUS_EVERY_S = 10.0
 
@@ -42,26 +43,29 @@ class Progress:
         self.last_key: tuple | None = None
         self.last_print = time.monotonic()
         self.mtime = 0
-        self.doc: dict[str, Any] | None = None
+        self.doc: Summary | None = None
 
     def poll(self) -> None:
         try:  # the file changes every few seconds: parse it only when it did
             mtime = self.path.stat().st_mtime_ns
             if mtime != self.mtime:
-                self.doc, self.mtime = json.loads(self.path.read_text()), mtime
-        except (OSError, ValueError):
+                self.doc, self.mtime = load(self.path), mtime
+        except (OSError, NotASummary):
             return
         doc = self.doc
-        if doc is None:
+        if doc is None or doc.live_diagnosis is None:
             return
-        d = doc["live_diagnosis"]
-        key = (d["label"], d["rank"])
+        d = doc.live_diagnosis
+        key = (d.label, d.rank, doc.failure is not None)
         now = time.monotonic()
         if key != self.last_key or now - self.last_print >= STATUS_EVERY_S:
-            run = doc["run"]
-            who = f" rank {d['rank']}" if d["rank"] is not None else ""
-            print(f"[traceml] step {run['steps']} · {run['ranks_reporting']}/{run['world_size']}"
-                  f" ranks · {d['label']}{who}: {d['summary']}", file=sys.stderr, flush=True)
+            run = doc.run
+            who = f" rank {d.rank}" if d.rank is not None else ""
+            # A rank that failed leads the line (failures first), as in the summary.
+            lead = "" if doc.failure is None else f"{doc.failure.summary} · "
+            print(clean_line(f"[traceml] {lead}step {run.steps} · {run.ranks_reporting}/"
+                             f"{run.world_size} ranks · {d.label}{who}: {d.summary}"),
+                  file=sys.stderr, flush=True)
             self.last_key, self.last_print = key, now
 
 

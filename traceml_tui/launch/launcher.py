@@ -38,7 +38,8 @@ from traceml_agent.vocab import (
     NETCHECK_JSON,
     RELAY_LOG,
 )
-from traceml_tui.report import summary
+from traceml_tui.report import ending, model, summary
+from traceml_tui.report.ending import EndReply
 from traceml_tui.runfolder import folders
 
 from . import nccl_debug
@@ -293,8 +294,9 @@ def _torchrun_preexec() -> None:
 
 
 def _finish(control: str, request: dict[str, Any], collector: subprocess.Popen,
-            secret: str, control_key: str) -> dict[str, Any] | None:
-    """Ask the collector for the final summary; None if it is dead or does not answer."""
+            secret: str, control_key: str) -> EndReply | None:
+    """Ask the collector for the final summary; None if it is dead, does not answer, or
+    answers with something that is not an end-of-run reply."""
     import zmq
 
     if collector.poll() is not None:
@@ -309,7 +311,10 @@ def _finish(control: str, request: dict[str, Any], collector: subprocess.Popen,
         deadline = time.monotonic() + FINISH_TIMEOUT_S
         while time.monotonic() < deadline:
             if sock.poll(100):
-                return sock.recv_json()
+                try:
+                    return ending.from_wire(sock.recv_json())
+                except ValueError:  # not JSON
+                    return None
             if collector.poll() is not None:
                 return None
         return None
@@ -317,31 +322,28 @@ def _finish(control: str, request: dict[str, Any], collector: subprocess.Popen,
         sock.close()
 
 
-def _fallback_summary(run_dir: Path, request: dict[str, Any]) -> dict[str, Any]:
-    """The collector did not answer: promote its last snapshot, marked incomplete."""
+def _fallback_summary(run_dir: Path, request: dict[str, Any]) -> EndReply:
+    """The collector did not answer: promote its last snapshot (read through the summary
+    model), marked incomplete."""
     try:
-        doc = json.loads((run_dir / LIVE_SNAPSHOT_JSON).read_text())
-    except (OSError, ValueError):
+        snap = model.load(run_dir / LIVE_SNAPSHOT_JSON)
+    except model.NotASummary as exc:
         code, _ = summary.job_exit_code(request["torchrun_exit"], request["interrupted"], [])
-        return {"exit_code": request.get("exit_code", code), "path": None,
-                "text": "The collector stopped before it saved any record of this run.\n",
-                "error": f"no summary: the collector died without a snapshot (see "
-                         f"{run_dir / 'collector.log'})"}
-    failures = [(r["rank"], r["exit_code"]) for r in doc["ranks"] if r.get("exit_code")]
+        return ending.no_record(
+            request.get("exit_code", code),
+            "The collector stopped before it saved any record of this run.\n",
+            f"no summary: the collector died without a usable snapshot ({exc}; see "
+            f"{run_dir / 'collector.log'})")
+    failures = [(r.rank, r.exit_code) for r in snap.ranks if r.exit_code]
     code, failed_rank = summary.job_exit_code(
         request["torchrun_exit"], request["interrupted"], failures)
+    meta = summary.RunMeta(exit_code=request.get("exit_code", code), failed_rank=failed_rank)
+    doc = model.to_doc(snap)
     doc["complete"] = False
-    doc["run"]["exit_code"] = request.get("exit_code", code)
-    doc["run"]["failed_rank"] = failed_rank
-    doc["run"]["ended_at"] = summary.iso(request["ended_at"])
-    doc["run"]["command"] = request["command"]
-    reply = {"exit_code": doc["run"]["exit_code"], "text": summary.render_text(doc),
-             "path": str(run_dir / summary.SUMMARY_JSON)}
-    try:
-        summary.write_summary(run_dir, doc)
-    except OSError as exc:
-        reply["path"], reply["error"] = None, f"could not write {summary.SUMMARY_JSON}: {exc}"
-    return reply
+    doc["run"].update(exit_code=meta.exit_code, failed_rank=failed_rank,
+                      ended_at=summary.iso(request["ended_at"]), command=request["command"])
+    doc["failure"] = summary.failure(doc["ranks"], meta)  # as the collector would lead
+    return ending.summary_reply(run_dir, doc, lambda: summary.write_summary(run_dir, doc))
 
 
 def _signal_ranks(proc: subprocess.Popen, sig: int) -> None:
@@ -399,7 +401,7 @@ class _Node:
 
 
 def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _Signals,
-              root_cause: tuple[int, int] | None = None) -> dict[str, Any]:
+              root_cause: tuple[int, int] | None = None) -> EndReply:
     request: dict[str, Any] = {
         "op": "finish", "torchrun_exit": rc, "interrupted": signals.interrupted,
         "root_cause": None if root_cause is None else list(root_cause),
@@ -418,7 +420,7 @@ def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _S
             node.relay.stop()
         done = _node_done(opts, run_dir, request, node.handover)
         if relay_failed:  # said again at the end, beside this node's exit code
-            done["text"] += f"node {opts.node_rank}: {relay_failed}\n"
+            done.text += f"node {opts.node_rank}: {relay_failed}\n"
         return done
     assert node.control is not None and node.secret is not None and node.control_key
     reply = _finish(node.control, request, node.collector, node.secret, node.control_key)
@@ -427,13 +429,13 @@ def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _S
         code = node.collector.poll()
         why = ("the collector did not answer" if code is None
                else f"the collector died (exit code {code})")
-        reply["incomplete"] = (f"the record is INCOMPLETE: {why}; the summary was built from "
+        reply.incomplete = (f"the record is INCOMPLETE: {why}; the summary was built from "
                                f"its last snapshot (see {run_dir / 'collector.log'})")
     return reply
 
 
 def _node_done(opts: RunOptions, run_dir: Path, request: dict[str, Any],
-               handed: _Handover | None) -> dict[str, Any]:
+               handed: _Handover | None) -> EndReply:
     """A node other than 0 writes no summary: node 0's collector has all ranks. It ends
     with its own job's exit code, as torchrun on that node would, and says where node 0
     keeps the summary (its folder, as node 0 told through torchrun's store)."""
@@ -453,11 +455,11 @@ def _node_done(opts: RunOptions, run_dir: Path, request: dict[str, Any],
         where = f"to {summary.SUMMARY_JSON} in its run folder ({run_dir.name} under its --out)"
     text = (f"node {opts.node_rank}: its ranks ended with exit code {code}{failed_text}.\n"
             f"The job's summary is written by node 0 ({opts.master_addr}) {where}.\n")
-    return {"exit_code": code, "text": text, "path": None, "node_done": True}
+    return ending.node_reply(code, text, failed)
 
 
 def _with_dashboard(node: _Node, run_dir: Path, signals: _Signals,
-                    finish: Any, progress: Progress) -> dict[str, Any]:
+                    finish: Any, progress: Progress) -> EndReply:
     """The dashboard in the foreground; the job is watched from a thread. Closing (or
     crashing) the viewer leaves the job running: we then go on like --headless."""
     import threading
@@ -494,7 +496,7 @@ def _with_dashboard(node: _Node, run_dir: Path, signals: _Signals,
             return
         reply = outcome["reply"]
         try:
-            app.call_from_thread(app.run_ended, reply.get("exit_code"), reply["path"])
+            app.call_from_thread(app.run_ended, reply.exit_code, reply.path)
         except Exception:
             pass  # the viewer is already gone
 
@@ -635,7 +637,7 @@ def run(opts: RunOptions) -> int:
                 stop_watching, proc.pid)
             node.stacks.start()
 
-        def finish() -> dict[str, Any]:
+        def finish() -> EndReply:
             rc = _wait(proc, signals, progress if opts.headless else None)
             if stderr_tail is not None:
                 stderr_tail.join(5)
@@ -667,13 +669,12 @@ def run(opts: RunOptions) -> int:
             node.collector.wait(timeout=5)
         except subprocess.TimeoutExpired:
             node.collector.kill()
-    print("\n" + reply["text"], end="", flush=True)
-    if reply.get("path"):
-        print(f"[traceml] summary: {reply['path']}", file=sys.stderr, flush=True)
-    elif not reply.get("node_done"):
-        print(f"[traceml] {reply.get('error', 'no summary written')}", file=sys.stderr,
+    print("\n" + reply.text, end="", flush=True)
+    if reply.path:
+        print(f"[traceml] summary: {reply.path}", file=sys.stderr, flush=True)
+    elif not reply.node_done:
+        print(f"[traceml] {reply.error or 'no summary written'}", file=sys.stderr,
               flush=True)
-    if reply.get("incomplete"):
-        print(f"[traceml] {reply['incomplete']}", file=sys.stderr, flush=True)
-    code = reply.get("exit_code")
-    return 1 if code is None else int(code)
+    if reply.incomplete:
+        print(f"[traceml] {reply.incomplete}", file=sys.stderr, flush=True)
+    return 1 if reply.exit_code is None else int(reply.exit_code)

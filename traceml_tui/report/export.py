@@ -9,14 +9,13 @@ deep-trace captures leave in RUN_DIR/traces/.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from traceml_agent.vocab import LIVE_SNAPSHOT_JSON, STEP_LOG_DIR
 from traceml_tui.runfolder.step_log import read_steps
 
-from . import perfetto, summary
+from . import model, perfetto, summary
 
 
 class ExportError(Exception):
@@ -24,11 +23,16 @@ class ExportError(Exception):
 
 
 def _summary_doc(run_dir: Path) -> dict[str, Any] | None:
+    """The run's summary read through the model (model.py), final or live; None when the
+    run has neither (the steps still export). One that is there but is not a summary is
+    the user's one-line error, not a trace silently missing its episodes."""
     for name in (summary.SUMMARY_JSON, LIVE_SNAPSHOT_JSON):
-        try:
-            return json.loads((run_dir / name).read_text())
-        except (OSError, ValueError):
+        if not (run_dir / name).is_file():
             continue
+        try:
+            return model.to_doc(model.load(run_dir / name))
+        except model.NotASummary as exc:
+            raise ExportError(str(exc)) from None
     return None
 
 

@@ -35,7 +35,7 @@ class _S(Struct, kw_only=True):
     """Base: keyword construction; unknown keys are ignored when decoding."""
 
 
-class Quantiles(_S, frozen=True, kw_only=True):
+class Quantiles(_S, kw_only=True):
     median: float | None = None
     p95: float | None = None
 
@@ -119,7 +119,7 @@ class Rank(_S, kw_only=True):
     reported: bool = True
     steps: int = 0
     window_steps: int = 0
-    step_ms: Quantiles = Quantiles()
+    step_ms: Quantiles = msgspec.field(default_factory=Quantiles)
     phase_ms: dict[str, Quantiles | None] = {}
     throughput: Throughput | None = None
     sys: dict[str, Any] = {}
