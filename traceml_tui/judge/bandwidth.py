@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from statistics import median
+
+from .windows import median
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 # A node whose pairs reach less than this share of the nodes' median bandwidth is slow.
@@ -84,8 +85,8 @@ def slow_nodes(pair_gbps: Mapping[tuple[int, int], float], hosts: Sequence[str]
         return []
     per_node = {k: [g for (a, b), g in pair_gbps.items() if k in (a, b)]
                 for k in range(nnodes)}
-    node_med = {k: median(v) for k, v in per_node.items() if v}
-    overall = median(node_med.values())
+    node_med = {k: median(v, empty=0.0) for k, v in per_node.items() if v}
+    overall = median(node_med.values(), empty=0.0)
     if overall <= 0:
         return []
     out = []
@@ -93,7 +94,7 @@ def slow_nodes(pair_gbps: Mapping[tuple[int, int], float], hosts: Sequence[str]
         ratio = value / overall
         if ratio < SLOW_RATIO:
             others = [g for (a, b), g in pair_gbps.items() if k not in (a, b)]
-            healthy = f"{median(others):.3f}" if others else "?"
+            healthy = f"{median(others, empty=0.0):.3f}" if others else "?"
             out.append(Slow(k, hosts[k], ratio,
                             f"its pairs reach {value:.3f} GB/s busbw, {ratio:.0%} of the "
                             f"nodes' median {overall:.3f} (pairs without it: {healthy}): its "

@@ -15,10 +15,10 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from statistics import median
 from typing import Any
 
 from traceml_tui.judge import bandwidth as nm
+from traceml_tui.judge.windows import median
 
 OUT_ENV = "TRACEML_NETCHECK_OUT"
 TIMEOUT_ENV = "TRACEML_NETCHECK_TIMEOUT"
@@ -205,7 +205,7 @@ def barrier_ms(dist: Any) -> float:
         t0 = time.perf_counter()
         dist.barrier()
         waits.append((time.perf_counter() - t0) * 1e3)
-    return median(waits)
+    return median(waits, empty=0.0)
 
 
 def write(doc: dict[str, Any]) -> None:
