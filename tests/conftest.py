@@ -8,13 +8,21 @@ collector in a session of its own). At the end /proc is read for the session's m
 Children forked without exec keep their parent's original environment, so our own
 descendants are also noted after each test. A process meant to outlive the session (a
 system daemon a test starts, e.g. munged) is started without the mark (`unmarked_env`).
+
+End-to-end tests (real jobs) carry the `e2e` marker, so `-m "not e2e"` is the quick loop;
+under pytest-xdist a test marked `alone` (it compares timings) runs with no other test
+beside it (see `pytest_runtest_protocol`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -39,6 +47,66 @@ def unmarked_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ[SESSION_VAR] = SESSION
+
+
+# Tests in files without a module mark that start a real job (`traceml run`, torchrun):
+# marked e2e here, so the quick loop `-m "not e2e"` starts no job.
+E2E_TESTS = {
+    "test_metrics.py": {"test_a_real_prometheus_scrapes_a_run_and_names_the_straggler"},
+    "test_native_stacks.py": {
+        "test_a_rank_stuck_in_c_holding_the_gil_is_named_with_its_native_frames"},
+    "test_run_folders.py": {"test_a_planted_run_folder_is_refused_not_adopted",
+                            "test_a_world_writable_folder_of_ours_is_refused_too",
+                            "test_a_new_run_folder_is_private",
+                            "test_watch_never_attaches_to_another_users_live_run"},
+    "test_security_collector.py": {"test_a_failed_metrics_bind_is_said_on_the_launchers_terminal"},
+    "test_slurm.py": {"test_one_srun_line_runs_two_nodes"},
+    "test_web_view.py": {"*"},
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        names = E2E_TESTS.get(item.path.name, set())
+        if "*" in names or getattr(item, "originalname", item.name) in names:
+            item.add_marker(pytest.mark.e2e)
+
+
+# --- `alone` under xdist: a readers-writer lock over the workers ---------------------------
+# Every test holds the run's lock shared, an `alone` test holds it exclusively. A turnstile
+# taken first keeps a waiting `alone` test from being starved by the other workers' tests.
+
+def _lock_dir(config: pytest.Config) -> Path | None:
+    """Only an xdist worker locks (not a pytest that a test runs inside its worker)."""
+    worker = getattr(config, "workerinput", None)
+    if worker is None:
+        return None
+    return Path(tempfile.gettempdir()) / f"traceml-tests-{worker['testrunuid']}"
+
+
+@contextlib.contextmanager
+def _turn(folder: Path | None, alone: bool) -> Iterator[None]:
+    if folder is None:
+        yield
+        return
+    folder.mkdir(exist_ok=True)
+    with open(folder / "turnstile", "a") as gate, open(folder / "machine", "a") as machine:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Setup, call and teardown (module fixtures' jobs included) inside the lock."""
+    with _turn(_lock_dir(item.config), item.get_closest_marker("alone") is not None):
+        yield
 
 
 @pytest.hookimpl(tryfirst=True)

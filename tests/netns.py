@@ -23,10 +23,11 @@ def unavailable() -> str | None:
     """Why namespaces cannot be used here, or None."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    probe = subprocess.run(["ip", "netns", "add", "tlprobe"], capture_output=True, text=True)
+    name = f"tlprobe{os.getpid()}"  # xdist workers probe at once, each at its collection
+    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"ip netns add failed: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "tlprobe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
     for tool in (["tc", "-V"], ["unshare", "--version"]):
         try:
             subprocess.run(tool, capture_output=True, check=True)

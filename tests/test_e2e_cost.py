@@ -22,6 +22,9 @@ from test_e2e_multinode import finish, node_args
 
 from jobs import free_ports, run_job, spawn_traceml, traceml, validate_schema
 
+# Predictions are checked against timings: no other test runs beside these (xdist).
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
+
 TOLERANCE = 0.15
 STEPS = "100"
 DEVICE = ("--compute-ms", "20")

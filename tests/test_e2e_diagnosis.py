@@ -7,7 +7,8 @@ import pytest
 
 from jobs import run_job, validate_schema
 
-pytestmark = pytest.mark.e2e
+# Labels, gaps and costs from timings: under xdist no other test runs beside these.
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 # scenario, expected label, expected rank, expected phase
 CASES = [

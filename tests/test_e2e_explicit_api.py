@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from jobs import EXAMPLES, run_job, validate_schema
+from jobs import EXAMPLES, free_ports, run_job, validate_schema
 
 pytestmark = pytest.mark.e2e
 
@@ -46,7 +46,8 @@ def test_explicit_api_with_plain_torchrun_and_standalone_collector(tmp_path):
         env = {**os.environ, "TRACEML_ENDPOINT": endpoint, "OMP_NUM_THREADS": "1"}
         job = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             "--master-port", "29733", str(EXAMPLES / "explicit_api.py"), "--steps", "30"],
+             "--master-port", str(free_ports(1)), str(EXAMPLES / "explicit_api.py"),
+             "--steps", "30"],
             env=env, capture_output=True, text=True, timeout=180)
         assert job.returncode == 0, job.stderr[-3000:]
         assert collector.wait(timeout=30) == 0

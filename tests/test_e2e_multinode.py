@@ -8,6 +8,7 @@ node its own network namespace and address, as separate hosts would have.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from jobs import EXAMPLES, free_ports, live_ranks_steps, spawn_traceml, validate_schema, wait_for
+
+pytestmark = pytest.mark.e2e
 
 # A node whose partner never came waits for torchrun's rendezvous: fail well before that.
 NODE_TIMEOUT_S = 150
@@ -134,10 +137,11 @@ def test_a_second_node_without_a_run_name_is_refused(tmp_path):
 def _netns_available() -> bool:
     if shutil.which("ip") is None:
         return False
-    probe = subprocess.run(["ip", "netns", "add", "traceml-probe"], capture_output=True)
+    name = f"traceml-probe{os.getpid()}"  # one per xdist worker
+    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True)
     if probe.returncode != 0:
         return False
-    subprocess.run(["ip", "netns", "del", "traceml-probe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return True
 
 

@@ -168,6 +168,7 @@ def snapshot_has_all_ranks(run_dir: Path, world: int) -> bool:
 # --- the collector dies -------------------------------------------------------------------
 
 
+@pytest.mark.alone  # compares the job's pace (xdist: nothing beside it)
 def test_collector_sigkilled_midrun_costs_the_job_nothing_and_the_record_two_seconds(
         tmp_path: Path, reaper: Reaper) -> None:
     """The collector is SIGKILLed (OOM killer, a stray kill) while the job trains and the
@@ -342,6 +343,7 @@ while True:
 """
 
 
+@pytest.mark.alone  # compares the job's pace (xdist: nothing beside it)
 def test_viewers_killed_or_frozen_change_nothing_for_the_job(tmp_path: Path,
                                                              reaper: Reaper) -> None:
     """Two viewers on a running job: a real `traceml watch` in a terminal (script(1) gives
@@ -646,6 +648,7 @@ def test_disk_full_midrun_ends_with_the_jobs_code_and_shows_the_record(
     """The summary cannot be saved; the user should still get the job's exit code, the
     summary on the terminal, and one line saying it could not be written."""
     assert "Traceback" not in disk_full.stdout + disk_full.stderr
+@pytest.mark.alone  # compares the job's pace (xdist: nothing beside it)
     assert disk_full.rc == 0
     assert "No space left on device" in disk_full.stderr
     assert f"{disk_full.steps} steps" in disk_full.stdout
@@ -659,6 +662,7 @@ def test_disk_full_midrun_ends_with_the_jobs_code_and_shows_the_record(
     pytest.param(2, id="view-port"),
     pytest.param(0, id="master-port"),
 ])
+@pytest.mark.alone  # compares the job's pace (xdist: nothing beside it)
 def test_port_taken_on_node_0_is_a_clear_error(tmp_path: Path, offset: int) -> None:
     """Node 0 of a 2-node job uses the master port P (torchrun), P+1 (the collector, which
     the other nodes' agents reach) and P+2 (viewers). Another process holds one of them."""

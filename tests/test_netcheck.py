@@ -14,7 +14,7 @@ import time
 import netns
 import pytest
 
-from jobs import traceml
+from jobs import free_ports, traceml
 from traceml_tui.judge import bandwidth as nm
 
 GB = 1e9
@@ -72,6 +72,7 @@ def _doc(out, name):
     return json.loads((out / name / "netcheck.json").read_text())
 
 
+@pytest.mark.e2e
 def test_one_node_sweeps_every_collective_and_is_healthy(tmp_path):
     out = tmp_path / "runs"
     proc = traceml("netcheck", "--nproc-per-node", "2", "--out", str(out), "--run-name", "nc")
@@ -86,12 +87,13 @@ def test_one_node_sweeps_every_collective_and_is_healthy(tmp_path):
     assert oct((out / "nc" / "netcheck.json").stat().st_mode & 0o777) == "0o600"
 
 
+@pytest.mark.e2e
 def test_a_node_that_never_comes_up_is_named(tmp_path):
     out = tmp_path / "runs"
     t0 = time.monotonic()
     proc = traceml("netcheck", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",
-                   "--master-port", "29871", "--run-name", "alone", "--out", str(out),
-                   "--timeout", "5")
+                   "--master-port", str(free_ports(1)), "--run-name", "alone",
+                   "--out", str(out), "--timeout", "5")
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert time.monotonic() - t0 < 60
     assert "missing node(s) 1 (ranks 1)" in proc.stdout, proc.stdout
@@ -115,6 +117,7 @@ def _cluster_netcheck(tmp_path, slow):
 
 
 @pytest.mark.e2e
+@pytest.mark.alone  # link bandwidths, measured
 @pytest.mark.skipif(NO_NETNS is not None, reason=f"no emulated cluster: {NO_NETNS}")
 def test_a_shaped_link_names_exactly_that_node(tmp_path):
     codes, outs, doc = _cluster_netcheck(tmp_path, slow={2: "200mbit"})
@@ -128,6 +131,7 @@ def test_a_shaped_link_names_exactly_that_node(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.alone  # link bandwidths, measured
 @pytest.mark.skipif(NO_NETNS is not None, reason=f"no emulated cluster: {NO_NETNS}")
 def test_an_unshaped_cluster_is_healthy(tmp_path):
     codes, outs, doc = _cluster_netcheck(tmp_path, slow=None)
@@ -136,6 +140,7 @@ def test_an_unshaped_cluster_is_healthy(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.alone  # link bandwidths, measured
 @pytest.mark.skipif(NO_NETNS is not None, reason=f"no emulated cluster: {NO_NETNS}")
 def test_a_balanced_job_behind_a_shaped_link_is_comm_bound_with_its_busbw(tmp_path):
     """The issue's cluster: 3 nodes x 1 rank, node 2's link at 200 Mbit/s, the plain DDP

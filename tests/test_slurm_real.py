@@ -25,9 +25,10 @@ from jobs import EXAMPLES, free_ports
 MUNGED_PID = "/run/munge/munged.pid"
 DAEMONS = ("slurmctld", "slurmd", "munged", "srun", "sbatch", "sinfo")
 MISSING = [d for d in DAEMONS if shutil.which(d) is None]
-pytestmark = pytest.mark.skipif(bool(MISSING) or os.geteuid() != 0,
-                                reason=f"no Slurm here ({', '.join(MISSING)} missing)"
-                                if MISSING else "starting slurmd needs root")
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(bool(MISSING) or os.geteuid() != 0,
+                                 reason=f"no Slurm here ({', '.join(MISSING)} missing)"
+                                 if MISSING else "starting slurmd needs root")]
 
 
 def _munge() -> bool:
