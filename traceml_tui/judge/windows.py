@@ -55,10 +55,14 @@ def sorted_quantiles(vals: list[float]) -> Quantiles | None:
     n = len(vals)
     if n == 0:
         return None
-    mid = n // 2
-    median = vals[mid] if n % 2 else (vals[mid - 1] + vals[mid]) / 2.0
-    p95 = vals[max(0, math.ceil(0.95 * n) - 1)]
-    return Quantiles(median, p95)
+    return Quantiles(_middle(vals), vals[max(0, math.ceil(0.95 * n) - 1)])
+
+
+def _middle(vals: list[float]) -> float:
+    """The median of sorted values (at least one): the mean of the middle two for an even
+    count."""
+    mid = len(vals) // 2
+    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2.0
 
 
 @overload
@@ -69,8 +73,8 @@ def median(values: Iterable[float], empty: float | None = None) -> float | None:
     """The median of the finite values (the mean of the middle two for an even count), or
     `empty` when there are none: the one median of the collector, with `nan_medians` its
     form over arrays."""
-    q = quantiles(values)
-    return empty if q is None else q.median
+    vals = sorted(v for v in values if math.isfinite(v))
+    return _middle(vals) if vals else empty
 
 
 def nan_medians(x: np.ndarray) -> np.ndarray:
