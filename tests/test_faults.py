@@ -449,6 +449,24 @@ def test_rank_crash_printed_summary_shows_the_failed_ranks_traceback(crashed: Fi
     assert re.search(r"[Rr]ank 2 failed", crashed.stdout)
 
 
+def test_rank_crash_leads_the_summary_its_text_and_the_printed_end(crashed: Finished) -> None:
+    """Failures first (issue 32): the user's first question is what failed, so the first
+    line names the rank, its exit code and its exception's last line; the performance
+    verdict of the steps before it follows."""
+    failure = crashed.summary["failure"]
+    assert list(crashed.summary)[2] == "failure"
+    assert {k: failure[k] for k in ("rank", "exit_code", "signal", "error", "step")} == {
+        "rank": 2, "exit_code": 1, "signal": None, "step": 12,
+        "error": "RuntimeError: injected fault on rank 2 at step 12"}
+    first = ("FAILED: rank 2 exited with code 1 after 12 steps: RuntimeError: injected fault "
+             "on rank 2 at step 12")
+    text = (crashed.run_dir / "final_summary.txt").read_text().splitlines()
+    assert text[0].startswith(first), text[:4]
+    assert text[3].startswith("Diagnosis of the steps before it: "), text[:4]
+    printed = [line for line in crashed.stdout.splitlines() if line.strip()]
+    assert printed[0].startswith(first), crashed.stdout[:2000]
+
+
 # --- a scheduler's SIGTERM to a job that does not stop ------------------------------------
 
 
@@ -630,6 +648,7 @@ def disk_full(tmp_path_factory: pytest.TempPathFactory, module_reaper: Reaper) -
     return DiskFull(rc, stdout, stderr, run_dir, progress, t_full, steps, live)
 
 
+@pytest.mark.alone  # compares the job's pace (xdist: nothing beside it)
 def test_disk_full_midrun_costs_the_job_nothing(disk_full: DiskFull) -> None:
     """Snapshots fail to write from then on: the ranks keep their pace and finish, and the
     last snapshot written before is still whole (written atomically)."""
@@ -643,12 +662,12 @@ def test_disk_full_midrun_costs_the_job_nothing(disk_full: DiskFull) -> None:
     assert doc["complete"] is False and doc["run"]["steps"] > 0
 
 
+@pytest.mark.alone  # compares the job's pace (xdist: nothing beside it)
 def test_disk_full_midrun_ends_with_the_jobs_code_and_shows_the_record(
         disk_full: DiskFull) -> None:
     """The summary cannot be saved; the user should still get the job's exit code, the
     summary on the terminal, and one line saying it could not be written."""
     assert "Traceback" not in disk_full.stdout + disk_full.stderr
-@pytest.mark.alone  # compares the job's pace (xdist: nothing beside it)
     assert disk_full.rc == 0
     assert "No space left on device" in disk_full.stderr
     assert f"{disk_full.steps} steps" in disk_full.stdout
@@ -662,7 +681,6 @@ def test_disk_full_midrun_ends_with_the_jobs_code_and_shows_the_record(
     pytest.param(2, id="view-port"),
     pytest.param(0, id="master-port"),
 ])
-@pytest.mark.alone  # compares the job's pace (xdist: nothing beside it)
 def test_port_taken_on_node_0_is_a_clear_error(tmp_path: Path, offset: int) -> None:
     """Node 0 of a 2-node job uses the master port P (torchrun), P+1 (the collector, which
     the other nodes' agents reach) and P+2 (viewers). Another process holds one of them."""

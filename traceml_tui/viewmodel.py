@@ -14,7 +14,7 @@ from __future__ import annotations
 import msgspec
 from msgspec import Struct
 
-from traceml_agent.vocab import PHASES, WAITING_PHASES
+from traceml_agent.vocab import LOCAL_PHASES, PHASES
 
 # Columns of the heat rows, in order.
 VIEW_PHASES = PHASES
@@ -146,6 +146,9 @@ class ViewState(Struct, frozen=True):
     # (start s, end s or None while open, label, severity).
     history: tuple[tuple[float, float | None, float | None, float | None], ...] = ()
     episodes: tuple[tuple[float, float | None, str, str], ...] = ()
+    # The rank that failed first, in one line (report/summary.failure_of): the banner
+    # leads with it, before the performance label of the steps before it.
+    failure: str | None = None
 
     @property
     def reporting(self) -> int:
@@ -164,8 +167,8 @@ class ViewState(Struct, frozen=True):
         return tuple(r.rank for r in self.rows if r.status == STALE)
 
 
-# Columns of a rank's own work (input and compute): not the time it waits for others.
-OWN_COLUMNS = tuple(i for i, p in enumerate(VIEW_PHASES) if p not in WAITING_PHASES)
+# Columns of a rank's own work (vocab.LOCAL_PHASES): not the time it waits for others.
+OWN_COLUMNS = tuple(i for i, p in enumerate(VIEW_PHASES) if p in LOCAL_PHASES)
 
 
 def own_work(phase_ms: tuple[float | None, ...]) -> float | None:

@@ -10,9 +10,10 @@ from collections.abc import Callable
 
 from msgspec.structs import replace
 
-from traceml_agent.vocab import WAITING_PHASES
+from traceml_agent.protocol import Sys
 from traceml_tui.judge.state import RankSnapshot, Snapshot, hours_unit
 from traceml_tui.judge.windows import median
+from traceml_tui.report.summary import failure_of
 from traceml_tui.viewmodel import (
     AGENT_OFF,
     DONE,
@@ -32,6 +33,7 @@ from traceml_tui.viewmodel import (
     RankRow,
     ViewState,
     node_rows,
+    own_work,
 )
 
 
@@ -42,7 +44,7 @@ def rank_status(r: RankSnapshot) -> str:
         if not r.exit_code:
             return DONE
         return STOPPED if r.exit_code in STOP_EXIT_CODES else FAILED
-    if r.agent_off is not None:
+    if r.heartbeat.agent_off is not None:
         return AGENT_OFF
     if r.idle_s is not None and r.idle_s > STALE_SILENCE_S:
         return STALE
@@ -58,14 +60,14 @@ def rank_status(r: RankSnapshot) -> str:
 def _row(r: RankSnapshot) -> RankRow:
     phases = tuple(r.live_phase_ms.get(p) for p in VIEW_PHASES)
     sys = r.sys
+    if sys is None:
+        return RankRow(r.rank, r.node, r.host, r.steps, r.live_step_ms, phases, None, None,
+                       None, None, r.idle_s, rank_status(r))
     # GPU memory: the rank's own (torch's allocator, reserved), what a batch size is sized
     # by; NVML's device figure, which counts every process on the GPU, only without it.
-    gpu_mem = sys.get("gpu_reserved_mb")
-    if gpu_mem is None:
-        gpu_mem = sys.get("gpu_mem_mb")
-    return RankRow(r.rank, r.node, r.host, r.steps, r.live_step_ms, phases, sys.get("cpu_pct"),
-                   sys.get("rss_mb"), sys.get("gpu_util"), gpu_mem, r.idle_s,
-                   rank_status(r))
+    gpu_mem = sys.gpu_reserved_mb if sys.gpu_reserved_mb is not None else sys.gpu_mem_mb
+    return RankRow(r.rank, r.node, r.host, r.steps, r.live_step_ms, phases, sys.cpu_pct,
+                   sys.rss_mb, sys.gpu_util, gpu_mem, r.idle_s, rank_status(r))
 
 
 def detail(snap: Snapshot, rank: int, view: ViewState, recent: tuple[float, ...]
@@ -78,43 +80,47 @@ def detail(snap: Snapshot, rank: int, view: ViewState, recent: tuple[float, ...]
     stack = r.stacks[0][1] if r.stacks else None  # the agent sends MainThread first
     return RankDetail(rank, r.host, r.live_step_ms, view.median_step_ms, row.phase_ms,
                       view.median_phase_ms, recent, row.status,
-                      r.error or (f"agent off: {r.agent_off}" if r.agent_off else None), stack,
+                      r.error or (f"agent off: {off}" if (off := r.heartbeat.agent_off) else None),
+                      stack,
                       gpu_line(r.sys), agent_notes(r))
 
 
 def agent_notes(r: RankSnapshot) -> tuple[str, ...]:
     """What the rank's agent could not show as steps or time, and what it was refused."""
     notes = []
+    hb = r.heartbeat
     if r.steps_hidden:
         notes.append(f"{r.steps_hidden}: hang detection suspended for this rank")
-    if r.agent_busy and not r.steps_hidden:
-        notes.append(f"agent busy: {r.agent_busy}")
-    if r.device_rule:
-        notes.append(f"timing device: {r.device_rule}")
+    if hb.agent_busy and not r.steps_hidden:
+        notes.append(f"agent busy: {hb.agent_busy}")
+    if hb.device_rule:
+        notes.append(f"timing device: {hb.device_rule}")
     counts = [f"{n} {what}" for n, what in (
-        (r.replays, "CUDA graph replays"), (r.capture_skips, "phases not timed in a capture"),
-        (r.timing_faults, "timing faults (phases sent as not measured)"),
+        (hb.replays, "CUDA graph replays"), (hb.capture_skips, "phases not timed in a capture"),
+        (hb.timing_faults, "timing faults (phases sent as not measured)"),
         (r.bad_records, "step records refused by the collector")) if n]
     if counts:
         notes.append(", ".join(counts))
     return tuple(notes)
 
 
-def gpu_line(sys: dict) -> str | None:
+def gpu_line(sys: Sys | None) -> str | None:
     """A rank's GPU health in one line (SM clock of its maximum, power, temperature, the
     throttle reasons), then why any figure is missing (sysmetrics' gpu_note)."""
+    if sys is None:
+        return None
     parts = []
-    clock, top = sys.get("sm_clock_mhz"), sys.get("sm_clock_max_mhz")
+    clock, top = sys.sm_clock_mhz, sys.sm_clock_max_mhz
     if clock is not None:
         parts.append(f"SM {clock:.0f}" + (f"/{top:.0f} MHz" if top else " MHz"))
-    if sys.get("power_w") is not None:
-        parts.append(f"{sys['power_w']:.0f} W")
-    if sys.get("temp_c") is not None:
-        parts.append(f"{sys['temp_c']:.0f} C")
-    reasons = [t for t in sys.get("throttle") or () if t != "idle"]
+    if sys.power_w is not None:
+        parts.append(f"{sys.power_w:.0f} W")
+    if sys.temp_c is not None:
+        parts.append(f"{sys.temp_c:.0f} C")
+    reasons = [t for t in sys.throttle or () if t != "idle"]
     if reasons:
         parts.append("clocks held by " + ", ".join(reasons))
-    note = sys.get("gpu_note")
+    note = sys.gpu_note
     if note:
         parts.append(f"({note})" if parts else note)
     return ("GPU " + "  ".join(parts)) if parts else None
@@ -148,11 +154,20 @@ def build(snap: Snapshot, recent: Callable[[int], tuple[float, ...]] = lambda ra
         history=snap.history,
         episodes=tuple((max(0.0, e.start - snap.started_at),
                         None if e.end is None else max(0.0, e.end - snap.started_at),
-                        e.label, e.severity) for e in snap.timeline))
+                        e.label, e.severity) for e in snap.timeline),
+        failure=_failure(snap))
     worst_rank = d.rank if d.rank is not None else _slowest(rows)
     if worst_rank is None:
         return view
     return replace(view, worst=detail(snap, worst_rank, view, recent(worst_rank)))
+
+
+def _failure(snap: Snapshot) -> str | None:
+    """The first failed rank's line, as the summary will lead with it; a rank the user
+    stopped (Ctrl-C, SIGTERM) is not a failure."""
+    f = failure_of([(r.rank, r.exit_code, r.error, r.steps) for r in snap.ranks
+                    if r.exit_code not in STOP_EXIT_CODES])
+    return None if f is None else f["summary"]
 
 
 def cost_view(snap: Snapshot) -> CostView | None:
@@ -173,8 +188,7 @@ def _slowest(rows: tuple[RankRow, ...]) -> int | None:
     """Without a straggler label, the worst-rank panel shows the rank with most local work."""
     best, worst = None, -1.0
     for r in rows:
-        local = sum(v for i, v in enumerate(r.phase_ms)
-                    if v is not None and VIEW_PHASES[i] not in WAITING_PHASES)
+        local = own_work(r.phase_ms) or 0.0
         if r.step_ms is not None and local > worst:
             best, worst = r.rank, local
     return best

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from traceml_agent import nccl_log
+from traceml_agent.sanitize import clean_line
 from traceml_agent.vocab import SUMMARY_JSON, SUMMARY_TXT, format_ranks
 from traceml_tui.judge import diagnosis as dx
 from traceml_tui.judge.state import Episode, Snapshot, hours_unit
@@ -163,29 +164,37 @@ MAX_ERROR_LINE = 300
 
 
 def failure(ranks: list[dict[str, Any]], meta: RunMeta) -> dict[str, Any] | None:
-    """The rank that failed first, what ended it (exit code or signal, its exception's
-    last line) and after how many steps: what the summary, its text and the dashboard's
-    banner lead with (issue 32, failures first). The rank torchrun or the collector saw
-    fail first (meta.failed_rank) leads; the others are usually its consequences."""
+    """The summary's `failure` section from its rank rows (failure_of)."""
     if meta.exit_code == INTERRUPTED_EXIT:
         return None
-    failed = [r for r in ranks if r["exit_code"] not in (None, 0)]
+    return failure_of([(r["rank"], r["exit_code"], r["error"], r["steps"]) for r in ranks],
+                      meta.failed_rank)
+
+
+def failure_of(ranks: list[tuple[int, int | None, str | None, int]],
+               first: int | None = None) -> dict[str, Any] | None:
+    """The rank that failed first, what ended it (exit code or signal, its exception's
+    last line) and after how many steps: what the summary, its text and the dashboard's
+    banner lead with (issue 32, failures first). `ranks`: (rank, exit code, error,
+    steps). The rank torchrun or the collector saw fail first (`first`) leads; the
+    others are usually its consequences (a peer gone in the middle of a collective)."""
+    failed = sorted((r for r in ranks if r[1] not in (None, 0)),
+                    key=lambda r: (r[0] != first, r[0]))
     if not failed:
         return None
-    failed.sort(key=lambda r: (r["rank"] != meta.failed_rank, r["rank"]))
-    r = failed[0]
-    code = r["exit_code"]
-    lines = [t.strip() for t in (r["error"] or "").strip().splitlines() if t.strip()]
-    error = lines[-1][:MAX_ERROR_LINE] if lines else None
-    signame = _signal_name(-code).strip(" ()") or None if code < 0 else None
+    rank, code, err, steps = failed[0]
+    assert code is not None
+    lines = [t.strip() for t in (err or "").strip().splitlines() if t.strip()]
+    error = clean_line(lines[-1][:MAX_ERROR_LINE]) if lines else None
+    signame = (_signal_name(-code).strip(" ()") or None) if code < 0 else None
     how = (f"was killed by signal {-code}" + (f" ({signame})" if signame else "")
            if code < 0 else f"exited with code {code}")
-    others = [o["rank"] for o in failed[1:]]
-    text = (f"FAILED: rank {r['rank']} {how} after {r['steps']} steps"
+    others = [r[0] for r in failed[1:]]
+    text = (f"FAILED: rank {rank} {how} after {steps} steps"
             + (f": {error}" if error else "")
             + (f" (then rank(s) {format_ranks(others)})" if others else ""))
-    return {"rank": r["rank"], "exit_code": code, "signal": signame, "error": error,
-            "step": r["steps"], "others": others, "summary": text}
+    return {"rank": rank, "exit_code": code, "signal": signame, "error": error,
+            "step": steps, "others": others, "summary": text}
 
 
 def _relays(snap: Snapshot) -> dict[str, Any] | None:

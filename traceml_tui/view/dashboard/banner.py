@@ -28,9 +28,15 @@ def hours(h: float) -> str:
 
 class Banner(Static):
     def show(self, state: ViewState) -> None:
-        for severity in SEVERITIES:
-            self.set_class(state.severity == severity, f"-{severity}")
-        head = Text(f" {state.label} ", style="bold reverse")
+        # Failures first (issue 32): a failed rank leads, the banner turns critical, and
+        # the label below is the verdict of the steps before it.
+        severity = "critical" if state.failure else state.severity
+        for name in SEVERITIES:
+            self.set_class(severity == name, f"-{name}")
+        head = Text()
+        if state.failure:
+            head.append(state.failure + "\n", style="bold")
+        head.append(f" {state.label} ", style="bold reverse")
         if state.node is not None:
             head.append(f"  node {state.node}", style="bold")
         elif state.rank is not None:
