@@ -41,8 +41,8 @@ And one request goes the other way, collector to agent, on the same connection:
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -50,6 +50,9 @@ from msgspec.structs import asdict, force_setattr
 
 from . import vocab
 from .sanitize import clean_line, clean_text
+
+if TYPE_CHECKING:
+    from .checks import Finding
 
 # 3: the wire is described by the msgspec Structs below (same msgpack maps as 2, whose
 # fields it keeps); 2 added steps `forced`, hello `auto`, heartbeat `framework` and
@@ -148,19 +151,31 @@ class StepRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class CheckReport:
+    """A checks message as the collector reads it: findings and facts, validated against
+    the checks this version knows (checks.Finding.from_wire, facts_from_wire)."""
+
+    findings: tuple[Finding, ...]
+    facts: dict[str, Any] | None  # checks.facts_from_wire
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
-    """A validated message as the collector reads it: the envelope, the kind's fields as
-    a plain map (`body`), and for steps the phase names and records."""
+    """A validated message as the collector reads it: the envelope, and the kind's decoded
+    Struct (`body`: Hello, Steps, Sys, Heartbeat, Stacks, Goodbye, Capture) or, for checks,
+    its validated CheckReport. The collector's state reads the Struct's typed fields."""
 
     kind: str
     ident: Identity
     seq: int
     t: float
-    body: dict[str, Any] = field(default_factory=dict)
-    # Only for kind == "steps": validated records and their phase names, and how many
-    # records of the batch were refused (one bad record costs itself, not its batch).
+    body: Body
+    # Only for kind == "steps": validated records and their phase names, per phase how
+    # many times it was closed without an end hook, and how many records of the batch
+    # were refused (one bad record costs itself, not its batch).
     phases: tuple[str, ...] = ()
     records: tuple[StepRecord, ...] = ()
+    forced: tuple[int, ...] = ()
     bad_records: int = 0
 
 
@@ -226,6 +241,11 @@ class Sys(_Wire, tag="sys", kw_only=True):
 
     def __post_init__(self) -> None:
         _clean_fields(self, lines=("device", "gpu_uuid", "gpu_note"))
+
+    def sample(self) -> dict[str, Any]:
+        """Its figures by name, without the envelope (a summary's per-rank row)."""
+        return {name: getattr(self, name) for name in self.__struct_fields__
+                if name not in _ENVELOPE}
 
 
 class Heartbeat(_Wire, tag="heartbeat", kw_only=True):
@@ -316,6 +336,11 @@ class Capture(_Wire, tag="capture", kw_only=True):
 
 
 WireMessage = Hello | Steps | Sys | Heartbeat | Stacks | Goodbye | Checks | Capture
+# What a Message carries: the decoded Struct, or for checks its validated report.
+Body = Hello | Steps | Sys | Heartbeat | Stacks | Goodbye | Capture | CheckReport
+# The counts of a rank that has sent no heartbeat yet: every field at its default (its
+# envelope names no one). Read, never changed: the state keeps each heartbeat received.
+NO_HEARTBEAT = Heartbeat(v=PROTOCOL_VERSION, id=Identity(0, 0, 0, "", 0, 1), seq=0, t=0.0)
 _DECODER = msgspec.msgpack.Decoder(WireMessage)
 _ENCODER = msgspec.msgpack.Encoder()
 _ENVELOPE = frozenset({"v", "kind", "id", "seq", "t"})
@@ -372,16 +397,12 @@ def _message(wire: WireMessage) -> Message:
         else:
             forced = tuple(wire.forced)
         records, refused = _records(wire.records, n)
-        return Message("steps", ident, wire.seq, wire.t,
-                       {"dropped": wire.dropped, "forced": forced}, phases, records, refused)
+        return Message("steps", ident, wire.seq, wire.t, wire, phases, records, forced, refused)
     if isinstance(wire, Checks):
         return Message(kind, ident, wire.seq, wire.t, _checks(wire))
-    body = {k: v for k, v in asdict(wire).items() if k not in _ENVELOPE and v is not UNSET}
-    if isinstance(wire, Stacks):  # plain values for the collector's state: tuples, a map
-        body["stacks"] = tuple(wire.stacks)
-        if isinstance(wire.nccl, NcclState):
-            body["nccl"] = asdict(wire.nccl)
-    return Message(kind, ident, wire.seq, wire.t, body)
+    if isinstance(wire, Stacks) and wire.nccl is UNSET:
+        force_setattr(wire, "nccl", None)  # the state reads None: no NCCL log sent
+    return Message(kind, ident, wire.seq, wire.t, wire)
 
 
 _NUMBER = (float, int)
@@ -441,12 +462,12 @@ def _phases(raw: list[str]) -> tuple[str, ...]:
     return phases
 
 
-def _checks(wire: Checks) -> dict[str, Any]:
+def _checks(wire: Checks) -> CheckReport:
     from .checks import Finding, facts_from_wire
 
     try:
-        return {"findings": tuple(Finding.from_wire(f) for f in wire.findings),
-                "facts": None if wire.facts is None else facts_from_wire(wire.facts)}
+        return CheckReport(tuple(Finding.from_wire(f) for f in wire.findings),
+                           None if wire.facts is None else facts_from_wire(wire.facts))
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise ProtocolError(f"bad checks: {exc}") from None
 

@@ -13,7 +13,17 @@ from typing import Any
 from msgspec.structs import replace
 
 from traceml_agent.checks import Finding
-from traceml_agent.protocol import PHASES, Identity, Message, StepRecord
+from traceml_agent.protocol import (
+    NO_HEARTBEAT,
+    PHASES,
+    PROTOCOL_VERSION,
+    CheckReport,
+    Identity,
+    Message,
+    StepRecord,
+    Steps,
+    Sys,
+)
 from traceml_tui.collect import view_build
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import summary
@@ -53,16 +63,16 @@ def make_state(world_size: int = 8, nproc_per_node: int = 4, steps: int = 40,
                                                             else 0.0)
             step_ms = sum(v for v in values.values() if v is not None)
             records.append(StepRecord(step, T0 + step * step_ms / 1000, step_ms,
-                                      tuple(values[p] for p in PHASES)))
-        state.ingest(Message("steps", ident, 0, T0, {"dropped": 0}, PHASES, tuple(records)),
-                     0.0)
-        state.ingest(Message("sys", ident, 1, T0, {"cpu_pct": 95.0 + rank % 5,
-                                                   "rss_mb": 900.0 + rank, "gpu_util": None,
-                                                   "gpu_mem_mb": None,
-                                                   "gpu_mem_total_mb": None}), 0.0)
+                                      tuple(values.get(p) for p in PHASES)))
+        batch = Steps(v=PROTOCOL_VERSION, id=ident, seq=0, t=T0, phases=list(PHASES),
+                      records=[])
+        state.ingest(Message("steps", ident, 0, T0, batch, PHASES, tuple(records)), 0.0)
+        sys = Sys(v=PROTOCOL_VERSION, id=ident, seq=1, t=T0, cpu_pct=95.0 + rank % 5,
+                  rss_mb=900.0 + rank)
+        state.ingest(Message("sys", ident, 1, T0, sys), 0.0)
         mine = tuple(f for f in findings if rank in f.ranks)
         if mine:
-            state.ingest(Message("checks", ident, 2, T0, {"findings": mine, "facts": None}), 0.0)
+            state.ingest(Message("checks", ident, 2, T0, CheckReport(mine, None)), 0.0)
         if rank in stale:
             state.ranks[rank].last_step_at = -60.0  # made no step for a minute
     for tick in range(3):
@@ -133,10 +143,10 @@ def make_hang_state(world_size: int = 8, stuck: int = 5) -> RunState:
     for rank, rs in state.ranks.items():
         rs.since_step_at_msg_s = 30.0
         behind = rank == stuck
-        rs.heartbeat = {"step": rs.steps - (1 if behind else 0),
-                        "collectives": 2 * rs.steps - (2 if behind else 0),
-                        "phase": "forward" if behind else "sync",
-                        "in_collective": None if behind else "all_reduce"}
+        rs.heartbeat = replace(NO_HEARTBEAT, id=rs.ident, step=rs.steps - (1 if behind else 0),
+                               collectives=2 * rs.steps - (2 if behind else 0),
+                               phase="forward" if behind else "sync",
+                               in_collective=None if behind else "all_reduce")
         if behind:
             rs.steps -= 1
             rs.stacks = (("MainThread",

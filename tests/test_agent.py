@@ -85,8 +85,9 @@ def test_hello_heartbeat_and_goodbye_carry_identity_and_exit_code(collector):
     kinds = [m.kind for m in messages]
     assert kinds[0] == "hello" and kinds[-1] == "goodbye"
     assert {"sys", "heartbeat"} <= set(kinds)
-    assert messages[0].body["run"] == "unit"
-    assert messages[-1].body == {"exit_code": 7, "error": "boom", "steps": 3}
+    assert messages[0].body.run == "unit"
+    bye = messages[-1].body
+    assert (bye.exit_code, bye.error, bye.steps) == (7, "boom", 3)
     assert len({m.ident for m in messages}) == 1
     assert [m.seq for m in messages] == sorted(m.seq for m in messages)
 
@@ -193,14 +194,13 @@ def test_the_heartbeat_carries_the_recorders_progress_and_timing_counts(collecto
     beat = None
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:  # a heartbeat taken after the counts were set
-        beats = [m for m in messages if m.kind == "heartbeat" and m.body["replays"] == 12]
+        beats = [m for m in messages if m.kind == "heartbeat" and m.body.replays == 12]
         if beats:
             beat = beats[-1].body
             break
         messages = receive_all(until_kind="heartbeat", timeout=2.0)
     traceml_agent.shutdown(exit_code=0)
     assert beat is not None
-    assert (beat["batches"], beat["replays"], beat["timing_faults"],
-            beat["capture_skips"]) == (3, 12, 2, 5)
-    assert beat["device_rule"] == "current device (parameters on CPU: offload)"
-    assert beat["agent_busy"] == "x" * protocol.MAX_STR  # cut to the wire's bound
+    assert (beat.batches, beat.replays, beat.timing_faults, beat.capture_skips) == (3, 12, 2, 5)
+    assert beat.device_rule == "current device (parameters on CPU: offload)"
+    assert beat.agent_busy == "x" * protocol.MAX_STR  # cut to the wire's bound

@@ -190,7 +190,7 @@ def test_gpu_health_is_sampled_and_crosses_the_wire(name, mask, names, event_api
             got["throttle"]) == (412.5, 1410.0, 1980.0, 87.0, names)
     ident = Identity(3, 3, 0, "h", 1, 4)
     body = decode(encode("sys", ident, 0, T0, **got)).body
-    assert body["throttle"] == names and body["power_w"] == 412.5
+    assert body.throttle == names and body.power_w == 412.5
 
 
 def test_the_wire_knows_every_reason_the_sampler_names():
@@ -414,15 +414,15 @@ def test_the_full_agent_sends_its_own_gpus_health(monkeypatch):
             opt.zero_grad()
             while sock.poll(0):
                 msg = decode(sock.recv_multipart()[1])
-                if msg.kind == "sys" and msg.body.get("gpu_uuid"):
+                if msg.kind == "sys" and msg.body.gpu_uuid:
                     got = msg.body
     finally:
         traceml_agent.shutdown(0)
         sock.close(0)
     assert got is not None, "no sys sample with a GPU came"
-    assert (got["gpu_uuid"], got["device"], got["sm_clock_mhz"], got["throttle"]) == (
+    assert (got.gpu_uuid, got.device, got.sm_clock_mhz, got.throttle) == (
         mine, "cuda:1", 1410.0, ("hw thermal",))
-    assert got["gpu_note"] is None
+    assert got.gpu_note is None
     assert {c.thread for c in cuda.agent_calls()} == {threading.main_thread().name}
 
 

@@ -12,7 +12,7 @@ from traceml_tui.viewmodel import DONE, FAILED, OK, STALE, STOPPED, WAITING
 
 BASE = RankSnapshot(rank=0, local_rank=0, node=0, host="h", pid=1, reported=True, steps=50,
                     window_steps=50, step_ms=None, phase_ms={}, live_step_ms=20.0,
-                    live_phase_ms={}, recent_step_ms=(), sys={}, idle_s=0.1,
+                    live_phase_ms={}, recent_step_ms=(), sys=None, idle_s=0.1,
                     since_step_s=0.02, exit_code=None, error=None, finished=False,
                     dropped=0, device="cpu")
 

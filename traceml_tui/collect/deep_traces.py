@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from traceml_agent import protocol
 from traceml_agent.sanitize import clean_text
 from traceml_agent.vocab import WAITING_PHASES
 from traceml_tui import viewmodel
@@ -110,15 +111,15 @@ class CaptureBoard:
         self.current = cap
         return cap, None
 
-    def on_event(self, rank: int, body: dict[str, Any]) -> None:
+    def on_event(self, rank: int, body: protocol.Capture) -> None:
         cap = self.current
-        if cap is None or body["capture_id"] != cap.id or rank not in cap.ranks:
+        if cap is None or body.capture_id != cap.id or rank not in cap.ranks:
             return  # a late event of an older capture
-        cap.states[rank] = body["state"]
-        if body["path"]:
-            cap.paths[rank] = body["path"]
-        if body["error"]:
-            cap.errors[rank] = body["error"]
+        cap.states[rank] = body.state
+        if body.path:
+            cap.paths[rank] = body.path
+        if body.error:
+            cap.errors[rank] = body.error
         if all(cap.states.get(r) in FINAL_STATES for r in cap.ranks) and not cap.analysing:
             cap.analysing = True
             threading.Thread(target=self._analyse_in_child, args=(cap,),

@@ -13,8 +13,23 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from msgspec.structs import asdict
+
 from traceml_agent.checks import Finding
-from traceml_agent.protocol import PHASES, Identity, Message
+from traceml_agent.protocol import (
+    NO_HEARTBEAT,
+    PHASES,
+    CheckReport,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Identity,
+    Message,
+    NcclState,
+    Stacks,
+    Steps,
+    Sys,
+)
 from traceml_agent.sanitize import clean_text
 from traceml_agent.vocab import LOCAL_PHASES
 
@@ -100,7 +115,7 @@ class RankSnapshot:
     live_step_ms: float | None
     live_phase_ms: dict[str, float | None]
     recent_step_ms: tuple[float, ...]
-    sys: dict[str, Any]
+    sys: Sys | None  # its latest system sample, as the protocol decoded it
     idle_s: float | None  # seconds since this rank's last message
     since_step_s: float | None  # seconds since this rank last completed a step
     exit_code: int | None
@@ -108,26 +123,14 @@ class RankSnapshot:
     finished: bool
     dropped: int
     device: str
-    collectives: int = 0
-    phase: str | None = None
-    in_collective: str | None = None
+    # Its latest heartbeat as decoded (protocol.Heartbeat: step, phase, collectives and
+    # their groups, gradient bytes, what its agent counted and why it is off or busy);
+    # NO_HEARTBEAT, every field at its default, before the first.
+    heartbeat: Heartbeat = NO_HEARTBEAT
     stacks: tuple[tuple[str, str], ...] = ()
     untimed: tuple[dx.Untimed, ...] = ()  # phases the agent could not time, and why
-    groups: tuple[tuple[str, int], ...] = ()  # collectives entered per process group
-    in_group: str | None = None  # the group of the collective in progress
-    grad_bytes: int = 0  # gradient bytes DDP all-reduces per step
-    nccl: dict[str, Any] | None = None  # last collectives per its NCCL log (--nccl-debug)
-    agent_off: str | None = None  # why the agent turned its timing off on this rank
+    nccl: NcclState | None = None  # last collectives per its NCCL log (--nccl-debug)
     bad_records: int = 0  # records of its batches the collector refused
-    # What its agent counted (heartbeat): CUDA graph replays, DataLoader batches, event
-    # pairs that failed or were negative, phases skipped inside a graph capture; what keeps
-    # the agent busy, and the rule that chose the timing device.
-    replays: int = 0
-    batches: int = 0
-    timing_faults: int = 0
-    capture_skips: int = 0
-    agent_busy: str | None = None
-    device_rule: str | None = None
     steps_hidden: str | None = None  # why its frozen steps are not a stall (hang.hidden)
 
 
@@ -203,9 +206,9 @@ class RankState:
     last_step: int = -1
     last_seen: float = 0.0
     last_step_at: float = 0.0
-    sys: dict[str, Any] = field(default_factory=dict)
+    sys: Sys | None = None
     gpu: dx.GpuHealth | None = None  # from the latest sys sample (NVML health)
-    heartbeat: dict[str, Any] = field(default_factory=dict)
+    heartbeat: Heartbeat = NO_HEARTBEAT
     exit_code: int | None = None
     error: str | None = None
     finished: bool = False
@@ -224,7 +227,7 @@ class RankState:
     since_step_at_msg_s: float = 0.0
     stacks: tuple[tuple[str, str], ...] = ()
     stacks_after_step: int = -1  # the last step before the stacks were taken
-    nccl: dict[str, Any] | None = None  # its NCCL log's last collectives, with the stacks
+    nccl: NcclState | None = None  # its NCCL log's last collectives, with the stacks
     forced: dict[str, int] = field(default_factory=dict)  # phases closed without an end
     auto: bool = True  # the zero-code hooks time this rank (hello says; assumed before it)
     bad_records: int = 0  # records of its batches the decoder refused (protocol._records)
@@ -359,27 +362,28 @@ class RunState:
             self.ranks[ident.rank] = rs
             self.claims.pop(ident.rank, None)
         rs.last_seen = now
-        kind = msg.kind
-        if kind == "steps":
-            self._ingest_steps(rs, msg)
-        elif kind == "sys":
-            rs.sys = msg.body
-            gpu = dx.GpuHealth.of(msg.body)  # beside a compute straggler's evidence
+        body = msg.body
+        if isinstance(body, Steps):
+            self._ingest_steps(rs, msg, body)
+        elif isinstance(body, Sys):
+            rs.sys = body
+            # NVML health, beside a compute straggler's evidence (diagnosis reads a map)
+            gpu = (dx.GpuHealth.of(asdict(body))
+                   if body.sm_clock_mhz is not None or body.throttle else None)
             if gpu != rs.gpu:
                 rs.gpu = gpu
                 if rs.live is not None:  # the next evaluation reads it, steps or not
                     rs.live = replace(rs.live, gpu=gpu)
-            if msg.body.get("device"):
-                rs.device = msg.body["device"]
-        elif kind == "heartbeat":
-            self._progress_seen(rs, msg.body, now)
-            rs.heartbeat = msg.body
-            kind_seen = msg.body["parallel"]
-            if kind_seen in ("ddp", "fsdp") and self.parallel != "fsdp":
-                self.parallel = kind_seen
-            rs.since_step_at_msg_s = msg.body["since_step_s"] or 0.0
-            self.framework = msg.body.get("framework") or self.framework
-        elif kind == "stacks":
+            if body.device:
+                rs.device = body.device
+        elif isinstance(body, Heartbeat):
+            self._progress_seen(rs, body, now)
+            rs.heartbeat = body
+            if body.parallel in ("ddp", "fsdp") and self.parallel != "fsdp":
+                self.parallel = body.parallel
+            rs.since_step_at_msg_s = body.since_step_s or 0.0
+            self.framework = body.framework or self.framework
+        elif isinstance(body, Stacks):
             # They belong to the stall after the last step seen (a rank's messages arrive
             # in order): cleared when it steps again, so an old stall's stack is never
             # shown for a healthy rank or a later hang.
@@ -387,20 +391,20 @@ class RunState:
             # it shows where the process was while it could not speak.
             native = tuple(st for st in rs.stacks if st[0] == NATIVE_THREAD
                            and rs.stacks_after_step == rs.last_step)
-            rs.stacks = (*msg.body["stacks"], *native)
-            rs.nccl = msg.body.get("nccl")
+            rs.stacks = (*body.stacks, *native)
+            rs.nccl = body.nccl if isinstance(body.nccl, NcclState) else None
             rs.stacks_after_step = rs.last_step
-        elif kind == "hello":
-            rs.device = msg.body["device"]
-            rs.auto = msg.body.get("auto", True)
+        elif isinstance(body, Hello):
+            rs.device = body.device
+            rs.auto = body.auto
             rs.dirty = True
-        elif kind == "checks":
-            self.checks.add(ident.rank, ident.host, msg.body["findings"], msg.body["facts"])
-        elif kind == "goodbye":
+        elif isinstance(body, CheckReport):
+            self.checks.add(ident.rank, ident.host, body.findings, body.facts)
+        elif isinstance(body, Goodbye):
             rs.finished = True
             rs.finished_at = now
-            rs.exit_code = msg.body["exit_code"]
-            rs.error = msg.body["error"]
+            rs.exit_code = body.exit_code
+            rs.error = body.error
         return True
 
     def _may_take_over(self, rs: RankState, msg: Message, now: float, conn: object) -> bool:
@@ -416,18 +420,18 @@ class RunState:
         return rs.ident.pid == pid or self.claims.get(rank) == (conn, pid)
 
     @staticmethod
-    def _progress_seen(rs: RankState, body: dict[str, Any], now: float) -> None:
+    def _progress_seen(rs: RankState, body: Heartbeat, now: float) -> None:
         """When the rank's CUDA graph replays and DataLoader batches last rose, and since
         when its agent is busy (hang.hidden: progress its step count cannot show)."""
         old = rs.heartbeat
-        if body.get("replays", 0) > old.get("replays", 0):
+        if body.replays > old.replays:
             rs.replays_at = now
-        if body.get("batches", 0) > old.get("batches", 0):
+        if body.batches > old.batches:
             rs.batches_at = now
-        busy = body.get("agent_busy")
+        busy = body.agent_busy
         if busy is None:
             rs.busy_since = None
-        elif busy != old.get("agent_busy") or rs.busy_since is None:
+        elif busy != old.agent_busy or rs.busy_since is None:
             rs.busy_since = now
 
     def _phases_fit(self, phases: tuple[str, ...]) -> bool:
@@ -436,18 +440,18 @@ class RunState:
         new = sum(1 for name in phases if name not in self.phases)
         return len(self.phases) + new <= MAX_RUN_PHASES
 
-    def _ingest_steps(self, rs: RankState, msg: Message) -> None:
+    def _ingest_steps(self, rs: RankState, msg: Message, body: Steps) -> None:
         self.phases.extend(name for name in msg.phases if name not in self.phases)
         # Saturating: ranks may claim up to 2**62 each (and a restarted rank counts
         # afresh); the sum must stay an integer every encoder takes.
         self.counters["agent_dropped"] = min(
-            COUNTER_MAX, self.counters["agent_dropped"] + max(0, msg.body["dropped"] - rs.dropped))
-        rs.dropped = max(rs.dropped, msg.body["dropped"])
+            COUNTER_MAX, self.counters["agent_dropped"] + max(0, body.dropped - rs.dropped))
+        rs.dropped = max(rs.dropped, body.dropped)
         if msg.bad_records:  # the agent counted them as sent: the gap must show here
             rs.bad_records = min(COUNTER_MAX, rs.bad_records + msg.bad_records)
             self.counters["bad_records"] = min(COUNTER_MAX,
                                                self.counters["bad_records"] + msg.bad_records)
-        for name, count in zip(msg.phases, msg.body.get("forced", ()), strict=False):
+        for name, count in zip(msg.phases, msg.forced, strict=False):
             if count:
                 rs.forced[name] = max(rs.forced.get(name, 0), count)
         for rec in msg.records:
@@ -547,7 +551,7 @@ class RunState:
             if live:
                 out.append(dx.RankTiming(ident.rank, steps, step_ms, medians, ident.host,
                                          ident.node, self._untimed(rs, steps, stats, row),
-                                         rs.heartbeat.get("grad_bytes", 0), rs.gpu))
+                                         rs.heartbeat.grad_bytes, rs.gpu))
             else:
                 out.append(dx.RankTiming(ident.rank, steps, step_ms, medians, ident.host,
                                          ident.node))
@@ -571,21 +575,20 @@ class RunState:
         seen = stats.seen_of(row, dx.EXPECTED_PHASES)
         hb = rs.heartbeat  # the agent's own counts say why a phase went unmeasured
         return dx.untimed_phases(seen, window, rs.forced, rs.steps, rs.auto,
-                                 hb.get("capture_skips", 0), hb.get("timing_faults", 0))
+                                 hb.capture_skips, hb.timing_faults)
 
     def progress(self, mono_now: float) -> list[hang.RankProgress]:
         out = []
         for rs in self.ranks.values():
             hb = rs.heartbeat
             out.append(hang.RankProgress(
-                rs.ident.rank, rs.ident.host, max(rs.steps, hb.get("step", 0)),
-                hb.get("collectives", 0), hb.get("phase"), hb.get("in_collective"),
+                rs.ident.rank, rs.ident.host, max(rs.steps, hb.step),
+                hb.collectives, hb.phase, hb.in_collective,
                 rs.since_step_at_msg_s, max(0.0, mono_now - rs.last_seen), rs.finished,
-                hb.get("agent_off") is not None, tuple(sorted(hb.get("groups", {}).items())),
-                hb.get("in_group"),
+                hb.agent_off is not None, tuple(sorted(hb.groups.items())), hb.in_group,
                 None if rs.replays_at is None else max(0.0, mono_now - rs.replays_at),
                 None if rs.batches_at is None else max(0.0, mono_now - rs.batches_at),
-                hb.get("agent_busy"),
+                hb.agent_busy,
                 0.0 if rs.busy_since is None else max(0.0, mono_now - rs.busy_since)))
         return out
 
@@ -692,7 +695,8 @@ class RunState:
         timings = [
             dx.RankTiming(r.rank, r.window_steps, None if r.step_ms is None else r.step_ms.median,
                           {k: None if v is None else v.median for k, v in r.phase_ms.items()},
-                          r.host, r.node, r.untimed, r.grad_bytes, dx.GpuHealth.of(r.sys))
+                          r.host, r.node, r.untimed, r.heartbeat.grad_bytes,
+                          self.ranks[r.rank].gpu)
             for r in ranks if r.reported]
         return dx.diagnose(timings, collectives_in_compute=self.parallel == "fsdp",
                            framework=self.framework, stalls=self._stall_stats(),
@@ -743,7 +747,7 @@ class RunState:
                 rank=rank, local_rank=rank % self.nproc_per_node,
                 node=rank // self.nproc_per_node, host="", pid=0, reported=False, steps=0,
                 window_steps=0, step_ms=None, phase_ms={p: None for p in self.phases},
-                live_step_ms=None, live_phase_ms={}, recent_step_ms=(), sys={}, idle_s=None,
+                live_step_ms=None, live_phase_ms={}, recent_step_ms=(), sys=None, idle_s=None,
                 since_step_s=None, exit_code=None, error=None, finished=False, dropped=0,
                 device="")
         live = self._live_timing(rs)
@@ -755,23 +759,9 @@ class RunState:
             pid=rs.ident.pid, reported=True, steps=rs.steps, window_steps=rs.window.count,
             step_ms=step, phase_ms=phase_ms, live_step_ms=live.step_ms,
             live_phase_ms=dict(live.phase_ms), recent_step_ms=(),
-            sys=dict(rs.sys), idle_s=max(0.0, mono_now - rs.last_seen),
+            sys=rs.sys, idle_s=max(0.0, mono_now - rs.last_seen),
             since_step_s=max(0.0, mono_now - rs.last_step_at) if rs.steps else None,
             exit_code=rs.exit_code,
             error=rs.error, finished=rs.finished, dropped=rs.dropped, device=rs.device,
-            collectives=rs.heartbeat.get("collectives", 0), phase=rs.heartbeat.get("phase"),
-            in_collective=rs.heartbeat.get("in_collective"), stacks=rs.stacks, untimed=untimed,
-            agent_off=rs.heartbeat.get("agent_off"),
-            groups=tuple(sorted(rs.heartbeat.get("groups", {}).items())),
-            in_group=rs.heartbeat.get("in_group"), grad_bytes=rs.heartbeat.get("grad_bytes", 0),
-            nccl=rs.nccl, bad_records=rs.bad_records, **self._agent_counts(rs))
-
-    def _agent_counts(self, rs: RankState) -> dict[str, Any]:
-        """The rank's agent-side counters and notes (RankSnapshot's fields of the same
-        names), from its last heartbeat and the last evaluation."""
-        hb = rs.heartbeat
-        return {"replays": hb.get("replays", 0), "batches": hb.get("batches", 0),
-                "timing_faults": hb.get("timing_faults", 0),
-                "capture_skips": hb.get("capture_skips", 0),
-                "agent_busy": hb.get("agent_busy"), "device_rule": hb.get("device_rule"),
-                "steps_hidden": self.hidden.get(rs.ident.rank)}
+            heartbeat=rs.heartbeat, stacks=rs.stacks, untimed=untimed, nccl=rs.nccl,
+            bad_records=rs.bad_records, steps_hidden=self.hidden.get(rs.ident.rank))
