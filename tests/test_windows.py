@@ -4,9 +4,12 @@ window, and the vectorised block checked against the pure-Python rings it replac
 
 from __future__ import annotations
 
+import ast
 import math
 from collections import deque
+from pathlib import Path
 
+import numpy as np
 import pytest
 import window_reference as ref
 from hypothesis import given, settings
@@ -22,6 +25,7 @@ from traceml_tui.judge.windows import (
     RankWindow,
     WindowBlock,
     median,
+    nan_medians,
     quantiles,
     window_steps_for,
 )
@@ -284,3 +288,45 @@ def test_window_shrinks_monotonically_with_world_size():
     assert all(a >= b for a, b in zip(sizes, sizes[1:], strict=False))
     assert sizes[0] == MAX_WINDOW_STEPS and sizes[-1] == MIN_WINDOW_STEPS
     assert len(set(sizes)) > 10  # it really shrinks, not just jumps from max to min
+
+
+@pytest.mark.parametrize("values, empty, expected", [
+    ([3.0, 1.0, 2.0], None, 2.0),
+    ([4.0, 1.0, 3.0, 2.0], None, 2.5),
+    ([1.0, NAN, math.inf, 3.0], None, 2.0),  # only finite values count
+    ([], None, None),
+    ([NAN], 0.0, 0.0),
+    ((x for x in (5, 7)), None, 6.0),  # any iterable, ints too
+])
+def test_median_of_the_finite_values(values, empty, expected):
+    assert median(values, empty=empty) == expected
+
+
+def test_nan_medians_per_column_match_median():
+    data = np.array([[1.0, NAN, 5.0, NAN], [3.0, 2.0, NAN, NAN], [2.0, 4.0, 1.0, NAN]])
+    got = nan_medians(data)
+    for col in range(3):
+        assert got[col] == median(data[:, col].tolist())
+    assert math.isnan(got[3])
+    assert nan_medians(data[:, :1]).tolist() == [2.0]  # no NaN: numpy's own median
+
+
+def test_one_median_for_the_collector():
+    """The median is windows.median (and nan_medians over arrays): no module of the
+    collector or the agent imports statistics, calls numpy's nan-median or writes its own."""
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for path in sorted([*(root / "traceml_tui").rglob("*.py"), *(root / "agent").rglob("*.py")]):
+        own = path == root / "traceml_tui" / "judge" / "windows.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.ImportFrom | ast.Import) and any(
+                    "statistics" in (a.name, getattr(node, "module", None))
+                    for a in node.names):
+                found.append(f"{where}: statistics")
+            elif isinstance(node, ast.Attribute) and node.attr == "nanmedian":
+                found.append(f"{where}: nanmedian")
+            elif (isinstance(node, ast.FunctionDef) and node.name.strip("_") == "median"
+                  and not own):
+                found.append(f"{where}: def {node.name}")
+    assert not found
