@@ -19,6 +19,9 @@ did only what the median of the other ranks does: per step,
 That saving is then checked against what the others are measured to pay: their exposed
 collective wait (sync) beyond the culprit's own. Extra work that overlaps communication
 is paid by nobody, and the estimate says so instead of promising it.
+
+Each costed label has its pricing function in `PRICING` (at the end, below the functions);
+its keys are the labels with a what-if (`COSTED_LABELS`).
 """
 
 from __future__ import annotations

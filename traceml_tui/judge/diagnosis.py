@@ -1,8 +1,10 @@
 """The step-time diagnosis: pure functions from window statistics to a label.
 
 No I/O, no clocks: the collector passes in each rank's median timings and gets a
-`Diagnosis` back, so every rule is testable from a table. docs/diagnosis.md
-explains each threshold.
+`Diagnosis` back, so every rule is testable from a table. The rules are a table too
+(`RULES`, near the end of the classifier): each a small function of one `Window` of
+statistics, asked in order until one answers. docs/diagnosis.md lists them in that order
+and explains each threshold.
 
 The comparison is always worst rank vs median rank, on *local work* only:
 input = dataloader + h2d, compute = forward + backward + optimizer. Time a rank
