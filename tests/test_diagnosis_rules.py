@@ -48,7 +48,7 @@ def test_a_rule_gives_only_its_own_label(ranks, active):
     """Every rule asked, not only up to the first that answers: whatever verdict a rule
     gives carries its label, so a label's verdict is made by its rule alone."""
     for fsdp in (False, True):
-        window = dx.Window.of(ranks, active, fsdp, None, None, None, None)
+        window = dx.WindowStats.of(ranks, active, fsdp, None, None, None, None)
         verdicts = [(rule.label, rule.judge(window)) for rule in dx.RULES]
         assert all(v.label == label for label, v in verdicts if v is not None)
         assert dx.diagnose(ranks, active, fsdp) == next(v for _, v in verdicts if v)

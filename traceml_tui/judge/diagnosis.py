@@ -2,8 +2,8 @@
 
 No I/O, no clocks: the collector passes in each rank's median timings and gets a
 `Diagnosis` back, so every rule is testable from a table. The rules are a table too
-(`RULES`, near the end of the classifier): each a small function of one `Window` of
-statistics, asked in order until one answers. docs/diagnosis.md lists them in that order
+(`RULES`, near the end of the classifier): each a small function of one evaluation's
+`WindowStats`, asked in order until one answers. docs/diagnosis.md lists them in that order
 and explains each threshold.
 
 The comparison is always worst rank vs median rank, on *local work* only:
@@ -427,9 +427,9 @@ def _still_behind(recent: Recent, rank: int, phases: Sequence[str]) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class Window:
+class WindowStats:
     """What every rule reads: one evaluation's ranks and the statistics over them. Built
-    once per evaluation (`Window.of`); the rules only read it."""
+    once per evaluation (`WindowStats.of`); the rules only read it."""
 
     ranks: Sequence[RankTiming]  # every rank that reported
     ready: Sequence[RankTiming]  # those with MIN_STEPS steps and a step time
@@ -446,7 +446,7 @@ class Window:
     @classmethod
     def of(cls, ranks: Sequence[RankTiming], active: str | None, fsdp: bool,
            framework: str | None, recent: Recent, stalls: Sequence[StallStats] | None,
-           preflight_busbw: float | None) -> Window:
+           preflight_busbw: float | None) -> WindowStats:
         compute = FSDP_COMPUTE_PHASES if fsdp else COMPUTE_PHASES
         ready = [r for r in ranks
                  if r.steps >= MIN_STEPS and _finite(r.step_ms) and r.step_ms > 0]
@@ -478,7 +478,7 @@ class Window:
 # --- the rules, each a pure function of the window: a verdict, or None to pass -------------
 
 
-def _warmup(w: Window) -> Diagnosis | None:
+def _warmup(w: WindowStats) -> Diagnosis | None:
     if w.ready:
         return None
     most = max((r.steps for r in w.ranks), default=0)
@@ -486,7 +486,7 @@ def _warmup(w: Window) -> Diagnosis | None:
                      f"Collecting steps: {most} of {MIN_STEPS} needed before judging.")
 
 
-def _straggler_in_both(w: Window) -> Diagnosis | None:
+def _straggler_in_both(w: WindowStats) -> Diagnosis | None:
     """Behind in input and in compute: the larger gap names the rank (one rank: both)."""
     inp, cmp = w.input_gap, w.compute_gap
     if inp is None or cmp is None:
@@ -498,7 +498,7 @@ def _straggler_in_both(w: Window) -> Diagnosis | None:
                       gap / w.step_ms, w.step_ms, w.ready, phases)
 
 
-def _input_straggler(w: Window) -> Diagnosis | None:
+def _input_straggler(w: WindowStats) -> Diagnosis | None:
     s = w.input_gap
     if s is None:
         return None
@@ -506,7 +506,7 @@ def _input_straggler(w: Window) -> Diagnosis | None:
                       s.gap_ms, s.share, w.step_ms, w.ready, INPUT_PHASES)
 
 
-def _compute_straggler(w: Window) -> Diagnosis | None:
+def _compute_straggler(w: WindowStats) -> Diagnosis | None:
     s = w.compute_gap
     if s is None:
         return None
@@ -514,7 +514,7 @@ def _compute_straggler(w: Window) -> Diagnosis | None:
                       s.gap_ms, s.share, w.step_ms, w.ready, w.compute)
 
 
-def _input_bound(w: Window) -> Diagnosis | None:
+def _input_bound(w: WindowStats) -> Diagnosis | None:
     share = 0.0 if w.untimed & set(INPUT_PHASES) else _share(w.ready, INPUT_PHASES)
     if not w.over(share, INPUT_BOUND_ENTER, INPUT_BOUND_EXIT, INPUT_BOUND):
         return None
@@ -528,22 +528,22 @@ def _input_bound(w: Window) -> Diagnosis | None:
         gap_share=share)
 
 
-def _periodic_stall(w: Window) -> Diagnosis | None:
+def _periodic_stall(w: WindowStats) -> Diagnosis | None:
     return periodic_stall(w.stalls, w.active)
 
 
-def _timing_incomplete(w: Window) -> Diagnosis | None:
+def _timing_incomplete(w: WindowStats) -> Diagnosis | None:
     return _incomplete(w.ready, w.framework) if w.untimed else None
 
 
-def _comm_bound(w: Window) -> Diagnosis | None:
+def _comm_bound(w: WindowStats) -> Diagnosis | None:
     share = _share(w.ready, (SYNC,))
     if not w.over(share, COMM_BOUND_ENTER, COMM_BOUND_EXIT, COMM_BOUND):
         return None
     return comm_bound(w.ready, share, w.step_ms, w.preflight_busbw)
 
 
-def _wait_heavy(w: Window) -> Diagnosis | None:
+def _wait_heavy(w: WindowStats) -> Diagnosis | None:
     share = _share(w.ready, (WAIT,))
     if not w.over(share, WAIT_HEAVY_ENTER, WAIT_HEAVY_EXIT, WAIT_HEAVY):
         return None
@@ -555,7 +555,7 @@ def _wait_heavy(w: Window) -> Diagnosis | None:
         gap_share=share)
 
 
-def _balanced(w: Window) -> Diagnosis | None:
+def _balanced(w: WindowStats) -> Diagnosis | None:
     n = len(w.ready)
     return Diagnosis(
         BALANCED, None, None, INFO,
@@ -567,7 +567,7 @@ class Rule(NamedTuple):
     """A label and the rule that gives it."""
 
     label: str
-    judge: Callable[[Window], Diagnosis | None]
+    judge: Callable[[WindowStats], Diagnosis | None]
 
 
 # Priority is position: the first rule that answers gives the label (docs/diagnosis.md,
@@ -606,7 +606,7 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
     `stalls`: each rank's stalled steps over its window (periodic_stall).
     `preflight_busbw`: the all-reduce bus bandwidth `traceml netcheck` measured before
     training (GB/s), which COMM-BOUND's evidence compares against."""
-    w = Window.of(ranks, active, collectives_in_compute, framework, recent, stalls,
+    w = WindowStats.of(ranks, active, collectives_in_compute, framework, recent, stalls,
                   preflight_busbw)
     for rule in RULES:
         verdict = rule.judge(w)
