@@ -180,3 +180,19 @@ def test_the_end_reply_says_where_the_record_went_or_why_not(tmp_path):
     assert lost.path is None and "No space left" in (lost.error or "")
     assert lost.text.startswith("FAILED: rank 2 ") and lost.text.endswith("note\n")
     assert ending.from_wire({"ok": True}) is None  # not a reply: the launcher falls back
+
+
+def test_headless_progress_reads_the_live_snapshot_through_the_model(tmp_path, capsys):
+    from traceml_tui.launch.job_output import Progress
+
+    live = tmp_path / "live_snapshot.json"
+    live.write_text('{"run": "not a run"}')  # half a run's garbage: no line, no traceback
+    progress = Progress(tmp_path)
+    progress.poll()
+    assert capsys.readouterr().err == ""
+    summary.write_summary(tmp_path, doc_of(crashed_state(), complete=False))
+    (tmp_path / "final_summary.json").replace(live)
+    progress.poll()
+    line = capsys.readouterr().err
+    assert line.startswith("[traceml] FAILED: rank 2 exited with code 1 after 40 steps: "
+                           "RuntimeError: injected fault on rank 2 · step "), line
