@@ -606,7 +606,7 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
     `preflight_busbw`: the all-reduce bus bandwidth `traceml netcheck` measured before
     training (GB/s), which COMM-BOUND's evidence compares against."""
     w = WindowStats.of(ranks, active, collectives_in_compute, framework, recent, stalls,
-                  preflight_busbw)
+                       preflight_busbw)
     for rule in RULES:
         verdict = rule.judge(w)
         if verdict is not None:
