@@ -132,6 +132,10 @@ def test_a_killed_rank_is_reported_dead_not_as_a_straggler(tmp_path):
     assert doc["ranks"][1]["exit_code"] == -9
     assert doc["diagnosis"]["label"] not in ("INPUT STRAGGLER", "COMPUTE STRAGGLER", "STRAGGLER")
     assert "Rank 1 died: killed by signal 9 (SIGKILL)" in output
+    # Failures first: the record and its text lead with the signal that ended rank 1.
+    assert (doc["failure"]["rank"], doc["failure"]["signal"]) == (1, "SIGKILL")
+    assert (run_dir / "final_summary.txt").read_text().startswith(
+        "FAILED: rank 1 was killed by signal 9 (SIGKILL) after ")
 
 
 def test_a_long_checkpoint_step_is_not_a_hang(tmp_path):
