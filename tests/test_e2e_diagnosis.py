@@ -3,9 +3,11 @@ injected each, asserting the diagnosis a user would read in final_summary.json."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from jobs import run_job, validate_schema
+from jobs import Finished, run_job, validate_schema
 
 # Labels, gaps and costs from timings: under xdist no other test runs beside these.
 pytestmark = [pytest.mark.e2e, pytest.mark.alone]
@@ -25,13 +27,27 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def scenario_job(tmp_path_factory) -> Callable[[str], Finished]:
+    """One 3-rank job per scenario for this module: the DDP-trap test reads the 'forward'
+    case's job rather than running the same job again."""
+    done: dict[str, Finished] = {}
+
+    def get(scenario: str) -> Finished:
+        if scenario not in done:
+            args = ("--scenario", scenario, "--rank", "1", "--steps", "80", "--delay-ms", "25")
+            if scenario == "batch":
+                args += ("--dim", "512", "--batch", "64")
+            done[scenario] = run_job(tmp_path_factory.mktemp(scenario), "ddp_toy.py",
+                                     script_args=args, name=scenario)
+        return done[scenario]
+    return get
+
+
 @pytest.mark.parametrize(("scenario", "label", "rank", "phase"), CASES,
                          ids=[c[0] for c in CASES])
-def test_injected_problem_is_diagnosed(tmp_path, scenario, label, rank, phase):
-    args = ("--scenario", scenario, "--rank", "1", "--steps", "80", "--delay-ms", "25")
-    if scenario == "batch":
-        args += ("--dim", "512", "--batch", "64")
-    job = run_job(tmp_path, "ddp_toy.py", script_args=args, name=scenario)
+def test_injected_problem_is_diagnosed(scenario_job, scenario, label, rank, phase):
+    job = scenario_job(scenario)
     assert job.returncode == 0, job.stderr[-3000:]
     doc = job.summary
     validate_schema(doc)
@@ -49,11 +65,10 @@ def test_injected_problem_is_diagnosed(tmp_path, scenario, label, rank, phase):
     assert f"Diagnosis: {label}" in job.stdout
 
 
-def test_waiting_ranks_are_not_blamed_for_their_sync_time(tmp_path):
+def test_waiting_ranks_are_not_blamed_for_their_sync_time(scenario_job):
     """The DDP trap: the fast ranks wait for rank 1 inside backward's allreduce. That wait
     must be reported as their 'sync' phase, not as their backward compute."""
-    job = run_job(tmp_path, "ddp_toy.py", name="trap",
-                  script_args=("--scenario", "forward", "--rank", "1", "--steps", "60"))
+    job = scenario_job("forward")  # rank 1's forward 25 ms slower
     assert job.returncode == 0, job.stderr[-3000:]
     ranks = {r["rank"]: r for r in job.summary["ranks"]}
     waiter, straggler = ranks[0], ranks[1]

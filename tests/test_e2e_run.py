@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jobs import EXAMPLES, live_ranks_steps, run_job, traceml, validate_schema, wait_for
+from jobs import EXAMPLES, Finished, live_ranks_steps, run_job, traceml, validate_schema, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -25,13 +25,19 @@ def test_failing_rank_sets_exit_code_and_is_named(tmp_path):
     assert "simulated failure at step 12" in logs
 
 
-def test_options_after_the_script_and_script_args_after_dashes(tmp_path):
-    out = tmp_path / "runs"
+@pytest.fixture(scope="module")
+def options_after(tmp_path_factory) -> Finished:
+    """A finished run, its options after the script: two tests read it (one job)."""
+    out = tmp_path_factory.mktemp("after") / "runs"
     proc = traceml("run", "--headless", "--out", str(out), "--run-name", "before",
                    str(EXAMPLES / "ddp_toy.py"), "--nproc-per-node=2", "--",
                    "--steps", "20")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads((out / "before" / "final_summary.json").read_text())
+    return Finished(proc.returncode, proc.stdout, proc.stderr, out / "before")
+
+
+def test_options_after_the_script_and_script_args_after_dashes(options_after):
+    assert options_after.returncode == 0, options_after.stderr[-3000:]
+    doc = json.loads((options_after.run_dir / "final_summary.json").read_text())
     validate_schema(doc)
     assert doc["run"]["world_size"] == 2
     assert [r["steps"] for r in doc["ranks"]] == [20, 20]
@@ -54,12 +60,12 @@ def test_user_mistakes_get_one_clear_line(tmp_path, args, message):
     assert "Traceback" not in proc.stderr
 
 
-def test_reusing_a_run_name_does_not_overwrite_the_record(tmp_path):
-    first = run_job(tmp_path, "ddp_toy.py", nproc=1, name="same",
-                    script_args=("--steps", "10"))
+def test_reusing_a_run_name_does_not_overwrite_the_record(options_after):
+    first = options_after  # a finished run named "before" in its --out
     assert first.returncode == 0
     before = (first.run_dir / "final_summary.json").read_text()
-    again = run_job(tmp_path, "ddp_toy.py", nproc=1, name="same", script_args=("--steps", "10"))
+    again = run_job(first.run_dir.parents[1], "ddp_toy.py", nproc=1, name="before",
+                    script_args=("--steps", "10"))
     assert again.returncode == 2
     assert "already holds a run" in again.stderr
     assert (first.run_dir / "final_summary.json").read_text() == before
