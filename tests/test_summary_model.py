@@ -7,6 +7,7 @@ not a summary is one line; a failed rank leads the summary, its text and the ban
 from __future__ import annotations
 
 import json
+import time
 
 import hostile
 import msgspec
@@ -196,3 +197,40 @@ def test_headless_progress_reads_the_live_snapshot_through_the_model(tmp_path, c
     line = capsys.readouterr().err
     assert line.startswith("[traceml] FAILED: rank 2 exited with code 1 after 40 steps: "
                            "RuntimeError: injected fault on rank 2 · step "), line
+
+
+async def test_a_real_collectors_live_banner_leads_with_the_failed_rank(tmp_path):
+    """A real collector process, real agent messages on its ingest socket, the real view
+    socket and the dashboard: rank 2's goodbye with a traceback leads the banner at once,
+    before the run has ended (the label below is the verdict of the steps before it)."""
+    from test_fuzz_collector import CollectorProcess
+
+    from traceml_tui.view.client import ViewClient
+    from traceml_tui.view.dashboard import DashboardApp
+    from traceml_tui.view.dashboard.banner import Banner
+
+    coll = CollectorProcess(tmp_path / "run")
+    try:
+        sock = coll.dealer()
+        now = time.time()
+        for ident in hostile.IDENTS:
+            sock.send(protocol.encode("hello", ident, 0, now, run="fuzz", device="cpu",
+                                      env={}, auto=True))
+            records = [[i, now - 1 + i * 0.01, 10.0, *[1.0] * 7] for i in range(40)]
+            sock.send(protocol.encode("steps", ident, 1, now, phases=list(PHASES),
+                                      records=records, dropped=0))
+        sock.send(protocol.encode("goodbye", hostile.IDENTS[2], 2, now, exit_code=1,
+                                  error=TRACEBACK, steps=40))
+        app = DashboardApp(ViewClient(coll.info["view"]), coll.run_dir, refresh_s=0.1)
+        async with app.run_test(size=(140, 44)) as pilot:
+            banner = app.query_one(Banner)
+            for _ in range(400):  # up to 20 s on a busy machine
+                if str(banner.render()).startswith("FAILED"):
+                    break
+                await pilot.pause(0.05)
+            first = str(banner.render()).splitlines()[0]
+            assert first == ("FAILED: rank 2 exited with code 1 after 40 steps: RuntimeError: "
+                             "injected fault on rank 2"), str(banner.render())
+        sock.close()
+    finally:
+        coll.stop()
