@@ -48,9 +48,15 @@ from typing import Any
 
 from . import device, visible_devices, vocab
 
-# Phases the recorder measures, by index. "wait" is derived, never recorded.
+# Phases the recorder measures, by index (vocab.PHASE_TABLE's order). "wait" is derived,
+# never recorded. The hooks' phases as plain ints: the hot path compares and indexes them.
 MEASURED = vocab.MEASURED_PHASES
-DATALOADER, H2D, FORWARD, BACKWARD, SYNC, OPTIMIZER = range(6)
+DATALOADER = MEASURED.index(vocab.DATALOADER)
+H2D = MEASURED.index(vocab.H2D)
+FORWARD = MEASURED.index(vocab.FORWARD)
+BACKWARD = MEASURED.index(vocab.BACKWARD)
+SYNC = MEASURED.index(vocab.SYNC)
+OPTIMIZER = MEASURED.index(vocab.OPTIMIZER)
 MAX_CUSTOM_PHASES = 8
 NO_PHASE = -1
 # A stack deeper than this is a hook pairing bug, not real nesting: close the oldest.
@@ -528,7 +534,7 @@ class CudaRecorder(Recorder):
     __slots__ = ("torch", "pool", "pairs", "pending", "prev_end", "ev_mark", "ev_ready",
                  "max_pending", "dropped_pairs", "_capturing", "device", "device_uuid",
                  "stream")
-    DEVICE_PHASES = frozenset({H2D, FORWARD, BACKWARD, SYNC, OPTIMIZER})
+    DEVICE_PHASES = frozenset(MEASURED.index(p) for p in vocab.DEVICE_PHASES)
     DEFERRED = True
     begin = Recorder._begin_composed
     end = Recorder._end_composed

@@ -10,9 +10,14 @@ heavy (the agent loads it inside every rank).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Final
+from typing import Final, NamedTuple
 
 # --- phases of one optimizer step ---------------------------------------------------------
+#
+# PHASE_TABLE below is the one place a phase is declared: every list of phases, the
+# recorder's indices, the hang's order, the dashboard's headers, the own-work set and the
+# stall hints derive from it. Adding a phase is its row here plus the hook that times it
+# (agent/hooks.py, or traceml_agent.phase() in the user's code).
 
 DATALOADER: Final = "dataloader"
 H2D: Final = "h2d"
@@ -24,17 +29,68 @@ OPTIMIZER: Final = "optimizer"
 # The residual: step time outside every measured phase (derived, never recorded).
 WAIT: Final = "wait"
 
+# Groups of phases. The first three are a rank's own work, compared across ranks;
+# waiting for the others is left out: under DDP a straggler's extra work shows as the
+# others' sync.
+INPUT: Final = "input"        # feeding the step: the diagnosis's INPUT verdicts
+COMPUTE: Final = "compute"    # the model's work: the diagnosis's COMPUTE verdicts
+OTHER_WORK: Final = "other work"  # the rank's own work that is neither (a checkpoint)
+WAITING: Final = "waiting"    # time spent waiting for the others, not working
+OWN_WORK_GROUPS: Final[tuple[str, ...]] = (INPUT, COMPUTE, OTHER_WORK)
+
+
+class Phase(NamedTuple):
+    """One row of the phase table."""
+
+    name: str
+    short: str  # the dashboard's column header (at most 7 characters)
+    group: str  # INPUT, COMPUTE, OTHER_WORK or WAITING
+    # Timed by the agent; False: derived by the collector (only the residual, listed last).
+    measured: bool = True
+    # On a GPU job, timed with CUDA events (its work is queued on the device, so the host
+    # clock would measure the launch, not the work); otherwise by the host clock.
+    device: bool = False
+    # Where a rank's periodic stall in this phase usually comes from (PERIODIC STALL);
+    # "" says "in <name>".
+    stall_hint: str = ""
+
+
+# One row per phase, in display and wire order (the order is the row's position).
+PHASE_TABLE: Final[tuple[Phase, ...]] = (
+    Phase(DATALOADER, "data", INPUT, stall_hint="in the DataLoader: a worker restart, a "
+          "shard or file opened every few steps"),
+    Phase(H2D, "h2d", INPUT, device=True),
+    Phase(FORWARD, "fwd", COMPUTE, device=True),
+    Phase(BACKWARD, "bwd", COMPUTE, device=True),
+    Phase(SYNC, "sync", WAITING, device=True),
+    Phase(OPTIMIZER, "opt", COMPUTE, device=True),
+    Phase(WAIT, "wait", WAITING, measured=False, stall_hint="outside forward, backward and "
+          "the optimizer: checkpointing, evaluation, logging or uploads between steps"),
+)
+
 # Display and wire order.
-PHASES: Final[tuple[str, ...]] = (DATALOADER, H2D, FORWARD, BACKWARD, SYNC, OPTIMIZER, WAIT)
+PHASES: Final[tuple[str, ...]] = tuple(p.name for p in PHASE_TABLE)
 # The phases the recorder times (everything but the derived residual), by index.
-MEASURED_PHASES: Final[tuple[str, ...]] = PHASES[:-1]
-# A rank's own work, compared across ranks. Waiting for the others (sync, and the
-# residual) is left out: under DDP a straggler's extra work shows as the others' sync.
-INPUT_PHASES: Final[tuple[str, ...]] = (DATALOADER, H2D)
-COMPUTE_PHASES: Final[tuple[str, ...]] = (FORWARD, BACKWARD, OPTIMIZER)
-LOCAL_PHASES: Final[tuple[str, ...]] = INPUT_PHASES + COMPUTE_PHASES
+MEASURED_PHASES: Final[tuple[str, ...]] = tuple(p.name for p in PHASE_TABLE if p.measured)
+# The wire sends the measured phases, then the residual, then custom phases (transport.py).
+assert PHASES == (*MEASURED_PHASES, WAIT), "the residual is the table's last row, and unmeasured"
+INPUT_PHASES: Final[tuple[str, ...]] = tuple(p.name for p in PHASE_TABLE if p.group == INPUT)
+COMPUTE_PHASES: Final[tuple[str, ...]] = tuple(p.name for p in PHASE_TABLE
+                                               if p.group == COMPUTE)
+# A rank's own work: the one definition of it (summed by the diagnosis, the history, the
+# dashboard's "worst first" ordering and distribution, the metrics).
+LOCAL_PHASES: Final[tuple[str, ...]] = tuple(p.name for p in PHASE_TABLE
+                                             if p.group in OWN_WORK_GROUPS)
 # Time spent waiting for others, not working.
-WAITING_PHASES: Final[tuple[str, ...]] = (SYNC, WAIT)
+WAITING_PHASES: Final[tuple[str, ...]] = tuple(p.name for p in PHASE_TABLE
+                                               if p.group == WAITING)
+# The recorder's device-timed phases (recorder.CudaRecorder).
+DEVICE_PHASES: Final[tuple[str, ...]] = tuple(p.name for p in PHASE_TABLE if p.device)
+# The dashboard's column headers.
+SHORT_NAMES: Final[dict[str, str]] = {p.name: p.short for p in PHASE_TABLE}
+# Where a periodic stall in a phase comes from, for the phases that have a hint.
+STALL_HINTS: Final[dict[str, str]] = {p.name: p.stall_hint for p in PHASE_TABLE
+                                      if p.stall_hint}
 
 # --- diagnosis labels ---------------------------------------------------------------------
 

@@ -388,7 +388,7 @@ async def test_the_column_header_stays_on_top_and_scrolls_sideways_with_the_rows
         assert "rank" not in header and "opt" in header, header  # sideways with the rows
         full = table._draw(table.lines[10], False).text  # the 11th line, unscrolled
         assert table.render_line(1).text.rstrip() == full[20:20 + table.size.width].rstrip()
-        # The header's columns still sit over the row's: "wait" ends where its value ends.
+        # The header's columns still sit over the row's: "opt" ends where its value ends.
         line = table.render_line(1).text
-        end = header.index("wait") + len("wait")
+        end = header.index(" opt") + len(" opt")
         assert line[end - 1] != " " and line[end] == " ", (header, line)

@@ -221,6 +221,17 @@ def test_hang_py_reads_no_clock():
 
 # --- the same rule in the collector: state, view and summary say why -----------------------
 
+# One step's phases (ms) by name; a phase added to the table is sent as not measured.
+_STEP_MS = {"dataloader": 5.0, "h2d": 1.0, "forward": 15.0, "backward": 20.0, "sync": 2.0,
+            "optimizer": 5.0, "wait": 2.0}
+
+
+def _record(step: int, t: float) -> list:
+    from traceml_agent.protocol import PHASES
+
+    return [step, t, 50.0, *(_STEP_MS.get(p) for p in PHASES)]
+
+
 def _state_with_steps(world: int = 2):
     from traceml_agent.protocol import PHASES, Identity, decode, encode
     from traceml_tui.judge.state import RunState
@@ -228,8 +239,7 @@ def _state_with_steps(world: int = 2):
     state = RunState("graphs", world_size=world, started_at=1_700_000_000.0)
     idents = [Identity(r, r, 0, f"host{r}", 100 + r, world) for r in range(world)]
     for i in idents:
-        records = [[s, 1_700_000_000.0 + s, 50.0, 5.0, 1.0, 15.0, 20.0, 2.0, 5.0, 2.0]
-                   for s in range(20)]
+        records = [_record(s, 1_700_000_000.0 + s) for s in range(20)]
         state.ingest(decode(encode("steps", i, 0, 1_700_000_000.0, phases=list(PHASES),
                                    records=records)), now=1.0)
     return state, idents
@@ -300,9 +310,8 @@ def test_records_the_collector_refused_are_counted_per_rank_and_shown():
     from traceml_tui.report import summary
 
     state, idents = _state_with_steps()
-    records = [[s, 1_700_000_100.0 + s, 50.0, 5.0, 1.0, 15.0, 20.0, 2.0, 5.0, 2.0]
-               for s in range(20, 30)]
-    records[3][6] = -0.4  # backward: a cross-stream pair of an older agent
+    records = [_record(s, 1_700_000_100.0 + s) for s in range(20, 30)]
+    records[3][3 + PHASES.index("backward")] = -0.4  # a cross-stream pair of an older agent
     state.ingest(decode(encode("steps", idents[1], 2, 1_700_000_100.0, phases=list(PHASES),
                                records=records)), now=3.0)
     assert state.ranks[1].steps == 29 and state.counters["bad_records"] == 1

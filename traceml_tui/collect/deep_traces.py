@@ -26,7 +26,6 @@ import msgspec
 
 from traceml_agent import protocol
 from traceml_agent.sanitize import clean_text
-from traceml_agent.vocab import WAITING_PHASES
 from traceml_tui import viewmodel
 from traceml_tui.report import trace_analysis
 from traceml_tui.runfolder import folders
@@ -75,8 +74,7 @@ def capture_roles(view: viewmodel.ViewState | None, asked: list[int] | None
     if view is None:
         return {}
     live = [r for r in view.rows if r.step_ms is not None]
-    local = {r.rank: sum(v for i, v in enumerate(r.phase_ms) if v is not None
-                         and viewmodel.VIEW_PHASES[i] not in WAITING_PHASES) for r in live}
+    local = {r.rank: viewmodel.own_work(r.phase_ms) or 0.0 for r in live}
     roles: dict[int, str] = {}
     if asked:
         roles.update({r: "pinned" for r in asked if 0 <= r < view.world_size})

@@ -34,6 +34,7 @@ from traceml_agent.vocab import (  # noqa: F401 (re-exported)
     INPUT_STRAGGLER,
     OPTIMIZER,
     PERIODIC_STALL,
+    STALL_HINTS,
     STRAGGLER,
     SYNC,
     TIMING_INCOMPLETE,
@@ -647,14 +648,6 @@ def comm_bound(ranks: Sequence[RankTiming], share: float, step_ms: float,
         gap_share=share)
 
 
-_STALL_HINT = {
-    "wait": "outside forward, backward and the optimizer: checkpointing, evaluation, "
-            "logging or uploads between steps",
-    "dataloader": "in the DataLoader: a worker restart, a shard or file opened every few "
-                  "steps",
-}
-
-
 def periodic_stall(stats: Sequence[StallStats], active: str | None) -> Diagnosis | None:
     """PERIODIC STALL: a rank (or every rank) whose own work stalls with a period, costing
     the job at least STALL_SHARE_ENTER of the window's time. The ranks that only waited
@@ -680,7 +673,7 @@ def periodic_stall(stats: Sequence[StallStats], active: str | None) -> Diagnosis
     who = "Every rank" if everyone else f"Rank {st.rank}"
     waits = ("" if everyone else
              "; the other ranks wait for it in their next collective (their sync)")
-    where = _STALL_HINT.get(phase, f"in {phase}")
+    where = STALL_HINTS.get(phase, f"in {phase}")  # the phase table's hints
     return Diagnosis(
         PERIODIC_STALL, None if everyone else st.rank, phase, WARNING,
         f"{who} stalls every {rhythm} steps ({len(own)} times in the last {st.steps} "

@@ -34,6 +34,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from traceml_agent.vocab import MEASURED_PHASES
+
 from .diagnosis import CRITICAL, HANG, Diagnosis
 
 # No rank finished a step for at least this long: a floor that keeps a checkpoint or an
@@ -56,8 +58,8 @@ BUSY_MAX_S = 120.0
 REPLAYS = "steps not visible: CUDA graph replays"
 BATCHES = "steps not visible: DataLoader batches still fetched"
 
-PHASE_ORDER = {None: 0, "dataloader": 1, "h2d": 2, "forward": 3, "backward": 4, "sync": 5,
-               "optimizer": 6}
+# How far into its step a rank is, by the phase it is in (the table's order; none: 0).
+PHASE_ORDER: dict[str | None, int] = {None: 0, **{p: i for i, p in enumerate(MEASURED_PHASES, 1)}}
 
 BEHIND, SAME_COLLECTIVE, DEAD, DIVERGED = "behind", "same collective", "dead", "diverged"
 

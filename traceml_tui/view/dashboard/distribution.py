@@ -13,8 +13,7 @@ from rich.text import Text
 from textual.strip import Strip
 from textual.widget import Widget
 
-from traceml_agent.vocab import WAITING_PHASES
-from traceml_tui.viewmodel import VIEW_PHASES, ViewState
+from traceml_tui.viewmodel import VIEW_PHASES, ViewState, own_work
 
 from .time_chart import to_strip
 
@@ -73,9 +72,7 @@ def figures(state: ViewState) -> list[tuple[str, list[float]]]:
         i = VIEW_PHASES.index(state.phase)
         out.append((state.phase, [v for r in rows if (v := r.phase_ms[i]) is not None]))
     else:
-        own = [i for i, p in enumerate(VIEW_PHASES) if p not in WAITING_PHASES]
-        out.append(("own work", [sum(v for i in own if (v := r.phase_ms[i]) is not None)
-                                 for r in rows]))
+        out.append(("own work", [own_work(r.phase_ms) or 0.0 for r in rows]))
     return out
 
 

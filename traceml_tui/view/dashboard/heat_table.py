@@ -19,6 +19,7 @@ from textual.reactive import reactive
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
+from traceml_agent.vocab import SHORT_NAMES
 from traceml_tui.viewmodel import (
     FAILED,
     STALE,
@@ -33,8 +34,6 @@ from traceml_tui.viewmodel import (
 from .cells import heat, ms
 from .ordering import WORST, subject_node, subject_ranks, worst_first, worst_nodes
 
-SHORT = {"dataloader": "data", "h2d": "h2d", "forward": "fwd", "backward": "bwd",
-         "sync": "sync", "optimizer": "opt", "wait": "wait"}
 # "worst" (the default): the diagnosis subject first, then the ranks furthest from the
 # median rank (ordering.py).
 SORT_KEYS = (WORST, "rank", "step", *VIEW_PHASES)
@@ -43,7 +42,7 @@ CELL = 8
 
 def header_text(device: str) -> str:
     util, mem = ("gpu%", "gpu MB") if device == "cuda" else ("cpu%", "rss MB")
-    phases = "".join(SHORT[p].rjust(CELL) for p in VIEW_PHASES)
+    phases = "".join(SHORT_NAMES[p].rjust(CELL) for p in VIEW_PHASES)
     return f"{'rank':>6} {'host':<12} {'state':<7}{'steps':>7}{'step':>8}{phases}{util:>6}{mem:>8}"
 
 

@@ -1,19 +1,24 @@
 """Worst first: the order that puts the anomaly on the first screen at any scale.
 
-The diagnosis subject (a rank, or every rank of a node) leads, then ranks (or nodes)
-whose own work is furthest from the median rank's, then alarming statuses; ties by
-rank. Pure functions over the view model, used by the heat table.
+The diagnosis subject (a rank, or every rank of a node) leads, then alarming statuses,
+then ranks (or nodes) whose own work is furthest from the median rank's; ties by rank
+(or node). One key (worst_key) for ranks and nodes. Pure functions over the view model,
+used by the heat table.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from operator import itemgetter
+
 from traceml_tui.viewmodel import FAILED, OWN_COLUMNS, STALE, RankRow, ViewState, own_work
 
 WORST = "worst"
-# Columns that are a rank's own work (not time spent waiting for the others).
-OWN = OWN_COLUMNS
-assert len(OWN) == 5, "worst_first unrolls the own-work columns"
 ALARMING = frozenset({FAILED, STALE})
+# A rank's own-work columns in one C call: the ordering key runs for every rank on every
+# frame. (itemgetter of a single index returns the value, not a 1-tuple.)
+_own_cells = (itemgetter(*OWN_COLUMNS) if len(OWN_COLUMNS) > 1
+              else lambda p: tuple(p[i] for i in OWN_COLUMNS))
 
 
 def median_own(state: ViewState) -> float | None:
@@ -27,24 +32,25 @@ def subject_ranks(state: ViewState) -> frozenset[int]:
     return frozenset() if state.rank is None else frozenset({state.rank})
 
 
-def distance(row: RankRow, mid: float | None) -> float:
-    """How far a rank's own work is from the median rank's (ms); 0 when unknown."""
-    own = own_work(row.phase_ms)
-    return 0.0 if own is None or mid is None else abs(own - mid)
+def worst_key(subject: frozenset[int], mid: float | None, by_node: bool = False
+              ) -> Callable[[RankRow], tuple[bool, bool, float, int]]:
+    """The one worst-first key, for ranks or (`by_node`) nodes' pseudo-rows: the diagnosis
+    subject (ranks, or nodes) leads, then alarming statuses, then own work furthest from
+    the median rank's `mid` (unknown: not far), then the rank or node ascending. It runs
+    for every rank on every frame: one closure, no call per row but the C itemgetter."""
+    cells, alarming = _own_cells, ALARMING
+
+    def key(r: RankRow) -> tuple[bool, bool, float, int]:
+        who = r.node if by_node else r.rank
+        vals = [v for v in cells(r.phase_ms) if v is not None]
+        far = 0.0 if not vals or mid is None else abs(sum(vals) - mid)
+        return (who not in subject, r.status not in alarming, -far, who)
+
+    return key
 
 
 def worst_first(rows: list[RankRow], state: ViewState) -> list[RankRow]:
-    subject = subject_ranks(state)
-    mid = median_own(state)
-    a, b, c, d, e = OWN  # unrolled: this key runs for every rank on every frame
-
-    def key(r: RankRow) -> tuple[bool, bool, float, int]:
-        p = r.phase_ms
-        vals = [v for v in (p[a], p[b], p[c], p[d], p[e]) if v is not None]
-        far = 0.0 if not vals or mid is None else abs(sum(vals) - mid)  # unknown: not far
-        return (r.rank not in subject, r.status not in ALARMING, -far, r.rank)
-
-    return sorted(rows, key=key)
+    return sorted(rows, key=worst_key(subject_ranks(state), median_own(state)))
 
 
 def subject_node(state: ViewState) -> int | None:
@@ -61,6 +67,6 @@ def worst_nodes(nodes: list[tuple[int, RankRow]], state: ViewState
     """Node pseudo-rows (count, worst values): the subject's node first, then by how far
     the node's worst own work is from the median rank's."""
     first = subject_node(state)
-    mid = median_own(state)
-    return sorted(nodes, key=lambda n: (n[1].node != first, n[1].status not in ALARMING,
-                                        -distance(n[1], mid), n[1].node))
+    key = worst_key(frozenset() if first is None else frozenset({first}), median_own(state),
+                    by_node=True)
+    return sorted(nodes, key=lambda n: key(n[1]))
