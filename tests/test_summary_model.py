@@ -12,12 +12,15 @@ import time
 import hostile
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from canned import T0, StaticSource, make_state
 from jobs import traceml, validate_schema
 from traceml_agent import protocol
 from traceml_agent.protocol import Identity, StepRecord
 from traceml_agent.vocab import PHASES
+from traceml_tui.judge.state import RunState
 from traceml_tui.report import ending, model, summary
 from traceml_tui.report.compare import compare
 from traceml_tui.runfolder.step_log import StepLogWriter
@@ -234,3 +237,23 @@ async def test_a_real_collectors_live_banner_leads_with_the_failed_rank(tmp_path
         sock.close()
     finally:
         coll.stop()
+
+
+@settings(max_examples=60, derandomize=True, deadline=None, database=None)
+@given(st.lists(hostile.HOSTILE_PAYLOADS | hostile.valid_messages(), max_size=25))
+def test_the_summary_of_any_received_traffic_is_written_and_read_through_the_model(payloads):
+    """Whatever the ranks sent, the document the builder makes fits the model: writing
+    the record never fails on a field's type, and it reads back the same."""
+    state, mono = RunState("props", hostile.WORLD, started_at=hostile.T0), 0.0
+    for payload in payloads:
+        mono += 0.1
+        try:
+            state.ingest(protocol.decode(payload), mono)
+        except protocol.ProtocolError:
+            state.count_malformed()
+    state.evaluate(hostile.T0 + mono, mono + 60.0)
+    snap = state.snapshot(hostile.T0 + mono, mono + 60.0, full=True)
+    doc = summary.build(snap, summary.RunMeta(complete=False))
+    written = summary.to_json(doc)
+    assert written == msgspec.json.encode(doc).decode() + "\n"
+    assert summary.to_json(model.to_doc(model.decode(written))) == written
