@@ -24,6 +24,7 @@ from traceml_agent.protocol import (
     Steps,
     Sys,
 )
+from traceml_agent.requests import CaptureReply
 from traceml_tui.collect import view_build
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import summary
@@ -111,9 +112,9 @@ class StaticSource:
         snap = state.snapshot(T0 + 75.0, 0.5, full=True)
         return summary.build(snap, summary.RunMeta(complete=False))
 
-    def capture(self, ranks: list[int] | None = None, steps: int = 5) -> dict[str, Any]:
+    def capture(self, ranks: list[int] | None = None, steps: int = 5) -> CaptureReply:
         self.captures.append((ranks, steps))
-        return {"ok": True, "id": len(self.captures), "ranks": ranks or [0], "steps": steps}
+        return CaptureReply(True, id=len(self.captures), ranks=ranks or [0], steps=steps)
 
     def close(self) -> None:
         pass

@@ -29,10 +29,10 @@ def test_capture_the_straggler_and_the_median_rank_then_export_perfetto(tmp_path
         wait_for(lambda: client.fetch()[0].rank == 2, 30, "the straggler to be named")
 
         reply = client.capture(steps=4)
-        assert reply["ok"], reply
-        assert 2 in reply["ranks"] and len(reply["ranks"]) == 2  # worst + median
+        assert reply.ok, reply
+        assert 2 in reply.ranks and len(reply.ranks) == 2  # worst + median
         again = client.capture(steps=4)  # one at a time, refused in words
-        assert not again["ok"] and "already running" in again["error"]
+        assert not again.ok and again.error and "already running" in again.error
 
         def analysed() -> bool:
             cap = client.fetch()[0].capture

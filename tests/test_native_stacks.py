@@ -12,10 +12,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from test_requests import control
 from test_state import ident, steps  # noqa: F401 - helpers of the state tests
 
 from jobs import EXAMPLES, kill_session, spawn_traceml, wait_for
-from traceml_tui.collect.collector import native_stack_error
+from traceml_agent.requests import NativeStack, RequestError, decode_control, encode_control
+from traceml_tui.collect.collector import Collector
 from traceml_tui.judge.state import NATIVE_THREAD, RunState
 from traceml_tui.launch.native_stacks import stuck_ranks
 from traceml_tui.report import summary
@@ -29,13 +31,26 @@ def test_only_this_nodes_named_ranks_without_a_stack_are_dumped():
     assert stuck_ranks({"hang": None, "ranks": doc["ranks"]}, node=0) == []
 
 
-def test_a_native_stack_request_is_checked_and_kept_for_the_process_it_came_from():
-    assert native_stack_error({"op": "native_stack", "rank": 1, "pid": 5, "text": "x"}, 2) is None
-    for bad in ({"op": "native_stack", "rank": 2, "pid": 5, "text": "x"},
+def test_a_native_stack_request_is_checked_and_kept_for_the_process_it_came_from(tmp_path):
+    good = NativeStack(rank=1, pid=5, text="x")
+    assert decode_control(encode_control(good)) == good
+    for bad in ({"op": "native_stack", "rank": -1, "pid": 5, "text": "x"},
                 {"op": "native_stack", "rank": 1, "pid": -1, "text": "x"},
                 {"op": "native_stack", "rank": 1, "pid": 5, "text": "x" * 20_000},
+                {"op": "native_stack", "rank": 1, "pid": 5},
                 {"op": "native_stack", "rank": 1, "pid": 5, "text": "x", "more": 1}):
-        assert native_stack_error(bad, 2) is not None, bad
+        with pytest.raises(RequestError):
+            decode_control(json.dumps(bad).encode())
+    # A rank outside the run is the collector's to refuse (it knows the world size).
+    (tmp_path / "run").mkdir(mode=0o700)
+    coll = Collector(tmp_path / "run", RunState("run", world_size=2))
+    try:
+        for request, ok in ((NativeStack(rank=2, pid=5, text="x"), False),
+                            (NativeStack(rank=1, pid=5, text="x"), True)):
+            reply = control(coll, encode_control(request))
+            assert reply["ok"] is ok, reply
+    finally:
+        coll.close()
     state = RunState("run", world_size=2)
     state.ingest(steps(1, range(3)), now=0.0)
     state.set_native_stack(1, 999, "not this process")  # another pid: a restarted rank

@@ -99,10 +99,10 @@ def test_a_relayed_rank_is_seen_and_answered(two_node_collector):
 
         # A deep-trace request for rank 1 goes back through the relay to its socket.
         reply = viewer.capture(ranks=[1], steps=3)
-        assert reply["ok"] and 1 in reply["ranks"], reply
+        assert reply.ok and 1 in reply.ranks, reply
         assert relayed.poll(10_000), "the capture request never reached the relayed rank"
         request = relayed.recv()
-        assert protocol.decode_capture_request(request) == (reply["id"], 3)
+        assert protocol.decode_capture_request(request) == (reply.id, 3)
 
         # The relay keeps the rank's later messages flowing; the forger never got in.
         for frame in _messages(1, 1, range(40, 60), seq0=2):

@@ -326,13 +326,13 @@ def test_another_node_prints_no_escape_sequence_from_the_run_folder_in_the_store
     from types import SimpleNamespace
 
     from traceml_agent import handover
+    from traceml_agent.requests import Finish
     from traceml_tui.launch.launcher import _node_done
 
     opts = SimpleNamespace(node_rank=1, master_addr="node0")
     handed = SimpleNamespace(values={handover.RUN_DIR_KEY: f"/scratch/run{OSC52}{CLEAR}"},
                              outcome="store")
-    reply = _node_done(opts, tmp_path, {"root_cause": None, "torchrun_exit": 0,
-                                        "interrupted": False}, handed)
+    reply = _node_done(opts, tmp_path, Finish(torchrun_exit=0), handed)
     assert "/scratch/run" in reply.text
     _no_control(reply.text)
 

@@ -21,6 +21,7 @@ import zmq
 from jobs import EXAMPLES, wait_for
 from traceml_agent import keys, protocol
 from traceml_agent.protocol import PHASES, Identity
+from traceml_agent.requests import Finish
 from traceml_tui.launch import launcher, options
 from traceml_tui.runfolder import folders
 
@@ -95,8 +96,7 @@ def test_a_key_holders_finish_is_refused_and_counted_while_the_rank_trains(colle
         rank.send(m)
     assert proc.poll() is None and not (run_dir / "final_summary.json").exists()
     # The launcher's finish, with the key it gave the collector on stdin, is accepted.
-    request = {"op": "finish", "torchrun_exit": 0, "interrupted": False, "root_cause": None,
-               "command": ["t"], "ended_at": time.time(), "extra": {}, "grace_s": 0.5}
+    request = Finish(torchrun_exit=0, command=["t"], ended_at=time.time(), grace_s=0.5)
     reply = launcher._finish(info["control"], request, proc, SECRET, key)
     assert reply is not None and reply.ok is True, reply
     doc = json.loads((run_dir / "final_summary.json").read_text())
@@ -171,9 +171,8 @@ def test_a_forged_hello_naming_an_unrelated_process_gets_no_dump(tmp_path):
                                      stop, torchrun.pid, py_spy=str(py_spy))
         watcher.start()
         wait_for(lambda: watcher.refused == 1 and calls.exists(), 60, "the hang's dumps")
-        request = {"op": "finish", "torchrun_exit": 0, "interrupted": False,
-                   "root_cause": None, "command": [], "ended_at": time.time(),
-                   "extra": {"native_stack_refused": watcher.refused}, "grace_s": 0}
+        request = Finish(torchrun_exit=0, ended_at=time.time(), grace_s=0.0,
+                         extra={"native_stack_refused": watcher.refused})
         stop.set()
         reply = launcher._finish(info["control"], request, proc, SECRET, key)
         assert reply is not None and reply.ok, reply
@@ -305,8 +304,7 @@ def test_a_run_folder_swapped_for_a_link_after_start_does_not_redirect_the_recor
     first = (moved / "live_snapshot.json").stat().st_mtime_ns
     wait_for(lambda: (moved / "live_snapshot.json").stat().st_mtime_ns != first, 30,
              "the next snapshot, written into the checked folder")
-    request = {"op": "finish", "torchrun_exit": 0, "interrupted": False, "root_cause": None,
-               "command": [], "ended_at": time.time(), "extra": {}, "grace_s": 0}
+    request = Finish(torchrun_exit=0, ended_at=time.time(), grace_s=0.0)
     reply = launcher._finish(info["control"], request, proc, SECRET, key)
     assert reply is not None and reply.ok, reply
     assert (moved / "final_summary.json").exists() and (moved / "final_summary.txt").exists()

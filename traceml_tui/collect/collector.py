@@ -45,6 +45,16 @@ from traceml_agent.protocol import (
     decode,
     decode_relay_batch,
 )
+from traceml_agent.requests import (
+    LAUNCHER_OPS,
+    ControlReply,
+    Finish,
+    NativeStack,
+    Ping,
+    RequestError,
+    decode_control,
+    encode_reply,
+)
 from traceml_agent.vocab import COLLECTOR_JSON, LIVE_SNAPSHOT_JSON, STEP_LOG_DIR
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import ending, summary
@@ -96,54 +106,10 @@ TRANSPORT_FRAME_LIMIT = MAX_RELAY_BATCH_BYTES + 1024
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-_NUMBER = (int, float)
-_FINISH_FIELDS: dict[str, tuple[type, ...]] = {
-    "op": (str,), "torchrun_exit": (int, type(None)), "interrupted": (bool,),
-    "root_cause": (list, type(None)), "command": (list,), "ended_at": (*_NUMBER, type(None)),
-    "extra": (dict,), "exit_code": (int, type(None)), "grace_s": _NUMBER, "complete": (bool,),
-}
-
-
-def finish_request_error(request: dict[str, Any]) -> str | None:
-    """What is wrong with a "finish" request, or None. Control is loopback-only and
-    authenticated when the run has a secret, but a bad request must still never cost
-    the record."""
-    for name, value in request.items():
-        kinds = _FINISH_FIELDS.get(name)
-        if kinds is None:
-            return f"unknown field {name!r}"
-        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            return f"{name} has the wrong type"
-    if not all(isinstance(x, str) for x in request.get("command", [])):
-        return "command must be a list of strings"
-    root = request.get("root_cause")
-    if root is not None and not (len(root) == 2 and all(type(x) is int for x in root)):
-        return "root_cause must be [rank, exit code]"
-    if not 0 <= request.get("grace_s", 0) <= 600:
-        return "grace_s must be between 0 and 600"
-    return None
-
-
-# Control requests only the launcher may make: with --control-key-stdin they must carry
-# the key it wrote to our stdin (never in an environment, argument or file a rank sees).
-LAUNCHER_OPS = ("finish", "native_stack")
+# Control requests only the launcher may make (requests.LAUNCHER_OPS): with
+# --control-key-stdin they must carry the key it wrote to our stdin (never in an
+# environment, argument or file a rank sees).
 CONTROL_KEY_CHARS = 64
-
-NATIVE_STACK_MAX = 16_000  # characters of one py-spy dump
-
-
-def native_stack_error(request: dict[str, Any], world_size: int) -> str | None:
-    """What is wrong with a "native_stack" request, or None."""
-    if set(request) != {"op", "rank", "pid", "text"}:
-        return "fields must be op, rank, pid, text"
-    rank, pid, text = request["rank"], request["pid"], request["text"]
-    if type(rank) is not int or not 0 <= rank < world_size:
-        return "rank out of range"
-    if type(pid) is not int or pid <= 0:
-        return "pid must be a positive integer"
-    if not isinstance(text, str) or len(text) > NATIVE_STACK_MAX:
-        return f"text must be a string of at most {NATIVE_STACK_MAX} characters"
-    return None
 
 
 def recv_hwm(world_size: int) -> int:
@@ -210,7 +176,7 @@ class Collector:
         self.views = ViewServer(self.view, state, self.captures, self.routes, self.pump.send)
         self.stopping = False
         self.done = False
-        self.finishing: tuple[dict[str, Any], bool] | None = None  # (request, reply?)
+        self.finishing: tuple[Finish, bool] | None = None  # (request, reply to launcher?)
         self.finish_deadline = 0.0
         self.finish_quiet_s = QUIET_S
         self.exit_when_done = False
@@ -288,10 +254,10 @@ class Collector:
                     if reply_to_launcher:
                         self.control.send_json(reply)
             elif self.stopping:  # SIGTERM: write what we have and leave
-                self.start_finish({"exit_code": None, "complete": False})
+                self.start_finish(Finish(complete=False))
             elif self.exit_when_done and self.all_ranks_finished():
                 codes = [rs.exit_code for rs in self.state.ranks.values()]
-                self.start_finish({"torchrun_exit": 0 if not any(codes) else 1, "grace_s": 0})
+                self.start_finish(Finish(torchrun_exit=0 if not any(codes) else 1, grace_s=0.0))
 
     def _count_refusals(self) -> None:
         """Connections turned away, shown beside the ingest counters."""
@@ -368,34 +334,34 @@ class Collector:
     # --- control --------------------------------------------------------------------
 
     def handle_control(self) -> None:
+        """One control request, decoded and validated by its Struct (requests.py): a bad
+        one is answered with why, and never costs the record."""
         try:
-            request = json.loads(self.control.recv())
-            op = request.get("op")
-        except (ValueError, AttributeError, RecursionError):
-            self.control.send_json({"ok": False, "error": "bad request"})
+            request = decode_control(self.control.recv())
+        except RequestError as exc:
+            self._control_reply(ControlReply(False, str(exc)))
             return
-        if op in LAUNCHER_OPS and not self._from_launcher(request.pop("key", None)):
+        if isinstance(request, LAUNCHER_OPS) and not self._from_launcher(request.key):
             # The run's secret is in every rank: it admits a peer to this socket, but
             # only the launcher's own key ends the record or adds a stack to it.
             counters = self.state.counters
             counters["control_refused"] = counters.get("control_refused", 0) + 1
-            self.control.send_json({"ok": False, "error": f"{op} refused: not the launcher"})
+            op = type(request).__struct_config__.tag
+            self._control_reply(ControlReply(False, f"{op} refused: not the launcher"))
             return
-        if op == "ping":
-            self.control.send_json({"ok": True, "ranks": len(self.state.ranks)})
-        elif op == "native_stack":  # from node 0's launcher (native_stacks.py)
-            problem = native_stack_error(request, self.state.world_size)
-            if problem is None:
-                self.state.set_native_stack(request["rank"], request["pid"], request["text"])
-            self.control.send_json({"ok": problem is None, "error": problem})
-        elif op == "finish":
-            problem = finish_request_error(request)
-            if problem:  # the record is only ever finished by a well-formed request
-                self.control.send_json({"ok": False, "error": problem})
+        if isinstance(request, Ping):
+            self._control_reply(ControlReply(True, ranks=len(self.state.ranks)))
+        elif isinstance(request, NativeStack):  # from node 0's launcher (native_stacks.py)
+            if request.rank >= self.state.world_size:
+                self._control_reply(ControlReply(False, "rank out of range"))
                 return
+            self.state.set_native_stack(request.rank, request.pid, request.text)
+            self._control_reply(ControlReply(True))
+        else:  # the record is only ever finished by a well-formed request
             self.start_finish(request, reply_to_launcher=True)  # answered when written
-        else:
-            self.control.send_json({"ok": False, "error": f"unknown op {op!r}"})
+
+    def _control_reply(self, reply: ControlReply) -> None:
+        self.control.send(encode_reply(reply))
 
     def _from_launcher(self, key: object) -> bool:
         """A request carrying the key `traceml run` gave us on stdin (none by hand: a
@@ -405,13 +371,14 @@ class Collector:
         return isinstance(key, str) and hmac.compare_digest(key.encode(),
                                                             self.control_key.encode())
 
-    def start_finish(self, request: dict[str, Any], reply_to_launcher: bool = False) -> None:
+    def start_finish(self, request: Finish, reply_to_launcher: bool = False) -> None:
         """Begin the end of the run: wait (a bounded time) for the ranks' goodbyes while
         still serving viewers, then `write_record`. Never blocks the serve loop."""
         multinode = self.state.nnodes > 1
         grace = FINISH_GRACE_MULTINODE_S if multinode else FINISH_GRACE_S
         self.finish_quiet_s = QUIET_MULTINODE_S if multinode else QUIET_S
-        self.finish_deadline = time.monotonic() + float(request.get("grace_s", grace))
+        self.finish_deadline = time.monotonic() + (
+            grace if request.grace_s is None else request.grace_s)
         self.finishing = (request, reply_to_launcher)
 
     def finish_ready(self) -> bool:
@@ -421,7 +388,7 @@ class Collector:
         now = time.monotonic()
         if now >= self.finish_deadline or self.all_ranks_finished():
             return True
-        if self.finishing[0].get("torchrun_exit") is None:
+        if self.finishing[0].torchrun_exit is None:
             return False
         quiet_since = now - self.finish_quiet_s
         return all(r.finished or r.last_seen < quiet_since for r in self.state.ranks.values())
@@ -435,38 +402,38 @@ class Collector:
         seen = {rs.ident.node for rs in self.state.ranks.values()}
         return [n for n in range(self.state.nnodes) if n not in seen]
 
-    def write_record(self, request: dict[str, Any]) -> dict[str, Any]:
+    def write_record(self, request: Finish) -> dict[str, Any]:
         """Write the final summary; the reply the launcher prints."""
         self.drain()
         self.handshakes.drain()
         self._count_refusals()
         self.state.evaluate(time.time(), time.monotonic())
         failures = self.state.failures()
-        root = request.get("root_cause")
-        if isinstance(root, list) and len(root) == 2 and root[0] in self.state.ranks:
+        root = request.root_cause
+        if root is not None and root[0] in self.state.ranks:
             # torchrun saw this rank fail first; a rank killed by a signal said no goodbye.
             # A rank that said goodbye is already in `failures`, in the order the failures
             # happened: keep that order (torchrun on one node knows only that node's ranks).
-            rank, exitcode = int(root[0]), int(root[1])
+            rank, exitcode = root
             rs = self.state.ranks[rank]
             if rs.exit_code is None:
                 rs.exit_code = exitcode
                 rank_code = 128 - exitcode if exitcode < 0 else exitcode
                 failures = [(rank, rank_code)] + [f for f in failures if f[0] != rank]
         code, failed = summary.job_exit_code(
-            request.get("torchrun_exit"), bool(request.get("interrupted")), failures)
-        if request.get("exit_code") is not None:
-            code = request["exit_code"]
-        extra = dict(request.get("extra", {}))
+            request.torchrun_exit, request.interrupted, failures)
+        if request.exit_code is not None:
+            code = request.exit_code
+        extra = dict(request.extra)
         if self.earlier_record:
             extra["collector_restarted"] = {"earlier_record": self.earlier_record}
         unseen = self.nodes_never_seen()
         if unseen:  # e.g. that node's relay could not start: none of its ranks is here
             extra["nodes_never_seen"] = unseen
         meta = summary.RunMeta(
-            command=list(request.get("command", [])), exit_code=code,
-            ended_at=request.get("ended_at") or time.time(),
-            complete=(bool(request.get("complete", True)) and not self.earlier_record
+            command=list(request.command), exit_code=code,
+            ended_at=request.ended_at or time.time(),
+            complete=(request.complete and not self.earlier_record
                       and not unseen),
             failed_rank=failed, extra=extra)
         snap = self.state.snapshot(time.time(), time.monotonic(), full=True)

@@ -10,23 +10,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgpack
 import zmq
 from msgspec.structs import replace
 
-from traceml_agent.capture import MAX_CAPTURE_STEPS
 from traceml_agent.protocol import encode_capture_request
+from traceml_agent.requests import (
+    CaptureReply,
+    CaptureStart,
+    ErrorReply,
+    RequestError,
+    ViewOp,
+    ViewRequest,
+    decode_view,
+    encode_view,
+)
 from traceml_tui import viewmodel
 from traceml_tui.judge.state import RunState, Snapshot
 from traceml_tui.report import summary
 
 from . import view_build
-from .deep_traces import DEFAULT_STEPS, CaptureBoard, capture_roles
+from .deep_traces import CaptureBoard, capture_roles
 from .ingest_pump import Route
 
-MAX_CAPTURE_RANKS = 64  # ranks one capture request may name (a pinned rank and a few more)
 # A "summary" (a viewer's `e` export, `traceml export`) costs a full snapshot: ~0.1 s at
 # 1,024 ranks, ~1.4 s at 16,384. A fresh one is built at most once per this many times
 # the last one's cost, and requests in between get its bytes: however many viewers ask,
@@ -61,39 +68,37 @@ class ViewServer:
         self.bytes = viewmodel.encode_view(self.now)
 
     def handle(self) -> None:
-        """One view request, one reply. Whatever a viewer sends, a handler error becomes
-        an error reply: a viewer (or any key holder) can never end the record."""
+        """One view request, one reply. The request is decoded and validated by its Struct
+        (requests.py); whatever a viewer sends, a bad request or a handler error becomes an
+        error reply: a viewer (or any key holder) can never end the record."""
         try:
-            request = msgpack.unpackb(self.sock.recv(), raw=False)
-            op = request.get("op")
-        except Exception:
-            self.sock.send(msgpack.packb({"error": "bad request"}))
+            request = decode_view(self.sock.recv())
+        except RequestError as exc:
+            self.sock.send(encode_view(ErrorReply(str(exc))))
             return
         try:
-            self._answer(request, op)
-        except Exception as exc:  # a bug or a request no check foresaw
+            self._answer(request)
+        except Exception as exc:  # a bug, or a request no bound foresaw
             self.errors += 1
             try:
-                self.sock.send(msgpack.packb({"error": f"request failed: {type(exc).__name__}"}))
+                self.sock.send(encode_view(ErrorReply(f"request failed: {type(exc).__name__}")))
             except zmq.ZMQError:  # the reply was already sent (REP state): nothing to do
                 pass
 
-    def _answer(self, request: dict[str, Any], op: Any) -> None:
-        if op == "view":
+    def _answer(self, request: ViewOp) -> None:
+        if isinstance(request, ViewRequest):
             if self.now is None:
                 self.refresh()
-            pinned = request.get("rank")
+            pinned = request.rank
             extra = None
-            if type(pinned) is int and self.snap is not None and self.now is not None:
+            if pinned is not None and self.snap is not None and self.now is not None:
                 extra = view_build.detail(self.snap, pinned, self.now,
                                           self.state.recent_steps(pinned))
             self.sock.send_multipart([self.bytes, viewmodel.encode_detail(extra)])
-        elif op == "capture":
-            self.sock.send(msgpack.packb(self.start_capture(request)))
-        elif op == "summary":
-            self.sock.send(self.summary_bytes())
+        elif isinstance(request, CaptureStart):
+            self.sock.send(encode_view(self.start_capture(request)))
         else:
-            self.sock.send(msgpack.packb({"error": f"unknown op {op!r}"}))
+            self.sock.send(self.summary_bytes())
 
     def summary_bytes(self) -> bytes:
         """The summary so far, built afresh at most every SUMMARY_BACKOFF times its cost."""
@@ -105,24 +110,16 @@ class ViewServer:
             self._summary_next = done + SUMMARY_BACKOFF * (done - start)
         return self._summary
 
-    def start_capture(self, request: dict[str, Any]) -> dict[str, Any]:
+    def start_capture(self, request: CaptureStart) -> CaptureReply:
         """A viewer asks for a deep trace: of the ranks it names (the pinned one; the median
         rank is added to compare with), else of the worst and the median rank."""
-        steps = request.get("steps", DEFAULT_STEPS)
-        ranks = request.get("ranks")
-        if type(steps) is not int or not 1 <= steps <= MAX_CAPTURE_STEPS:
-            return {"ok": False, "error": f"steps must be 1-{MAX_CAPTURE_STEPS}"}
-        if ranks is not None and (not isinstance(ranks, list) or len(ranks) > MAX_CAPTURE_RANKS
-                                  or not all(type(r) is int for r in ranks)):
-            return {"ok": False, "error": f"ranks must be a list of at most "
-                                          f"{MAX_CAPTURE_RANKS} rank numbers"}
         if self.now is None:
             self.refresh()
-        roles = capture_roles(self.now, ranks)
+        roles = capture_roles(self.now, request.ranks)
         roles = {r: role for r, role in roles.items() if r in self.routes}
-        cap, error = self.captures.start(roles, steps)
+        cap, error = self.captures.start(roles, request.steps)
         if cap is None:
-            return {"ok": False, "error": error}
+            return CaptureReply(False, error)
         for rank in cap.ranks:
-            self.send_to(self.routes[rank], encode_capture_request(cap.id, steps))
-        return {"ok": True, "id": cap.id, "ranks": list(cap.ranks), "steps": steps}
+            self.send_to(self.routes[rank], encode_capture_request(cap.id, request.steps))
+        return CaptureReply(True, id=cap.id, ranks=list(cap.ranks), steps=request.steps)

@@ -27,7 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from msgspec.structs import replace
+
 from traceml_agent import env, handover, keys
+from traceml_agent.requests import Finish, encode_control
 from traceml_agent.sanitize import clean_line
 from traceml_agent.vocab import (
     COLLECTOR_JSON,
@@ -293,7 +296,7 @@ def _torchrun_preexec() -> None:
         pass
 
 
-def _finish(control: str, request: dict[str, Any], collector: subprocess.Popen,
+def _finish(control: str, request: Finish, collector: subprocess.Popen,
             secret: str, control_key: str) -> EndReply | None:
     """Ask the collector for the final summary; None if it is dead, does not answer, or
     answers with something that is not an end-of-run reply."""
@@ -307,7 +310,7 @@ def _finish(control: str, request: dict[str, Any], collector: subprocess.Popen,
     keys.secure_client(sock, keys.derive(secret))
     sock.connect(control)
     try:
-        sock.send_json({**request, "key": control_key})
+        sock.send(encode_control(replace(request, key=control_key)))
         deadline = time.monotonic() + FINISH_TIMEOUT_S
         while time.monotonic() < deadline:
             if sock.poll(100):
@@ -322,26 +325,27 @@ def _finish(control: str, request: dict[str, Any], collector: subprocess.Popen,
         sock.close()
 
 
-def _fallback_summary(run_dir: Path, request: dict[str, Any]) -> EndReply:
+def _fallback_summary(run_dir: Path, request: Finish) -> EndReply:
     """The collector did not answer: promote its last snapshot (read through the summary
     model), marked incomplete."""
     try:
         snap = model.load(run_dir / LIVE_SNAPSHOT_JSON)
     except model.NotASummary as exc:
-        code, _ = summary.job_exit_code(request["torchrun_exit"], request["interrupted"], [])
+        code, _ = summary.job_exit_code(request.torchrun_exit, request.interrupted, [])
         return ending.no_record(
-            request.get("exit_code", code),
+            code if request.exit_code is None else request.exit_code,
             "The collector stopped before it saved any record of this run.\n",
             f"no summary: the collector died without a usable snapshot ({exc}; see "
             f"{run_dir / 'collector.log'})")
     failures = [(r.rank, r.exit_code) for r in snap.ranks if r.exit_code]
     code, failed_rank = summary.job_exit_code(
-        request["torchrun_exit"], request["interrupted"], failures)
-    meta = summary.RunMeta(exit_code=request.get("exit_code", code), failed_rank=failed_rank)
+        request.torchrun_exit, request.interrupted, failures)
+    meta = summary.RunMeta(exit_code=code if request.exit_code is None else request.exit_code,
+                           failed_rank=failed_rank)
     doc = model.to_doc(snap)
     doc["complete"] = False
     doc["run"].update(exit_code=meta.exit_code, failed_rank=failed_rank,
-                      ended_at=summary.iso(request["ended_at"]), command=request["command"])
+                      ended_at=summary.iso(request.ended_at), command=request.command)
     doc["failure"] = summary.failure(doc["ranks"], meta)  # as the collector would lead
     return ending.summary_reply(run_dir, doc, lambda: summary.write_summary(run_dir, doc))
 
@@ -402,17 +406,13 @@ class _Node:
 
 def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _Signals,
               root_cause: tuple[int, int] | None = None) -> EndReply:
-    request: dict[str, Any] = {
-        "op": "finish", "torchrun_exit": rc, "interrupted": signals.interrupted,
-        "root_cause": None if root_cause is None else list(root_cause),
-        "command": opts.command, "ended_at": time.time(),
-        "extra": {"run_dir": str(run_dir), "logs": str(run_dir / LOGS_DIR),
-                  "torchrun_exit_code": rc},
-    }
-    if signals.exit_code is not None:
-        request["exit_code"] = signals.exit_code
+    extra: dict[str, Any] = {"run_dir": str(run_dir), "logs": str(run_dir / LOGS_DIR),
+                             "torchrun_exit_code": rc}
     if node.stacks is not None and node.stacks.refused:  # forged pids (native_stacks.py)
-        request["extra"]["native_stack_refused"] = node.stacks.refused
+        extra["native_stack_refused"] = node.stacks.refused
+    request = Finish(torchrun_exit=rc, interrupted=signals.interrupted, root_cause=root_cause,
+                     command=list(opts.command), ended_at=time.time(), extra=extra,
+                     exit_code=signals.exit_code)
     if node.collector is None:
         relay_failed = None
         if node.relay is not None:  # the ranks are gone: their last messages go out now
@@ -434,16 +434,15 @@ def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _S
     return reply
 
 
-def _node_done(opts: RunOptions, run_dir: Path, request: dict[str, Any],
+def _node_done(opts: RunOptions, run_dir: Path, request: Finish,
                handed: _Handover | None) -> EndReply:
     """A node other than 0 writes no summary: node 0's collector has all ranks. It ends
     with its own job's exit code, as torchrun on that node would, and says where node 0
     keeps the summary (its folder, as node 0 told through torchrun's store)."""
-    root = request["root_cause"]
+    root = request.root_cause
     failures = [] if root is None else [(root[0], 128 - root[1] if root[1] < 0 else root[1])]
-    code, failed = summary.job_exit_code(request["torchrun_exit"], request["interrupted"],
-                                         failures)
-    code = request.get("exit_code", code)
+    code, failed = summary.job_exit_code(request.torchrun_exit, request.interrupted, failures)
+    code = code if request.exit_code is None else request.exit_code
     failed_text = "" if failed is None else f", rank {failed} failed"
     node0_dir = None if handed is None else handed.values.get(handover.RUN_DIR_KEY)
     node0_dir = node0_dir and clean_line(node0_dir)  # the store's word: text only

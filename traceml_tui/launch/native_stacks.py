@@ -21,15 +21,25 @@ import json
 import shutil
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from msgspec.structs import replace
+
+from traceml_agent.requests import (
+    NATIVE_STACK_MAX,
+    ControlReply,
+    NativeStack,
+    RequestError,
+    decode_control_reply,
+    encode_control,
+)
 from traceml_agent.vocab import LIVE_SNAPSHOT_JSON
 
 DUMP_TIMEOUT_S = 20.0
 MAX_DEPTH = 64  # ancestors walked from a pid towards torchrun (ranks are 1-3 levels below)
 POLL_S = 1.0
-MAX_STACK_CHARS = 16_000  # the collector refuses more (NATIVE_STACK_MAX)
 
 
 def dump(pid: int, py_spy: str | None = None) -> str | None:
@@ -45,7 +55,7 @@ def dump(pid: int, py_spy: str | None = None) -> str | None:
         return None
     if done.returncode != 0 or not done.stdout.strip():
         return None
-    return done.stdout[:MAX_STACK_CHARS]
+    return done.stdout[:NATIVE_STACK_MAX]  # the collector refuses more
 
 
 def parent_pid(pid: int, proc: Path = Path("/proc")) -> int | None:
@@ -89,7 +99,8 @@ class NativeStackWatcher(threading.Thread):
     """Watches the run's live snapshot; when a hang names ranks of this node without a
     stack, dumps them once per hang and sends each to the collector (`send`)."""
 
-    def __init__(self, run_dir: Path, node: int, send: Any, stop: threading.Event,
+    def __init__(self, run_dir: Path, node: int,
+                 send: Callable[[NativeStack], ControlReply | None], stop: threading.Event,
                  torchrun_pid: int, py_spy: str | None = None) -> None:
         super().__init__(name="traceml-native-stacks", daemon=True)
         self.run_dir = run_dir
@@ -119,29 +130,29 @@ class NativeStackWatcher(threading.Thread):
                     continue
                 text = dump(pid, self.py_spy)
                 if text is not None:
-                    self.send({"op": "native_stack", "rank": rank, "pid": pid, "text": text})
+                    self.send(NativeStack(rank=rank, pid=pid, text=text))
 
 
-def control_sender(control: str, secret: str, control_key: str, timeout_s: float = 5.0) -> Any:
+def control_sender(control: str, secret: str, control_key: str, timeout_s: float = 5.0
+                   ) -> Callable[[NativeStack], ControlReply | None]:
     """A function that sends one request to the collector's control socket (CURVE, as
     the launcher's own requests, with the launcher's control key) and waits briefly for
-    its answer."""
+    its answer (None: none came, or not one the collector gives)."""
     import zmq
 
     from traceml_agent import keys
 
-    def send(request: dict[str, Any]) -> dict[str, Any] | None:
+    def send(request: NativeStack) -> ControlReply | None:
         sock: zmq.Socket = zmq.Context.instance().socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         keys.secure_client(sock, keys.derive(secret))
         sock.connect(control)
         try:
-            sock.send_json({**request, "key": control_key})
+            sock.send(encode_control(replace(request, key=control_key)))
             if not sock.poll(int(timeout_s * 1000)):
                 return None
-            reply = sock.recv_json()
-            return reply if isinstance(reply, dict) else None
-        except zmq.ZMQError:
+            return decode_control_reply(sock.recv())
+        except (zmq.ZMQError, RequestError):
             return None
         finally:
             sock.close()

@@ -17,6 +17,16 @@ import msgpack
 import zmq
 
 from traceml_agent import keys
+from traceml_agent.requests import (
+    CaptureReply,
+    CaptureStart,
+    SummaryRequest,
+    ViewOp,
+    ViewRequest,
+    decode_capture_reply,
+    decode_error,
+    encode_view,
+)
 from traceml_agent.vocab import COLLECTOR_JSON, SUMMARY_JSON
 from traceml_tui.runfolder import folders
 from traceml_tui.viewmodel import RankDetail, ViewState, decode_detail, decode_view
@@ -48,13 +58,13 @@ class ViewClient:
             self.sock.connect(self.address)
         return self.sock
 
-    def _request(self, request: dict[str, Any]) -> list[bytes]:
+    def _request(self, request: ViewOp) -> list[bytes]:
         with self.lock:
             return self._request_locked(request)
 
-    def _request_locked(self, request: dict[str, Any]) -> list[bytes]:
+    def _request_locked(self, request: ViewOp) -> list[bytes]:
         sock = self._socket()
-        sock.send(msgpack.packb(request))
+        sock.send(encode_view(request))
         if not sock.poll(self.timeout_ms):
             sock.close(0)
             self.sock = None
@@ -63,30 +73,25 @@ class ViewClient:
         return sock.recv_multipart()
 
     def fetch(self, pinned: int | None = None) -> tuple[ViewState, RankDetail | None]:
-        frames = self._request({"op": "view", "rank": pinned})
+        frames = self._request(ViewRequest(rank=pinned))
         if len(frames) == 1:  # a failed request: the collector says why
-            try:
-                error = msgpack.unpackb(frames[0], raw=False)["error"]
-            except Exception:
-                error = "unreadable reply"
-            raise ViewUnavailable(f"the collector could not answer: {str(error)[:200]}")
+            raise ViewUnavailable(f"the collector could not answer: {decode_error(frames[0])}")
         try:
             return decode_view(frames[0]), decode_detail(frames[1])
         except ValueError as exc:
             raise ViewUnavailable(f"unreadable view from the collector: {exc}") from None
 
     def summary(self) -> dict[str, Any]:
-        frames = self._request({"op": "summary"})
+        frames = self._request(SummaryRequest())
         doc = msgpack.unpackb(frames[0], raw=False)
         if "error" in doc:
             raise ViewUnavailable(doc["error"])
         return doc
 
-    def capture(self, ranks: list[int] | None = None, steps: int = 5) -> dict[str, Any]:
-        """Ask for a deep trace (ranks None: the worst and the median rank). The reply says
-        {"ok": True, "id", "ranks"} or {"ok": False, "error"}; progress comes in the view."""
-        frames = self._request({"op": "capture", "ranks": ranks, "steps": steps})
-        return msgpack.unpackb(frames[0], raw=False)
+    def capture(self, ranks: list[int] | None = None, steps: int = 5) -> CaptureReply:
+        """Ask for a deep trace (ranks None: the worst and the median rank): started (its id,
+        ranks and steps) or not (why); progress comes in the view."""
+        return decode_capture_reply(self._request(CaptureStart(ranks=ranks, steps=steps))[0])
 
     def close(self) -> None:
         if self.sock is not None:

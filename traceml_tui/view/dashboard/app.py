@@ -28,6 +28,7 @@ from textual.css.query import NoMatches
 from textual.reactive import reactive
 from textual.widgets import Footer
 
+from traceml_agent.requests import CaptureReply
 from traceml_tui.runfolder.folders import write_atomic
 from traceml_tui.viewmodel import RankDetail, ViewState
 
@@ -57,7 +58,7 @@ TRACE_STEPS = 5  # steps a deep trace profiles: enough to average, small enough 
 class ViewSource(Protocol):
     def fetch(self, pinned: int | None) -> tuple[ViewState, RankDetail | None]: ...
     def summary(self) -> dict[str, Any]: ...
-    def capture(self, ranks: list[int] | None = None, steps: int = 5) -> dict[str, Any]: ...
+    def capture(self, ranks: list[int] | None = None, steps: int = 5) -> CaptureReply: ...
     def close(self) -> None: ...
 
 
@@ -354,12 +355,12 @@ class DashboardApp(App[None]):
             self.call_from_thread(self.notify, f"deep trace not started: {exc}",
                                   severity="error")
             return
-        if reply.get("ok"):
-            who = ", ".join(map(str, reply["ranks"]))
-            self.call_from_thread(self.notify, f"capturing {reply['steps']} steps on rank(s) "
+        if reply.ok:
+            who = ", ".join(map(str, reply.ranks))
+            self.call_from_thread(self.notify, f"capturing {reply.steps} steps on rank(s) "
                                   f"{who}; T shows the analysis", title="deep trace")
         else:
-            self.call_from_thread(self.notify, str(reply.get("error")), title="deep trace",
+            self.call_from_thread(self.notify, str(reply.error), title="deep trace",
                                   severity="warning")
 
     def action_show_trace(self) -> None:
