@@ -33,10 +33,7 @@ class Banner(Static):
         severity = "critical" if state.failure else state.severity
         for name in SEVERITIES:
             self.set_class(severity == name, f"-{name}")
-        head = Text()
-        if state.failure:
-            head.append(state.failure + "\n", style="bold")
-        head.append(f" {state.label} ", style="bold reverse")
+        head = Text(f" {state.label} ", style="bold reverse")
         if state.node is not None:
             head.append(f"  node {state.node}", style="bold")
         elif state.rank is not None:
@@ -50,4 +47,6 @@ class Banner(Static):
         if state.cost is not None:
             head.append(cost_text(state.cost) + "\n", style="bold")
         head.append(state.summary)
+        if state.failure:
+            head = Text.assemble(Text(state.failure + "\n", style="bold"), head)
         self.update(head)
