@@ -30,6 +30,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -43,7 +44,11 @@ torch.set_num_threads(1)
 if {ddp!r}:
     dist.init_process_group("gloo")
 from tiny_ddp import build, run_steps
-if {hooks!r}:
+if {hooks!r} and {whole!r}:
+    sys.path.insert(0, {pkg!r})
+    import traceml_agent
+    assert traceml_agent.init({endpoint!r}, secret={secret!r})
+elif {hooks!r}:
     sys.path.insert(0, {pkg!r})
     from collections import deque
     import traceml_agent.hooks as hooks
@@ -53,25 +58,74 @@ if {hooks!r}:
     hooks.install(Recorder(out), torch, print, StepObserver(0, 1))
 parts = build(ddp={ddp!r})
 run_steps({steps}, *parts)
+if {hooks!r} and {whole!r}:
+    traceml_agent.shutdown(0)
 if {ddp!r}:
     dist.destroy_process_group()
 '''
 
 
-def count(steps: int, hooks: bool, agent: Path, port: int, ddp: bool) -> int:
+class Sink:
+    """The collector's end for --whole: a CURVE ROUTER in this process (not under
+    valgrind) that reads and drops every message, so the agent's sends never back up."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        sys.path.insert(0, str(HERE.parent))
+        from agent import keys  # the same key derivation as the collector's
+
+        self.secret = keys.new_secret()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.curve_server = True
+        self.sock.curve_secretkey = keys.derive(self.secret).server_secret
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.messages = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        while not self.stop.is_set():
+            if self.sock.poll(100):
+                self.sock.recv_multipart()
+                self.messages += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def count(steps: int, hooks: bool, agent: Path, port: int, ddp: bool,
+          sink: Sink | None = None, profile: Path | None = None) -> int:
+    """Instructions of one run (every thread). With `sink`, the whole agent (init():
+    hooks, recorder, checks, sender thread, CURVE) reports to it; without, the hooks and
+    recorder only. With `profile`, callgrind's files (one per thread) are kept there."""
     with tempfile.TemporaryDirectory() as tmp:
         pkg = Path(tmp) / "pkg"
         pkg.mkdir()
         (pkg / "traceml_agent").symlink_to(agent.resolve())  # import it from that folder
         code = WORKLOAD.format(bench=str(HERE), port=str(port), hooks=hooks, pkg=str(pkg),
-                               steps=steps, ddp=ddp)
+                               steps=steps, ddp=ddp, whole=sink is not None,
+                               endpoint=sink.endpoint if sink else "",
+                               secret=sink.secret if sink else "")
         out = Path(tmp) / "callgrind.out"
+        if profile is not None:
+            profile.mkdir(parents=True, exist_ok=True)
+            out = profile / f"callgrind.{'hooks' if hooks else 'bare'}.{steps}"
         # A fixed hash seed: set and dict orders (and so instruction counts) repeat.
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-        proc = subprocess.run(
-            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-             "--collect-atstart=yes", sys.executable, "-c", code],
-            capture_output=True, text=True, env=env)
+        env.pop("TRACEML_ENDPOINT", None)
+        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+               "--collect-atstart=yes"]
+        if profile is not None:
+            cmd.append("--separate-threads=yes")
+        proc = subprocess.run([*cmd, sys.executable, "-c", code],
+                              capture_output=True, text=True, env=env)
         match = re.search(r"Collected : (\d+)", proc.stderr)
         if proc.returncode != 0 or not match:
             raise SystemExit(f"callgrind run failed:\n{proc.stderr[-2000:]}")
@@ -86,22 +140,40 @@ def main() -> None:
     p.add_argument("--long", type=int, default=600)
     p.add_argument("--ddp", action="store_true",
                    help="wrap the model in DDP under a one-rank gloo group (noisier)")
+    p.add_argument("--whole", action="store_true",
+                   help="the whole agent: init() with its sender thread and CURVE, "
+                        "reporting to a sink in this process")
+    p.add_argument("--only", choices=("bare", "hooks"),
+                   help="measure one variant only (e.g. hooks of two checkouts)")
+    p.add_argument("--profile", type=Path,
+                   help="keep callgrind's files (one per thread) in this folder, for "
+                        "callgrind_annotate --inclusive=yes")
     args = p.parse_args()
     port = 29_811
     result = {}
-    for hooks in (False, True):
-        short = count(args.short, hooks, args.agent, port, args.ddp)
-        long = count(args.long, hooks, args.agent, port + 1, args.ddp)
-        per_step = (long - short) / (args.long - args.short)
-        result["hooks" if hooks else "bare"] = per_step
-        print(f"{'hooks' if hooks else 'bare ':5}  {short:>14,} / {long:>14,} instructions "
-              f"-> {per_step:,.0f} per step", flush=True)
-    agent = result["hooks"] - result["bare"]
-    print(json.dumps({"agent": str(args.agent), "ddp": args.ddp,
-                      "bare_per_step": round(result["bare"]),
-                      "hooks_per_step": round(result["hooks"]),
-                      "agent_per_step": round(agent),
-                      "agent_share": round(agent / result["bare"], 4)}))
+    sink = Sink() if args.whole else None
+    variants = (False, True) if args.only is None else (args.only == "hooks",)
+    try:
+        for hooks in variants:
+            use = sink if hooks else None
+            short = count(args.short, hooks, args.agent, port, args.ddp, use, args.profile)
+            long = count(args.long, hooks, args.agent, port + 1, args.ddp, use, args.profile)
+            per_step = (long - short) / (args.long - args.short)
+            result["hooks" if hooks else "bare"] = per_step
+            print(f"{'hooks' if hooks else 'bare ':5}  {short:>14,} / {long:>14,} "
+                  f"instructions -> {per_step:,.0f} per step", flush=True)
+    finally:
+        if sink is not None:
+            sink.close()
+    summary = {"agent": str(args.agent), "ddp": args.ddp, "whole": args.whole,
+               "steps": [args.short, args.long]}
+    summary.update({f"{k}_per_step": round(v) for k, v in result.items()})
+    if len(result) == 2:
+        agent = result["hooks"] - result["bare"]
+        summary.update(agent_per_step=round(agent), agent_share=round(agent / result["bare"], 4))
+    if sink is not None:
+        summary["messages_received"] = sink.messages
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
