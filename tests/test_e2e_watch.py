@@ -262,6 +262,7 @@ def _hang_up_on_a_drawing_viewer(collector: str, leader: str, stalled: bool,
         session.wait(10)
 
 
+@pytest.mark.alone  # gone within 2 s of the hangup: no other test's load beside it
 def test_a_viewer_never_outlives_its_terminal(tmp_path, canned_collector):
     """The terminal (the pty's master, which the test holds as a terminal program does)
     is closed while the dashboard draws, 8 times: just after a frame began, and while
