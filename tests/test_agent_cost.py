@@ -1,0 +1,87 @@
+"""The agent's sender thread costs the job's CPUs too: what it does per record and per
+sample is kept to a constant number of Python calls (benchmarks/agent_instructions.py
+measures the instructions). Counted with sys.setprofile, so the checks are exact."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import deque
+
+import pytest
+
+from traceml_agent import protocol
+from traceml_agent.recorder import Recorder
+from traceml_agent.sysmetrics import SystemSampler
+from traceml_agent.transport import Sender
+
+
+class _Sock:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send(self, payload: bytes, flags: int = 0) -> None:
+        self.sent.append(payload)
+
+
+def _python_calls(fn, *args) -> tuple[int, list[str]]:
+    """Python-level calls made while fn runs (not counting fn's own frame)."""
+    calls: list[str] = []
+
+    def prof(frame, event, arg):
+        if event == "call":
+            calls.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    sys.setprofile(prof)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return len(calls) - 1, calls[1:]
+
+
+def _sender() -> tuple[Sender, deque]:
+    ident = protocol.Identity(rank=0, local_rank=0, node=0, host="h", pid=1, world_size=1)
+    out: deque = deque()
+    sender = Sender("tcp://127.0.0.1:1", ident, Recorder(out), out, {})
+    sender._sock = _Sock()
+    sender._zmq_again = BlockingIOError
+    return sender, out
+
+
+def test_step_records_cost_no_python_call_each() -> None:
+    sender, out = _sender()
+    for step in range(200):
+        out.append((step, 2_000_000_000 + step, 1_500_000, [100_000, None, 200_000, 300_000,
+                                                            None, 400_000]))
+    few, _ = _python_calls(sender._send_steps)
+    for step in range(200, 210):
+        out.append((step, 2_000_000_000, 1_500_000, [None] * 6))
+    fewer, _ = _python_calls(sender._send_steps)
+    assert few == fewer, "the sender makes Python calls per record"
+    assert sender.sent_records == 210 and sender.dropped == 0
+    # What is sent is unchanged: ms, the derived wait, epoch seconds.
+    msg = protocol.decode(sender._sock.sent[0])
+    first = msg.records[0]
+    assert first.step == 0
+    assert first.step_ms == pytest.approx(1.5)
+    assert first.phase_ms[:7] == pytest.approx([0.1, None, 0.2, 0.3, None, 0.4, 0.5])
+
+
+def test_records_lost_between_batches_are_counted() -> None:
+    sender, out = _sender()
+    out.extend([(0, 1, 10, [None] * 6), (3, 2, 10, [None] * 6)])
+    sender._send_steps()
+    out.append((5, 3, 10, [None] * 6))
+    sender._send_steps()
+    assert sender.dropped == 3 and sender.last_step == 5
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs procfs")
+def test_system_sample_reads_procfs_not_psutil() -> None:
+    sampler = SystemSampler()
+    _, calls = _python_calls(sampler.sample)
+    assert not [c for c in calls if "psutil" in c], "psutil parses /proc in Python"
+    sample = sampler.sample()
+    assert sample["rss_mb"] > 1
+    assert 0 <= sample["cpu_pct"] < 100 * (os.cpu_count() or 1) + 1
