@@ -35,6 +35,15 @@ print("measured", ",".join(recorder.MEASURED), "optimizer", recorder.OPTIMIZER)
 print("order", PHASE_ORDER["checkpoint"], "own", "checkpoint" in
       [VIEW_PHASES[i] for i in OWN_COLUMNS])
 
+# Its hook, as traceml_agent.phase("checkpoint") would time it: a standard slot, not custom.
+from collections import deque
+out = deque()
+rec = recorder.Recorder(out)
+slot = rec.phase_index("checkpoint")
+rec.close_step()
+rec.begin(slot); rec.end(); rec.close_step()
+print("timed", slot, out[-1][3][slot] is not None, len(rec.names))
+
 async def header():
     app = DashboardApp(StaticSource(make_state(world_size=8, steps=12)), refresh_s=0.05)
     async with app.run_test(size=(160, 40)) as pilot:
@@ -82,6 +91,7 @@ def test_a_new_phase_is_one_table_row(tmp_path):
     # Derived from the row: the recorder times it, the hang orders it, it is own work.
     assert out["measured"].split()[0].split(",")[-1] == "checkpoint", out
     assert out["order"] == "7 own True", out
+    assert out["timed"] == "6 True 7", out
     # The heat table's header has the new column, before "wait".
     header = out["header"].split()
     assert header.index("ckpt") == header.index("wait") - 1, header
