@@ -217,7 +217,7 @@ ThrottleReason = Literal["idle", "app clocks", "power cap", "hw slowdown", "sync
                          "sw thermal", "hw thermal", "power brake", "display clocks"]
 
 
-class Sys(_Wire, tag="sys", kw_only=True):
+class Sys(_Wire, tag="sys", kw_only=True, frozen=True):
     cpu_pct: Annotated[float, Meta(ge=0.0, le=1e5)] | None = None
     rss_mb: Megabytes | None = None
     gpu_util: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
@@ -248,7 +248,7 @@ class Sys(_Wire, tag="sys", kw_only=True):
                 if name not in _ENVELOPE}
 
 
-class Heartbeat(_Wire, tag="heartbeat", kw_only=True):
+class Heartbeat(_Wire, tag="heartbeat", kw_only=True, frozen=True):
     step: Count = 0
     phase: Short | None = None
     in_phase_s: Seconds | None = None
@@ -339,7 +339,8 @@ WireMessage = Hello | Steps | Sys | Heartbeat | Stacks | Goodbye | Checks | Capt
 # What a Message carries: the decoded Struct, or for checks its validated report.
 Body = Hello | Steps | Sys | Heartbeat | Stacks | Goodbye | Capture | CheckReport
 # The counts of a rank that has sent no heartbeat yet: every field at its default (its
-# envelope names no one). Read, never changed: the state keeps each heartbeat received.
+# envelope names no one). Heartbeat and Sys are frozen: the state keeps the latest of each
+# whole, and the snapshots that viewers and the summary read share it.
 NO_HEARTBEAT = Heartbeat(v=PROTOCOL_VERSION, id=Identity(0, 0, 0, "", 0, 1), seq=0, t=0.0)
 _DECODER = msgspec.msgpack.Decoder(WireMessage)
 _ENCODER = msgspec.msgpack.Encoder()

@@ -164,7 +164,7 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
                     secret: str, port: int) -> tuple[subprocess.Popen, dict[str, Any], str]:
     """The collector process, its collector.json, and the control key: a key the ranks
     never see (it goes to the collector's stdin, not into an environment, argument or
-    file), which alone ends the record or adds a stack (collector.LAUNCHER_OPS)."""
+    file), which alone ends the record or adds a stack (requests.LAUNCHER_OPS)."""
     log = folders.open_private(run_dir / COLLECTOR_LOG)
     control_key = secrets.token_hex(32)
     cmd = [sys.executable, "-m", "traceml_tui.collect.collector", "--run-dir", str(run_dir),
