@@ -13,8 +13,6 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from msgspec.structs import asdict
-
 from traceml_agent.checks import Finding
 from traceml_agent.protocol import (
     NO_HEARTBEAT,
@@ -367,8 +365,8 @@ class RunState:
             self._ingest_steps(rs, msg, body)
         elif isinstance(body, Sys):
             rs.sys = body
-            # NVML health, beside a compute straggler's evidence (diagnosis reads a map)
-            gpu = (dx.GpuHealth.of(asdict(body))
+            # NVML health, beside a compute straggler's evidence (diagnosis reads its map)
+            gpu = (dx.GpuHealth.of(body.sample())
                    if body.sm_clock_mhz is not None or body.throttle else None)
             if gpu != rs.gpu:
                 rs.gpu = gpu
