@@ -182,14 +182,14 @@ class Message:
 # --- the messages (agent -> collector), one Struct per kind ---------------------------------
 
 
-class _Wire(Struct, tag_field="kind", forbid_unknown_fields=True, kw_only=True):
+class _Wire(Struct, tag_field="kind", forbid_unknown_fields=True, kw_only=True, frozen=True):
     v: int
     id: Identity
     seq: Count
     t: Epoch
 
 
-class Hello(_Wire, tag="hello", kw_only=True):
+class Hello(_Wire, tag="hello", kw_only=True, frozen=True):
     run: Line = ""
     device: Short = "cpu"
     backend: Short = ""
@@ -203,7 +203,7 @@ class Hello(_Wire, tag="hello", kw_only=True):
                                         for k, v in self.env.items()})
 
 
-class Steps(_Wire, tag="steps", kw_only=True):
+class Steps(_Wire, tag="steps", kw_only=True, frozen=True):
     phases: Annotated[list[Short], Meta(min_length=1, max_length=MAX_PHASES)]
     # Each record is [step, t_end, step_ms, *phase_ms]: checked in _records (its length
     # depends on the phases).
@@ -297,7 +297,7 @@ class NcclState(Struct, forbid_unknown_fields=True):
         _clean_fields(self, lines=("op", "comm", "unused"))
 
 
-class Stacks(_Wire, tag="stacks", kw_only=True):
+class Stacks(_Wire, tag="stacks", kw_only=True, frozen=True):
     stacks: Annotated[list[tuple[ThreadName, StackText]],
                       Meta(max_length=MAX_THREADS)]
     nccl: NcclState | None | UnsetType = UNSET
@@ -308,7 +308,7 @@ class Stacks(_Wire, tag="stacks", kw_only=True):
                                            for name, text in self.stacks])
 
 
-class Goodbye(_Wire, tag="goodbye", kw_only=True):
+class Goodbye(_Wire, tag="goodbye", kw_only=True, frozen=True):
     exit_code: Annotated[int, Meta(ge=-(1 << 31), le=1 << 31)] | None = None
     error: ErrorText | None = None
     steps: Count = 0
@@ -317,14 +317,14 @@ class Goodbye(_Wire, tag="goodbye", kw_only=True):
         _clean_fields(self, texts=("error",))
 
 
-class Checks(_Wire, tag="checks", kw_only=True):
+class Checks(_Wire, tag="checks", kw_only=True, frozen=True):
     # Validated against the checks this version knows (checks.Finding.from_wire).
     findings: Annotated[list[dict[Short, str | list[int]]],
                         Meta(max_length=MAX_FINDINGS)] = []
     facts: dict[Short, float | int | str | None] | None = None
 
 
-class Capture(_Wire, tag="capture", kw_only=True):
+class Capture(_Wire, tag="capture", kw_only=True, frozen=True):
     capture_id: Count
     state: Literal["started", "done", "failed", "refused"]
     steps: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
@@ -339,8 +339,8 @@ WireMessage = Hello | Steps | Sys | Heartbeat | Stacks | Goodbye | Checks | Capt
 # What a Message carries: the decoded Struct, or for checks its validated report.
 Body = Hello | Steps | Sys | Heartbeat | Stacks | Goodbye | Capture | CheckReport
 # The counts of a rank that has sent no heartbeat yet: every field at its default (its
-# envelope names no one). Heartbeat and Sys are frozen: the state keeps the latest of each
-# whole, and the snapshots that viewers and the summary read share it.
+# envelope names no one). Messages are frozen: the state keeps the latest Heartbeat and
+# Sys whole, and the snapshots that viewers and the summary read share them.
 NO_HEARTBEAT = Heartbeat(v=PROTOCOL_VERSION, id=Identity(0, 0, 0, "", 0, 1), seq=0, t=0.0)
 _DECODER = msgspec.msgpack.Decoder(WireMessage)
 _ENCODER = msgspec.msgpack.Encoder()
