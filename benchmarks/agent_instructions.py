@@ -47,6 +47,10 @@ from tiny_ddp import build, run_steps
 if {hooks!r} and {whole!r}:
     sys.path.insert(0, {pkg!r})
     import traceml_agent
+    from traceml_agent import transport
+    for name in ("SEND_INTERVAL_S", "MAX_SEND_INTERVAL_S", "HEARTBEAT_INTERVAL_S",
+                 "SYS_INTERVAL_S", "LARGE_SYS_INTERVAL_S"):  # --cadence-scale
+        setattr(transport, name, getattr(transport, name) * {scale!r})
     assert traceml_agent.init({endpoint!r}, secret={secret!r})
 elif {hooks!r}:
     sys.path.insert(0, {pkg!r})
@@ -57,7 +61,7 @@ elif {hooks!r}:
     out = deque(maxlen=100_000)
     hooks.install(Recorder(out), torch, print, StepObserver(0, 1))
 parts = build(ddp={ddp!r})
-run_steps({steps}, *parts)
+print("ms_per_step", run_steps({steps}, *parts))
 if {hooks!r} and {whole!r}:
     traceml_agent.shutdown(0)
 if {ddp!r}:
@@ -100,8 +104,12 @@ class Sink:
         self.ctx.term()
 
 
+STEP_MS: list[float] = []  # wall ms per step of each run, under callgrind
+
+
 def count(steps: int, hooks: bool, agent: Path, port: int, ddp: bool,
-          sink: Sink | None = None, profile: Path | None = None) -> int:
+          sink: Sink | None = None, profile: Path | None = None,
+          scale: float = 1.0) -> int:
     """Instructions of one run (every thread). With `sink`, the whole agent (init():
     hooks, recorder, checks, sender thread, CURVE) reports to it; without, the hooks and
     recorder only. With `profile`, callgrind's files (one per thread) are kept there."""
@@ -112,7 +120,7 @@ def count(steps: int, hooks: bool, agent: Path, port: int, ddp: bool,
         code = WORKLOAD.format(bench=str(HERE), port=str(port), hooks=hooks, pkg=str(pkg),
                                steps=steps, ddp=ddp, whole=sink is not None,
                                endpoint=sink.endpoint if sink else "",
-                               secret=sink.secret if sink else "")
+                               secret=sink.secret if sink else "", scale=scale)
         out = Path(tmp) / "callgrind.out"
         if profile is not None:
             profile.mkdir(parents=True, exist_ok=True)
@@ -129,6 +137,8 @@ def count(steps: int, hooks: bool, agent: Path, port: int, ddp: bool,
         match = re.search(r"Collected : (\d+)", proc.stderr)
         if proc.returncode != 0 or not match:
             raise SystemExit(f"callgrind run failed:\n{proc.stderr[-2000:]}")
+        ms = re.search(r"ms_per_step ([\d.]+)", proc.stdout)
+        STEP_MS.append(float(ms.group(1)) if ms else float("nan"))
         return int(match.group(1))
 
 
@@ -143,6 +153,9 @@ def main() -> None:
     p.add_argument("--whole", action="store_true",
                    help="the whole agent: init() with its sender thread and CURVE, "
                         "reporting to a sink in this process")
+    p.add_argument("--cadence-scale", type=float, default=1.0,
+                   help="with --whole: the sender's intervals times this, e.g. callgrind's "
+                        "slowdown, so a batch holds as many steps as it would natively")
     p.add_argument("--only", choices=("bare", "hooks"),
                    help="measure one variant only (e.g. hooks of two checkouts)")
     p.add_argument("--profile", type=Path,
@@ -156,8 +169,10 @@ def main() -> None:
     try:
         for hooks in variants:
             use = sink if hooks else None
-            short = count(args.short, hooks, args.agent, port, args.ddp, use, args.profile)
-            long = count(args.long, hooks, args.agent, port + 1, args.ddp, use, args.profile)
+            short = count(args.short, hooks, args.agent, port, args.ddp, use, args.profile,
+                          args.cadence_scale)
+            long = count(args.long, hooks, args.agent, port + 1, args.ddp, use, args.profile,
+                         args.cadence_scale)
             per_step = (long - short) / (args.long - args.short)
             result["hooks" if hooks else "bare"] = per_step
             print(f"{'hooks' if hooks else 'bare ':5}  {short:>14,} / {long:>14,} "
@@ -166,7 +181,8 @@ def main() -> None:
         if sink is not None:
             sink.close()
     summary = {"agent": str(args.agent), "ddp": args.ddp, "whole": args.whole,
-               "steps": [args.short, args.long]}
+               "cadence_scale": args.cadence_scale, "steps": [args.short, args.long],
+               "ms_per_step_under_callgrind": [round(ms, 1) for ms in STEP_MS]}
     summary.update({f"{k}_per_step": round(v) for k, v in result.items()})
     if len(result) == 2:
         agent = result["hooks"] - result["bare"]
