@@ -1,24 +1,41 @@
 """The agent's per-step cost as a deterministic instruction count (valgrind's callgrind).
 
 Wall time on this VM drifts 20-40 %; instructions do not. The tiny loop of
-tiny_ddp.py runs N steps with the agent's hooks and recorder on the
-step path (the setup checks' observer included, no sender thread: it runs off the
-training thread) and again without them. Each variant runs at two lengths, so the
-fixed costs (interpreter start, imports, learning the roots) cancel:
+tiny_ddp.py runs N steps with the agent and again without it. Each variant runs at two
+lengths, so the fixed costs (interpreter start, imports, learning the roots) cancel:
 
-    per step = (instr(600 steps) - instr(100 steps)) / 500
-    agent    = per step (hooks) - per step (bare)
+    per step = (instr(long) - instr(short)) / (long - short)
+    agent    = per step (agent) - per step (bare)
 
-By default the model is not wrapped in DDP and no process group exists: gloo's
-threads wait for each other for a varying number of instructions (two identical
-DDP runs differed by 35k instructions/step), which would drown the agent's ~50k.
-`--ddp` measures the DDP loop (one rank, gloo) as well, with that noise.
+Two scopes of "agent":
+  default   the hooks and recorder on the step path (the setup checks' observer
+            included), no sender thread: the training thread's own cost.
+  --whole   the whole agent as `traceml run` starts it (traceml_agent.init(): hooks,
+            recorder, checks, the sender thread, CURVE encryption in libzmq's I/O
+            thread), reporting to a CURVE sink in this process (not under valgrind).
+
+The sender works by the clock (a batch every 0.1 s, a heartbeat and a system sample
+every second); under callgrind a step takes ~100x its native time, so a batch holds ~1
+step instead of ~150 and the sender's per-message costs land on every step.
+`--cadence-scale 100` multiplies its intervals so a batch holds as many steps as it
+would natively; both figures are worth quoting. Python's full garbage collections run on
+whichever thread allocates when they are due (the sender's included), ~6.5M
+instructions each in this process: where they fall moves a two-length difference by
+~20k/step, so compare runs paired in one session, and read the per-thread files
+(`--profile`) to see which thread paid.
+
+By default the model is not wrapped in DDP and no process group exists (gloo's threads
+once made two identical runs differ by 35k instructions/step). `--ddp` measures the DDP
+loop (one rank, gloo); `--profile` shows gloo's own threads apart (~15.6k/step).
 
     python benchmarks/agent_instructions.py            # needs valgrind
     python benchmarks/agent_instructions.py --agent OLD_CHECKOUT/agent   # older code
-    python benchmarks/agent_instructions.py --ddp     # DDP + gloo, noisier
+    python benchmarks/agent_instructions.py --ddp --whole --short 100 --long 400
+    python benchmarks/agent_instructions.py --ddp --whole --only hooks --profile DIR
+        # then: callgrind_annotate --inclusive=yes DIR/callgrind.hooks.400-01 (thread 1)
 
-Each of the four runs takes about a minute under callgrind.
+Each run takes 2-5 minutes under callgrind on this 2-core box (importing torch is
+most of it).
 """
 
 from __future__ import annotations
