@@ -12,15 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # canned states
-
-from canned import make_state  # noqa: E402
 from traceml_tui import viewmodel  # noqa: E402
 from traceml_tui.collect import view_build
+from traceml_tui.collect.canned import make_state  # noqa: E402
 from traceml_tui.report import summary
 
 

@@ -1,6 +1,6 @@
 """Dashboard frame time: CPU per refresh at 1,024 and 8,192 ranks, from simulated state.
 
-One refresh is what the app does each tick: decode the collector's encoded ViewState,
+One refresh is what the app does each tick: decode the collector's encoded RunView,
 replace the state in every widget, and let Textual draw the screen (heat rows through
 the Line API: only visible lines are rendered). Measured inside a real App under
 run_test (a 160x50 terminal), CPU time of the UI thread's process, two alternating
@@ -16,13 +16,9 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # canned states
-
-from canned import StaticSource, make_state, make_view, with_history  # noqa: E402
+from traceml_tui.collect.canned import StaticSource, make_state, make_view, with_history  # noqa: E402
 from traceml_tui.viewmodel import VIEW_PHASES, decode_view, encode_view  # noqa: E402
 
 

@@ -45,7 +45,7 @@ from traceml_tui.view.client import (  # noqa: E402
     WatchTargetError,
     resolve_target,
 )
-from traceml_tui.viewmodel import ViewState  # noqa: E402
+from traceml_tui.viewmodel import RunView  # noqa: E402
 
 JOB = ROOT / "benchmarks" / "latency_job.py"
 WORLD = 4
@@ -77,7 +77,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
             pass
 
 
-def _fetch(client: ViewClient) -> ViewState | None:
+def _fetch(client: ViewClient) -> RunView | None:
     try:
         return client.fetch()[0]
     except ViewUnavailable:
@@ -111,8 +111,8 @@ def measure(kind: str, hang_after: float | None, work: Path, rep: int) -> Sample
                 time.sleep(POLL_S)
         client = ViewClient(address, secret=secret)
         onset: float | None = None
-        before: ViewState | None = None  # the last view before the onset
-        at_onset: ViewState | None = None
+        before: RunView | None = None  # the last view before the onset
+        at_onset: RunView | None = None
         while True:
             polled = time.monotonic()
             view = _fetch(client)

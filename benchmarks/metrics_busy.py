@@ -21,9 +21,6 @@ import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # canned states
 
 import psutil  # noqa: E402
 
@@ -35,8 +32,8 @@ def serve(mode: str, port: int, ranks: int) -> None:
     from msgspec.structs import replace
     from prometheus_client.registry import CollectorRegistry
 
-    from canned import T0, make_state, make_view
     from traceml_tui.collect import metrics
+    from traceml_tui.collect.canned import T0, make_state, make_view
 
     state = make_state(world_size=ranks, nproc_per_node=8, steps=12, straggler=ranks // 3,
                        phase="forward")

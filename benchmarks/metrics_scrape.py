@@ -10,17 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # canned states
 
 from prometheus_client import generate_latest  # noqa: E402
 from prometheus_client.registry import CollectorRegistry  # noqa: E402
 
-from canned import T0, make_state, make_view  # noqa: E402
 from traceml_tui.collect import metrics  # noqa: E402
+from traceml_tui.collect.canned import T0, make_state, make_view  # noqa: E402
 
 
 def main() -> None:

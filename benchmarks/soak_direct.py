@@ -17,7 +17,7 @@ sender), messages ingested (the collector's counters, from the live_snapshot.jso
 writes every ~2 s: reading it costs the collector nothing), the lag (messages sent by the
 time of that snapshot but not yet ingested, also in seconds of traffic), the collector's
 RSS and CPU % (psutil). At the end: a table, the exact totals from final_summary.json,
-the dashboard frame time on the collector's last ViewState, and two verdicts.
+the dashboard frame time on the collector's last RunView, and two verdicts.
 
 Bounded in time (--seconds, then bounded waits) and in memory: a collector that falls
 behind queues the backlog in its own memory (several KiB per queued message), so the
@@ -303,7 +303,7 @@ HEADER = (f"{'t_s':>7} {'sent':>12} {'dropped':>9} {'ingested':>12} {'lag_msgs':
           f"{'lag_s':>7} {'age_s':>5} {'rss_mib':>8} {'cpu_%':>6}")
 
 
-# --- dashboard frame time on the collector's own ViewState --------------------------------
+# --- dashboard frame time on the collector's own RunView --------------------------------
 
 class FrozenViews:
     """A ViewSource that serves the collector's encoded views, decoding one per fetch."""
@@ -459,7 +459,7 @@ def report(a: argparse.Namespace, samples: list[Sample], end: Sample, final: dic
           f"ranks reporting {final['run']['ranks_reporting']} of {final['run']['world_size']}")
     if frames:
         med, p90 = statistics.median(frames), sorted(frames)[int(0.9 * len(frames))]
-        print(f"dashboard frame on the collector's final ViewState ({a.ranks} ranks): median "
+        print(f"dashboard frame on the collector's final RunView ({a.ranks} ranks): median "
               f"{med:.1f} ms, p90 {p90:.1f} ms CPU ({len(frames)} frames, 160x50)")
     if aborted:
         print(f"VERDICT ingest kept up: FAIL - aborted: {aborted}")

@@ -21,9 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # canned states
-
-from canned import StaticSource, make_state, with_history  # noqa: E402
+from traceml_tui.collect.canned import StaticSource, make_state, with_history  # noqa: E402
 from traceml_tui.view.client import ViewClient, resolve_target  # noqa: E402
 from traceml_tui.view.dashboard import DashboardApp  # noqa: E402
 

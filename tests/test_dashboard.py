@@ -7,14 +7,14 @@ import json
 import pytest
 from textual.widgets import Static
 
-from canned import StaticSource, make_state
+from traceml_tui.collect.canned import StaticSource, make_state
 from traceml_tui.view.dashboard import DashboardApp
 from traceml_tui.view.dashboard.banner import Banner
 from traceml_tui.view.dashboard.heat_table import HeatTable
 from traceml_tui.view.dashboard.rank_panel import RankPanel
 from traceml_tui.view.dashboard.screens import HelpScreen, PromptScreen
 from traceml_tui.view.dashboard.status_bar import StatusBar
-from traceml_tui.viewmodel import CaptureView
+from traceml_tui.viewmodel import DeepTraceView
 
 SIZE = (140, 44)
 
@@ -323,7 +323,7 @@ async def test_t_asks_for_a_deep_trace_of_the_pinned_rank_and_T_reads_it():
         await pilot.press("T")  # nothing analysed yet: said, no screen
         await pilot.pause(0.1)
         assert not isinstance(app.screen, TraceScreen)
-        capture = CaptureView(2, 5, (2, 5), {"2": "median", "5": "pinned"},
+        capture = DeepTraceView(2, 5, (2, 5), {"2": "median", "5": "pinned"},
                               {"2": "done", "5": "done"}, {}, {},
                               "Deep trace 2: 5 steps\ndataloader_us_per_step  30000  300",
                               "/run/traces/capture2.json")

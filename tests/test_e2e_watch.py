@@ -120,7 +120,7 @@ def canned_collector() -> Iterator[str]:
     each poll, so the dashboard redraws its whole screen every refresh."""
     import zmq
 
-    from canned import make_state, make_view
+    from traceml_tui.collect.canned import make_state, make_view
     from traceml_tui.viewmodel import encode_detail, encode_view
 
     views = [encode_view(make_view(make_state(world_size=64, nproc_per_node=8, seed=i,

@@ -16,9 +16,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from canned import T0, make_state, make_view
 from jobs import EXAMPLES, free_ports, kill_session, spawn_traceml, wait_for
 from traceml_tui.collect import metrics
+from traceml_tui.collect.canned import T0, make_state, make_view
 
 
 def scrape(state) -> dict[str, list]:

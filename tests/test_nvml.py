@@ -16,11 +16,11 @@ from cuda_double import CudaDouble, on_device
 from nvml_double import Board, NvmlDouble, bare, uuid
 from torch import nn
 
-from canned import T0, make_state
 from traceml_agent import hooks, protocol, sysmetrics
 from traceml_agent.protocol import Identity, decode, encode
 from traceml_agent.recorder import LazyCudaRecorder
 from traceml_tui.collect import view_build
+from traceml_tui.collect.canned import T0, make_state
 from traceml_tui.judge import diagnosis as dx
 from traceml_tui.report import summary
 
@@ -356,7 +356,7 @@ async def test_the_dashboard_shows_the_culprits_gpu_where_the_user_looks():
     """In the terminal: the worst-rank panel carries the GPU line, the banner the evidence."""
     from rich.console import Console
 
-    from canned import StaticSource
+    from traceml_tui.collect.canned import StaticSource
     from traceml_tui.view.dashboard import DashboardApp
     from traceml_tui.view.dashboard.banner import Banner
     from traceml_tui.view.dashboard.rank_panel import RankPanel

@@ -27,7 +27,7 @@ from traceml_tui.judge.hang import PHASE_ORDER
 from traceml_tui.view.dashboard import DashboardApp
 from traceml_tui.view.dashboard.heat_table import HeatTable
 from traceml_tui.viewmodel import OWN_COLUMNS, VIEW_PHASES
-from canned import StaticSource, make_state
+from traceml_tui.collect.canned import StaticSource, make_state
 
 print("agent", traceml_agent.__file__)
 print("tui", traceml_tui.__file__)

@@ -256,14 +256,14 @@ def _no_control(text: str) -> None:
 
 
 def test_a_deep_trace_puts_no_escape_sequence_on_the_trace_screen_or_in_its_file(tmp_path):
-    from traceml_tui.collect.deep_traces import CaptureBoard
+    from traceml_tui.collect.deep_traces import DeepTraceBoard
 
     run_dir = tmp_path / "run"
     traces = run_dir / "traces"
     traces.mkdir(parents=True)
     trace = traces / "capture1-rank0.json"
     _hostile_trace(trace)
-    board = CaptureBoard(run_dir)
+    board = DeepTraceBoard(run_dir)
     cap, error = board.start({0: "pinned"}, 3)
     assert cap is not None, error
     done = decode(encode("capture", Identity(0, 0, 0, "h", 1, 1), 1, 1.0, capture_id=cap.id,

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from canned import StaticSource, make_hang_state, make_state, with_history
 from traceml_agent.checks import Finding
+from traceml_tui.collect.canned import StaticSource, make_hang_state, make_state, with_history
 from traceml_tui.view.dashboard import DashboardApp
-from traceml_tui.viewmodel import CaptureView
+from traceml_tui.viewmodel import DeepTraceView
 
 WIDE = (150, 46)
 NARROW = (80, 24)
@@ -58,7 +58,7 @@ def three_nodes_with_a_finding():
 def deep_trace():
     """The straggler with an analysed deep trace (read with T)."""
     state = straggler()
-    state.capture_view = CaptureView(
+    state.capture_view = DeepTraceView(
         3, 5, (2, 5), {"2": "worst", "5": "median"}, {"2": "done", "5": "done"}, {}, {},
         "Deep trace 3: 5 profiled steps, rank 2 (worst) beside rank 5 (median)\n\n"
         "metric                      rank 2   rank 5    delta\n"

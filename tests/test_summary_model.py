@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from canned import T0, StaticSource, make_state
 from jobs import traceml, validate_schema
 from traceml_agent import protocol
 from traceml_agent.protocol import Identity, StepRecord
 from traceml_agent.vocab import PHASES
+from traceml_tui.collect.canned import T0, StaticSource, make_state
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import ending, model, summary
 from traceml_tui.report.compare import compare

@@ -1,6 +1,6 @@
 """What a dashboard draws: a frozen, compact view of the collector's state.
 
-The collector builds one `ViewState` per evaluation tick (view_build.py) and
+The collector builds one `RunView` per evaluation tick (view_build.py) and
 serves it to any number of viewers; a viewer decodes it and replaces its whole
 state at once. The model is msgspec Structs: the collector encodes them, a viewer
 decodes and validates them in C (8,192 rows in a few milliseconds), and rows are
@@ -89,7 +89,7 @@ class CostView(Struct, frozen=True):
     reasoning: str
 
 
-class CaptureView(Struct, frozen=True):
+class DeepTraceView(Struct, frozen=True):
     """The latest deep trace, as viewers see it (captures.py): which ranks, how far each
     got, and the analysis once it is done."""
 
@@ -113,7 +113,7 @@ class CaptureView(Struct, frozen=True):
 CheckRow = tuple[str, str, tuple[int, ...], str, str]
 
 
-class ViewState(Struct, frozen=True):
+class RunView(Struct, frozen=True):
     run_name: str
     world_size: int
     nnodes: int
@@ -135,7 +135,7 @@ class ViewState(Struct, frozen=True):
     exit_code: int | None = None
     node: int | None = None  # the diagnosis blames a whole node
     checks: tuple[CheckRow, ...] = ()  # most severe first
-    capture: CaptureView | None = None  # the latest deep trace
+    capture: DeepTraceView | None = None  # the latest deep trace
     relays_silent: tuple[int, ...] = ()  # nodes whose relay stopped sending (relay.py)
     # Node view: per node, (its rank count, the worst of its ranks in every column as one
     # pseudo-row), built once per tick by the collector for every viewer (node_rows).
@@ -203,11 +203,11 @@ def node_rows(rows: tuple[RankRow, ...] | list[RankRow]) -> tuple[tuple[int, Ran
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_VIEW = msgspec.msgpack.Decoder(ViewState)
+_VIEW = msgspec.msgpack.Decoder(RunView)
 _DETAIL = msgspec.msgpack.Decoder(RankDetail | None)
 
 
-def encode_view(view: ViewState) -> bytes:
+def encode_view(view: RunView) -> bytes:
     return _ENCODER.encode(view)
 
 
@@ -215,7 +215,7 @@ def encode_detail(detail: RankDetail | None) -> bytes:
     return _ENCODER.encode(detail)
 
 
-def decode_view(data: bytes) -> ViewState:
+def decode_view(data: bytes) -> RunView:
     """A view from the collector's bytes; ValueError if they are not one."""
     try:
         return _VIEW.decode(data)

@@ -1,7 +1,8 @@
-"""Canned collector states at a fixed clock, for tests, screenshots and benchmarks.
+"""Canned collector states at a fixed clock, for tests, screenshots and benchmarks
+(importable from the package, so none of them edits sys.path).
 
 Synthetic step records go through the real pipeline (protocol messages → RunState →
-Snapshot → ViewState), so what the dashboard shows in a test is what it would show
+Snapshot → RunView), so what the dashboard shows in a test is what it would show
 for the same numbers from a live job.
 """
 
@@ -28,7 +29,7 @@ from traceml_agent.requests import CaptureReply
 from traceml_tui.collect import view_build
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import summary
-from traceml_tui.viewmodel import CaptureView, RankDetail, ViewState
+from traceml_tui.viewmodel import DeepTraceView, RankDetail, RunView
 
 T0 = 1_700_000_000.0  # a fixed clock: canned states never read the real one
 BASE_MS = {"dataloader": 0.3, "h2d": None, "forward": 1.0, "backward": 1.5, "sync": 2.0,
@@ -81,7 +82,7 @@ def make_state(world_size: int = 8, nproc_per_node: int = 4, steps: int = 40,
     return state
 
 
-def make_view(state: RunState, now_offset: float = 75.0) -> ViewState:
+def make_view(state: RunState, now_offset: float = 75.0) -> RunView:
     snap = state.snapshot(T0 + now_offset, 0.5)
     return view_build.build(snap, state.recent_steps)
 
@@ -94,9 +95,9 @@ class StaticSource:
         self.index = 0
         self.fetches = 0
         self.captures: list[tuple[list[int] | None, int]] = []
-        self.capture_view: CaptureView | None = None  # served as the view's capture
+        self.capture_view: DeepTraceView | None = None  # served as the view's capture
 
-    def fetch(self, pinned: int | None) -> tuple[ViewState, RankDetail | None]:
+    def fetch(self, pinned: int | None) -> tuple[RunView, RankDetail | None]:
         state = self.states[min(self.index, len(self.states) - 1)]
         self.index += 1
         self.fetches += 1

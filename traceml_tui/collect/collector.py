@@ -5,7 +5,7 @@ Sockets (addresses are written to RUN_DIR/collector.json once bound):
   control  REP on loopback, for the launcher: "ping", and "finish" (drain the ranks'
            last messages, write final_summary.json, reply with the job's exit code).
   view     REP on loopback, for dashboards (any number): "view" returns the frozen
-           ViewState of the last tick (encoded once, shared by all viewers) and the
+           RunView of the last tick (encoded once, shared by all viewers) and the
            detail of the viewer's pinned rank; "summary" returns a summary document
            of the current state (for snapshot export). Viewers only read: a viewer
            that hangs or crashes never touches the job or the record (view_server.py).
@@ -63,7 +63,7 @@ from traceml_tui.runfolder.step_log import StepLogWriter
 
 from . import descriptors
 from .auth import start_authenticator
-from .deep_traces import CaptureBoard
+from .deep_traces import DeepTraceBoard
 from .ingest_pump import IngestPump, Route
 from .view_server import ViewServer
 
@@ -171,7 +171,7 @@ class Collector:
         # keep that record beside ours, and never call ours complete.
         self.earlier_record = self._keep_earlier_record()
         self.routes: dict[int, Route] = {}  # rank -> its connection, to send it requests
-        self.captures = CaptureBoard(self.run_dir)
+        self.captures = DeepTraceBoard(self.run_dir)
         self.step_log = StepLogWriter(self.run_dir / STEP_LOG_DIR)
         self.views = ViewServer(self.view, state, self.captures, self.routes, self.pump.send)
         self.stopping = False

@@ -41,7 +41,7 @@ FINAL_STATES = ("done", "failed", "refused")
 
 
 @dataclass
-class Capture:
+class DeepTrace:
     id: int
     steps: int
     ranks: tuple[int, ...]
@@ -58,8 +58,8 @@ class Capture:
         return (all(self.states.get(r) in FINAL_STATES for r in self.ranks)
                 or now - self.requested_at > CAPTURE_TIMEOUT_S)
 
-    def to_view(self) -> viewmodel.CaptureView:
-        return viewmodel.CaptureView(
+    def to_view(self) -> viewmodel.DeepTraceView:
+        return viewmodel.DeepTraceView(
             self.id, self.steps, tuple(self.ranks),
             {str(r): v for r, v in self.roles.items()},
             {str(r): self.states.get(r, "requested") for r in self.ranks},
@@ -67,7 +67,7 @@ class Capture:
             {str(r): p for r, p in self.paths.items()}, self.text, self.saved)
 
 
-def capture_roles(view: viewmodel.ViewState | None, asked: list[int] | None
+def deep_trace_roles(view: viewmodel.RunView | None, asked: list[int] | None
                   ) -> dict[int, str]:
     """Which ranks a capture covers, and why: the asked (pinned) rank or the worst one,
     plus the rank whose local work is the median's, to read beside it."""
@@ -86,15 +86,15 @@ def capture_roles(view: viewmodel.ViewState | None, asked: list[int] | None
     return roles
 
 
-class CaptureBoard:
+class DeepTraceBoard:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self.current: Capture | None = None
+        self.current: DeepTrace | None = None
         self._next_id = 1
         self._lock = threading.Lock()  # the analysis thread writes text and saved
 
     def start(self, roles: dict[int, str], steps: int, now: float | None = None
-              ) -> tuple[Capture | None, str | None]:
+              ) -> tuple[DeepTrace | None, str | None]:
         """A new capture, or why not (one is running, nothing to capture)."""
         now = time.monotonic() if now is None else now
         cur = self.current
@@ -104,7 +104,7 @@ class CaptureBoard:
                           f"wait for it to finish")
         if not roles:
             return None, "no rank to capture yet (no rank has reported steps)"
-        cap = Capture(self._next_id, steps, tuple(sorted(roles)), now, dict(roles))
+        cap = DeepTrace(self._next_id, steps, tuple(sorted(roles)), now, dict(roles))
         self._next_id += 1
         self.current = cap
         return cap, None
@@ -123,13 +123,13 @@ class CaptureBoard:
             threading.Thread(target=self._analyse_in_child, args=(cap,),
                              name="traceml-analysis", daemon=True).start()
 
-    def view(self) -> viewmodel.CaptureView | None:
+    def view(self) -> viewmodel.DeepTraceView | None:
         with self._lock:
             return None if self.current is None else self.current.to_view()
 
     # --- analysis: a thread that waits for a child process ----------------------------
 
-    def _analyse_in_child(self, cap: Capture) -> None:
+    def _analyse_in_child(self, cap: DeepTrace) -> None:
         text, saved = "", None
         try:
             done = subprocess.run([sys.executable, "-m", "traceml_tui.collect.deep_traces",
@@ -147,7 +147,7 @@ class CaptureBoard:
         with self._lock:  # the child's words, and a rank's error, reach a terminal
             cap.text, cap.saved, cap.analysing = clean_text(text), saved, False
 
-    def _analyse(self, cap: Capture) -> tuple[str, str | None]:
+    def _analyse(self, cap: DeepTrace) -> tuple[str, str | None]:
         """In the child process: analyse the traces, save the report, return (text,
         where the JSON report was saved)."""
         analyses: dict[int, trace_analysis.TraceAnalysis] = {}
@@ -177,7 +177,7 @@ class CaptureBoard:
         return text, saved
 
     @staticmethod
-    def _report(cap: Capture, analyses: dict[int, trace_analysis.TraceAnalysis],
+    def _report(cap: DeepTrace, analyses: dict[int, trace_analysis.TraceAnalysis],
                 problems: list[str]) -> tuple[str, dict[str, Any]]:
         parts = [f"Deep trace {cap.id}: {cap.steps} steps on rank(s) "
                  + ", ".join(f"{r} ({cap.roles.get(r, 'asked')})" for r in cap.ranks)]
@@ -225,8 +225,8 @@ def _comparison_text(comparison: Any, worst: int, median: int) -> str:
 def _child_main() -> None:
     """`python -m traceml_tui.collect.deep_traces RUN_DIR`: a capture (JSON) on stdin, its analysis'
     text and saved path on stdout (JSON)."""
-    cap = msgspec.json.decode(sys.stdin.read(), type=Capture)
-    text, saved = CaptureBoard(Path(sys.argv[1]))._analyse(cap)
+    cap = msgspec.json.decode(sys.stdin.read(), type=DeepTrace)
+    text, saved = DeepTraceBoard(Path(sys.argv[1]))._analyse(cap)
     json.dump({"text": text, "saved": saved}, sys.stdout)
 
 

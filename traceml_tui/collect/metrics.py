@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from traceml_tui.judge.state import Snapshot
-from traceml_tui.viewmodel import VIEW_PHASES, RankRow, ViewState, own_work
+from traceml_tui.viewmodel import VIEW_PHASES, RankRow, RunView, own_work
 
 # Every rank gets its own series up to this many ranks (8 phase series + 2 per rank:
 # ~10k series at 1,024 ranks, what one Prometheus takes per job without notice) ...
@@ -31,7 +31,7 @@ PER_RANK_ALL = 1024
 # ... and above it only the subject and the ranks furthest from the median rank do.
 PER_RANK_WORST = 64
 
-Source = Callable[[], tuple[ViewState | None, Snapshot | None]]
+Source = Callable[[], tuple[RunView | None, Snapshot | None]]
 
 
 def job_labels() -> dict[str, str]:
@@ -41,7 +41,7 @@ def job_labels() -> dict[str, str]:
     return {"slurm_job_id": job} if job else {}
 
 
-def ranks_to_export(view: ViewState) -> list[RankRow]:
+def ranks_to_export(view: RunView) -> list[RankRow]:
     """Every rank, or (past PER_RANK_ALL) the subject and the ranks whose own work is
     furthest from the median rank's."""
     rows = [r for r in view.rows if r.step_ms is not None]
@@ -152,7 +152,7 @@ class RunMetrics(Collector):
             yield counters
 
 
-def _cost(view: ViewState, gauge: Callable[..., GaugeMetricFamily], values: list[str]
+def _cost(view: RunView, gauge: Callable[..., GaugeMetricFamily], values: list[str]
           ) -> Iterator[Metric]:
     c = view.cost
     share = gauge("traceml_cost_step_share", "Share of every step the diagnosed problem "
@@ -173,7 +173,7 @@ def _cost(view: ViewState, gauge: Callable[..., GaugeMetricFamily], values: list
     yield from (share, lost, hours, whatif)
 
 
-def _nodes(view: ViewState) -> list[tuple[int, RankRow]]:
+def _nodes(view: RunView) -> list[tuple[int, RankRow]]:
     from traceml_tui.viewmodel import node_rows
 
     return list(node_rows(view.rows))

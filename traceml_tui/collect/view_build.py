@@ -1,4 +1,4 @@
-"""The collector's side of the view: a `ViewState` built from a `Snapshot`.
+"""The collector's side of the view: a `RunView` built from a `Snapshot`.
 
 view_state.py is the model every viewer reads; this module is the only place that
 knows both it and the collector's state, so viewers never import the collector.
@@ -31,7 +31,7 @@ from traceml_tui.viewmodel import (
     CostView,
     RankDetail,
     RankRow,
-    ViewState,
+    RunView,
     node_rows,
     own_work,
 )
@@ -70,7 +70,7 @@ def _row(r: RankSnapshot) -> RankRow:
                    sys.rss_mb, sys.gpu_util, gpu_mem, r.idle_s, rank_status(r))
 
 
-def detail(snap: Snapshot, rank: int, view: ViewState, recent: tuple[float, ...]
+def detail(snap: Snapshot, rank: int, view: RunView, recent: tuple[float, ...]
            ) -> RankDetail | None:
     """The panel for one rank: its live timings beside the median rank's."""
     if not 0 <= rank < len(snap.ranks):
@@ -127,7 +127,7 @@ def gpu_line(sys: Sys | None) -> str | None:
 
 
 def build(snap: Snapshot, recent: Callable[[int], tuple[float, ...]] = lambda rank: (),
-          finished: bool = False, exit_code: int | None = None) -> ViewState:
+          finished: bool = False, exit_code: int | None = None) -> RunView:
     """`recent(rank)`: that rank's recent step times, fetched only for the worst rank."""
     rows = tuple(_row(r) for r in snap.ranks)
     live = [r for r in rows if r.step_ms is not None]
@@ -137,7 +137,7 @@ def build(snap: Snapshot, recent: Callable[[int], tuple[float, ...]] = lambda ra
         for i in range(len(VIEW_PHASES)))
     d = snap.live
     devices = {r.device for r in snap.ranks if r.device}
-    view = ViewState(
+    view = RunView(
         run_name=snap.run_name, world_size=snap.world_size, nnodes=snap.nnodes,
         elapsed_s=max(0.0, snap.now - snap.started_at), steps=snap.total_steps,
         # No rank steps during a hang: the rate of the last steps would be a lie.

@@ -1,6 +1,6 @@
 """The collector's view socket: viewers ask, the collector answers from frozen state.
 
-Once per evaluation tick the state is frozen into a `ViewState` (view_build.py) and
+Once per evaluation tick the state is frozen into a `RunView` (view_build.py) and
 encoded once; every viewer gets the same bytes. A viewer may also ask for one rank's
 detail, a deep-trace capture, or the summary so far. Whatever a viewer sends, it gets
 exactly one reply and can never end the record (tests/test_properties.py).
@@ -31,7 +31,7 @@ from traceml_tui.judge.state import RunState, Snapshot
 from traceml_tui.report import summary
 
 from . import view_build
-from .deep_traces import CaptureBoard, capture_roles
+from .deep_traces import DeepTraceBoard, deep_trace_roles
 from .ingest_pump import Route
 
 # A "summary" (a viewer's `e` export, `traceml export`) costs a full snapshot: ~0.1 s at
@@ -45,7 +45,7 @@ class ViewServer:
     """`sock`: the collector's REP view socket; `routes`: each rank's connection, shared
     with the collector's ingest; `send_to(route, frame)`: a request down a connection."""
 
-    def __init__(self, sock: zmq.Socket, state: RunState, captures: CaptureBoard,
+    def __init__(self, sock: zmq.Socket, state: RunState, captures: DeepTraceBoard,
                  routes: dict[int, Route], send_to: Callable[[Route, bytes], None]) -> None:
         self.sock = sock
         self.state = state
@@ -53,7 +53,7 @@ class ViewServer:
         self.routes = routes
         self.send_to = send_to
         self.snap: Snapshot | None = None
-        self.now: viewmodel.ViewState | None = None
+        self.now: viewmodel.RunView | None = None
         self.bytes = b""
         self.errors = 0  # requests whose handler failed (answered with an error)
         self._summary = b""  # the last summary's bytes, and when the next may be built
@@ -115,7 +115,7 @@ class ViewServer:
         rank is added to compare with), else of the worst and the median rank."""
         if self.now is None:
             self.refresh()
-        roles = capture_roles(self.now, request.ranks)
+        roles = deep_trace_roles(self.now, request.ranks)
         roles = {r: role for r, role in roles.items() if r in self.routes}
         cap, error = self.captures.start(roles, request.steps)
         if cap is None:

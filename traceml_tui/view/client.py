@@ -29,7 +29,7 @@ from traceml_agent.requests import (
 )
 from traceml_agent.vocab import COLLECTOR_JSON, SUMMARY_JSON
 from traceml_tui.runfolder import folders
-from traceml_tui.viewmodel import RankDetail, ViewState, decode_detail, decode_view
+from traceml_tui.viewmodel import RankDetail, RunView, decode_detail, decode_view
 
 REQUEST_TIMEOUT_S = 2.0
 
@@ -72,7 +72,7 @@ class ViewClient:
             raise ViewUnavailable(f"no answer from the collector at {self.address}{hint}")
         return sock.recv_multipart()
 
-    def fetch(self, pinned: int | None = None) -> tuple[ViewState, RankDetail | None]:
+    def fetch(self, pinned: int | None = None) -> tuple[RunView, RankDetail | None]:
         frames = self._request(ViewRequest(rank=pinned))
         if len(frames) == 1:  # a failed request: the collector says why
             raise ViewUnavailable(f"the collector could not answer: {decode_error(frames[0])}")

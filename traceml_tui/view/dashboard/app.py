@@ -1,7 +1,7 @@
 """The traceml dashboard: a viewer of a collector's state, never the collector itself.
 
 A worker thread polls the source (a collector's view socket, or canned states in
-tests) every REFRESH_S and hands each frozen ViewState to the UI thread with
+tests) every REFRESH_S and hands each frozen RunView to the UI thread with
 `call_from_thread`, which waits for the UI to take it: updates coalesce by
 construction, and the screen renders on that fixed tick, never per sample.
 State flows down (the pinned rank lives here and is bound into the table and the
@@ -30,7 +30,7 @@ from textual.widgets import Footer
 
 from traceml_agent.requests import CaptureReply
 from traceml_tui.runfolder.folders import write_atomic
-from traceml_tui.viewmodel import RankDetail, ViewState
+from traceml_tui.viewmodel import RankDetail, RunView
 
 from .banner import Banner
 from .distribution import Distribution
@@ -56,7 +56,7 @@ TRACE_STEPS = 5  # steps a deep trace profiles: enough to average, small enough 
 
 
 class ViewSource(Protocol):
-    def fetch(self, pinned: int | None) -> tuple[ViewState, RankDetail | None]: ...
+    def fetch(self, pinned: int | None) -> tuple[RunView, RankDetail | None]: ...
     def summary(self) -> dict[str, Any]: ...
     def capture(self, ranks: list[int] | None = None, steps: int = 5) -> CaptureReply: ...
     def close(self) -> None: ...
@@ -94,7 +94,7 @@ class DashboardApp(App[None]):
         Binding("ctrl+c", "stop_job", "Stop the job", show=False, priority=True),
     ]
 
-    state: reactive[ViewState | None] = reactive(None, always_update=True, init=False)
+    state: reactive[RunView | None] = reactive(None, always_update=True, init=False)
     pinned: reactive[int | None] = reactive(None, init=False)
     sort_index: reactive[int] = reactive(0, init=False)
     reverse: reactive[bool] = reactive(False, init=False)
@@ -149,7 +149,7 @@ class DashboardApp(App[None]):
 
     # --- state down (UI thread) --------------------------------------------------
 
-    def apply(self, view: ViewState, detail: RankDetail | None, note: str) -> None:
+    def apply(self, view: RunView, detail: RankDetail | None, note: str) -> None:
         """Replace the whole shown state with a new frozen one."""
         seen = self.state.capture if self.state else None
         self.pinned_detail, self.source_note = detail, note
@@ -337,7 +337,7 @@ class DashboardApp(App[None]):
         self.stop_job()
         self.notify("stopping the job (SIGINT); the summary follows", timeout=10)
 
-    def snapshot_dir(self) -> Path:
+    def screenshot_dir(self) -> Path:
         if self.run_dir is not None:
             return self.run_dir / "snapshots"
         return Path.cwd()
@@ -376,7 +376,7 @@ class DashboardApp(App[None]):
     def _export(self) -> None:
         try:
             doc = self.source.summary()
-            folder = self.snapshot_dir()
+            folder = self.screenshot_dir()
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / datetime.now().strftime("snapshot-%Y%m%d-%H%M%S-%f.json")
             write_atomic(path, json.dumps(doc, indent=2) + "\n")
@@ -385,7 +385,7 @@ class DashboardApp(App[None]):
             self.call_from_thread(self.notify, f"export failed: {exc}", severity="error")
 
     def action_save_svg(self) -> None:
-        folder = self.snapshot_dir()
+        folder = self.screenshot_dir()
         try:
             folder.mkdir(parents=True, exist_ok=True)
             name = datetime.now().strftime("dashboard-%Y%m%d-%H%M%S-%f.svg")

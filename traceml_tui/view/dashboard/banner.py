@@ -6,7 +6,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from traceml_agent.vocab import SEVERITIES
-from traceml_tui.viewmodel import CostView, ViewState
+from traceml_tui.viewmodel import CostView, RunView
 
 from .cells import duration
 
@@ -27,7 +27,7 @@ def hours(h: float) -> str:
 
 
 class Banner(Static):
-    def show(self, state: ViewState) -> None:
+    def show(self, state: RunView) -> None:
         # Failures first (issue 32): a failed rank leads, the banner turns critical, and
         # the label below is the verdict of the steps before it.
         severity = "critical" if state.failure else state.severity

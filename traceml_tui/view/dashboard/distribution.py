@@ -13,7 +13,7 @@ from rich.text import Text
 from textual.strip import Strip
 from textual.widget import Widget
 
-from traceml_tui.viewmodel import VIEW_PHASES, ViewState, own_work
+from traceml_tui.viewmodel import VIEW_PHASES, RunView, own_work
 
 from .time_chart import to_strip
 
@@ -63,7 +63,7 @@ def line(name: str, values: list[float], width: int) -> Text:
     return text.append(stats, style="dim")
 
 
-def figures(state: ViewState) -> list[tuple[str, list[float]]]:
+def figures(state: RunView) -> list[tuple[str, list[float]]]:
     """What the lines show: every rank's step, then the diagnosed phase (or, without
     one, each rank's own work: its input and compute, no waits)."""
     rows = [r for r in state.rows if r.step_ms is not None]
@@ -87,7 +87,7 @@ class Distribution(Widget):
         super().__init__(**kwargs)
         self._strips: list[Strip] = []
 
-    def show(self, state: ViewState) -> None:
+    def show(self, state: RunView) -> None:
         width = max(30, self.content_size.width)
         self._strips = [to_strip(line(name, values, width), width)
                         for name, values in figures(state)]

@@ -27,7 +27,7 @@ from traceml_tui.viewmodel import (
     VIEW_PHASES,
     WAITING,
     RankRow,
-    ViewState,
+    RunView,
     node_rows,
 )
 
@@ -86,7 +86,7 @@ def matches(row: RankRow, text: str) -> bool:
     return text == row.status or text in row.host
 
 
-def node_lines(state: ViewState, rows: list[RankRow], filtered: bool,
+def node_lines(state: RunView, rows: list[RankRow], filtered: bool,
                worst: bool = False) -> list[Line]:
     """Node view: the collector's per-node rows, or this viewer's own over a filter.
     `worst`: the subject's node first and expanded into its ranks, then the nodes
@@ -149,7 +149,7 @@ class HeatTable(ScrollView, can_focus=True):
         super().__init__(**kwargs)
         self.lines: list[Line] = []
         self.cursor = 0
-        self.state: ViewState | None = None
+        self.state: RunView | None = None
         self.header = header_text("cpu")
         self.subject: frozenset[int] = frozenset()  # the ranks the diagnosis names
         self.subject_node: int | None = None
@@ -157,7 +157,7 @@ class HeatTable(ScrollView, can_focus=True):
 
     # --- state in ----------------------------------------------------------------
 
-    def show(self, state: ViewState, sort_key: str = "rank", reverse: bool = False,
+    def show(self, state: RunView, sort_key: str = "rank", reverse: bool = False,
              filter_text: str = "", nodes_only: bool = False) -> None:
         """Replace everything shown with a new state (called once per tick)."""
         cursor_key = self._key(self.lines[self.cursor]) if self.cursor < len(self.lines) else None

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from operator import itemgetter
 
-from traceml_tui.viewmodel import FAILED, OWN_COLUMNS, STALE, RankRow, ViewState, own_work
+from traceml_tui.viewmodel import FAILED, OWN_COLUMNS, STALE, RankRow, RunView, own_work
 
 WORST = "worst"
 ALARMING = frozenset({FAILED, STALE})
@@ -21,11 +21,11 @@ _own_cells = (itemgetter(*OWN_COLUMNS) if len(OWN_COLUMNS) > 1
               else lambda p: tuple(p[i] for i in OWN_COLUMNS))
 
 
-def median_own(state: ViewState) -> float | None:
+def median_own(state: RunView) -> float | None:
     return own_work(state.median_phase_ms)
 
 
-def subject_ranks(state: ViewState) -> frozenset[int]:
+def subject_ranks(state: RunView) -> frozenset[int]:
     """The ranks the diagnosis names: its rank, or all ranks of the node it blames."""
     if state.node is not None:
         return frozenset(r.rank for r in state.rows if r.node == state.node)
@@ -49,11 +49,11 @@ def worst_key(subject: frozenset[int], mid: float | None, by_node: bool = False
     return key
 
 
-def worst_first(rows: list[RankRow], state: ViewState) -> list[RankRow]:
+def worst_first(rows: list[RankRow], state: RunView) -> list[RankRow]:
     return sorted(rows, key=worst_key(subject_ranks(state), median_own(state)))
 
 
-def subject_node(state: ViewState) -> int | None:
+def subject_node(state: RunView) -> int | None:
     """The node the diagnosis is about: the blamed node, or the blamed rank's node."""
     if state.node is not None:
         return state.node
@@ -62,7 +62,7 @@ def subject_node(state: ViewState) -> int | None:
     return None
 
 
-def worst_nodes(nodes: list[tuple[int, RankRow]], state: ViewState
+def worst_nodes(nodes: list[tuple[int, RankRow]], state: RunView
                 ) -> list[tuple[int, RankRow]]:
     """Node pseudo-rows (count, worst values): the subject's node first, then by how far
     the node's worst own work is from the median rank's."""

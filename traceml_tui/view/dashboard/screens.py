@@ -9,7 +9,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
 
-from traceml_tui.viewmodel import CaptureView
+from traceml_tui.viewmodel import DeepTraceView
 
 
 class HelpScreen(ModalScreen[None]):
@@ -60,7 +60,7 @@ class TraceScreen(ModalScreen[None]):
 
     BINDINGS = [Binding("escape,q,T", "dismiss", "Close")]
 
-    def __init__(self, capture: CaptureView) -> None:
+    def __init__(self, capture: DeepTraceView) -> None:
         super().__init__()
         self.capture = capture
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from traceml_tui.viewmodel import ViewState
+from traceml_tui.viewmodel import RunView
 
 from .cells import duration
 
@@ -16,7 +16,7 @@ def _ranks(ranks: tuple[int, ...], limit: int = 8) -> str:
 
 
 class StatusBar(Static):
-    def show(self, state: ViewState, view_note: str = "", source_note: str = "") -> None:
+    def show(self, state: RunView, view_note: str = "", source_note: str = "") -> None:
         text = Text()
         text.append(f"{state.run_name}", style="bold")
         text.append(f"  {duration(state.elapsed_s)}  step {state.steps}")

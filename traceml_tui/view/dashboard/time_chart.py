@@ -18,7 +18,7 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 from traceml_agent.vocab import CRITICAL, INFO, WARMUP, WARNING
-from traceml_tui.viewmodel import ViewState
+from traceml_tui.viewmodel import RunView
 
 from .cells import duration
 
@@ -60,7 +60,7 @@ def resample(points: tuple, column: int, t0: float, t_end: float, slots: int, wo
     return out
 
 
-def chart_lines(state: ViewState, width: int, height: int) -> list[Text]:
+def chart_lines(state: RunView, width: int, height: int) -> list[Text]:
     """The chart as `height` lines of `width` cells: a legend, the canvas, the episodes."""
     points = state.history
     rows = max(1, height - 2)
@@ -109,7 +109,7 @@ def chart_lines(state: ViewState, width: int, height: int) -> list[Text]:
     return out[:height]
 
 
-def episode_line(state: ViewState, cols: int, t0: float, t_end: float) -> Text:
+def episode_line(state: RunView, cols: int, t0: float, t_end: float) -> Text:
     """The diagnosis episodes on the chart's time axis: a bar per episode coloured by its
     severity, its label written at its start where it fits."""
     cells = [" "] * cols
@@ -158,10 +158,10 @@ class TimeChart(Widget):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self._strips: list[Strip] = []
-        self._state: ViewState | None = None
+        self._state: RunView | None = None
         self._drawn_for: tuple = ()
 
-    def show(self, state: ViewState) -> None:
+    def show(self, state: RunView) -> None:
         self._state = state
         self._rebuild()
 
