@@ -412,13 +412,19 @@ class Recorder:
         t = perf_counter_ns()
         ready, mark = self.t_ready, self.t_mark
         acc = self.acc
+        # _add written out (hot: once per backward): backward's and sync's shares.
         if ready and mark <= ready <= t:
-            _add(acc, BACKWARD, ready - mark)
-            _add(acc, SYNC, t - ready)
+            back, sync = ready - mark, t - ready
         elif ready and ready < mark:  # ready before a phase nested in backward: all wait
-            _add(acc, SYNC, t - mark)
+            back, sync = None, t - mark
         else:
-            _add(acc, BACKWARD, t - mark)
+            back, sync = t - mark, None
+        if back is not None:
+            prev = acc[BACKWARD]
+            acc[BACKWARD] = back if prev is None else prev + back
+        if sync is not None:
+            prev = acc[SYNC]
+            acc[SYNC] = sync if prev is None else prev + sync
         stack = self.stack  # _pop written out (hot: once per backward)
         stack.pop()
         if stack:

@@ -85,3 +85,19 @@ def test_system_sample_reads_procfs_not_psutil() -> None:
     sample = sampler.sample()
     assert sample["rss_mb"] > 1
     assert 0 <= sample["cpu_pct"] < 100 * (os.cpu_count() or 1) + 1
+
+
+def test_host_recorder_step_path_calls_nothing_in_python() -> None:
+    """begin/end, the backward split and the step close run on the training thread several
+    times a step: written out, they make no nested Python call (~2k instructions each)."""
+    rec = Recorder(deque())
+    owner, grad = object(), object()
+    assert _python_calls(rec.begin, 2, owner)[0] == 0  # forward
+    assert _python_calls(rec.end, owner)[0] == 0
+    assert _python_calls(rec.begin_backward, grad)[0] == 0
+    rec.grads_ready()
+    assert _python_calls(rec.end_backward, grad)[0] == 0
+    assert _python_calls(rec.close_step)[0] == 0
+    step, _, wall, acc = rec.out[0]
+    assert step == 0 and acc[2] is not None and acc[3] is not None and acc[4] is not None
+    assert sum(v for v in acc if v is not None) <= wall
