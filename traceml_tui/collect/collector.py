@@ -55,10 +55,10 @@ from traceml_agent.requests import (
     decode_control,
     encode_reply,
 )
-from traceml_agent.vocab import COLLECTOR_JSON, LIVE_SNAPSHOT_JSON, STEP_LOG_DIR
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import ending, summary
 from traceml_tui.runfolder import folders
+from traceml_tui.runfolder.layout import RunFolder
 from traceml_tui.runfolder.step_log import StepLogWriter
 
 from . import descriptors
@@ -172,7 +172,7 @@ class Collector:
         self.earlier_record = self._keep_earlier_record()
         self.routes: dict[int, Route] = {}  # rank -> its connection, to send it requests
         self.captures = DeepTraceBoard(self.run_dir)
-        self.step_log = StepLogWriter(self.run_dir / STEP_LOG_DIR)
+        self.step_log = StepLogWriter(RunFolder(self.run_dir).step_log)
         self.views = ViewServer(self.view, state, self.captures, self.routes, self.pump.send)
         self.stopping = False
         self.done = False
@@ -184,11 +184,11 @@ class Collector:
         self.control_key: str | None = None  # --control-key-stdin: the launcher's key
 
     def _keep_earlier_record(self) -> str | None:
-        live = self.run_dir / LIVE_SNAPSHOT_JSON
+        live = RunFolder(self.run_dir).live
         if not live.exists():
             return None
         n = 1
-        while (kept := self.run_dir / f"live_snapshot.before-restart-{n}.json").exists():
+        while (kept := RunFolder(self.run_dir).kept_live(n)).exists():
             n += 1
         try:
             live.rename(kept)
@@ -214,7 +214,8 @@ class Collector:
                 "pid": os.getpid(), "run_name": self.state.run_name,
                 "host": socket.gethostname(), "view_remote": self.view_remote,
                 "metrics_error": self.metrics_error}
-        folders.write_atomic(self.run_dir / COLLECTOR_JSON, json.dumps(info, indent=2) + "\n")
+        folders.write_atomic(RunFolder(self.run_dir).collector_json,
+                             json.dumps(info, indent=2) + "\n")
 
     def serve(self) -> None:
         next_eval = next_snap = time.monotonic()
@@ -326,7 +327,7 @@ class Collector:
             doc = summary.build(snap, summary.RunMeta(complete=False))
             text = summary.to_json(doc)
             descriptors.write_anyway(  # whatever the sockets hold, the record is written
-                lambda: folders.write_atomic(self.run_dir / LIVE_SNAPSHOT_JSON, text),
+                lambda: folders.write_atomic(RunFolder(self.run_dir).live, text),
                 self.reserve)
         except OSError as exc:  # a full disk costs the snapshot, not the collector
             print(f"[traceml] collector: could not write snapshot: {exc}", file=sys.stderr)
@@ -408,6 +409,9 @@ class Collector:
         self.handshakes.drain()
         self._count_refusals()
         self.state.evaluate(time.time(), time.monotonic())
+        if request.interrupted or request.exit_code is not None:
+            # Stopped by a signal: a hang the stop itself ended stays the record's verdict.
+            self.state.keep_latched_hang()
         failures = self.state.failures()
         root = request.root_cause
         if root is not None and root[0] in self.state.ranks:

@@ -31,9 +31,12 @@ from traceml_agent.protocol import (
 from traceml_agent.sanitize import clean_text
 from traceml_agent.vocab import LOCAL_PHASES
 
+from . import collectives as coll
 from . import cost, hang
+from .stalls import StallBook, StallFinding
 from . import diagnosis as dx
-from .history import History, Point, point
+from . import episodes
+from .history import History, Point, StepClock, point
 from .setup_checks import ChecksBoard
 from .windows import BlockStats, Quantiles, RankWindow, WindowBlock, median, window_steps_for
 
@@ -68,10 +71,11 @@ MAX_EPISODES = 500
 # means it is gone (or its network is), and its node's ranks cannot reach us.
 RELAY_SILENT_S = 3.0
 MAX_RELAYS = 1 << 16  # one per node; a key holder cannot make us keep more
-# Stalled steps kept per rank: a window holds at most 512 steps, and a stall is at least
-# two typical steps, so a rank stalling on every other step fills 256; past that the
-# oldest go (they have left the window anyway, or it is no rhythm but a slow rank).
-MAX_STALLS = 256
+# A hang that ends within this many steps per rank of the end of a run stopped by a
+# signal was ended by the stop itself: the Ctrl-C woke the stuck rank (its sleep raised
+# inside `with traceml_agent.step()`, which closes the step) or tore the collective down,
+# and the ranks exited. The record keeps the hang as it was latched, not the aftermath.
+AFTERMATH_STEPS = 3
 # The thread name a stack taken from outside the process is shown under.
 NATIVE_THREAD = "native (py-spy dump --native, innermost first)"
 # Distinct phase names a run may use: the standard ones plus the agent's custom limit.
@@ -93,6 +97,11 @@ class Episode:
     # Job seconds the culprit cost while the episode lasted: its gap (the time every rank
     # waits for it each step) times the steps taken. None for labels without a culprit.
     lost_s: float | None = None
+    # Its steps are those of its evidence (episodes.py), not of the evaluations that
+    # named and cleared the label; named_step/cleared_step: the newest step at those.
+    dated: bool = False
+    named_step: int | None = None
+    cleared_step: int | None = None
 
     def closed(self, end: float, end_step: int) -> Episode:
         return replace(self, end=end, end_step=end_step)
@@ -175,6 +184,9 @@ class Snapshot:
     counters: dict[str, int]
     hang: hang.HangReport | None = None
     hang_since: float | None = None
+    # rank -> its stacks as taken during the latched hang (kept when its later steps
+    # or exit clear the rank's own: the record shows the hang as it was)
+    hang_stacks: dict[int, tuple[tuple[str, str], ...]] = field(default_factory=dict)
     parallel: str | None = None  # "ddp" or "fsdp", as the agents saw the model
     checks: tuple[Finding, ...] = ()  # setup mistakes, merged across ranks
     batch_sizes: dict[int, int] = field(default_factory=dict)  # DataLoader batch per rank
@@ -186,6 +198,8 @@ class Snapshot:
     final_what_if: cost.WhatIf | None = None  # the final diagnosis's, over the window
     mean_step_ms: float | None = None  # the job's mean step over the window (full only)
     history: tuple[Point, ...] = ()  # step and own work over the run (history.py)
+    # The run's collectives per (group, op, phase), most exposed first (collectives.py)
+    collectives: tuple[coll.CollectiveStat, ...] = ()
 
     @property
     def reporting(self) -> int:
@@ -216,9 +230,8 @@ class RankState:
     dirty: bool = True
     live: dx.RankTiming | None = None
     recent: dx.RankTiming | None = None  # the newest few steps (dx.recent_steps)
-    # Stalled steps (dx.stall_of), found on receipt against the typical step of the last
-    # evaluation; bounded, and read back only over the rank's window.
-    stalls: deque[dx.Stall] = field(default_factory=lambda: deque(maxlen=MAX_STALLS))
+    # The step time from which a step is a stall (dx.stall_threshold of the typical step
+    # of the last evaluation): stalled steps go to the run's stall log (stalls.py).
     stall_at_ms: float | None = None
     # Seconds since its last step as of its last message: 0 after a steps batch, the
     # agent's own figure after a heartbeat.
@@ -266,6 +279,9 @@ class RunState:
         self._lost_mark = -1
         self.what_if: cost.WhatIf | None = None
         self.history = History()  # step and own work over the run, for the time chart
+        self.collectives = coll.CollectiveBook()  # which collective took the sync time
+        self.clock = StepClock()  # when each step was taken (episodes dated by steps)
+        self._episode_dx: dx.Diagnosis | None = None  # the open episode's diagnosis
         # What `traceml run --preflight` measured; its largest all-reduce's bus bandwidth
         # (GB/s) is what COMM-BOUND's evidence compares against.
         self.preflight: dict[str, Any] | None = None
@@ -280,11 +296,18 @@ class RunState:
         self.hang: hang.HangReport | None = None
         self.hang_since: float | None = None
         self.hang_steps = 0  # steps of all ranks together when the hang was detected
+        self.hang_stacks: dict[int, tuple[tuple[str, str], ...]] = {}  # taken while latched
+        # The last hang that ended: (report, since, stacks, steps when latched), for
+        # `keep_latched_hang` at the end of a run stopped by a signal.
+        self.ended_hang: tuple[hang.HangReport, float | None,
+                               dict[int, tuple[tuple[str, str], ...]], int] | None = None
         self.framework: str | None = None  # named in the hint when timing is incomplete
         self.relays: dict[int, _Relay] = {}  # node -> its relay, once heard from
         # rank -> why its frozen step count is not a stall (hang.hidden), as of the last
         # evaluation: hang detection is suspended for it, and the view and summary say why.
         self.hidden: dict[int, str] = {}
+        # Every rank's stalled steps over the whole run, whatever the window (stalls.py).
+        self.stall_book = StallBook()
 
     # --- ingest ---------------------------------------------------------------------
 
@@ -356,6 +379,7 @@ class RunState:
         self.counters["messages"] += 1
         if rs is None:
             self.block.reset(ident.rank)
+            self.stall_book.forget(ident.rank)  # a new process numbers its steps afresh
             rs = RankState(ident, self.block.view(ident.rank), conn=conn)
             self.ranks[ident.rank] = rs
             self.claims.pop(ident.rank, None)
@@ -452,6 +476,8 @@ class RunState:
         for name, count in zip(msg.phases, msg.forced, strict=False):
             if count:
                 rs.forced[name] = max(rs.forced.get(name, 0), count)
+        if body.colls:
+            self.collectives.add(rs.ident.rank, body.colls)
         for rec in msg.records:
             if rec.step <= rs.last_step:  # replayed or out of order: already counted
                 self.counters["duplicate_records"] += 1
@@ -469,8 +495,9 @@ class RunState:
                 live = rs.live
                 if (rs.stall_at_ms is not None and rec.step_ms >= rs.stall_at_ms
                         and live is not None and live.step_ms is not None):
-                    rs.stalls.append(dx.stall_of(rec.step, rec.step_ms, live.step_ms,
-                                                 msg.phases, rec.phase_ms, live.phase_ms))
+                    st = dx.stall_of(rec.step, rec.step_ms, live.step_ms, msg.phases,
+                                     rec.phase_ms, live.phase_ms)
+                    self.stall_book.add(rs.ident.rank, st.step, st.excess_ms, st.phase)
             rs.last_step_at = rs.last_seen
             rs.since_step_at_msg_s = 0.0
             rs.last_step = rec.step
@@ -555,16 +582,16 @@ class RunState:
                                          ident.node))
         return out
 
-    def _stall_stats(self) -> list[dx.StallStats]:
-        """Every rank's stalls within its window (the steps the window holds)."""
+    def stall_findings(self) -> list[StallFinding]:
+        """What each stalling rank's stall log says now (its typical step: the live one)."""
         out = []
-        for rs in self.ranks.values():
-            typical = rs.live.step_ms if rs.live is not None else None
-            if typical is None:
-                continue
-            first = rs.last_step - rs.window.count
-            stalls = tuple(st for st in rs.stalls if st.step > first)
-            out.append(dx.StallStats(rs.ident.rank, stalls, rs.window.count, typical))
+        for rank in sorted(self.stall_book.stalling):
+            rs = self.ranks.get(rank)
+            typical = rs.live.step_ms if rs is not None and rs.live is not None else None
+            found = (None if rs is None else
+                     self.stall_book.finding(rank, typical, rs.last_step))
+            if found is not None:
+                out.append(found)
         return out
 
     @staticmethod
@@ -577,8 +604,12 @@ class RunState:
 
     def progress(self, mono_now: float) -> list[hang.RankProgress]:
         out = []
+        silent_relays = {node for node, r in self.relays.items()
+                         if mono_now - r.last_seen > RELAY_SILENT_S}
         for rs in self.ranks.values():
             hb = rs.heartbeat
+            # Relayed (its route at a node relay is set) through a relay now silent.
+            relayed = isinstance(rs.conn, tuple) and len(rs.conn) == 2 and rs.conn[1] is not None
             out.append(hang.RankProgress(
                 rs.ident.rank, rs.ident.host, max(rs.steps, hb.step),
                 hb.collectives, hb.phase, hb.in_collective,
@@ -587,7 +618,8 @@ class RunState:
                 None if rs.replays_at is None else max(0.0, mono_now - rs.replays_at),
                 None if rs.batches_at is None else max(0.0, mono_now - rs.batches_at),
                 hb.agent_busy,
-                0.0 if rs.busy_since is None else max(0.0, mono_now - rs.busy_since)))
+                0.0 if rs.busy_since is None else max(0.0, mono_now - rs.busy_since),
+                rs.ident.node, relayed and rs.ident.node in silent_relays))
         return out
 
     def evaluate(self, now: float, mono_now: float | None = None) -> dx.Diagnosis:
@@ -609,28 +641,65 @@ class RunState:
             # cannot show (graph replays, batches, a trace stopping) ends it too.
             if report is not None:
                 self.hang = replace(self.hang, stalled_s=report.stalled_s)
+            self._keep_hang_stacks()
         elif report is not None:
             # No progress for the whole threshold is its own evidence: shown at once.
             self.hang, self.hang_steps = report, steps
             self.hang_since = now - report.stalled_s
+            self.hang_stacks = {}
+            self._keep_hang_stacks()
             self.live = dx.LiveLabel(report.diagnosis)
         else:
+            if self.hang is not None:
+                self.ended_hang = (self.hang, self.hang_since, self.hang_stacks,
+                                   self.hang_steps)
             self.hang = None
             self.hang_since = None
+            self.hang_stacks = {}
             active = self.live.shown.label if self.live else None
             recent = self._recent_timings
             self.live = dx.settle(self.live, dx.diagnose(timings, active, self.parallel == "fsdp",
                                                          self.framework, recent,
-                                                         self._stall_stats(),
+                                                         self.stall_findings(),
                                                          self.preflight_busbw))
         assert self.live is not None  # set above, or by the hang that latched
         shown = self.live.shown
+        self.clock.mark(self._newest_step(), now)
         if before is None or shown.subject != before.subject:
             hang_since = self.hang_since if self.hang is not None else None
             self._new_episode(shown, now if hang_since is None else hang_since)
         self._count_cost(shown)
         self._add_history(now, timings)
         return shown
+
+    def _keep_hang_stacks(self) -> None:
+        """The stacks ranks sent (or that were taken of them) during the latched hang."""
+        for rs in self.ranks.values():
+            if rs.stacks:
+                self.hang_stacks[rs.ident.rank] = rs.stacks
+
+    def keep_latched_hang(self) -> bool:
+        """At the end of a run stopped by a signal (Ctrl-C, SIGTERM): a hang that ended
+        within AFTERMATH_STEPS steps per rank of the end was ended by the stop, so the
+        record says HANG as it was latched (culprits, kind, stacks), its timeline episode
+        open to the end, not the few steps of the aftermath. True when restored."""
+        ended = self.ended_hang
+        if self.hang is not None or ended is None:
+            return False
+        report, since, stacks, at_steps = ended
+        steps = sum(rs.steps for rs in self.ranks.values())
+        if steps - at_steps > AFTERMATH_STEPS * max(1, len(self.ranks)):
+            return False  # the job went on after it: a hang that resolved itself
+        self.hang, self.hang_since, self.hang_stacks = report, since, stacks
+        self.hang_steps = steps
+        self.live = dx.LiveLabel(report.diagnosis)
+        self.what_if = None
+        hangs = [i for i, ep in enumerate(self.timeline) if ep.label == report.diagnosis.label]
+        if hangs:  # the aftermath's episodes go; the hang's stays open to the end
+            for _ in range(len(self.timeline) - hangs[-1] - 1):
+                self.timeline.pop()
+            self.timeline[-1] = replace(self.timeline[-1], end=None, end_step=None)
+        return True
 
     def _add_history(self, now: float, timings: list[dx.RankTiming]) -> None:
         steps, own = [], []
@@ -672,14 +741,92 @@ class RunState:
         if lost_ms > 0:
             self.timeline[-1] = replace(last, lost_s=(last.lost_s or 0.0) + lost_ms / 1000.0)
 
+    def _newest_step(self) -> int:
+        return max((rs.last_step for rs in self.ranks.values()), default=-1)
+
+    def _savings(self, d: dx.Diagnosis) -> cost.Savings | None:
+        """What `d`'s culprit cost step by step over the ranks' windows (as far as
+        cost.steps_to_read lets a large job read back)."""
+        if d.label not in cost.COSTED_LABELS or not self.ranks:
+            return None
+        data = self.block.aligned(list(self.ranks), cost.steps_to_read(
+            len(self.ranks), self.window_steps, self.window_steps))
+        return None if data is None else cost.savings(d, data, self.parallel == "fsdp")
+
     def _new_episode(self, d: dx.Diagnosis, now: float) -> None:
-        step = max((rs.steps for rs in self.ranks.values()), default=0)
-        if self.timeline and self.timeline[-1].end is None:
-            self.timeline[-1] = self.timeline[-1].closed(now, step)
+        """Close the open episode and open one for `d`. An episode with a culprit is
+        dated by its evidence (episodes.py): it starts at the first step of the newest
+        run of steps in which the culprit cost the job a material share, and the open
+        one ends at its last such step; the lost time is priced over exactly those
+        steps. Episodes the new one's evidence covers whole (the COMM-BOUND its victims
+        showed while the straggler was not yet confirmed) were its own symptom: they go,
+        and one it covers in part ends where it begins."""
+        newest = self._newest_step()
+        step = max(0, newest)
+        last = self.timeline[-1] if self.timeline else None
+        floor = WARMUP_STEPS - 1  # new evidence starts after every dated episode's end
+        if last is not None and last.end is None:
+            end_step = step
+            if last.dated and self._episode_dx is not None:
+                end_step = self._close_dated(last, self._episode_dx, step)
+            end = self.clock.time_of(end_step, now) if last.dated else now
+            self.timeline[-1] = replace(last.closed(min(end, now), end_step),
+                                        cleared_step=newest)
+        for e in self.timeline:
+            if e.dated or e.label == dx.HANG:
+                floor = max(floor, e.end_step if e.end_step is not None else step)
+        start, dated, lost = step, False, None
+        saved = None if d.label == dx.HANG else self._savings(d)
+        if saved is not None:
+            hot = episodes.evidence(d.label, saved.job_ms, saved.saving_ms)
+            found = episodes.span(d.label, saved.steps, hot, floor)
+            if found is not None:
+                start, dated = found[0], True
+                lost = episodes.lost_ms(saved.steps, saved.saving_ms, start, newest) / 1000.0
+        elif last is not None and last.dated:
+            start = max(step, 0) if last.end_step is None else last.end_step + 1
+            start = min(start, step)
+        self._fold(start)
         self.live_since = now
-        self._lost_mark = max((rs.last_step for rs in self.ranks.values()), default=-1)
-        self.timeline.append(Episode(d.label, d.rank, d.phase, d.severity, now, None, step, None,
-                                     d.summary, d.node))
+        self._lost_mark = newest
+        self._episode_dx = d
+        at = self.clock.time_of(start, now) if start != step else now
+        self.timeline.append(Episode(d.label, d.rank, d.phase, d.severity, min(at, now), None,
+                                     start, None, d.summary, d.node, lost_s=lost or None,
+                                     dated=dated, named_step=newest))
+
+    def _close_dated(self, e: Episode, d: dx.Diagnosis, step: int) -> int:
+        """Where the open dated episode `e` ends: its last step of evidence (the newest
+        step if it has left the window), with its lost time brought to exactly its steps
+        (evaluations counted it up to the last one's newest step)."""
+        saved = self._savings(d)
+        if saved is None:
+            return step
+        hot = episodes.evidence(d.label, saved.job_ms, saved.saving_ms)
+        end = episodes.last_evidence(d.label, saved.steps, hot, e.start_step - 1)
+        if end is None:
+            return step
+        mark = self._lost_mark
+        extra = (episodes.lost_ms(saved.steps, saved.saving_ms, mark + 1, end)
+                 - episodes.lost_ms(saved.steps, saved.saving_ms, end + 1, mark))
+        if extra:
+            self.timeline[-1] = replace(self.timeline[-1], lost_s=max(
+                0.0, (self.timeline[-1].lost_s or 0.0) + extra / 1000.0))
+        return end
+
+    def _fold(self, start: int) -> None:
+        """Episodes wholly on or after `start` that are not dated (nor a hang) go: the
+        new episode's evidence covers them. The one before ends before `start`."""
+        while (len(self.timeline) > 1 and not self.timeline[-1].dated
+               and self.timeline[-1].label not in (dx.HANG, dx.WARMUP)
+               and self.timeline[-1].start_step >= start):
+            self.timeline.pop()
+        last = self.timeline[-1] if self.timeline else None
+        if last is not None and last.end_step is not None and last.end_step >= start:
+            end_step = max(last.start_step, start - 1)
+            end = last.end if last.end is None else min(
+                last.end, self.clock.time_of(end_step, last.end))
+            self.timeline[-1] = replace(last, end=end, end_step=end_step)
 
     def recent_steps(self, rank: int) -> tuple[float, ...]:
         """The rank's last step times, oldest first (for a sparkline)."""
@@ -697,7 +844,7 @@ class RunState:
                           self.ranks[r.rank].gpu)
             for r in ranks if r.reported]
         return dx.diagnose(timings, collectives_in_compute=self.parallel == "fsdp",
-                           framework=self.framework, stalls=self._stall_stats(),
+                           framework=self.framework, stalls=self.stall_findings(),
                            preflight_busbw=self.preflight_busbw)
 
     def snapshot(self, now: float, mono_now: float, full: bool = False) -> Snapshot:
@@ -725,11 +872,13 @@ class RunState:
             live=shown, live_since=self.live_since,
             final=final,
             timeline=tuple(self.timeline), counters=dict(self.counters), hang=self.hang,
-            hang_since=self.hang_since, parallel=self.parallel, checks=self.checks.merged(),
+            hang_since=self.hang_since, hang_stacks=dict(self.hang_stacks),
+            parallel=self.parallel, checks=self.checks.merged(),
             batch_sizes=self.checks.batch_sizes(), framework=self.framework,
             preflight_busbw=self.preflight_busbw, preflight=self.preflight,
             relays=self._relay_snapshots(mono_now), what_if=self.what_if,
             history=self.history.view(),
+            collectives=self._collective_stats(),
             final_what_if=(None if final is None or aligned is None
                            or final.label not in cost.COSTED_LABELS
                            else cost.what_if(final, aligned, self.parallel == "fsdp")),

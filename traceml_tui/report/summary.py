@@ -17,11 +17,12 @@ import msgspec
 
 from traceml_agent import nccl_log
 from traceml_agent.sanitize import clean_line
-from traceml_agent.vocab import SUMMARY_JSON, SUMMARY_TXT, format_ranks
+from traceml_agent.vocab import format_ranks
 from traceml_tui.judge import diagnosis as dx
 from traceml_tui.judge.state import Episode, Snapshot, hours_unit
 from traceml_tui.judge.windows import median
 from traceml_tui.runfolder.folders import write_atomic
+from traceml_tui.runfolder.layout import RunFolder
 
 from . import model
 
@@ -282,8 +283,12 @@ def _hang(snap: Snapshot) -> dict[str, Any] | None:
                       "in_group": r.heartbeat.in_group,
                       "nccl": None if r.nccl is None else msgspec.to_builtins(r.nccl)}
                      for r in snap.ranks if r.reported],
-        "stacks": {str(r.rank): [{"thread": name, "stack": text} for name, text in r.stacks]
-                   for r in snap.ranks if r.stacks},
+        # As taken during the hang: a rank woken by the stop (its step closed, its stack
+        # cleared) keeps the stack it had while stuck (state.hang_stacks).
+        "stacks": {str(rank): [{"thread": name, "stack": text} for name, text in stacks]
+                   for rank, stacks in sorted(
+                       {**snap.hang_stacks, **{r.rank: r.stacks for r in snap.ranks
+                                               if r.stacks}}.items())},
     }
 
 
@@ -486,7 +491,7 @@ def to_json(doc: dict[str, Any], indent: int = 0) -> str:
 
 
 def write_summary(run_dir: Path, doc: dict[str, Any]) -> Path:
-    run_dir = Path(run_dir)
-    write_atomic(run_dir / SUMMARY_JSON, to_json(doc, indent=2))
-    write_atomic(run_dir / SUMMARY_TXT, render_text(doc))
-    return run_dir / SUMMARY_JSON
+    folder = RunFolder(Path(run_dir))
+    write_atomic(folder.summary_json, to_json(doc, indent=2))
+    write_atomic(folder.summary_txt, render_text(doc))
+    return folder.summary_json

@@ -1,0 +1,77 @@
+"""The hang record (docs/hangs.md): what the summary keeps of a hang, whatever the stop
+does after it, and who may add a stack to it. Pure state and summary, no processes."""
+
+from __future__ import annotations
+
+from traceml_agent.protocol import PHASES, Identity, decode, encode
+from traceml_tui.judge.state import RunState
+from traceml_tui.report import summary
+
+T0 = 1_700_000_000.0
+_STEP_MS = {"dataloader": 5.0, "forward": 15.0, "backward": 20.0, "sync": 2.0}
+
+
+def _steps(state: RunState, ident: Identity, first: int, last: int, now: float) -> None:
+    records = [[s, T0 + s, 50.0, *(_STEP_MS.get(p) for p in PHASES)]
+               for s in range(first, last + 1)]
+    state.ingest(decode(encode("steps", ident, 0, T0, phases=list(PHASES), records=records)),
+                 now=now)
+
+
+def _beat(state: RunState, ident: Identity, now: float, since: float, **fields) -> None:
+    state.ingest(decode(encode("heartbeat", ident, 1, T0 + now, step=20, since_step_s=since,
+                               **fields)), now=now)
+
+
+def _hung_job():
+    """Two ranks stepped 20 times; then rank 1 sleeps in forward (its stack says so) while
+    rank 0 waits in all_reduce, until HANG is latched with rank 1 as the culprit."""
+    state = RunState("latched", world_size=2, started_at=T0, hang_after_s=5.0)
+    idents = [Identity(r, r, 0, f"host{r}", 100 + r, 2) for r in range(2)]
+    for i in idents:
+        _steps(state, i, 0, 19, now=1.0)
+    t = 2.0
+    while state.hang is None:
+        _beat(state, idents[0], t, since=t - 1.0, phase="backward",
+              collectives=20)
+        _beat(state, idents[1], t, since=t - 1.0, phase="forward", collectives=20)
+        if t == 5.0:
+            state.ingest(decode(encode("stacks", idents[1], 2, T0 + t, stacks=[
+                ["MainThread", "wait_forever (hang_wakes.py:30)"]])), now=t)
+        state.evaluate(T0 + t, mono_now=t + 0.5)
+        t += 1.0
+        assert t < 30, "no hang latched"
+    assert state.hang.culprits == (1,)
+    return state, idents, t
+
+
+def test_the_summary_keeps_the_latched_hang_after_ctrl_c_woke_the_stuck_rank():
+    """Ctrl-C: rank 1's sleep raises inside `with traceml_agent.step()`, which closes its
+    step (the step count moves, its stack is cleared), then every rank exits. The record
+    of a run stopped by a signal still says HANG rank 1, with the stack it had."""
+    state, idents, t = _hung_job()
+    _steps(state, idents[1], 20, 20, now=t)  # the woken rank's step, closed on the way out
+    _steps(state, idents[0], 20, 20, now=t)  # and the collective it released
+    for i in idents:
+        state.ingest(decode(encode("goodbye", i, 3, T0 + t, exit_code=1)), now=t)
+    state.evaluate(T0 + t, mono_now=t + 0.5)
+    assert state.hang is None  # live, the aftermath reads as the hang's end ...
+    assert state.keep_latched_hang()  # ... the stop's record keeps the hang
+    doc = summary.build(state.snapshot(T0 + t + 1, t + 1, full=True), summary.RunMeta())
+    assert (doc["diagnosis"]["label"], doc["diagnosis"]["rank"]) == ("HANG", 1)
+    assert doc["hang"]["kind"] == "behind" and doc["hang"]["ranks"] == [1]
+    assert "wait_forever" in doc["hang"]["stacks"]["1"][0]["stack"]
+    assert doc["timeline"][-1]["label"] == "HANG"
+    assert doc["timeline"][-1]["end_step"] is None
+
+
+def test_a_hang_that_resolved_itself_is_not_brought_back():
+    """The job went on for many steps after the stall: the end is not the hang's."""
+    state, idents, t = _hung_job()
+    for i in idents:
+        _steps(state, i, 20, 60, now=t)
+    state.evaluate(T0 + t, mono_now=t + 0.5)
+    assert state.hang is None
+    assert not state.keep_latched_hang()
+    doc = summary.build(state.snapshot(T0 + t + 1, t + 1, full=True), summary.RunMeta())
+    assert doc["hang"] is None
