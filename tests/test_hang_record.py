@@ -11,11 +11,12 @@ T0 = 1_700_000_000.0
 _STEP_MS = {"dataloader": 5.0, "forward": 15.0, "backward": 20.0, "sync": 2.0}
 
 
-def _steps(state: RunState, ident: Identity, first: int, last: int, now: float) -> None:
+def _steps(state: RunState, ident: Identity, first: int, last: int, now: float,
+           conn: object = None) -> None:
     records = [[s, T0 + s, 50.0, *(_STEP_MS.get(p) for p in PHASES)]
                for s in range(first, last + 1)]
     state.ingest(decode(encode("steps", ident, 0, T0, phases=list(PHASES), records=records)),
-                 now=now)
+                 now=now, conn=conn)
 
 
 def _beat(state: RunState, ident: Identity, now: float, since: float, **fields) -> None:
@@ -75,3 +76,41 @@ def test_a_hang_that_resolved_itself_is_not_brought_back():
     assert not state.keep_latched_hang()
     doc = summary.build(state.snapshot(T0 + t + 1, t + 1, full=True), summary.RunMeta())
     assert doc["hang"] is None
+
+
+def _progress(r: int, node: int, silent: float, relay_silent: bool):
+    from traceml_tui.judge.hang import RankProgress
+
+    return RankProgress(r, f"host{node}", 30, 30, "backward", None, 20.0, silent,
+                        node=node, relay_silent=relay_silent)
+
+
+def test_ranks_silent_behind_a_silent_relay_read_relay_lost_not_dead():
+    """Node 1's relay died: its ranks go silent with it. That is "node 1's relay lost";
+    a silent rank whose relay still speaks is dead as before."""
+    from traceml_tui.judge import hang
+
+    ranks = [_progress(0, 0, 0.5, False), _progress(1, 0, 0.5, False),
+             _progress(2, 1, 12.0, True), _progress(3, 1, 12.0, True)]
+    report = hang.detect(ranks, 100.0, 5.0)
+    assert report is not None and report.kind == hang.RELAY_LOST
+    assert report.culprits == (2, 3) and report.diagnosis.node == 1
+    assert "node 1's relay lost" in report.diagnosis.summary
+    assert "dead" not in report.diagnosis.summary and "gone or frozen" not in \
+        report.diagnosis.summary
+    ranks[3] = _progress(3, 1, 12.0, False)  # its relay speaks: the rank itself is gone
+    assert hang.detect(ranks, 100.0, 5.0).kind == hang.DEAD
+
+
+def test_the_state_marks_ranks_behind_a_silent_relay():
+    """Ranks whose messages came through node 1's relay, when that relay's batches stop."""
+    from traceml_tui.judge import hang
+
+    state = RunState("relay", world_size=2, started_at=T0, nnodes=2, hang_after_s=5.0)
+    ident = Identity(1, 0, 1, "host1", 101, 2)
+    state.relay_seen(1, 0, 0, now=1.0)
+    _steps(state, ident, 0, 19, now=1.0, conn=(b"relay-conn", 0))  # the relay's route 0
+    progress = {p.rank: p for p in state.progress(1.0 + 10.0)}
+    assert progress[1].node == 1 and progress[1].relay_silent
+    assert not {p.rank: p for p in state.progress(2.0)}[1].relay_silent
+    assert hang.RELAY_LOST == "relay lost"

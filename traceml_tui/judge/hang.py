@@ -20,6 +20,9 @@ the way a user would compare NCCL opCounts across rank logs, but live:
   dead             a rank stopped sending anything, heartbeats included (they come
                    from a thread that does not need training): its process is gone
                    or frozen.
+  relay lost       the silent ranks are those of nodes whose relay fell silent too:
+                   what was lost is the relay (or its node's network), not necessarily
+                   the ranks, which may be training still; "dead" would say too much.
 
 A rank whose step count is frozen but which still makes progress the hooks cannot count
 as steps (a whole-step CUDA graph it replays, DataLoader batches it fetches) or whose
@@ -62,6 +65,7 @@ BATCHES = "steps not visible: DataLoader batches still fetched"
 PHASE_ORDER: dict[str | None, int] = {None: 0, **{p: i for i, p in enumerate(MEASURED_PHASES, 1)}}
 
 BEHIND, SAME_COLLECTIVE, DEAD, DIVERGED = "behind", "same collective", "dead", "diverged"
+RELAY_LOST = "relay lost"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,8 @@ class RankProgress:
     batches_idle_s: float | None = None
     busy: str | None = None
     busy_s: float = 0.0
+    node: int = 0
+    relay_silent: bool = False  # its node's relay fell silent (state.RELAY_SILENT_S)
 
     def position(self) -> tuple[int, int, int]:
         return (self.steps, self.collectives, PHASE_ORDER.get(self.phase, 0))
@@ -165,6 +171,9 @@ def detect(progress: Sequence[RankProgress], median_step_ms: float | None,
     if stalled <= limit:
         return None
     dead = sorted(p.rank for p in running if p.silent_s > DEAD_SILENCE_S)
+    lost = _relay_lost(running, dead, stalled, limit)
+    if lost is not None:
+        return lost
     if dead:
         first = next(p for p in running if p.rank == dead[0])
         summary = (f"HANG: rank{'s' if len(dead) > 1 else ''} {_ranks(dead)} stopped reporting "
@@ -196,6 +205,26 @@ def detect(progress: Sequence[RankProgress], median_step_ms: float | None,
                f"a network or NCCL problem (try NCCL_DEBUG=INFO, nccl-tests).")
     return HangReport(SAME_COLLECTIVE, Diagnosis(HANG, None, sample.phase, CRITICAL, summary),
                       (), stalled, limit)
+
+
+def _relay_lost(running: Sequence[RankProgress], dead: Sequence[int], stalled: float,
+                limit: float) -> HangReport | None:
+    """Every silent rank is on a node whose relay is silent too: the relay is what was
+    lost (it died, or its node's network did), and its ranks may well be training."""
+    silent = [p for p in running if p.rank in set(dead)]
+    if not silent or not all(p.relay_silent for p in silent):
+        return None
+    nodes = sorted({p.node for p in silent})
+    first = silent[0]
+    which = ", ".join(f"node {n}'s" for n in nodes)
+    summary = (f"HANG: {which} relay lost: nothing from it for {first.silent_s:.0f} s, so "
+               f"rank{'s' if len(silent) > 1 else ''} {_ranks(dead)} (host {first.host}, last "
+               f"seen at step {first.steps} {first.where()}) cannot be heard; they may still "
+               f"run or wait. Check that node's terminal and relay log, and its network to "
+               f"node 0.")
+    return HangReport(RELAY_LOST, Diagnosis(HANG, None, first.phase, CRITICAL, summary,
+                                            node=nodes[0], node_ranks=tuple(dead)),
+                      tuple(dead), stalled, limit)
 
 
 def _diverged(running: Sequence[RankProgress], stalled: float, limit: float
