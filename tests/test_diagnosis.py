@@ -39,6 +39,7 @@ from traceml_tui.judge.diagnosis import (
     diagnose,
     settle,
 )
+from traceml_tui.judge.stalls import StallBook, StallFinding
 
 # A balanced rank's medians in ms; they add up to a 100 ms step.
 BASE = {"dataloader": 5.0, "h2d": 1.0, "forward": 30.0, "backward": 50.0, "sync": 4.0,
@@ -458,20 +459,39 @@ def test_phases_the_agent_could_not_time_are_untimed_with_the_reason(what, seen,
 
 # --- periodic stalls and recent steps ------------------------------------------------------
 
-WINDOW = 400  # steps in each rank's window
+WINDOW = 400  # steps each rank has taken
 
 
 def stalls(rank: int, steps: list[int], ms: float = 250.0, phase: str = "wait"
-           ) -> dx.StallStats:
-    return dx.StallStats(rank, tuple(dx.Stall(s, ms, phase) for s in steps), WINDOW, STEP)
+           ) -> list[tuple[int, int, float, str]]:
+    """One rank's stalled steps, as the state's ingest finds them."""
+    return [(rank, s, ms, phase) for s in steps]
 
 
-def quiet(rank: int) -> dx.StallStats:
-    return dx.StallStats(rank, (), WINDOW, STEP)
+def quiet(rank: int) -> list[tuple[int, int, float, str]]:
+    return []
+
+
+def logged(events: list[list[tuple[int, int, float, str]]], last_step: int = WINDOW,
+           typical: float = STEP) -> list[StallFinding]:
+    """The stall log fed with the events, read as the state reads it."""
+    book = StallBook()
+    for rank, step, ms, phase in sorted((e for ev in events for e in ev),
+                                        key=lambda e: e[1]):
+        book.add(rank, step, ms, phase)
+    return [f for r in sorted(book.stalling)
+            if (f := book.finding(r, typical, last_step)) is not None]
+
+
+def share_ms(share: float, steps: list[int], last_step: int = WINDOW) -> float:
+    """The excess per stall that makes the stalls after the first `share` of the time
+    from the first stall to `last_step`."""
+    n = len(steps) - 1
+    return share * (last_step - steps[0]) * STEP / ((1.0 - share) * n)
 
 
 EVERY_30 = list(range(30, WINDOW, 30))  # 13 stalls
-# (what, per-rank stall stats, expected label, rank, phase)
+# (what, per-rank stalls, expected label, rank, phase)
 STALL_CASES = [
     ("rank 0 checkpoints every 30 steps; the others wait in sync",
      [stalls(0, EVERY_30)] + [stalls(r, EVERY_30, phase="sync") for r in (1, 2, 3)],
@@ -482,50 +502,68 @@ STALL_CASES = [
      [quiet(0), quiet(1), stalls(2, EVERY_30, phase="dataloader"), quiet(3)],
      dx.PERIODIC_STALL, 2, "dataloader"),
     ("one stray gap in the rhythm still counts",
-     [stalls(0, [30, 60, 90, 100, 120, 150, 180, 210, 240, 270])] + [quiet(r) for r in (1, 2)],
+     [stalls(0, [30, 60, 90, 100, 120, 150, 180, 210, 240, 270, 300, 330, 360, 390])]
+     + [quiet(r) for r in (1, 2)],
      dx.PERIODIC_STALL, 0, "wait"),
-    ("two stalls are no rhythm", [stalls(0, [30, 60]), quiet(1)], BALANCED, None, None),
+    ("two stalls are no rhythm", [stalls(0, [300, 360]), quiet(1)], BALANCED, None, None),
     ("irregular hiccups are noise, not a period",
      [stalls(0, [3, 17, 21, 70, 71, 190, 260, 301]), quiet(1)], BALANCED, None, None),
     ("a slow stretch of consecutive steps is no rhythm",
-     [stalls(0, list(range(100, 110))), quiet(1)], BALANCED, None, None),
+     [stalls(0, list(range(390, 400))), quiet(1)], BALANCED, None, None),
     ("the victims alone (their stalls are sync) name nobody",
      [quiet(0)] + [stalls(r, EVERY_30, phase="sync") for r in (1, 2)], BALANCED, None, None),
     ("stalls costing under 5% of the time are not worth a label",
-     [stalls(0, EVERY_30, ms=0.04 * STEP * WINDOW / len(EVERY_30))] + [quiet(1)],
+     [stalls(0, EVERY_30, ms=share_ms(0.04, EVERY_30))] + [quiet(1)], BALANCED, None, None),
+    ("a checkpoint that stopped two periods ago is over",
+     [stalls(0, [30, 60, 90, 120, 150, 180, 210, 240, 270, 300, 330])] + [quiet(1)],
      BALANCED, None, None),
 ]
 
 
-@pytest.mark.parametrize("what, stats, label, rank, phase", STALL_CASES,
+@pytest.mark.parametrize("what, events, label, rank, phase", STALL_CASES,
                          ids=[c[0] for c in STALL_CASES])
-def test_periodic_stalls(what, stats, label, rank, phase):
-    ranks = [timing(st.rank) for st in stats]
-    d = diagnose(ranks, stalls=stats)
+def test_periodic_stalls(what, events, label, rank, phase):
+    ranks = [timing(r) for r in range(len(events))]
+    d = diagnose(ranks, stalls=logged(events))
     assert (d.label, d.rank, d.phase) == (label, rank, phase), d.summary
 
 
 def test_a_periodic_stall_says_its_period_cost_and_what_to_do():
-    stats = [stalls(0, EVERY_30)] + [stalls(r, EVERY_30, phase="sync") for r in (1, 2, 3)]
-    d = diagnose([timing(r) for r in range(4)], stalls=stats)
-    assert "Rank 0 stalls every 30 steps (13 times in the last 400 steps)" in d.summary
+    found = logged([stalls(0, EVERY_30)] + [stalls(r, EVERY_30, phase="sync") for r in (1, 2, 3)])
+    d = diagnose([timing(r) for r in range(4)], stalls=found)
+    assert "Rank 0 stalls every 30 steps (13 times in the run, the last at step 390)" in d.summary
     assert "about 250 ms each" in d.summary and "lost 3.2 s" in d.summary
     assert "async_save" in d.summary
-    assert d.gap_share == pytest.approx(3250 / (WINDOW * STEP + 3250))
+    assert d.period == 30 and d.gap_ms == pytest.approx(250.0)
+    # The stalls after the first, over the time from the first stall to the newest step.
+    assert d.gap_share == pytest.approx(3000 / ((WINDOW - 30) * STEP + 3000))
 
 
 def test_stragglers_come_before_a_periodic_stall():
-    stats = [stalls(0, EVERY_30), quiet(1), quiet(2)]
+    found = logged([stalls(0, EVERY_30), quiet(1), quiet(2)])
     ranks = [timing(0), timing(1, dataloader=BASE["dataloader"] + part(0.3)), timing(2)]
-    assert diagnose(ranks, stalls=stats).label == INPUT_STRAGGLER
+    assert diagnose(ranks, stalls=found).label == INPUT_STRAGGLER
+
+
+def test_a_periodic_stall_comes_before_comm_bound_whatever_the_victims_sync():
+    """The issue's job: rank 0 checkpoints every 20 steps and every rank spends most of its
+    step in sync (the victims' sync is the stall's, the others' is the network's)."""
+    every_20 = list(range(20, WINDOW, 20))
+    ms = {"dataloader": 0.2, "h2d": None, "forward": 0.7, "backward": 1.4, "sync": 6.0,
+          "optimizer": 0.2, "wait": 0.3}  # a ~9 ms step, two-thirds of it in sync
+    ranks = [timing(r, **ms) for r in range(4)]
+    assert diagnose(ranks).label == dx.COMM_BOUND
+    found = logged([stalls(0, every_20)] + [stalls(r, every_20, phase="sync") for r in (1, 2, 3)],
+                   typical=ranks[0].step_ms)
+    d = diagnose(ranks, stalls=found)
+    assert (d.label, d.rank, d.period) == (dx.PERIODIC_STALL, 0, 20), d.summary
 
 
 def test_a_shown_periodic_stall_holds_down_to_the_exit_share():
-    ms = 0.04 * STEP * WINDOW / len(EVERY_30)  # 4%: below entry, above exit
-    stats = [stalls(0, EVERY_30, ms=ms), quiet(1)]
+    found = logged([stalls(0, EVERY_30, ms=share_ms(0.04, EVERY_30)), quiet(1)])
     ranks = [timing(0), timing(1)]
-    assert diagnose(ranks, stalls=stats).label == BALANCED
-    assert diagnose(ranks, dx.PERIODIC_STALL, stalls=stats).label == dx.PERIODIC_STALL
+    assert diagnose(ranks, stalls=found).label == BALANCED
+    assert diagnose(ranks, dx.PERIODIC_STALL, stalls=found).label == dx.PERIODIC_STALL
 
 
 @pytest.mark.parametrize("step_ms, n", [(None, dx.RECENT_MAX), (10.0, dx.RECENT_MAX),

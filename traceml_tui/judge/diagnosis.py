@@ -48,6 +48,7 @@ from traceml_agent.vocab import (  # noqa: F401 (re-exported)
 # The labels, severities and phase groups are the product's vocabulary (vocab.py); they
 # are re-exported here because the rules below are where they get their meaning.
 from .bandwidth import bus_factor
+from .stalls import STALL_MIN_COUNT, StallFinding
 from .windows import median
 
 # --- thresholds (docs/diagnosis.md gives the reasoning) -------------------------------------
@@ -110,15 +111,11 @@ def recent_steps(step_ms: float | None) -> int:
 # floor keeps timer noise of sub-millisecond steps out.
 STALL_FACTOR = 2.0
 STALL_MIN_MS = 5.0
-# The label needs at least this many stalls of one rank in the window, recurring with a
-# period: at least PERIOD_SHARE of the gaps between them within PERIOD_TOLERANCE of
-# their median (one stray hiccup does not break a checkpoint's rhythm; scheduler noise
-# has none) ...
-STALL_MIN_COUNT = 3
-PERIOD_TOLERANCE = 0.2
-PERIOD_SHARE = 0.75
-# ... and stalls costing the job at least this share of the window's time: 5 % is what a
-# user would fix (an async checkpoint recovers it); exit at 3 % against flicker.
+# The label needs a rank's own stalls to recur with a period (stalls.STALL_MIN_COUNT of
+# them at least, stalls.PERIOD_*: the stall log keeps them over the whole run, whatever
+# the window's size) and to go on still (stalls.RECENT_PERIODS), costing the job at least
+# this share of its time since the oldest kept stall (the log's span): 5 % is what a user
+# would fix (an async checkpoint recovers it); exit at 3 % against flicker.
 STALL_SHARE_ENTER = 0.05
 STALL_SHARE_EXIT = 0.03
 # COMM-BOUND when the median rank spends at least this share of its step in exposed
@@ -255,16 +252,6 @@ class Stall:
     phase: str
 
 
-@dataclass(frozen=True, slots=True)
-class StallStats:
-    """One rank's stalls over its window of `steps` steps of typically `step_ms`."""
-
-    rank: int
-    stalls: tuple[Stall, ...]
-    steps: int
-    step_ms: float
-
-
 def stall_threshold(typical_ms: float | None) -> float | None:
     """The step time from which a step of this rank is a stall (None: not yet known)."""
     if typical_ms is None or not typical_ms > 0:
@@ -286,18 +273,6 @@ def stall_of(step: int, step_ms: float, typical_ms: float, names: Sequence[str],
     return Stall(step, step_ms - typical_ms, best)
 
 
-def period(steps: Sequence[int]) -> int | None:
-    """The period of recurring steps, when they recur regularly (see PERIOD_*)."""
-    if len(steps) < STALL_MIN_COUNT:
-        return None
-    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
-    mid = median(gaps, empty=0.0)
-    if mid < 2:
-        return None  # consecutive slow steps are a slow stretch, not a rhythm
-    close = sum(1 for g in gaps if abs(g - mid) <= max(1.0, PERIOD_TOLERANCE * mid))
-    return round(mid) if close >= PERIOD_SHARE * len(gaps) else None
-
-
 @dataclass(frozen=True, slots=True)
 class Diagnosis:
     label: str
@@ -311,6 +286,8 @@ class Diagnosis:
     # Set when every rank of one node is behind (a host-level cause): its index and ranks.
     node: int | None = None
     node_ranks: tuple[int, ...] = ()
+    # PERIODIC STALL: the steps between the stalls (cost.py spreads their excess over them).
+    period: int | None = None
 
     @property
     def subject(self) -> tuple[str, str, int | None]:
@@ -440,12 +417,12 @@ class WindowStats:
     input_gap: _Skew | None  # the worst input gap, where it is material and still there
     compute_gap: _Skew | None  # the same for compute
     framework: str | None
-    stalls: Sequence[StallStats]
+    stalls: Sequence[StallFinding]  # each stalling rank's stall log (stalls.py)
     preflight_busbw: float | None
 
     @classmethod
     def of(cls, ranks: Sequence[RankTiming], active: str | None, fsdp: bool,
-           framework: str | None, recent: Recent, stalls: Sequence[StallStats] | None,
+           framework: str | None, recent: Recent, stalls: Sequence[StallFinding] | None,
            preflight_busbw: float | None) -> WindowStats:
         compute = FSDP_COMPUTE_PHASES if fsdp else COMPUTE_PHASES
         ready = [r for r in ranks
@@ -529,7 +506,7 @@ def _input_bound(w: WindowStats) -> Diagnosis | None:
 
 
 def _periodic_stall(w: WindowStats) -> Diagnosis | None:
-    return periodic_stall(w.stalls, w.active)
+    return periodic_stall(w.stalls, w.active, len(w.ranks))
 
 
 def _timing_incomplete(w: WindowStats) -> Diagnosis | None:
@@ -593,7 +570,7 @@ RULES: tuple[Rule, ...] = (
 def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
              collectives_in_compute: bool = False, framework: str | None = None,
              recent: Recent = None,
-             stalls: Sequence[StallStats] | None = None,
+             stalls: Sequence[StallFinding] | None = None,
              preflight_busbw: float | None = None) -> Diagnosis:
     """Classify the window: the verdict of the first rule in RULES that gives one.
     `active` is the label currently shown: its own condition is tested with the lower
@@ -603,7 +580,8 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
     `recent`: the same ranks over their newest few steps (RECENT_S), or a function that
     gives them (asked only when a straggler gap holds on the window): a straggler the
     window still holds but those steps no longer show has recovered, and is not named.
-    `stalls`: each rank's stalled steps over its window (periodic_stall).
+    `stalls`: what each stalling rank's stall log says, over the whole run
+    (stalls.StallBook.finding; periodic_stall).
     `preflight_busbw`: the all-reduce bus bandwidth `traceml netcheck` measured before
     training (GB/s), which COMM-BOUND's evidence compares against."""
     w = WindowStats.of(ranks, active, collectives_in_compute, framework, recent, stalls,
@@ -648,40 +626,34 @@ def comm_bound(ranks: Sequence[RankTiming], share: float, step_ms: float,
         gap_share=share)
 
 
-def periodic_stall(stats: Sequence[StallStats], active: str | None) -> Diagnosis | None:
-    """PERIODIC STALL: a rank (or every rank) whose own work stalls with a period, costing
-    the job at least STALL_SHARE_ENTER of the window's time. The ranks that only waited
-    for it stall too, in sync: they are the victims, not the cause."""
-    causes = []
-    for st in stats:
-        own = [s for s in st.stalls if s.phase != SYNC]
-        rhythm = period([s.step for s in own])
-        if len(own) >= STALL_MIN_COUNT and rhythm is not None:
-            causes.append((st, own, rhythm))
+def periodic_stall(findings: Sequence[StallFinding], active: str | None, reporting: int
+                   ) -> Diagnosis | None:
+    """PERIODIC STALL: a rank (or every rank) whose own work stalls with a period, still
+    going on, costing the job at least STALL_SHARE_ENTER of its time since the stall log's
+    oldest kept stall. Judged from the stall log, not the window: a checkpoint every 5,000
+    steps fits in no window. The ranks that only waited for it stall too, in sync: they
+    are the victims, not the cause (whatever their share of sync, COMM-BOUND comes after).
+    `reporting`: the ranks that reported (every one stalling reads "every rank")."""
+    enter = STALL_SHARE_EXIT if active == PERIODIC_STALL else STALL_SHARE_ENTER
+    causes = [f for f in findings if f.kept >= STALL_MIN_COUNT and f.period is not None
+              and f.recent and f.span_share >= enter]
     if not causes:
         return None
-    window_ms = median([st.steps * st.step_ms for st in stats if st.steps], empty=0.0)
-    st, own, rhythm = max(causes, key=lambda c: (sum(s.excess_ms for s in c[1]), -c[0].rank))
-    lost_ms = sum(s.excess_ms for s in own)
-    share = lost_ms / (window_ms + lost_ms) if window_ms > 0 else 0.0
-    if share < (STALL_SHARE_EXIT if active == PERIODIC_STALL else STALL_SHARE_ENTER):
-        return None
-    phases = [s.phase for s in own]
-    phase = max(sorted(set(phases)), key=phases.count)
-    each = lost_ms / len(own)
-    everyone = len(causes) == len(stats) > 1
-    who = "Every rank" if everyone else f"Rank {st.rank}"
+    f = max(causes, key=lambda c: (c.span_share, c.lost_ms, -c.rank))
+    everyone = len(causes) == reporting > 1
+    who = "Every rank" if everyone else f"Rank {f.rank}"
     waits = ("" if everyone else
              "; the other ranks wait for it in their next collective (their sync)")
-    where = STALL_HINTS.get(phase, f"in {phase}")  # the phase table's hints
+    where = STALL_HINTS.get(f.phase, f"in {f.phase}")  # the phase table's hints
+    since = "" if f.kept == f.count else f" (from step {f.first_step})"
     return Diagnosis(
-        PERIODIC_STALL, None if everyone else st.rank, phase, WARNING,
-        f"{who} stalls every {rhythm} steps ({len(own)} times in the last {st.steps} "
-        f"steps), about {each:.0f} ms each, {where}{waits}: the job lost "
-        f"{lost_ms / 1000:.1f} s, {share:.0%} of its time. Make it asynchronous "
-        f"(torch.distributed.checkpoint.async_save), run evaluation on every rank or off "
-        f"the critical path, log from a background thread.",
-        gap_ms=each, gap_share=share)
+        PERIODIC_STALL, None if everyone else f.rank, f.phase, WARNING,
+        f"{who} stalls every {f.period} steps ({f.count} times in the run, the last at "
+        f"step {f.last_step}), about {f.mean_ms:.0f} ms each, {where}{waits}: the job lost "
+        f"{f.lost_ms / 1000:.1f} s, {f.span_share:.0%} of its time{since}. Make it "
+        f"asynchronous (torch.distributed.checkpoint.async_save), run evaluation on every "
+        f"rank or off the critical path, log from a background thread.",
+        gap_ms=f.mean_ms, gap_share=f.span_share, period=f.period)
 
 
 def _incomplete(ranks: Sequence[RankTiming], framework: str | None) -> Diagnosis:

@@ -1,0 +1,196 @@
+"""The stall log: every rank's stalled steps over the whole run, whatever the window size.
+
+A window holds 512 steps at small scale and 32 at 16,384 ranks (windows.window_steps_for):
+a checkpoint every 200 steps leaves two stalls in it, one every 5,000 none, and a rule
+that needs a rhythm inside the window never sees them. Stalls are rare events: they need
+no window. `StallBook.add` is called on receipt of each stalled step (state.py compares
+each record with the rank's stall threshold, one comparison per record); `StallBook.
+findings` gives, per rank, the period and the time lost, which diagnosis.periodic_stall
+judges and the summary's `stalls` section lists.
+
+Memory, bounded per rank (docs/diagnosis.md, "Periodic stalls"): a rank's own stalls (a
+phase other than `sync`) are kept newest-first up to STALL_LOG_KEEP in three numpy arrays
+of 13 bytes per stall (step int64, excess float32, phase uint8), about 3.6 KB for a full
+log; every stall, kept or not, is also counted with its excess, so the run's lost time is
+exact after the oldest are dropped. A victim's stalls (the `sync` that waited for another
+rank's stall) are only counted: at 16,384 ranks every rank but one is a victim of a
+checkpoint, and their copies would say nothing the stalling rank's log does not. A rank
+that never stalled costs nothing (no log); one that was only a victim about 100 bytes.
+Worst case, every rank stalling on its own (evaluation on all ranks): 16,384 x 3.6 KB,
+about 60 MB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from traceml_agent.vocab import SYNC
+
+# Own stalls kept per rank, newest: enough for a period to be measured from many gaps,
+# and, at 10,000-step periods, a record of 2.5 million steps.
+STALL_LOG_KEEP = 256
+# A period needs at least this many stalls, and at least PERIOD_SHARE of the gaps between
+# the kept ones within PERIOD_TOLERANCE (at least one step) of their median gap, which
+# is at least MIN_PERIOD steps: a stretch of consecutive slow steps is a straggler's
+# business, scheduler hiccups have no rhythm, and one stray hiccup (or one stall under
+# the threshold, which doubles a gap) does not break a checkpoint's.
+STALL_MIN_COUNT = 3
+PERIOD_TOLERANCE = 0.2
+PERIOD_SHARE = 0.75
+MIN_PERIOD = 2
+# A rhythm is still going while its rank's newest step is at most this many periods past
+# its newest stall: a checkpoint every 200 steps that stopped 600 steps ago is over.
+RECENT_PERIODS = 2.0
+# Distinct phase names a log can code (a run has at most 24, state.MAX_RUN_PHASES).
+MAX_PHASE_CODES = 255
+
+
+def period(steps: np.ndarray | list[int]) -> int | None:
+    """The period of recurring steps (ascending), when they recur regularly (PERIOD_*)."""
+    if len(steps) < STALL_MIN_COUNT:
+        return None
+    gaps = np.diff(np.asarray(steps, dtype=np.int64))
+    mid = float(np.median(gaps))
+    if mid < MIN_PERIOD:
+        return None
+    close = int((np.abs(gaps - mid) <= max(1.0, PERIOD_TOLERANCE * mid)).sum())
+    return round(mid) if close >= PERIOD_SHARE * len(gaps) else None
+
+
+@dataclass(frozen=True, slots=True)
+class StallFinding:
+    """One rank's stall record, as the rule and the summary read it. `kept_*`: over the
+    kept (newest) own stalls; `count`, `lost_ms`: over the whole run."""
+
+    rank: int
+    count: int  # own stalls over the run
+    lost_ms: float  # their excess over the rank's typical step, summed over the run
+    kept: int  # of them, still in the log (the newest)
+    period: int | None  # steps between them, None when they have no rhythm
+    phase: str  # the phase holding most of the kept stalls (`wait`: outside every phase)
+    first_step: int  # the oldest kept stall's step
+    last_step: int  # the newest stall's step
+    span_share: float  # the kept stalls' excess after the oldest, over the time since it
+    recent: bool  # the rhythm still goes on (RECENT_PERIODS)
+    victim_count: int  # steps it waited in sync for another rank's stall
+    victim_ms: float
+
+    @property
+    def mean_ms(self) -> float:
+        return self.lost_ms / self.count if self.count else 0.0
+
+
+class StallLog:
+    """One rank's stalls (module docstring: what is kept, and its bytes)."""
+
+    __slots__ = ("_step", "_excess", "_phase", "_next", "kept", "count", "lost_ms",
+                 "victim_count", "victim_ms", "_period", "_dirty")
+
+    def __init__(self) -> None:
+        self._step: np.ndarray | None = None  # allocated at the first own stall
+        self._excess: np.ndarray | None = None
+        self._phase: np.ndarray | None = None
+        self._next = 0  # ring position of the next stall
+        self.kept = 0
+        self.count = 0
+        self.lost_ms = 0.0
+        self.victim_count = 0
+        self.victim_ms = 0.0
+        self._period: int | None = None
+        self._dirty = False
+
+    def add(self, step: int, excess_ms: float, code: int) -> None:
+        if self._step is None or self._excess is None or self._phase is None:
+            self._step = np.zeros(STALL_LOG_KEEP, np.int64)
+            self._excess = np.zeros(STALL_LOG_KEEP, np.float32)
+            self._phase = np.zeros(STALL_LOG_KEEP, np.uint8)
+        i = self._next
+        self._step[i], self._excess[i], self._phase[i] = step, excess_ms, code
+        self._next = (i + 1) % STALL_LOG_KEEP
+        self.kept = min(STALL_LOG_KEEP, self.kept + 1)
+        self.count += 1
+        self.lost_ms += excess_ms
+        self._dirty = True
+
+    def ordered(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The kept stalls, oldest first: (steps, excess ms, phase codes)."""
+        if self._step is None or self._excess is None or self._phase is None:
+            empty = np.zeros(0)
+            return empty.astype(np.int64), empty.astype(np.float32), empty.astype(np.uint8)
+        if self.kept < STALL_LOG_KEEP:
+            return (self._step[:self.kept], self._excess[:self.kept],
+                    self._phase[:self.kept])
+        order = np.roll(np.arange(STALL_LOG_KEEP), -self._next)
+        return self._step[order], self._excess[order], self._phase[order]
+
+    def period(self) -> int | None:
+        """The kept stalls' period, recomputed only after a new stall."""
+        if self._dirty:
+            self._period = period(self.ordered()[0])
+            self._dirty = False
+        return self._period
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self._step, self._excess, self._phase)
+        return sum(a.nbytes for a in arrays if a is not None)
+
+
+class StallBook:
+    """Every rank's stall log, and the phase names their codes stand for."""
+
+    def __init__(self) -> None:
+        self.logs: dict[int, StallLog] = {}
+        self.stalling: set[int] = set()  # the ranks with own stalls (findings reads these)
+        self.names: list[str] = []
+        self._codes: dict[str, int] = {}
+
+    def add(self, rank: int, step: int, excess_ms: float, phase: str) -> None:
+        """One stalled step of `rank`: logged when its own work grew, counted when it only
+        waited in sync (a victim)."""
+        log = self.logs.get(rank)
+        if log is None:
+            log = self.logs[rank] = StallLog()
+        if phase == SYNC:
+            log.victim_count += 1
+            log.victim_ms += excess_ms
+            return
+        code = self._codes.get(phase)
+        if code is None:
+            if len(self.names) >= MAX_PHASE_CODES:
+                return  # unreachable with state.MAX_RUN_PHASES; bounded regardless
+            code = self._codes[phase] = len(self.names)
+            self.names.append(phase)
+        log.add(step, excess_ms, code)
+        self.stalling.add(rank)
+
+    def forget(self, rank: int) -> None:
+        """A restarted rank numbers its steps afresh: its old stalls are another process's."""
+        self.logs.pop(rank, None)
+        self.stalling.discard(rank)
+
+    def finding(self, rank: int, typical_ms: float | None, last_step: int
+                ) -> StallFinding | None:
+        """What the log of `rank` says, given its typical step now and its newest step;
+        None without own stalls or a typical step."""
+        log = self.logs.get(rank)
+        if log is None or log.count == 0 or typical_ms is None or not typical_ms > 0:
+            return None
+        steps, excess, codes = log.ordered()
+        rhythm = log.period()
+        first, last = int(steps[0]), int(steps[-1])
+        after = float(excess[1:].sum())
+        span_ms = max(0, last_step - first) * typical_ms + after
+        counts = np.bincount(codes, minlength=len(self.names))
+        phase = self.names[int(np.argmax(counts))]
+        recent = rhythm is not None and last_step - last <= RECENT_PERIODS * rhythm
+        return StallFinding(rank, log.count, log.lost_ms, log.kept, rhythm, phase, first,
+                            last, after / span_ms if span_ms > 0 else 0.0, recent,
+                            log.victim_count, log.victim_ms)
+
+    def nbytes(self) -> int:
+        """The logs' array bytes (the bound the docstring states, measured)."""
+        return sum(log.nbytes for log in self.logs.values())
+
