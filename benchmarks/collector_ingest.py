@@ -38,6 +38,7 @@ from traceml_agent.protocol import PHASES, Identity
 from traceml_tui.collect.collector import DRAIN_BATCH, Collector
 from traceml_tui.judge.state import RunState
 from traceml_tui.judge.windows import window_steps_for
+from traceml_tui.runfolder.layout import RunFolder
 
 U64, F64 = struct.Struct(">Q"), struct.Struct(">d")
 SEQ_S, STEP_S, HB_S = 0x2AAA_0000_0000_0001, 0x2BBB_0000_0000_0000, 0x2CCC_0000_0000_0001
@@ -297,7 +298,7 @@ def trial(a: argparse.Namespace, rate: int, seconds: float) -> dict[str, Any]:
         p.join(10)
         if p.is_alive():
             p.terminate()
-    summary = json.loads((Path(run_dir) / "final_summary.json").read_text())
+    summary = json.loads(RunFolder(Path(run_dir)).summary_json.read_text())
     shutil.rmtree(run_dir, ignore_errors=True)
     offered = gs["sent"] / gs["elapsed"]
     pts = [e for e in ev if e[0] in ("cnt", "eval") and w0 + 1.0 <= e[1] <= w1]

@@ -61,6 +61,7 @@ from traceml_agent.transport import send_interval_s, sys_interval_s  # noqa: E40
 from traceml_tui.collect.auth import start_authenticator  # noqa: E402
 from traceml_tui.collect.relay import TICK_S, Relay  # noqa: E402
 from traceml_tui.judge.windows import window_steps_for  # noqa: E402
+from traceml_tui.runfolder.layout import RunFolder  # noqa: E402
 
 SECRET = "5a" * 32
 SAMPLE_S = 10.0
@@ -256,7 +257,7 @@ def main() -> None:
         proc.join(20)
         if proc.is_alive():
             proc.terminate()
-    doc = json.loads((Path(run_dir) / "final_summary.json").read_text())
+    doc = json.loads(RunFolder(Path(run_dir)).summary_json.read_text())
     shutil.rmtree(run_dir, ignore_errors=True)
     mark = min(120.0, a.seconds / 5)
     rss_start = next((r for s, r, _ in samples if s >= mark), samples[0][1])

@@ -54,9 +54,8 @@ from collector_ingest import stamp, templates
 
 from traceml_agent import protocol
 from traceml_agent.protocol import Identity
-from traceml_agent.vocab import LIVE_SNAPSHOT_JSON
 from traceml_tui.judge.windows import window_steps_for
-from traceml_tui.report.summary import SUMMARY_JSON
+from traceml_tui.runfolder.layout import RunFolder
 
 SEND_HWM = 2_000  # per rank, as agent/transport.py
 SEND_CHUNK = 2_000  # sends between two looks at the clock
@@ -178,11 +177,11 @@ class CollectorProcess:
             # Before it starts any thread: ZeroMQ's I/O thread inherits the mask.
             preexec_fn=None if cores is None else lambda: os.sched_setaffinity(0, cores))
         deadline = time.monotonic() + 60
-        while not (run_dir / "collector.json").exists():
+        while not RunFolder(run_dir).collector_json.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"collector did not start: {self.output()}")
             time.sleep(0.05)
-        self.info = json.loads((run_dir / "collector.json").read_text())
+        self.info = json.loads(RunFolder(run_dir).collector_json.read_text())
         self.ps = psutil.Process(self.proc.pid)
         self.ctx = zmq.Context()
         self.snap_mtime = 0.0
@@ -194,7 +193,7 @@ class CollectorProcess:
 
     def live(self) -> tuple[float, dict[str, int]] | None:
         """(epoch time of the collector's latest live snapshot, its counters)."""
-        path = self.run_dir / LIVE_SNAPSHOT_JSON
+        path = RunFolder(self.run_dir).live
         try:
             mtime = path.stat().st_mtime
             if mtime != self.snap_mtime:
@@ -438,7 +437,7 @@ def _measure(a: argparse.Namespace, coll: CollectorProcess, sync: Sync,
     time.sleep(1.0)
     views.append(coll.view())
     reply = coll.finish(a.grace)
-    final = json.loads((coll.run_dir / SUMMARY_JSON).read_text())
+    final = json.loads(RunFolder(coll.run_dir).summary_json.read_text())
     frames = asyncio.run(frame_times(views, a.frames)) if a.frames else []
     return report(a, samples, end, final, reply, frames, aborted)
 

@@ -39,6 +39,7 @@ from traceml_tui.collect import view_build
 from traceml_tui.collect.collector import TRANSPORT_FRAME_LIMIT as TRANSPORT_LIMIT
 from traceml_tui.judge.state import MAX_RUN_PHASES, RunState
 from traceml_tui.report import summary
+from traceml_tui.runfolder.layout import RunFolder
 
 N_HOSTILE = 100_000
 N_VALID = 5_000
@@ -187,7 +188,7 @@ def test_collector_survives_hostile_traffic_and_keeps_an_exact_record(collector,
     reply = collector.control({"op": "finish", "grace_s": 0.2, "exit_code": 0})
     assert reply["ok"] and reply["exit_code"] == 0
     assert collector.proc.wait(15) == 0
-    final = json.loads((collector.run_dir / summary.SUMMARY_JSON).read_text())
+    final = json.loads(RunFolder(collector.run_dir).summary_json.read_text())
     assert final["complete"] is True
     assert final["collector"] == counters
     assert_record(final["collector"], final["ranks"], exp)
@@ -245,7 +246,7 @@ CONTROL_CRASHES = {
 def test_control_socket_survives_malformed_requests(collector, request_bytes):
     reply = json.loads(collector.request("control", request_bytes, timeout_s=5))
     if reply.get("ok"):  # the collector chose to finish with defaults: then it wrote the record
-        assert (collector.run_dir / summary.SUMMARY_JSON).exists()
+        assert RunFolder(collector.run_dir).summary_json.exists()
     else:
         assert collector.control({"op": "ping"})["ok"]
 

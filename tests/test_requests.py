@@ -20,7 +20,7 @@ from traceml_agent.requests import (
 )
 from traceml_tui.collect.collector import Collector
 from traceml_tui.judge.state import RunState
-from traceml_tui.report import summary
+from traceml_tui.runfolder.layout import RunFolder
 
 
 class Rep:
@@ -83,7 +83,7 @@ def test_a_finish_with_an_absurd_end_time_is_refused_and_the_record_still_ends(c
                                                grace_s=0.0))) is None
     assert coll.finishing is not None
     reply = coll.write_record(coll.finishing[0])
-    assert reply["ok"] and (coll.run_dir / summary.SUMMARY_JSON).exists()
+    assert reply["ok"] and RunFolder(coll.run_dir).summary_json.exists()
 
 
 def test_control_and_view_requests_round_trip_and_refuse_what_is_not_theirs():

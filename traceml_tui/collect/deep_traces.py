@@ -29,6 +29,7 @@ from traceml_agent.sanitize import clean_text
 from traceml_tui import viewmodel
 from traceml_tui.report import trace_analysis
 from traceml_tui.runfolder import folders
+from traceml_tui.runfolder.layout import RunFolder
 
 DEFAULT_STEPS = 5
 # The analysis of one capture gets this long in its child process (a few large traces
@@ -159,18 +160,18 @@ class DeepTraceBoard:
                 continue
             try:
                 # Only this run's own traces folder: the path is a rank's word.
-                analyses[rank] = trace_analysis.analyze_file(path, self.run_dir / "traces")
+                analyses[rank] = trace_analysis.analyze_file(path, RunFolder(self.run_dir).traces)
             except Exception as exc:  # a trace on another host's disk, or unreadable
                 problems.append(f"rank {rank}: cannot analyse {path}: {exc}")
         text, doc = self._report(cap, analyses, problems)
         text = clean_text(text)  # trace contents are a rank's words (agent/sanitize.py)
         saved = None
         try:
-            folder = self.run_dir / "traces"
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            folders.write_atomic(folder / f"capture{cap.id}.txt", text)
-            folders.write_atomic(folder / f"capture{cap.id}.json", json.dumps(doc, indent=1))
-            saved = str(folder / f"capture{cap.id}.json")
+            run = RunFolder(self.run_dir)
+            run.traces.mkdir(mode=0o700, parents=True, exist_ok=True)
+            folders.write_atomic(run.trace_report(cap.id, ".txt"), text)
+            folders.write_atomic(run.trace_report(cap.id, ".json"), json.dumps(doc, indent=1))
+            saved = str(run.trace_report(cap.id, ".json"))
         except OSError as exc:
             problems.append(f"could not save the analysis: {exc}")
             text += f"problem: could not save the analysis: {exc}\n"

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from traceml_agent.sanitize import clean_line
-from traceml_agent.vocab import LIVE_SNAPSHOT_JSON
 from traceml_tui.report.model import NotASummary, Summary, load
+from traceml_tui.runfolder.layout import RunFolder
 
 STATUS_EVERY_S = 10.0
 
@@ -39,7 +39,7 @@ class Progress:
     """Headless progress: a line when the live diagnosis changes, and every STATUS_EVERY_S."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / LIVE_SNAPSHOT_JSON
+        self.path = RunFolder(run_dir).live
         self.last_key: tuple | None = None
         self.last_print = time.monotonic()
         self.mtime = 0

@@ -29,21 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 from msgspec.structs import replace
 
-from traceml_agent import env, handover, keys
+from traceml_agent import env, handover, keys, vocab
 from traceml_agent.requests import Finish, encode_control
 from traceml_agent.sanitize import clean_line
-from traceml_agent.vocab import (
-    COLLECTOR_JSON,
-    COLLECTOR_LOG,
-    LAUNCHER_LOG,
-    LIVE_SNAPSHOT_JSON,
-    LOGS_DIR,
-    NETCHECK_JSON,
-    RELAY_LOG,
-)
 from traceml_tui.report import ending, model, summary
 from traceml_tui.report.ending import EndReply
 from traceml_tui.runfolder import folders
+from traceml_tui.runfolder.layout import RunFolder
 
 from . import nccl_debug
 from .job_output import Progress, Tee, parse_root_cause, read_tail
@@ -81,7 +73,7 @@ def run_secret(opts: RunOptions, run_dir: Path) -> str | None:
         raise LaunchError(f"{env.SECRET}: {exc}") from None
     if secret:
         return secret
-    path = run_dir / keys.SECRET_FILE
+    path = RunFolder(run_dir).secret
     if opts.node_rank == 0:
         try:
             keys.write_secret_file(path, keys.new_secret())
@@ -130,7 +122,7 @@ class _Handover(threading.Thread):
                 self.host, self.port, self.secret, self.opts.nnodes, self.run_dir, values,
                 self.until, self._warn)
             return
-        path = self.run_dir / keys.SECRET_FILE
+        path = RunFolder(self.run_dir).secret
         try:
             secret = handover.fetch_secret(f"{self.host}:{self.port}", self.until, path)
         except (ValueError, keys.SecretError):
@@ -165,7 +157,8 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
     """The collector process, its collector.json, and the control key: a key the ranks
     never see (it goes to the collector's stdin, not into an environment, argument or
     file), which alone ends the record or adds a stack (requests.LAUNCHER_OPS)."""
-    log = folders.open_private(run_dir / COLLECTOR_LOG)
+    folder = RunFolder(run_dir)
+    log = folders.open_private(folder.collector_log)
     control_key = secrets.token_hex(32)
     cmd = [sys.executable, "-m", "traceml_tui.collect.collector", "--run-dir", str(run_dir),
            "--run-name", name, "--world-size", str(opts.world_size),
@@ -178,7 +171,7 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
     if opts.hang_after is not None:
         cmd += ["--hang-after", repr(opts.hang_after)]
     if opts.preflight:
-        cmd += ["--preflight", str(run_dir / NETCHECK_JSON)]
+        cmd += ["--preflight", str(folder.netcheck)]
     if opts.metrics_port is not None:
         cmd += ["--metrics-port", str(opts.metrics_port), "--metrics-host", opts.metrics_host]
     # The secret travels in the environment, never on a command line others can read.
@@ -191,7 +184,7 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
         proc.stdin.close()
     except OSError:  # it died at once: said below, with its log
         pass
-    info_path = run_dir / COLLECTOR_JSON
+    info_path = folder.collector_json
     deadline = time.monotonic() + COLLECTOR_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if info_path.exists():
@@ -203,8 +196,8 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
             break
         time.sleep(0.05)
     proc.kill()
-    tail = (run_dir / COLLECTOR_LOG).read_text(errors="replace")[-2000:]
-    raise LaunchError(f"the collector did not start; its log ({run_dir / 'collector.log'}):\n"
+    tail = folder.collector_log.read_text(errors="replace")[-2000:]
+    raise LaunchError(f"the collector did not start; its log ({folder.collector_log}):\n"
                       f"{tail}")
 
 
@@ -261,9 +254,6 @@ class _Signals:
                 self.proc.send_signal(signum)
             except ProcessLookupError:
                 pass
-
-
-HANGUP_LOG = LAUNCHER_LOG  # in the run folder: our output once the terminal is gone
 
 
 def _detach_from_terminal(path: Path | None) -> None:
@@ -329,14 +319,14 @@ def _fallback_summary(run_dir: Path, request: Finish) -> EndReply:
     """The collector did not answer: promote its last snapshot (read through the summary
     model), marked incomplete."""
     try:
-        snap = model.load(run_dir / LIVE_SNAPSHOT_JSON)
+        snap = model.load(RunFolder(run_dir).live)
     except model.NotASummary as exc:
         code, _ = summary.job_exit_code(request.torchrun_exit, request.interrupted, [])
         return ending.no_record(
             code if request.exit_code is None else request.exit_code,
             "The collector stopped before it saved any record of this run.\n",
             f"no summary: the collector died without a usable snapshot ({exc}; see "
-            f"{run_dir / 'collector.log'})")
+            f"{RunFolder(run_dir).collector_log})")
     failures = [(r.rank, r.exit_code) for r in snap.ranks if r.exit_code]
     code, failed_rank = summary.job_exit_code(
         request.torchrun_exit, request.interrupted, failures)
@@ -406,7 +396,7 @@ class _Node:
 
 def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _Signals,
               root_cause: tuple[int, int] | None = None) -> EndReply:
-    extra: dict[str, Any] = {"run_dir": str(run_dir), "logs": str(run_dir / LOGS_DIR),
+    extra: dict[str, Any] = {"run_dir": str(run_dir), "logs": str(RunFolder(run_dir).logs),
                              "torchrun_exit_code": rc}
     if node.stacks is not None and node.stacks.refused:  # forged pids (native_stacks.py)
         extra["native_stack_refused"] = node.stacks.refused
@@ -430,7 +420,7 @@ def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _S
         why = ("the collector did not answer" if code is None
                else f"the collector died (exit code {code})")
         reply.incomplete = (f"the record is INCOMPLETE: {why}; the summary was built from "
-                               f"its last snapshot (see {run_dir / 'collector.log'})")
+                               f"its last snapshot (see {RunFolder(run_dir).collector_log})")
     return reply
 
 
@@ -447,11 +437,11 @@ def _node_done(opts: RunOptions, run_dir: Path, request: Finish,
     node0_dir = None if handed is None else handed.values.get(handover.RUN_DIR_KEY)
     node0_dir = node0_dir and clean_line(node0_dir)  # the store's word: text only
     if getattr(handed, "outcome", None) == "shared":
-        where = f"to {run_dir / summary.SUMMARY_JSON} (the shared run folder)"
+        where = f"to {RunFolder(run_dir).summary_json} (the shared run folder)"
     elif node0_dir:
-        where = f"to {Path(node0_dir[:4096]) / summary.SUMMARY_JSON} on that host"
+        where = f"to {RunFolder(Path(node0_dir[:4096])).summary_json} on that host"
     else:
-        where = f"to {summary.SUMMARY_JSON} in its run folder ({run_dir.name} under its --out)"
+        where = f"to {vocab.SUMMARY_JSON} in its run folder ({run_dir.name} under its --out)"
     text = (f"node {opts.node_rank}: its ranks ended with exit code {code}{failed_text}.\n"
             f"The job's summary is written by node 0 ({opts.master_addr}) {where}.\n")
     return ending.node_reply(code, text, failed)
@@ -533,8 +523,8 @@ def _connect(opts: RunOptions, run_dir: Path, name: str, started_at: float, port
 
         node.relay = RelayProcess(node.ingest, opts.node_rank, secret,
                                   None if secret else _secret_store(opts, port),
-                                  run_dir / opts.node_file(Path(RELAY_LOG).stem, ".log"),
-                                  None if secret else run_dir / keys.SECRET_FILE)
+                                  opts.folder(run_dir).relay_log,
+                                  None if secret else RunFolder(run_dir).secret)
         _say_relay_failure(node.relay, opts.node_rank)
     return node
 
@@ -572,7 +562,7 @@ def _preflight(opts: RunOptions, run_dir: Path, port: int) -> None:
           "(traceml netcheck)", file=sys.stderr, flush=True)
     status, doc = netcheck.check(opts, run_dir, port)
     if doc is not None:
-        print(netcheck.render(doc, run_dir / NETCHECK_JSON), file=sys.stderr,
+        print(netcheck.render(doc, RunFolder(run_dir).netcheck), file=sys.stderr,
               end="", flush=True)
     if status == 3:
         raise LaunchError("preflight: not every node or rank came up; training not started")
@@ -592,7 +582,8 @@ def run(opts: RunOptions) -> int:
     if opts.preflight:
         _preflight(opts, run_dir, port)
     node = _connect(opts, run_dir, name, started_at, port)
-    logs = run_dir / LOGS_DIR / (f"node{opts.node_rank}" if opts.multinode else "")
+    folder = opts.folder(run_dir)
+    logs = folder.rank_logs
     cmd = torchrun_command(opts, port, [
         # Every rank's stdout/stderr kept in the run folder; also shown when headless.
         "--log-dir", str(logs), "--tee" if opts.headless else "--redirects", "3",
@@ -602,7 +593,7 @@ def run(opts: RunOptions) -> int:
                       env.RUN_NAME: name,
                       env.RUN_DIR: str(run_dir.resolve())})
     if opts.nccl_debug:
-        folders.make_private_dir(run_dir / LOGS_DIR / "nccl")
+        folders.make_private_dir(folder.nccl_logs)
         child_env.update(nccl_debug.environment(opts.nccl_debug, run_dir))
     if node.secret is not None:
         child_env[env.SECRET] = node.secret
@@ -617,9 +608,9 @@ def run(opts: RunOptions) -> int:
           file=sys.stderr, flush=True)
     progress = Progress(run_dir)
     log = (None if opts.headless
-           else folders.open_private(run_dir / opts.node_file("torchrun", ".log")))
+           else folders.open_private(folder.torchrun_log))
     with _Signals() as signals:
-        signals.hangup_log = run_dir / opts.node_file(Path(HANGUP_LOG).stem, ".log")
+        signals.hangup_log = folder.launcher_log
         # With the dashboard, torchrun's own output goes to a file, not over the screen.
         proc = subprocess.Popen(cmd, env=child_env, stdout=log,
                                 stderr=log if log else subprocess.PIPE,
@@ -642,7 +633,7 @@ def run(opts: RunOptions) -> int:
                 stderr_tail.join(5)
                 report = "".join(stderr_tail.lines)
             else:
-                report = read_tail(run_dir / opts.node_file("torchrun", ".log"))
+                report = read_tail(folder.torchrun_log)
             return _finalize(node, run_dir, opts, rc, signals,
                              parse_root_cause(report) if rc else None)
 

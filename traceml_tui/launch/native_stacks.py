@@ -35,7 +35,7 @@ from traceml_agent.requests import (
     decode_control_reply,
     encode_control,
 )
-from traceml_agent.vocab import LIVE_SNAPSHOT_JSON
+from traceml_tui.runfolder.layout import RunFolder
 
 DUMP_TIMEOUT_S = 20.0
 MAX_DEPTH = 64  # ancestors walked from a pid towards torchrun (ranks are 1-3 levels below)
@@ -117,7 +117,7 @@ class NativeStackWatcher(threading.Thread):
             return
         while not self.stop.wait(POLL_S):
             try:
-                doc = json.loads((self.run_dir / LIVE_SNAPSHOT_JSON).read_text())
+                doc = json.loads(RunFolder(self.run_dir).live.read_text())
             except (OSError, ValueError):
                 continue
             since = str((doc.get("hang") or {}).get("since"))

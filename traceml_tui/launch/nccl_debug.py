@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from traceml_agent import nccl_log
-from traceml_agent.vocab import LOGS_DIR
+from traceml_tui.runfolder.layout import RunFolder
 
 LEVELS = ("WARN", "INFO", "TRACE")
 # COLL logs each collective's start and DONE (the opCount lines); INIT and NET say which
@@ -34,7 +34,7 @@ TORCH_DEBUG = {"WARN": "INFO", "INFO": "INFO", "TRACE": "INFO"}
 
 def environment(level: str, run_dir: Path) -> dict[str, str]:
     """The variables for every rank of this node (the folder must exist, 0700)."""
-    logs = run_dir.resolve() / LOGS_DIR / "nccl"
+    logs = RunFolder(run_dir.resolve()).nccl_logs
     return {
         "NCCL_DEBUG": level,
         "NCCL_DEBUG_SUBSYS": SUBSYSTEMS,

@@ -23,6 +23,7 @@ from traceml_agent.sanitize import clean_line
 from traceml_agent.vocab import NETCHECK_JSON
 from traceml_tui.judge import bandwidth as nm
 from traceml_tui.runfolder import folders
+from traceml_tui.runfolder.layout import RunFolder
 
 from .netcheck_worker import OUT_ENV, TIMEOUT_ENV
 from .options import LaunchError, RunOptions, master_port, prepare_run_dir, torchrun_command
@@ -63,7 +64,7 @@ def nodes_came_up(opts: RunOptions, port: int, timeout_s: float, run_dir: Path
     missing = [k for k in range(opts.nnodes) if k not in present]
     ranks = [r for k in missing for r in range(k * opts.nproc_per_node,
                                                 (k + 1) * opts.nproc_per_node)]
-    folders.write_atomic(run_dir / NETCHECK_JSON, json.dumps(
+    folders.write_atomic(RunFolder(run_dir).netcheck, json.dumps(
         {"healthy": False, "missing": {"nodes": missing, "ranks": ranks},
          "present": {str(k): h for k, h in present.items()}}, indent=1))
     return present
@@ -72,7 +73,7 @@ def nodes_came_up(opts: RunOptions, port: int, timeout_s: float, run_dir: Path
 def check(opts: RunOptions, run_dir: Path, port: int, timeout_s: float = 120.0
           ) -> tuple[int, dict[str, Any] | None]:
     """Run the check on this node; (exit status, node 0's result or None elsewhere)."""
-    out = run_dir.resolve() / NETCHECK_JSON
+    out = RunFolder(run_dir.resolve()).netcheck
     env = {**os.environ, OUT_ENV: str(out), TIMEOUT_ENV: str(timeout_s),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.Popen(torchrun(opts, port), env=env, start_new_session=True)
@@ -159,7 +160,7 @@ def main(opts: RunOptions, timeout_s: float) -> int:
         return 2
     status, doc = check(opts, run_dir, port, timeout_s)
     if doc is not None:
-        print(render(doc, run_dir / NETCHECK_JSON), end="")
+        print(render(doc, RunFolder(run_dir).netcheck), end="")
     elif opts.node_rank != 0:
         print(f"traceml netcheck: node {opts.node_rank} done (exit {status}); node 0 "
               f"({opts.master_addr}) prints the results and keeps {NETCHECK_JSON}")

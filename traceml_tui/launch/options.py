@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from traceml_agent.vocab import COLLECTOR_JSON, LOGS_DIR, SUMMARY_JSON
 from traceml_tui.runfolder import folders
+from traceml_tui.runfolder.layout import RunFolder
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's own default, for multi-node runs
 WRITE_PROBE_BYTES = 64 << 10
@@ -56,9 +56,10 @@ class RunOptions:
     def multinode(self) -> bool:
         return self.nnodes > 1
 
-    def node_file(self, stem: str, suffix: str) -> str:
-        """Per-node names for what every node writes into a (possibly shared) run folder."""
-        return f"{stem}-node{self.node_rank}{suffix}" if self.multinode else f"{stem}{suffix}"
+    def folder(self, run_dir: Path) -> RunFolder:
+        """The run folder as this node writes it: its own logs per node when the nodes
+        may share the folder."""
+        return RunFolder(run_dir, self.node_rank if self.multinode else None)
 
 
 def _free_port() -> int:
@@ -73,8 +74,8 @@ def prepare_run_dir(opts: RunOptions) -> tuple[str, Path]:
         if "/" in name or name in (".", ".."):
             raise LaunchError(f"--run-name {name!r} must be a plain name, not a path")
         run_dir = opts.out / name
-        if (run_dir / SUMMARY_JSON).exists() or (
-                opts.node_rank == 0 and (run_dir / COLLECTOR_JSON).exists()):
+        if RunFolder(run_dir).summary_json.exists() or (
+                opts.node_rank == 0 and RunFolder(run_dir).collector_json.exists()):
             raise LaunchError(f"run folder {run_dir} already holds a run; choose another "
                               f"--run-name or remove the folder")
     elif opts.multinode:
@@ -91,7 +92,7 @@ def prepare_run_dir(opts: RunOptions) -> tuple[str, Path]:
         try:
             folders.make_private_dir(run_dir)
             folders.pin_dir(run_dir)  # written through its descriptor from here on
-            folders.make_private_dir(run_dir / LOGS_DIR)
+            folders.make_private_dir(RunFolder(run_dir).logs)
         except PermissionError as exc:
             raise LaunchError(f"run folder {exc}: not using it (another user could read the "
                               f"run's secret or plant files there); choose another "

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from traceml_agent.vocab import SUMMARY_JSON
+from traceml_tui.runfolder.layout import RunFolder
 
 from .summary import render_text
 
@@ -54,7 +55,7 @@ def summary_reply(run_dir: Path, doc: dict[str, Any], write: Callable[[], Path |
     reply = EndReply(exit_code=run["exit_code"], failed_rank=run.get("failed_rank"),
                      text=render_text(doc) + note)
     try:
-        reply.path = str(write() or Path(run_dir) / SUMMARY_JSON)
+        reply.path = str(write() or RunFolder(Path(run_dir)).summary_json)
     except OSError as exc:
         reply.error = f"could not write {SUMMARY_JSON}: {exc}"
     return reply

@@ -12,10 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from traceml_agent.vocab import LIVE_SNAPSHOT_JSON, STEP_LOG_DIR
+from traceml_agent.vocab import STEP_LOG_DIR
+from traceml_tui.runfolder.layout import RunFolder
 from traceml_tui.runfolder.step_log import read_steps
 
-from . import model, perfetto, summary
+from . import model, perfetto
 
 
 class ExportError(Exception):
@@ -26,11 +27,12 @@ def _summary_doc(run_dir: Path) -> dict[str, Any] | None:
     """The run's summary read through the model (model.py), final or live; None when the
     run has neither (the steps still export). One that is there but is not a summary is
     the user's one-line error, not a trace silently missing its episodes."""
-    for name in (summary.SUMMARY_JSON, LIVE_SNAPSHOT_JSON):
-        if not (run_dir / name).is_file():
+    folder = RunFolder(run_dir)
+    for path in (folder.summary_json, folder.live):
+        if not path.is_file():
             continue
         try:
-            return model.to_doc(model.load(run_dir / name))
+            return model.to_doc(model.load(path))
         except model.NotASummary as exc:
             raise ExportError(str(exc)) from None
     return None
@@ -39,7 +41,7 @@ def _summary_doc(run_dir: Path) -> dict[str, Any] | None:
 def export_perfetto(run_dir: Path, out: Path, last_steps: int | None = None) -> dict[str, int]:
     if not run_dir.is_dir():
         raise ExportError(f"no such run folder: {run_dir}")
-    log_dir = run_dir / STEP_LOG_DIR
+    log_dir = RunFolder(run_dir).step_log
     if not log_dir.is_dir():
         raise ExportError(f"{run_dir} has no step log ({STEP_LOG_DIR}/): is it a traceml run "
                           f"folder from this version?")

@@ -27,8 +27,9 @@ from traceml_agent.requests import (
     decode_error,
     encode_view,
 )
-from traceml_agent.vocab import COLLECTOR_JSON, SUMMARY_JSON
+from traceml_agent.vocab import COLLECTOR_JSON
 from traceml_tui.runfolder import folders
+from traceml_tui.runfolder.layout import RunFolder
 from traceml_tui.viewmodel import RankDetail, RunView, decode_detail, decode_view
 
 REQUEST_TIMEOUT_S = 2.0
@@ -118,7 +119,7 @@ def resolve_target(target: str | None, base: Path = Path("traceml_runs"),
         run_dir = Path(target)
         if not run_dir.is_dir():
             raise WatchTargetError(f"no such run folder: {run_dir}")
-    info = run_dir / COLLECTOR_JSON
+    info = RunFolder(run_dir).collector_json
     if not info.exists():
         raise WatchTargetError(f"{run_dir} is not a traceml run folder (no {COLLECTOR_JSON})")
     for path, is_dir in ((run_dir, True), (info, False)):
@@ -126,9 +127,9 @@ def resolve_target(target: str | None, base: Path = Path("traceml_runs"),
         if reason:
             raise WatchTargetError(f"{path} {reason}: not attaching (its address and secret "
                                    f"could be anyone's)")
-    if (run_dir / SUMMARY_JSON).exists():
+    if RunFolder(run_dir).summary_json.exists():
         raise WatchTargetError(f"the run in {run_dir} has ended; its record is "
-                               f"{run_dir / 'final_summary.json'}")
+                               f"{RunFolder(run_dir).summary_json}")
     try:
         doc = json.loads(info.read_text())
         address = doc["view"]
@@ -155,6 +156,7 @@ def newest_live_run(base: Path) -> Path | None:
     # Only folders and collector.json files that are ours and private: on a shared --out,
     # another user's folder could point us at their address with their secret.
     live = [d for d in base.iterdir()
-            if not folders.not_private(d) and not folders.not_private(d / COLLECTOR_JSON, False)
-            and not (d / SUMMARY_JSON).exists()]
-    return max(live, key=lambda d: (d / COLLECTOR_JSON).stat().st_mtime, default=None)
+            if not folders.not_private(d)
+            and not folders.not_private(RunFolder(d).collector_json, False)
+            and not RunFolder(d).summary_json.exists()]
+    return max(live, key=lambda d: RunFolder(d).collector_json.stat().st_mtime, default=None)

@@ -30,6 +30,7 @@ from textual.widgets import Footer
 
 from traceml_agent.requests import CaptureReply
 from traceml_tui.runfolder.folders import write_atomic
+from traceml_tui.runfolder.layout import RunFolder
 from traceml_tui.viewmodel import RankDetail, RunView
 
 from .banner import Banner
@@ -339,7 +340,7 @@ class DashboardApp(App[None]):
 
     def screenshot_dir(self) -> Path:
         if self.run_dir is not None:
-            return self.run_dir / "snapshots"
+            return RunFolder(self.run_dir).screenshots
         return Path.cwd()
 
     def action_trace(self) -> None:
