@@ -369,12 +369,23 @@ def _finish_learning() -> None:
         _rec.parallel = parallel_kind(_roots)
         if _rec.parallel == "ddp":
             _rec.grad_bytes = gradient_bytes(_roots)
+            _rec.ddp_group = _ddp_group(_roots)
     while _grad_probes:
         _grad_probes.pop().remove()
     if _grad_order:
         handle = _grad_order[0].register_post_accumulate_grad_hook(_on_first_grad)
         _undo.append(handle.remove)
     _grad_order.clear()
+
+
+def _ddp_group(roots: list[Any]) -> str:
+    """The process group DDP's reducer all-reduces on (its `process_group`), named as the
+    explicit collectives' groups are."""
+    for root in roots:
+        group = getattr(root, "process_group", None)
+        if group is not None:
+            return _group_name(group)
+    return WORLD_GROUP
 
 
 def gradient_bytes(roots: list[Any]) -> int:
@@ -612,6 +623,8 @@ def _group_position(func: Any) -> int | None:
 
 
 def _group_name(group: Any) -> str:
+    """The group's name, the same on every rank: "world", or its sorted global ranks
+    ("r0,2", "r0-3,8-11"), or, when that is long, their count and a hash of the list."""
     if group is None:
         return WORLD_GROUP
     name = _group_names.get(id(group))
@@ -621,11 +634,73 @@ def _group_name(group: Any) -> str:
         try:
             import torch.distributed as dist
 
-            name = WORLD_GROUP if group is dist.GroupMember.WORLD else str(group.group_name)
+            if group is dist.GroupMember.WORLD:
+                name = WORLD_GROUP
+            else:
+                name = ranks_name(dist.get_process_group_ranks(group))
         except Exception:
-            name = f"group{len(_group_names)}"
+            try:
+                name = "g" + str(group.group_name)
+            except Exception:
+                name = f"group{len(_group_names)}"
         _group_names[id(group)] = name = name[:64]
     return name
+
+
+def ranks_name(ranks: Any) -> str:
+    """A group named by its sorted global ranks, contiguous runs folded: "r0-3,8"; past
+    40 characters "<n>r#<8 hex of sha1>" (the same list gives the same name anywhere)."""
+    import hashlib
+
+    ordered = sorted(int(r) for r in ranks)
+    runs: list[str] = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        runs.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    name = "r" + ",".join(runs)
+    if len(name) <= 40:
+        return name
+    digest = hashlib.sha1(",".join(map(str, ordered)).encode()).hexdigest()[:8]
+    return f"{len(ordered)}r#{digest}"
+
+
+# Where each collective takes the tensor(s) it sends (positional): its bytes are this
+# rank's input. Absent: not known (an object collective pickles); barriers send none.
+_DATA_ARG = {"all_reduce": 0, "broadcast": 0, "reduce": 0, "gather": 0,
+             "all_reduce_coalesced": 0, "all_gather": 1, "all_gather_into_tensor": 1,
+             "all_gather_single": 1, "reduce_scatter": 1, "reduce_scatter_tensor": 1,
+             "reduce_scatter_single": 1, "all_to_all": 1, "all_to_all_single": 1,
+             "scatter": 1, "broadcast_coalesced": 1, "all_gather_coalesced": 1,
+             "barrier": None, "monitored_barrier": None}
+_DATA_KWARGS = ("tensor", "input_tensor", "input", "tensors", "input_tensor_list")
+
+
+def _nbytes(args: tuple, kwargs: dict, at: int | None) -> int:
+    """The bytes of a collective's input tensor(s); 0 for a barrier, -1 when not known."""
+    if at is None:
+        return 0
+    if at < 0:
+        return -1
+    if at < len(args):
+        data = args[at]
+    else:
+        data = next((kwargs[k] for k in _DATA_KWARGS if k in kwargs), None)
+    n = getattr(data, "nbytes", None)
+    if type(n) is int:
+        return n
+    if isinstance(data, (list, tuple)) and len(data) <= 4096:
+        total = 0
+        for t in data:
+            n = getattr(t, "nbytes", None)
+            if type(n) is not int:
+                return -1
+            total += n
+        return total
+    return -1
 
 
 def _patch_collectives(torch: Any) -> None:
@@ -637,7 +712,9 @@ def _patch_collectives(torch: Any) -> None:
             continue
 
         def wrapper(*args: Any, __original: Any = original, __name: str = name.lstrip("_"),
-                    __at: int | None = _group_position(original), **kwargs: Any) -> Any:
+                    __at: int | None = _group_position(original),
+                    __src: int | None = _DATA_ARG.get(name.lstrip("_"), -1),
+                    **kwargs: Any) -> Any:
             if _is_compiling():
                 return __original(*args, **kwargs)
             rec = _rec
@@ -657,10 +734,25 @@ def _patch_collectives(torch: Any) -> None:
                 return __original(*args, **kwargs)  # counted, not timed: not our stack
             outer, outer_group = rec.in_collective, rec.in_group
             rec.in_collective, rec.in_group = __name, gname
+            phase = rec.active  # the phase it is issued in (before sync opens)
             try:
-                return _timed(rec, SYNC, __original, __original, *args, **kwargs)
+                started = rec.begin(SYNC, __original)
+            except Exception as exc:
+                _fail(exc)
+                started = False
+            t0 = rec.t_mark
+            try:
+                return __original(*args, **kwargs)
             finally:
                 rec.in_collective, rec.in_group = outer, outer_group
+                try:
+                    if started:
+                        rec.end(__original)
+                    # Per call, accounted per step (recorder.account): exposed host time.
+                    rec.account(gname, __name, phase, rec.t_mark - t0 if started else 0,
+                                _nbytes(args, kwargs, __src))
+                except Exception as exc:
+                    _fail(exc)
 
         wrapper.__wrapped__ = original  # type: ignore[attr-defined]
         _setattr(dist, name, wrapper)

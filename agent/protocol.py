@@ -18,7 +18,8 @@ Kinds:
   hello      once at start: run name, device, distributed env, and whether the
              zero-code hooks time the loop (`auto`)
   steps      a batch of per-step records (an agent sends at most ~10 a second), with
-             `forced`: per phase, how many times it was closed for lack of an end hook
+             `forced`: per phase, how many times it was closed for lack of an end hook,
+             and `colls`: its steps' collectives per (group, op, phase issued in)
   sys        a system sample: CPU %, RSS, GPU utilisation and memory, and the CUDA
              device once the agent has learned it
   heartbeat  liveness and progress, from a thread that does not need training: step,
@@ -83,6 +84,9 @@ MAX_GROUPS = 33  # the agent's 32 named process groups and "other" (hooks.py)
 # One step longer than a day is not a measurement, it is corruption.
 MAX_STEP_MS = 86_400_000.0
 MAX_COUNT = 1 << 62
+# Collective rows in one steps batch: the sender's 16 keys, "other" and DDP's all-reduce.
+MAX_COLL_ROWS = 18
+MAX_BATCH_MS = MAX_STEP_MS * MAX_RECORDS_PER_BATCH
 
 
 class ProtocolError(ValueError):
@@ -203,6 +207,22 @@ class Hello(_Wire, tag="hello", kw_only=True, frozen=True):
                                         for k, v in self.env.items()})
 
 
+class CollRow(Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    """The collectives of one (process group, op, phase it was issued in) over the steps
+    of one batch: calls, this rank's input bytes (None: not known for every call) and the
+    exposed wait in ms. Group names are the same on every rank (hooks.ranks_name)."""
+
+    group: Short
+    op: Short
+    phase: Short
+    count: Count
+    nbytes: Count | None
+    exposed_ms: Annotated[float, Meta(ge=0.0, le=MAX_BATCH_MS)]
+
+    def __post_init__(self) -> None:
+        _clean_fields(self, lines=("group", "op", "phase"))
+
+
 class Steps(_Wire, tag="steps", kw_only=True, frozen=True):
     phases: Annotated[list[Short], Meta(min_length=1, max_length=MAX_PHASES)]
     # Each record is [step, t_end, step_ms, *phase_ms]: checked in _records (its length
@@ -210,6 +230,9 @@ class Steps(_Wire, tag="steps", kw_only=True, frozen=True):
     records: Annotated[list[list[int | float | None]], Meta(max_length=MAX_RECORDS_PER_BATCH)]
     dropped: Count = 0
     forced: list[Count] | None = None
+    # The batch's collectives, aggregated per key (not one row per call): absent from an
+    # older agent, and from a batch whose steps issued none.
+    colls: Annotated[list[CollRow], Meta(max_length=MAX_COLL_ROWS)] = []
 
 
 # NVML's clock-throttle reasons, named (sysmetrics.THROTTLE_BITS gives their bits).
@@ -544,3 +567,53 @@ def decode_relay_batch(data: bytes) -> RelayBatch:
     if len(batch.routes) != len(batch.payloads):
         raise ProtocolError("a relay batch needs one route per payload")
     return batch
+
+
+# --- stacks of a node's stuck ranks, taken by its launcher (docs/hangs.md) ------------------
+# A rank stuck in native code holding the GIL sends nothing, not even its own stack; only
+# its ancestor may ptrace it (Yama). So the collector asks the rank's node relay, on the
+# route kept for the relay itself, and the relay asks its launcher over a private pipe:
+#   collector -> relay: [RELAY_TAG, RELAY_SELF_ROUTE, RelayStackRequest]
+#   relay -> launcher -> relay: RelayStackRequest, then RelayStacks (a socketpair)
+#   relay -> collector: [RELAY_STACKS_TAG, RelayStacks]
+# The collector takes a RelayStacks only from the connection that relays that very rank's
+# messages, for the pid that rank is now, and only when it asked: a rank's key opens the
+# ingest socket but cannot make it the relay of another rank.
+RELAY_STACKS_TAG = b"traceml-relay-stacks/1"
+RELAY_SELF_ROUTE = MAX_RELAY_ROUTE  # never a rank's route (relay.py skips it)
+RELAY_STACK_MAX = 16_000  # characters of one dump (as requests.NATIVE_STACK_MAX)
+MAX_RELAY_STACKS_BYTES = RELAY_STACK_MAX * 4 + 1024  # UTF-8, with the envelope
+
+
+class RelayStackRequest(Struct, tag="relay_stack_request", forbid_unknown_fields=True):
+    rank: Annotated[int, Meta(ge=0, lt=MAX_WORLD_SIZE)]
+    pid: Annotated[int, Meta(ge=1, le=1 << 31)]
+
+
+class RelayStacks(Struct, tag="relay_stacks", forbid_unknown_fields=True):
+    """One rank's threads as `py-spy dump --native` printed them, from its node."""
+
+    node: Annotated[int, Meta(ge=0, le=MAX_WORLD_SIZE)]
+    rank: Annotated[int, Meta(ge=0, lt=MAX_WORLD_SIZE)]
+    pid: Annotated[int, Meta(ge=1, le=1 << 31)]
+    text: Annotated[str, Meta(max_length=RELAY_STACK_MAX)]
+
+    def __post_init__(self) -> None:
+        force_setattr(self, "text", clean_text(self.text))  # before memory, disk or screen
+
+
+_RELAY_STACKS_DECODER = msgspec.msgpack.Decoder(RelayStackRequest | RelayStacks)
+
+
+def encode_relay_stacks(msg: RelayStackRequest | RelayStacks) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def decode_relay_stacks(data: bytes) -> RelayStackRequest | RelayStacks:
+    """A stack request or a node's stack, validated; ProtocolError otherwise."""
+    if len(data) > MAX_RELAY_STACKS_BYTES:
+        raise ProtocolError("relay stacks message too large")
+    try:
+        return _RELAY_STACKS_DECODER.decode(data)
+    except Exception as exc:
+        raise ProtocolError(f"not a relay stacks message: {exc}"[:200]) from None

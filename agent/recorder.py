@@ -65,6 +65,11 @@ FLUSH_DEADLINE_S = 2.0  # at shutdown, how long the device gets to finish timed 
 # Device segments (event pairs) kept for one step: a loop without optimizer steps
 # (evaluation, inference) never reaches a step boundary to resolve them.
 MAX_STEP_PAIRS = 4096
+# Distinct (group, op, phase) keys of one step's collectives: past this, "other".
+MAX_COLL_KEYS = 8
+COLL_OTHER = ("other", "other", NO_PHASE)
+# Steps' collective tables waiting for the sender (it drains them ~10 times a second).
+MAX_COLL_STEPS = 4096
 # Idle timing events kept for reuse: a few steps' worth. An evaluation pass can take
 # thousands; they go back to CUDA instead of staying pooled for the rest of the run.
 MAX_POOL = 64
@@ -135,6 +140,9 @@ class Recorder:
         "bg_since",
         "bg_total",
         "bg_seen",
+        "coll",
+        "coll_out",
+        "ddp_group",
     )
 
     def __init__(self, out: deque) -> None:
@@ -193,7 +201,13 @@ class Recorder:
         self.bg_since = 0
         self.bg_total = 0
         self.bg_seen = 0
-
+        # Collectives of the step in progress: (group, op, phase it was issued in) ->
+        # [calls, bytes (-1: unknown), exposed ns] (hooks.py, `account`), bounded to
+        # MAX_COLL_KEYS keys; handed to the sender at the step's close (one deque append
+        # on the steps that had one, a truthiness test on the others).
+        self.coll: dict[tuple[str, str, int], list[int]] = {}
+        self.coll_out: deque = deque(maxlen=MAX_COLL_STEPS)
+        self.ddp_group = "world"  # the process group DDP's reducer all-reduces on
     # --- threads ------------------------------------------------------------------
 
     def claim_thread(self, ident: int) -> None:
@@ -456,6 +470,9 @@ class Recorder:
         elif self.bg_loader:
             self._bg_input(t)
             self.t_mark = t
+        if self.coll:  # before the record: a sender that has the record has its table
+            self.coll_out.append(self.coll)
+            self.coll = {}
         if self.DEFERRED:
             self._emit(self.step, t, t - start, self.acc)
         else:  # _emit written out (a Python call saved per step on the host clock)
@@ -479,6 +496,25 @@ class Recorder:
 
     def _emit(self, step: int, t: int, wall: int, acc: list[int | None]) -> None:
         self.out.append((step, t, wall, acc))
+
+    def account(self, group: str, op: str, phase: int, ns: int, nbytes: int) -> None:
+        """One explicit collective of this step: `ns` of exposed wait (0 when untimed),
+        `nbytes` this rank's input (-1: unknown). Once per collective call, not per step."""
+        coll = self.coll
+        key = (group, op, phase)
+        entry = coll.get(key)
+        if entry is None:
+            if len(coll) >= MAX_COLL_KEYS:
+                key = COLL_OTHER
+                entry = coll.get(key)
+            if entry is None:
+                entry = coll[key] = [0, 0, 0]
+        entry[0] += 1
+        if nbytes < 0 or entry[1] < 0:
+            entry[1] = -1
+        else:
+            entry[1] += nbytes
+        entry[2] += ns
 
     def replayed(self, on_training_thread: bool) -> None:
         """A CUDA graph was replayed. A whole-step graph runs no hook: when the training

@@ -24,9 +24,12 @@ from typing import Any
 from . import handover, keys, nccl_log, protocol
 from .capture import Capturer
 from .checks import StepObserver
-from .recorder import MEASURED, Recorder
+from .recorder import BACKWARD, MEASURED, SYNC, Recorder
 from .sysmetrics import SystemSampler
 
+# Distinct (group, op, phase) keys of one batch's collectives; the rest go to "other".
+MAX_BATCH_KEYS = 16
+BACKWARD_NAME = MEASURED[BACKWARD]
 SEND_INTERVAL_S = 0.1  # at most ~10 step batches a second per rank (up to 1,024 ranks)
 HEARTBEAT_INTERVAL_S = 1.0  # liveness and progress: a rank silent 5 s is gone (hang.py)
 SYS_INTERVAL_S = 1.0  # system samples (CPU, memory, GPU), up to 1,024 ranks
@@ -95,6 +98,7 @@ class Sender(threading.Thread):
         self.stacks_step = -1  # the step count when they were taken
         self.agent_off: str | None = None  # why timing was turned off, once it was
         self._moved = (0, 0)  # graph replays and batches at the last heartbeat
+        self._sync_rest = 0.0  # sync ms not yet put down to a call or to DDP (_colls)
         # Wall clock of perf_counter_ns()'s zero, to stamp records in epoch seconds.
         self._epoch0 = time.time() - perf_counter_ns() / 1e9
 
@@ -273,17 +277,55 @@ class Sender(threading.Thread):
         forced.extend([0] * (len(names) - len(forced)))
         records = self._wire_records(out, len(names))
         std = len(MEASURED)
+        colls = self._colls(records)
         ok = self._send(
             "steps",
             phases=[*protocol.PHASES, *names[std:]],
             records=records,
             dropped=self.dropped,
             forced=[*forced[:std], 0, *forced[std:]],  # "wait" is derived: never forced
+            **({"colls": colls} if colls else {}),
         )
         if ok:
             self.sent_records += len(records)
         else:
             self.dropped += len(records)
+
+    def _colls(self, rows: list[list]) -> list[list]:
+        """The batch's collectives as the wire's rows (protocol.CollRow): the steps' tables
+        (recorder.account) merged per key, at most MAX_BATCH_KEYS and "other"; and the
+        sync the hooks did not see a call for (DDP's reducer waiting for its gradient
+        all-reduce, in backward) as one more row: the rows' sync minus the explicit calls'
+        exposed time, carried over batches (on a GPU the records lag the tables)."""
+        rec = self.rec
+        names = rec.names
+        merged: dict[tuple[str, str, str], list[int]] = {}
+        tables = rec.coll_out
+        while tables:
+            for (group, op, phase), (count, nbytes, ns) in tables.popleft().items():
+                key = (group, op, names[phase] if 0 <= phase < len(names) else "none")
+                if key not in merged and len(merged) >= MAX_BATCH_KEYS:
+                    key = ("other", "other", "none")
+                entry = merged.setdefault(key, [0, 0, 0])
+                entry[0] += count
+                entry[1] = -1 if nbytes < 0 or entry[1] < 0 else entry[1] + nbytes
+                entry[2] += ns
+        col = 3 + SYNC
+        synced = [r[col] for r in rows if r[col] is not None]
+        explicit_ms = sum(e[2] for e in merged.values()) / 1e6
+        self._sync_rest = rest = self._sync_rest + sum(synced) - explicit_ms
+        wire = [[g, op, ph, c, None if b < 0 else b, ns / 1e6]
+                for (g, op, ph), (c, b, ns) in merged.items()]
+        if rec.parallel is None:  # no reducer (yet): backward's sync is no one's row
+            self._sync_rest = 0.0
+        elif rest > 0 and synced:
+            ddp = rec.parallel == "ddp"
+            wire.append([rec.ddp_group if ddp else "unknown",
+                         "all_reduce" if ddp else "gradient_sync", BACKWARD_NAME, len(synced),
+                         rec.grad_bytes * len(synced) if ddp and rec.grad_bytes else None,
+                         rest])
+            self._sync_rest = 0.0
+        return wire
 
     def _wire_records(self, out: deque, n_names: int) -> list[list]:
         """The queued records as the wire's rows: [step, t_end (epoch s), wall ms, the

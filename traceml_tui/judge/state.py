@@ -33,11 +33,11 @@ from traceml_agent.vocab import LOCAL_PHASES
 
 from . import collectives as coll
 from . import cost, hang
-from .stalls import StallBook, StallFinding
 from . import diagnosis as dx
 from . import episodes
 from .history import History, Point, StepClock, point
 from .setup_checks import ChecksBoard
+from .stalls import StallBook, StallFinding
 from .windows import BlockStats, Quantiles, RankWindow, WindowBlock, median, window_steps_for
 
 # Steps of each rank that the live diagnosis looks at: enough for a stable median,
@@ -200,6 +200,8 @@ class Snapshot:
     history: tuple[Point, ...] = ()  # step and own work over the run (history.py)
     # The run's collectives per (group, op, phase), most exposed first (collectives.py)
     collectives: tuple[coll.CollectiveStat, ...] = ()
+    # Each stalling rank's stall log over the run (stalls.py; full snapshots only)
+    stalls: tuple[StallFinding, ...] = ()
 
     @property
     def reporting(self) -> int:
@@ -519,6 +521,19 @@ class RunState:
         rs.stacks = (*named, (NATIVE_THREAD, clean_text(text)))
         rs.stacks_after_step = rs.last_step
 
+    def relay_stack(self, conn: object, node: int, rank: int, pid: int, text: str) -> bool:
+        """A stuck rank's dump from its node (its launcher, through its relay): taken only
+        from the connection that relays that rank's own messages, of a node relay heard
+        from, for the process that is that rank now. A rank's key opens the ingest socket;
+        it does not make its connection another rank's relay."""
+        rs = self.ranks.get(rank)
+        relayed = rs is not None and isinstance(rs.conn, tuple) and len(rs.conn) == 2
+        if (rs is None or not relayed or rs.conn[0] != conn or rs.conn[1] is None
+                or rs.ident.node != node or node not in self.relays or rs.ident.pid != pid):
+            return False
+        self.set_native_stack(rank, pid, text)
+        return True
+
     def set_preflight(self, result: dict[str, Any]) -> None:
         self.preflight = result
         busbw = result.get("all_reduce_busbw_gbps")
@@ -658,10 +673,9 @@ class RunState:
             self.hang_stacks = {}
             active = self.live.shown.label if self.live else None
             recent = self._recent_timings
-            self.live = dx.settle(self.live, dx.diagnose(timings, active, self.parallel == "fsdp",
-                                                         self.framework, recent,
-                                                         self.stall_findings(),
-                                                         self.preflight_busbw))
+            self.live = dx.settle(self.live, self._named(dx.diagnose(
+                timings, active, self.parallel == "fsdp", self.framework, recent,
+                self.stall_findings(), self.preflight_busbw)))
         assert self.live is not None  # set above, or by the hang that latched
         shown = self.live.shown
         self.clock.mark(self._newest_step(), now)
@@ -783,9 +797,9 @@ class RunState:
             if found is not None:
                 start, dated = found[0], True
                 lost = episodes.lost_ms(saved.steps, saved.saving_ms, start, newest) / 1000.0
-        elif last is not None and last.dated:
-            start = max(step, 0) if last.end_step is None else last.end_step + 1
-            start = min(start, step)
+        elif last is not None and last.end is None and last.dated:
+            # After a dated episode, what follows starts where its evidence ended.
+            start = min(step, (self.timeline[-1].end_step or step) + 1)
         self._fold(start)
         self.live_since = now
         self._lost_mark = newest
@@ -843,9 +857,20 @@ class RunState:
                           r.host, r.node, r.untimed, r.heartbeat.grad_bytes,
                           self.ranks[r.rank].gpu)
             for r in ranks if r.reported]
-        return dx.diagnose(timings, collectives_in_compute=self.parallel == "fsdp",
-                           framework=self.framework, stalls=self.stall_findings(),
-                           preflight_busbw=self.preflight_busbw)
+        return self._named(dx.diagnose(timings, collectives_in_compute=self.parallel == "fsdp",
+                                       framework=self.framework, stalls=self.stall_findings(),
+                                       preflight_busbw=self.preflight_busbw))
+
+    def _collective_stats(self) -> tuple[coll.CollectiveStat, ...]:
+        reporting = sum(1 for rs in self.ranks.values() if rs.steps)
+        mean_steps = sum(rs.steps for rs in self.ranks.values()) / max(1, reporting)
+        return self.collectives.stats(mean_steps)
+
+    def _named(self, d: dx.Diagnosis) -> dx.Diagnosis:
+        """COMM-BOUND's evidence names the collective and group that dominate the sync."""
+        if d.label != dx.COMM_BOUND:
+            return d
+        return coll.with_evidence(d, self._collective_stats())
 
     def snapshot(self, now: float, mono_now: float, full: bool = False) -> Snapshot:
         """Freeze the state. `full` adds whole-window quantiles and the final diagnosis
@@ -879,6 +904,7 @@ class RunState:
             relays=self._relay_snapshots(mono_now), what_if=self.what_if,
             history=self.history.view(),
             collectives=self._collective_stats(),
+            stalls=tuple(self.stall_findings()) if full else (),
             final_what_if=(None if final is None or aligned is None
                            or final.label not in cost.COSTED_LABELS
                            else cost.what_if(final, aligned, self.parallel == "fsdp")),

@@ -146,8 +146,10 @@ class Episode(_S, kw_only=True):
     severity: str = "info"
     start: str | None = None
     end: str | None = None
-    start_step: int | None = None
+    start_step: int | None = None  # its evidence's first and last step (episodes.py)
     end_step: int | None = None
+    named_step: int | None = None  # the newest step when the live label named it
+    cleared_step: int | None = None  # ... and when it left (None while open)
     summary: str = ""
     node: int | None = None
     lost_s: float | None = None
@@ -161,6 +163,36 @@ class Cost(_S, kw_only=True):
     gpu_hours_lost: float | None = None
     hours_unit: str = "GPU"
     what_if: dict[str, Any] | None = None  # cost.WhatIf.to_json()
+
+
+class Collective(_S, kw_only=True):
+    """One (process group, op, phase issued in) of the run's collectives (judge/
+    collectives.py); per-step figures are per step of the ranks that issued it."""
+
+    group: str
+    op: str
+    phase: str
+    ranks: int = 0
+    count: int = 0
+    bytes: int | None = None
+    exposed_ms: float = 0.0
+    count_per_step: float = 0.0
+    bytes_per_step: float | None = None
+    exposed_ms_per_step: float = 0.0
+    share_of_sync: float | None = None
+
+
+class StallRecord(_S, kw_only=True):
+    """One stalling rank's stall log over the run (judge/stalls.py)."""
+
+    rank: int
+    period: int | None = None
+    count: int = 0
+    mean_excess_ms: float = 0.0
+    phase: str = ""
+    lost_s: float = 0.0
+    last_step: int = 0
+    recurring: bool = False
 
 
 class Summary(_S, kw_only=True):
@@ -180,6 +212,8 @@ class Summary(_S, kw_only=True):
     timeline: list[Episode] = []
     hang: dict[str, Any] | None = None
     comm: dict[str, Any] | None = None
+    collectives: list[Collective] = []
+    stalls: list[StallRecord] = []
     preflight: dict[str, Any] | None = None
     collector: dict[str, int] = {}
     relays: dict[str, Any] | None = None

@@ -8,6 +8,7 @@ record of the same shape, marked ``"complete": false``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -19,6 +20,7 @@ from traceml_agent import nccl_log
 from traceml_agent.sanitize import clean_line
 from traceml_agent.vocab import format_ranks
 from traceml_tui.judge import diagnosis as dx
+from traceml_tui.judge.stalls import StallFinding
 from traceml_tui.judge.state import Episode, Snapshot, hours_unit
 from traceml_tui.judge.windows import median
 from traceml_tui.runfolder.folders import write_atomic
@@ -64,7 +66,8 @@ def _who(d: dict[str, Any]) -> str:
 def _episode(e: Episode, duration_s: float, world: int) -> dict[str, Any]:
     return {"label": e.label, "rank": e.rank, "phase": e.phase, "severity": e.severity,
             "start": iso(e.start), "end": iso(e.end), "start_step": e.start_step,
-            "end_step": e.end_step, "summary": e.summary, "node": e.node,
+            "end_step": e.end_step, "named_step": e.named_step,
+            "cleared_step": e.cleared_step, "summary": e.summary, "node": e.node,
             **_lost(e.lost_s, duration_s, world)}
 
 
@@ -151,6 +154,8 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
         "timeline": [_episode(e, duration_s, snap.world_size) for e in snap.timeline],
         "hang": _hang(snap),
         "comm": _comm(snap),
+        "collectives": [c.to_json() for c in snap.collectives],
+        "stalls": stalls_json(snap.stalls),
         "preflight": snap.preflight,
         "collector": dict(snap.counters),
         "relays": _relays(snap),
@@ -360,6 +365,8 @@ def render_text(doc: dict[str, Any]) -> str:
         lines.insert(-1, f"  The relay of node(s) {format_ranks(silent)} stopped sending: "
                          f"their ranks' figures end there, not their training (see "
                          f"relay-node<N>.log in that node's run folder).")
+    lines[-1:-1] = collective_lines(doc.get("collectives") or [])
+    lines[-1:-1] = stall_lines(doc.get("stalls") or [])
     phases = doc["phases"]
     node = d.get("node")
     blamed = set(node["ranks"]) if node else {d["rank"]}
@@ -416,6 +423,66 @@ def render_text(doc: dict[str, Any]) -> str:
             lost = (f"  (cost the job {e['lost_s']:.1f} s)" if e.get("lost_s") else "")
             lines.append(f"  steps {e['start_step']:>6}{until:<7}  {e['label']}{who}{lost}")
     return "\n".join(lines) + "\n"
+
+
+# Stalling ranks the summary lists, most time lost first: at 16,384 ranks every rank
+# evaluating would be 16,384 rows saying the same thing.
+STALLS_LISTED = 32
+TEXT_STALLS = 4  # of them, in the text summary
+
+
+def stalls_json(found: Sequence[StallFinding]) -> list[dict[str, Any]]:
+    """The `stalls` section: each stalling rank's stall log over the run (judge/stalls.py),
+    most time lost first."""
+    rows = sorted(found, key=lambda f: (-f.lost_ms, f.rank))[:STALLS_LISTED]
+    return [{"rank": f.rank, "period": f.period, "count": f.count,
+             "mean_excess_ms": round(f.mean_ms, 3), "phase": f.phase,
+             "lost_s": round(f.lost_ms / 1000.0, 3), "last_step": f.last_step,
+             "recurring": f.recent}
+            for f in rows]
+
+
+def stall_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """'  Stalls: rank 0 every 20 steps, 14 times, about 241 ms each in wait: 3.4 s lost'."""
+    out = []
+    for s in rows[:TEXT_STALLS]:
+        rhythm = f"every {s['period']} steps" if s["period"] else "irregularly"
+        out.append(f"  Stalls: rank {s['rank']} {rhythm}, {s['count']} times, about "
+                   f"{s['mean_excess_ms']:.0f} ms each in {s['phase']}: "
+                   f"{s['lost_s']:.1f} s lost")
+    if len(rows) > TEXT_STALLS:
+        out.append(f"  ... {len(rows) - TEXT_STALLS} more stalling ranks in final_summary.json")
+    return out
+
+# Collectives listed in the text summary, most exposed first (the JSON has them all).
+TEXT_COLLECTIVES = 6
+
+
+def collective_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Which collective on which group took the sync time, per step of the ranks that
+    issued it: '  all_gather on r0,1 (in none): 1.0/step, 64 B, 2.31 ms exposed (40 %)'."""
+    if not rows:
+        return []
+    out = ["  Collectives (per step; exposed wait, share of all sync):"]
+    for c in rows[:TEXT_COLLECTIVES]:
+        nbytes = c.get("bytes_per_step")
+        size = "" if nbytes is None else f", {_bytes(nbytes)}"
+        share = c.get("share_of_sync")
+        where = "outside phases" if c["phase"] == "none" else f"in {c['phase']}"
+        out.append(f"    {c['op']} on group {c['group']} ({where}): "
+                   f"{c['count_per_step']:.3g} call(s){size}, "
+                   f"{c['exposed_ms_per_step']:.2f} ms exposed"
+                   + ("" if share is None else f" ({share:.0%} of sync)"))
+    if len(rows) > TEXT_COLLECTIVES:
+        out.append(f"    ... {len(rows) - TEXT_COLLECTIVES} more in final_summary.json")
+    return out
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def _agent_lines(ranks: list[dict[str, Any]]) -> list[str]:
