@@ -31,6 +31,7 @@ from typing import Any, Literal
 from . import device, env, keys, protocol
 from .protocol import PHASES
 from .recorder import NO_PHASE
+from .vocab import WAIT
 
 __all__ = ["init", "step", "phase", "shutdown", "enabled", "PHASES"]
 
@@ -230,7 +231,7 @@ class _Phase:
         rec = _state["rec"]
         if rec is None:
             return
-        if self.name == "wait":
+        if self.name == WAIT:
             _warn('"wait" is derived (step time minus the other phases); phase("wait") ignored')
             return
         try:

@@ -85,7 +85,6 @@ CHECKSUM_SAMPLES = 64
 MAX_TEXT = 200
 MAX_ID = 64
 MAX_FINDING_RANKS = 1024  # ranks one finding may name (an agent names its own)
-MAX_RANKS_SHOWN = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +243,7 @@ def inspect_model(module: Any, world_size: int, rank: int = 0,
             out.append(finding(DATA_PARALLEL, (rank,),
                                f"nn.DataParallel over {n_dev} device(s) in one process: one "
                                "Python thread per GPU under the GIL, replicas copied each step",
-                               severity="warning"))
+                               severity=WARNING))
     if batch_size is not None:
         out.extend(inspect_batchnorm(module, batch_size, world_size, rank))
     return out
@@ -317,8 +316,8 @@ def inspect_loader(loader: Any, world_size: int, rank: int = 0) -> list[Finding]
                                f"len(dataset)={n} is not divisible by {replicas} ranks: "
                                f"DistributedSampler repeats {padded} sample(s) per epoch "
                                f"({sampler.num_samples} per rank)",
-                               severity="warning" if padded / max(n, 1) >= UNEVEN_WARN_FRACTION
-                               else "info"))
+                               severity=WARNING if padded / max(n, 1) >= UNEVEN_WARN_FRACTION
+                               else INFO))
         per_rank = sampler.num_samples
     elif type(sampler) in (RandomSampler, SequentialSampler) and world_size > 1:
         out.append(finding(NO_DISTRIBUTED_SAMPLER, (rank,),

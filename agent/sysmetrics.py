@@ -50,7 +50,6 @@ THROTTLE_BITS: tuple[tuple[int, str], ...] = (
     (0x80, "power brake"),
     (0x100, "display clocks"),
 )
-MAX_THROTTLE = len(THROTTLE_BITS)
 
 GPU_FIELDS = ("gpu_util", "gpu_mem_mb", "gpu_mem_total_mb", "power_w", "sm_clock_mhz",
               "sm_clock_max_mhz", "temp_c", "throttle", "gpu_uuid", "gpu_note")

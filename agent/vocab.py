@@ -113,8 +113,6 @@ COMM_BOUND: Final = "COMM-BOUND"
 LABELS: Final[tuple[str, ...]] = (
     BALANCED, INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER, INPUT_BOUND, WAIT_HEAVY, HANG,
     WARMUP, TIMING_INCOMPLETE, PERIODIC_STALL, COMM_BOUND)
-# Labels that name a culprit every rank waits for, with its per-step gap.
-STRAGGLER_LABELS: Final[tuple[str, ...]] = (INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER)
 
 # --- severities, in increasing order --------------------------------------------------------
 

@@ -31,7 +31,6 @@ from traceml_tui.report import trace_analysis
 from traceml_tui.runfolder import folders
 from traceml_tui.runfolder.layout import RunFolder
 
-DEFAULT_STEPS = 5
 # The analysis of one capture gets this long in its child process (a few large traces
 # take seconds; a pathological one must not keep the slot forever).
 ANALYSIS_TIMEOUT_S = 300.0

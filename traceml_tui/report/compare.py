@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from traceml_agent.sanitize import clean_line
-from traceml_agent.vocab import COMPUTE_PHASES, INPUT_PHASES
+from traceml_agent.vocab import COMPUTE_PHASES, INPUT_PHASES, SYNC, WAIT
 from traceml_tui.judge.windows import median
 
 from .model import NotASummary, Rank, Summary, from_doc
@@ -63,8 +63,8 @@ def metrics(doc: Summary | dict[str, Any]) -> dict[str, float | None]:
         "skew_ms": (max(local) - mid) if (mid := median(local)) is not None else None,
         "input_ms": across(INPUT),
         "compute_ms": across(COMPUTE),
-        "sync_ms": across(("sync",)),
-        "wait_ms": across(("wait",)),
+        "sync_ms": across((SYNC,)),
+        "wait_ms": across((WAIT,)),
     }
 
 

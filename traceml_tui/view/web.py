@@ -27,7 +27,6 @@ from textual_serve.server import Server
 
 from .web_lock import WebLock, is_loopback, new_token, served_names, url_host
 
-DEFAULT_PORT = 8000
 DEFAULT_VIEWERS = 4
 MAX_VIEWERS = 64
 # A viewer gets this long to quit after its socket closes, then it is killed.

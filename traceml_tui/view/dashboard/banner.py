@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from traceml_agent.vocab import SEVERITIES
+from traceml_agent.vocab import CRITICAL, SEVERITIES
 from traceml_tui.viewmodel import CostView, RunView
 
 from .cells import duration
@@ -30,7 +30,7 @@ class Banner(Static):
     def show(self, state: RunView) -> None:
         # Failures first (issue 32): a failed rank leads, the banner turns critical, and
         # the label below is the verdict of the steps before it.
-        severity = "critical" if state.failure else state.severity
+        severity = CRITICAL if state.failure else state.severity
         for name in SEVERITIES:
             self.set_class(severity == name, f"-{name}")
         head = Text(f" {state.label} ", style="bold reverse")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
+from traceml_agent.vocab import INFO
 from traceml_tui.viewmodel import RunView
 
 from .cells import duration
@@ -36,7 +37,7 @@ class StatusBar(Static):
         if state.checks:
             worst = state.checks[0][1]
             text.append(f"  setup checks: {len(state.checks)} (c)",
-                        style="bold reverse" if worst != "info" else "bold")
+                        style="bold reverse" if worst != INFO else "bold")
         cap = state.capture
         if cap is not None:
             if cap.text:
