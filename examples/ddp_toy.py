@@ -13,6 +13,10 @@ Scenarios (each adds --delay-ms of time where a real job would lose it):
   input-all   every rank's input is slow (an input-bound job)
   stall       every rank stalls after each step (synchronous logging/checkpoint)
 
+  --from-step A --to-step B            inject it on steps A..B only (both included; a
+                                       transient problem), for the scenarios that add
+                                       --delay-ms; default: every step
+
 Hangs (for traceml's hang detection):
   --hang-rank R --hang-at-step S       rank R sleeps forever before its forward at step S
   --skip-collective-rank R --hang-at-step S
@@ -128,6 +132,10 @@ def main() -> None:
                    help="the rank(s) the problem is injected on, e.g. 2 or 2,3 (a whole node)")
     p.add_argument("--delay-ms", type=float, default=25.0)
     p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--from-step", type=int, default=0,
+                   help="the first step the problem is injected on (a transient problem)")
+    p.add_argument("--to-step", type=int, default=None,
+                   help="the last step it is injected on (included); default: to the end")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--compute-ms", type=float, default=0.0,
@@ -162,20 +170,26 @@ def main() -> None:
     diverges = args.skip_collective_rank is not None or args.extra_collective_rank is not None
     side_group = dist.new_group() if diverges else None
     delay = args.delay_ms / 1000.0
+    last = args.to_step if args.to_step is not None else args.steps
+
+    def faulty(step: int) -> bool:
+        return args.from_step <= step <= last
 
     batch = args.batch * (4 if args.scenario == "batch" and me else 1)
     slow_input = (args.scenario == "input" and me) or args.scenario == "input-all"
     data = RandomData(batch * world * 64, args.dim)
+    collate = SlowCollate(delay if slow_input else 0.0)
     loader = DataLoader(data, batch_size=batch, sampler=DistributedSampler(data, seed=0),
-                        collate_fn=SlowCollate(delay if slow_input else 0.0), drop_last=True)
+                        collate_fn=collate, drop_last=True)
     torch.manual_seed(0)
     # "compute-all": every rank's forward takes --delay-ms longer (a model whose compute
     # dwarfs its gradient allreduce: sync is then a modest share of the step).
     extra = (args.scenario == "forward" and me) or args.scenario == "compute-all"
-    model = DDP(Net(args.dim, (delay if extra else 0.0) + args.compute_ms / 1000.0))
+    net = Net(args.dim, (delay if extra else 0.0) + args.compute_ms / 1000.0)
+    model = DDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     if args.scenario == "optimizer" and me:
-        opt.register_step_pre_hook(lambda *a: time.sleep(delay))
+        opt.register_step_pre_hook(lambda *a: time.sleep(delay if faulty(step) else 0.0))
     loss_fn = nn.CrossEntropyLoss()
 
     nccl = fake_nccl_log(rank, world) if args.fake_nccl_log else (lambda line: None)
@@ -183,7 +197,10 @@ def main() -> None:
     t0 = time.perf_counter()
     while step < args.steps:
         loader.sampler.set_epoch(epoch)
+        collate.delay_s = delay if slow_input and faulty(step) else 0.0  # the next batch's
         for x, y in loader:
+            net.extra_forward_s = ((delay if extra and faulty(step) else 0.0)
+                                   + args.compute_ms / 1000.0)
             if args.hang_rank == rank and step == args.hang_at_step:
                 wait_forever()  # e.g. a deadlock in this rank's own code
             if args.gil_hang_rank == rank and step == args.hang_at_step:
@@ -199,13 +216,14 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            if args.scenario == "stall":
+            if args.scenario == "stall" and faulty(step):
                 time.sleep(delay)  # e.g. synchronous logging or checkpointing every step
             if (args.checkpoint_every and step and step % args.checkpoint_every == 0
                     and args.checkpoint_rank in (None, rank)):
                 time.sleep(args.checkpoint_s)  # a legitimate long step: not a hang
             nccl(f"AllReduce: opCount {step:x} DONE")
             step += 1
+            collate.delay_s = delay if slow_input and faulty(step) else 0.0
             if args.fail_rank == rank and step == args.fail_at_step:
                 print(f"rank {rank}: simulated failure at step {step}", file=sys.stderr)
                 sys.exit(3)

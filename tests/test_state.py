@@ -156,10 +156,11 @@ def test_timeline_keeps_a_straggler_episode_that_came_and_went():
     _feed(state, 0, 2 * dx.MIN_STEPS)
     t = _evaluate(state, 0.0)
     assert state.live.shown.label == dx.BALANCED
-    _feed(state, 100, LIVE_STEPS, slow_dl=40.0)
+    slow = 2 * dx.MIN_STEPS  # the first slow step; then LIVE_STEPS slow, as many clean
+    _feed(state, slow, LIVE_STEPS, slow_dl=40.0)
     t_in = _evaluate(state, t)  # the straggler is shown on the last, confirming tick
     assert (state.live.shown.label, state.live.shown.rank) == (dx.INPUT_STRAGGLER, 2)
-    _feed(state, 200, LIVE_STEPS)
+    _feed(state, slow + LIVE_STEPS, LIVE_STEPS)
     t = _evaluate(state, t_in)
 
     timeline = state.snapshot(t, mono_now=0.0).timeline
@@ -167,9 +168,14 @@ def test_timeline_keeps_a_straggler_episode_that_came_and_went():
         (dx.BALANCED, None), (dx.INPUT_STRAGGLER, 2), (dx.BALANCED, None)]
     episode = timeline[1]
     assert episode.phase == "dataloader"
-    assert (episode.start, episode.end) == (t_in, t)
-    assert timeline[2].start == t
-    assert episode.start_step == 2 * dx.MIN_STEPS + LIVE_STEPS
+    # Dated by its evidence (its slow steps), not by the evaluations that named it (t_in,
+    # at its last slow step) and cleared it (t, LIVE_STEPS later); times are its steps'.
+    assert (episode.start_step, episode.end_step) == (slow, slow + LIVE_STEPS - 1)
+    assert (episode.named_step, episode.cleared_step) == (slow + LIVE_STEPS - 1,
+                                                          slow + 2 * LIVE_STEPS - 1)
+    assert timeline[0].end_step == slow - 1 and timeline[2].start_step == slow + LIVE_STEPS
+    assert episode.start < episode.end <= timeline[2].start <= t_in < t
+    assert episode.lost_s == pytest.approx(LIVE_STEPS * 0.040, rel=0.02)
     assert timeline[2].end is None
     assert state.live.shown.label == dx.BALANCED
 
@@ -295,7 +301,9 @@ def test_lost_time_counts_every_step_once_however_evaluations_are_spaced():
         state.evaluate(t)
     episode = state.timeline[-1]
     assert episode.label == dx.INPUT_STRAGGLER and episode.end is None
-    taken = step - 1 - opened
+    # Dated by its evidence: from the first judged step (the label was confirmed later).
+    assert (episode.start_step, episode.named_step) == (WARMUP_STEPS, opened)
+    taken = step - WARMUP_STEPS
     assert episode.lost_s == pytest.approx(taken * 0.040, rel=0.02)
     w = state.what_if
     assert w is not None and w.rank == 2

@@ -63,3 +63,41 @@ class History:
 def point(elapsed_s: float, steps: Sequence[float], own: Sequence[float]) -> Point:
     """A tick's point from every rank's live step time and own work (ms)."""
     return (round(elapsed_s, 2), median(steps), median(own), max(own) if own else None)
+
+
+class StepClock:
+    """When each step was taken, bounded: one (step, time) mark per evaluation, thinned
+    by dropping every other mark once MAX_POINTS are kept (the newest always stays). An
+    episode dated by its steps (episodes.py) is placed on the time axis through it, so
+    the time chart draws it where the timeline says."""
+
+    def __init__(self, max_marks: int = MAX_POINTS) -> None:
+        self.max_marks = max_marks
+        self.marks: list[tuple[int, float]] = []
+
+    def mark(self, step: int, at: float) -> None:
+        if step < 0 or (self.marks and step <= self.marks[-1][0]):
+            return
+        self.marks.append((step, at))
+        if len(self.marks) >= self.max_marks:
+            self.marks = self.marks[-1::-2][::-1]
+
+    def time_of(self, step: int, default: float) -> float:
+        """The time of `step`, interpolated between the marks around it; `default`
+        before the first mark, the last mark's time past it."""
+        marks = self.marks
+        if not marks:
+            return default
+        if step <= marks[0][0]:
+            return marks[0][1]
+        lo, hi = 0, len(marks) - 1
+        if step >= marks[hi][0]:
+            return marks[hi][1]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if marks[mid][0] <= step:
+                lo = mid
+            else:
+                hi = mid
+        (s0, t0), (s1, t1) = marks[lo], marks[hi]
+        return t0 + (t1 - t0) * (step - s0) / (s1 - s0)

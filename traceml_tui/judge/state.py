@@ -32,9 +32,8 @@ from traceml_agent.sanitize import clean_text
 from traceml_agent.vocab import LOCAL_PHASES
 
 from . import collectives as coll
-from . import cost, hang
+from . import cost, episodes, hang
 from . import diagnosis as dx
-from . import episodes
 from .history import History, Point, StepClock, point
 from .setup_checks import ChecksBoard
 from .stalls import StallBook, StallFinding
@@ -659,6 +658,9 @@ class RunState:
             self._keep_hang_stacks()
         elif report is not None:
             # No progress for the whole threshold is its own evidence: shown at once.
+            if self.hang is not None:  # it replaces another: keep that one's record
+                self.ended_hang = (self.hang, self.hang_since, self.hang_stacks,
+                                   self.hang_steps)
             self.hang, self.hang_steps = report, steps
             self.hang_since = now - report.stalled_s
             self.hang_stacks = {}
@@ -696,9 +698,11 @@ class RunState:
         """At the end of a run stopped by a signal (Ctrl-C, SIGTERM): a hang that ended
         within AFTERMATH_STEPS steps per rank of the end was ended by the stop, so the
         record says HANG as it was latched (culprits, kind, stacks), its timeline episode
-        open to the end, not the few steps of the aftermath. True when restored."""
+        open to the end, not the aftermath: neither the few steps the woken ranks closed
+        on their way out, nor the "hang" their stale heartbeats then make. True when
+        restored."""
         ended = self.ended_hang
-        if self.hang is not None or ended is None:
+        if ended is None:
             return False
         report, since, stacks, at_steps = ended
         steps = sum(rs.steps for rs in self.ranks.values())
@@ -708,9 +712,11 @@ class RunState:
         self.hang_steps = steps
         self.live = dx.LiveLabel(report.diagnosis)
         self.what_if = None
-        hangs = [i for i, ep in enumerate(self.timeline) if ep.label == report.diagnosis.label]
-        if hangs:  # the aftermath's episodes go; the hang's stays open to the end
-            for _ in range(len(self.timeline) - hangs[-1] - 1):
+        episodes = list(self.timeline)
+        starts = [i for i, ep in enumerate(episodes)
+                  if ep.label == report.diagnosis.label and ep.start == since]
+        if starts:  # the aftermath's episodes go; the hang's stays open to the end
+            for _ in range(len(episodes) - starts[-1] - 1):
                 self.timeline.pop()
             self.timeline[-1] = replace(self.timeline[-1], end=None, end_step=None)
         return True
@@ -789,20 +795,24 @@ class RunState:
         for e in self.timeline:
             if e.dated or e.label == dx.HANG:
                 floor = max(floor, e.end_step if e.end_step is not None else step)
-        start, dated, lost = step, False, None
+        start, dated, lost, mark = step, False, None, newest
         saved = None if d.label == dx.HANG else self._savings(d)
         if saved is not None:
             hot = episodes.evidence(d.label, saved.job_ms, saved.saving_ms)
             found = episodes.span(d.label, saved.steps, hot, floor)
             if found is not None:
-                start, dated = found[0], True
-                lost = episodes.lost_ms(saved.steps, saved.saving_ms, start, newest) / 1000.0
-        elif last is not None and last.end is None and last.dated:
-            # After a dated episode, what follows starts where its evidence ended.
-            start = min(step, (self.timeline[-1].end_step or step) + 1)
+                # Priced from its first step to the newest step every rank has sent.
+                start, dated, mark = found[0], True, int(saved.steps[-1])
+                lost = episodes.lost_ms(saved.steps, saved.saving_ms, start, mark) / 1000.0
+        if not dated and d.label != dx.HANG:
+            self._drop_symptom()
+            cause = self.timeline[-1] if self.timeline else None
+            if cause is not None and cause.dated and cause.end_step is not None:
+                # After a dated episode, what follows starts where its evidence ended.
+                start = min(step, cause.end_step + 1)
         self._fold(start)
         self.live_since = now
-        self._lost_mark = newest
+        self._lost_mark = mark
         self._episode_dx = d
         at = self.clock.time_of(start, now) if start != step else now
         self.timeline.append(Episode(d.label, d.rank, d.phase, d.severity, min(at, now), None,
@@ -828,11 +838,24 @@ class RunState:
                 0.0, (self.timeline[-1].lost_s or 0.0) + extra / 1000.0))
         return end
 
+    def _drop_symptom(self) -> None:
+        """The episode just closed goes when it had no culprit of its own and was named
+        from a window (LIVE_STEPS) mostly made of the dated episode's steps before it:
+        the COMM-BOUND a straggler's victims still show in their window after the
+        straggler was cleared is that episode's evidence, not a label of its own."""
+        if len(self.timeline) < 2:
+            return
+        sym, cause = self.timeline[-1], self.timeline[-2]
+        if (not sym.dated and sym.label != dx.HANG and cause.dated
+                and cause.end_step is not None and sym.named_step is not None
+                and sym.named_step - LIVE_STEPS // 2 <= cause.end_step):
+            self.timeline.pop()
+
     def _fold(self, start: int) -> None:
         """Episodes wholly on or after `start` that are not dated (nor a hang) go: the
         new episode's evidence covers them. The one before ends before `start`."""
-        while (len(self.timeline) > 1 and not self.timeline[-1].dated
-               and self.timeline[-1].label not in (dx.HANG, dx.WARMUP)
+        while (self.timeline and not self.timeline[-1].dated
+               and self.timeline[-1].label != dx.HANG
                and self.timeline[-1].start_step >= start):
             self.timeline.pop()
         last = self.timeline[-1] if self.timeline else None
