@@ -122,6 +122,8 @@ CRITICAL: Final = "critical"
 SEVERITIES: Final[tuple[str, ...]] = (INFO, WARNING, CRITICAL)
 
 # --- files and folders of a run folder (OUT/NAME/) -------------------------------------------
+# Their names only: traceml_tui/runfolder/layout.py makes the paths (and names the files
+# only the product writes); the agent joins SECRET_KEY and TRACES_DIR itself.
 
 SECRET_KEY: Final = "secret.key"            # the run's shared secret (0600)
 COLLECTOR_JSON: Final = "collector.json"    # where viewers find the collector
@@ -134,7 +136,7 @@ SUMMARY_TXT: Final = "final_summary.txt"
 NETCHECK_JSON: Final = "netcheck.json"
 LOGS_DIR: Final = "logs"                    # the ranks' stdout/stderr (and nccl/)
 STEP_LOG_DIR: Final = "steps"               # the per-step record of every rank
-TRACES_DIR: Final = "traces"                # deep-trace captures
+TRACES_DIR: Final = "traces"                # deep traces (agent/capture.py)
 
 
 def format_ranks(ranks: Iterable[int]) -> str:

@@ -90,7 +90,7 @@ class CostView(Struct, frozen=True):
 
 
 class DeepTraceView(Struct, frozen=True):
-    """The latest deep trace, as viewers see it (captures.py): which ranks, how far each
+    """The latest deep trace, as viewers see it (collect/deep_traces.py): which ranks, how far each
     got, and the analysis once it is done."""
 
     id: int

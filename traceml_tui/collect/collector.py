@@ -11,8 +11,8 @@ Sockets (addresses are written to RUN_DIR/collector.json once bound):
            that hangs or crashes never touches the job or the record (view_server.py).
 
 Its parts: the ingest pump owns the ingest socket (ingest_pump.py), RunState keeps and
-judges the ranks' records (state.py), the view server answers viewers, the capture
-board runs deep traces (captures.py); this module binds the sockets, schedules the
+judges the ranks' records (judge/state.py), the view server answers viewers, the deep
+trace board runs deep traces (deep_traces.py); this module binds the sockets, schedules the
 ticks and writes the record at the end.
 
 Every few seconds it rewrites RUN_DIR/live_snapshot.json atomically (the same

@@ -1,6 +1,6 @@
 """The collector's side of the view: a `RunView` built from a `Snapshot`.
 
-view_state.py is the model every viewer reads; this module is the only place that
+viewmodel.py is the model every viewer reads; this module is the only place that
 knows both it and the collector's state, so viewers never import the collector.
 """
 

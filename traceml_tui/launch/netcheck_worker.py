@@ -3,7 +3,7 @@
 In order: everybody came up (within a timeout that names who did not), each node's
 network facts, a sweep of four collectives over sizes, each pair of nodes alone, and
 barrier times per rank. Rank 0 writes RUN_DIR/netcheck.json and prints progress lines.
-The arithmetic is in netcheck_math.py; what the figures mean is in docs/network.md.
+The arithmetic is in judge/bandwidth.py; what the figures mean is in docs/network.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Reads the collector's step log (RUN_DIR/steps/, bounded) and the run's summary (
 or the live snapshot of a run still going) and writes one Chrome-trace file: a process
 per rank, a track per phase, step markers, diagnosis episodes and hangs as events
 (perfetto.py). Opens in https://ui.perfetto.dev beside the torch.profiler traces that
-deep-trace captures leave in RUN_DIR/traces/.
+deep traces leave in RUN_DIR/traces/.
 """
 
 from __future__ import annotations

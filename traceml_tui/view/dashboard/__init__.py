@@ -1,4 +1,5 @@
-"""The Textual dashboard: the view side. It reads ViewStates; the data side never imports it."""
+"""The Textual dashboard: the view side. It reads RunViews (viewmodel.py); the data side
+never imports it."""
 
 from .app import DashboardApp
 
