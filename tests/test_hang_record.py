@@ -66,6 +66,27 @@ def test_the_summary_keeps_the_latched_hang_after_ctrl_c_woke_the_stuck_rank():
     assert doc["timeline"][-1]["end_step"] is None
 
 
+def test_the_hangs_the_exiting_ranks_stale_heartbeats_make_are_not_the_record():
+    """Woken, the ranks close a step one after the other and die without a goodbye:
+    after each step their last heartbeats (seconds old already) make a new hang, the
+    aftermath's, one replacing the other. The record keeps rank 1's."""
+    state, idents, t = _hung_job()
+    for woken in (idents[1], idents[0]):
+        _steps(state, woken, 20, 20, now=t)
+        t += 6.0
+        for i in idents:
+            _beat(state, i, t, since=6.0, phase="sync", in_collective="all_reduce",
+                  collectives=21)
+        state.evaluate(T0 + t, mono_now=t + 0.5)  # no evaluation saw the step alone
+        assert state.hang is not None and state.hang.culprits != (1,)  # the aftermath's
+    assert state.keep_latched_hang()
+    doc = summary.build(state.snapshot(T0 + t + 1, t + 1, full=True), summary.RunMeta())
+    assert (doc["diagnosis"]["label"], doc["diagnosis"]["rank"]) == ("HANG", 1)
+    assert doc["hang"]["ranks"] == [1]
+    assert "wait_forever" in doc["hang"]["stacks"]["1"][0]["stack"]
+    assert [e["label"] for e in doc["timeline"]].count("HANG") == 1
+
+
 def test_a_hang_that_resolved_itself_is_not_brought_back():
     """The job went on for many steps after the stall: the end is not the hang's."""
     state, idents, t = _hung_job()

@@ -659,8 +659,7 @@ class RunState:
         elif report is not None:
             # No progress for the whole threshold is its own evidence: shown at once.
             if self.hang is not None:  # it replaces another: keep that one's record
-                self.ended_hang = (self.hang, self.hang_since, self.hang_stacks,
-                                   self.hang_steps)
+                self._hang_ended()
             self.hang, self.hang_steps = report, steps
             self.hang_since = now - report.stalled_s
             self.hang_stacks = {}
@@ -668,8 +667,7 @@ class RunState:
             self.live = dx.LiveLabel(report.diagnosis)
         else:
             if self.hang is not None:
-                self.ended_hang = (self.hang, self.hang_since, self.hang_stacks,
-                                   self.hang_steps)
+                self._hang_ended()
             self.hang = None
             self.hang_since = None
             self.hang_stacks = {}
@@ -694,6 +692,19 @@ class RunState:
             if rs.stacks:
                 self.hang_stacks[rs.ident.rank] = rs.stacks
 
+    def _aftermath_of(self, at_steps: int, steps: int) -> bool:
+        return steps - at_steps <= AFTERMATH_STEPS * max(1, len(self.ranks))
+
+    def _hang_ended(self) -> None:
+        """The latched hang ends (a step, or another hang replaces it): kept for
+        `keep_latched_hang`, unless it came in the aftermath of the one kept already
+        (the exiting ranks' stale heartbeats make hang after hang)."""
+        assert self.hang is not None
+        kept = self.ended_hang
+        if kept is not None and self._aftermath_of(kept[3], self.hang_steps):
+            return
+        self.ended_hang = (self.hang, self.hang_since, self.hang_stacks, self.hang_steps)
+
     def keep_latched_hang(self) -> bool:
         """At the end of a run stopped by a signal (Ctrl-C, SIGTERM): a hang that ended
         within AFTERMATH_STEPS steps per rank of the end was ended by the stop, so the
@@ -706,7 +717,7 @@ class RunState:
             return False
         report, since, stacks, at_steps = ended
         steps = sum(rs.steps for rs in self.ranks.values())
-        if steps - at_steps > AFTERMATH_STEPS * max(1, len(self.ranks)):
+        if not self._aftermath_of(at_steps, steps):
             return False  # the job went on after it: a hang that resolved itself
         self.hang, self.hang_since, self.hang_stacks = report, since, stacks
         self.hang_steps = steps
@@ -798,7 +809,7 @@ class RunState:
         start, dated, lost, mark = step, False, None, newest
         saved = None if d.label == dx.HANG else self._savings(d)
         if saved is not None:
-            hot = episodes.evidence(d.label, saved.job_ms, saved.saving_ms)
+            hot = episodes.evidence(d.label, saved.job_ms, saved.saving_ms, d.gap_ms)
             found = episodes.span(d.label, saved.steps, hot, floor)
             if found is not None:
                 # Priced from its first step to the newest step every rank has sent.
@@ -826,7 +837,7 @@ class RunState:
         saved = self._savings(d)
         if saved is None:
             return step
-        hot = episodes.evidence(d.label, saved.job_ms, saved.saving_ms)
+        hot = episodes.evidence(d.label, saved.job_ms, saved.saving_ms, d.gap_ms)
         end = episodes.last_evidence(d.label, saved.steps, hot, e.start_step - 1)
         if end is None:
             return step
