@@ -26,18 +26,27 @@ from traceml_agent.protocol import (
     Sys,
 )
 from traceml_agent.requests import CaptureReply
+from traceml_agent.vocab import (
+    BACKWARD,
+    DATALOADER,
+    FORWARD,
+    H2D,
+    OPTIMIZER,
+    SYNC,
+    WAIT,
+)
 from traceml_tui.collect import view_build
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import summary
 from traceml_tui.viewmodel import DeepTraceView, RankDetail, RunView
 
 T0 = 1_700_000_000.0  # a fixed clock: canned states never read the real one
-BASE_MS = {"dataloader": 0.3, "h2d": None, "forward": 1.0, "backward": 1.5, "sync": 2.0,
-           "optimizer": 0.4, "wait": 0.4}
+BASE_MS = {DATALOADER: 0.3, H2D: None, FORWARD: 1.0, BACKWARD: 1.5, SYNC: 2.0,
+           OPTIMIZER: 0.4, WAIT: 0.4}
 
 
 def make_state(world_size: int = 8, nproc_per_node: int = 4, steps: int = 40,
-               straggler: int | None = 2, phase: str = "dataloader", extra_ms: float = 30.0,
+               straggler: int | None = 2, phase: str = DATALOADER, extra_ms: float = 30.0,
                seed: int = 0, stale: tuple[int, ...] = (), hosts: str = "node",
                also_slow: tuple[int, ...] = (), silent_nodes: tuple[int, ...] = (),
                findings: tuple[Finding, ...] = ()) -> RunState:
@@ -61,7 +70,7 @@ def make_state(world_size: int = 8, nproc_per_node: int = 4, steps: int = 40,
             if rank == straggler or rank in also_slow:
                 values[phase] = (values[phase] or 0.0) + extra_ms
             else:  # everybody else waits for the straggler in the allreduce
-                values["sync"] = (values["sync"] or 0.0) + (extra_ms if straggler is not None
+                values[SYNC] = (values[SYNC] or 0.0) + (extra_ms if straggler is not None
                                                             else 0.0)
             step_ms = sum(v for v in values.values() if v is not None)
             records.append(StepRecord(step, T0 + step * step_ms / 1000, step_ms,
@@ -147,7 +156,7 @@ def make_hang_state(world_size: int = 8, stuck: int = 5) -> RunState:
         behind = rank == stuck
         rs.heartbeat = replace(NO_HEARTBEAT, id=rs.ident, step=rs.steps - (1 if behind else 0),
                                collectives=2 * rs.steps - (2 if behind else 0),
-                               phase="forward" if behind else "sync",
+                               phase=FORWARD if behind else SYNC,
                                in_collective=None if behind else "all_reduce")
         if behind:
             rs.steps -= 1

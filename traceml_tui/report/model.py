@@ -22,6 +22,7 @@ import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from traceml_agent.sanitize import clean_line
+from traceml_agent.vocab import INFO
 
 # A summary of 16,384 ranks is ~10 MB; anything far beyond that is not one of ours.
 MAX_SUMMARY_BYTES = 512 * 1024 * 1024
@@ -49,7 +50,7 @@ class Diagnosis(_S, kw_only=True):
     label: str
     rank: int | None = None
     phase: str | None = None
-    severity: str = "info"
+    severity: str = INFO
     summary: str = ""
     gap_ms: float | None = None
     gap_share: float | None = None
@@ -143,7 +144,7 @@ class Episode(_S, kw_only=True):
     label: str
     rank: int | None = None
     phase: str | None = None
-    severity: str = "info"
+    severity: str = INFO
     start: str | None = None
     end: str | None = None
     start_step: int | None = None  # its evidence's first and last step (episodes.py)

@@ -18,7 +18,7 @@ import msgspec
 
 from traceml_agent import nccl_log
 from traceml_agent.sanitize import clean_line
-from traceml_agent.vocab import format_ranks
+from traceml_agent.vocab import SYNC, format_ranks
 from traceml_tui.judge import diagnosis as dx
 from traceml_tui.judge.stalls import StallFinding
 from traceml_tui.judge.state import Episode, Snapshot, hours_unit
@@ -223,7 +223,7 @@ def _comm(snap: Snapshot) -> dict[str, Any]:
     for r in snap.ranks:
         if not r.reported or r.step_ms is None:
             continue
-        sync = r.phase_ms.get("sync")
+        sync = r.phase_ms.get(SYNC)
         sync_ms = None if sync is None else sync.median
         if sync_ms is not None and r.step_ms.median > 0:
             shares.append(sync_ms / r.step_ms.median)
