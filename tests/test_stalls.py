@@ -65,6 +65,22 @@ def test_the_log_keeps_the_newest_stalls_and_counts_every_one():
     assert f.lost_ms == pytest.approx(250_000.0) and f.mean_ms == pytest.approx(250.0)
 
 
+def test_hiccups_between_a_checkpoints_stalls_do_not_hide_its_period():
+    """The e2e job on a busy box: rank 0's 240 ms checkpoint every 20 steps, and 30 ms
+    scheduler hiccups of its own in between (they broke the rhythm of the whole set)."""
+    book = sl.StallBook()
+    events = [(s, 240.0) for s in stall_steps(20, 9, start=20)]
+    events += [(s, 30.0) for s in (33, 71, 72, 118, 154)]
+    for s, ms in sorted(events):
+        book.add(0, s, ms, "backward" if ms < 100 else "wait")
+    assert sl.period(sorted(s for s, _ in events)) is None  # the whole set has no rhythm
+    f = book.finding(0, STEP, 199)
+    assert f is not None
+    assert (f.period, f.periodic, f.periodic_count, f.count) == (20, 9, 9, 14)
+    assert (f.phase, f.periodic_ms, f.recent) == ("wait", pytest.approx(240.0), True)
+    assert f.lost_ms == pytest.approx(9 * 240.0 + 5 * 30.0)
+
+
 def test_a_victims_sync_stalls_are_counted_not_kept():
     book = sl.StallBook()
     for s in stall_steps(20, 50):

@@ -635,7 +635,7 @@ def periodic_stall(findings: Sequence[StallFinding], active: str | None, reporti
     are the victims, not the cause (whatever their share of sync, COMM-BOUND comes after).
     `reporting`: the ranks that reported (every one stalling reads "every rank")."""
     enter = STALL_SHARE_EXIT if active == PERIODIC_STALL else STALL_SHARE_ENTER
-    causes = [f for f in findings if f.kept >= STALL_MIN_COUNT and f.period is not None
+    causes = [f for f in findings if f.periodic >= STALL_MIN_COUNT and f.period is not None
               and f.recent and f.span_share >= enter]
     if not causes:
         return None
@@ -645,15 +645,17 @@ def periodic_stall(findings: Sequence[StallFinding], active: str | None, reporti
     waits = ("" if everyone else
              "; the other ranks wait for it in their next collective (their sync)")
     where = STALL_HINTS.get(f.phase, f"in {f.phase}")  # the phase table's hints
+    n = f.periodic_count
+    lost_ms = n * f.periodic_ms
     since = "" if f.kept == f.count else f" (from step {f.first_step})"
     return Diagnosis(
         PERIODIC_STALL, None if everyone else f.rank, f.phase, WARNING,
-        f"{who} stalls every {f.period} steps ({f.count} times in the run, the last at "
-        f"step {f.last_step}), about {f.mean_ms:.0f} ms each, {where}{waits}: the job lost "
-        f"{f.lost_ms / 1000:.1f} s, {f.span_share:.0%} of its time{since}. Make it "
+        f"{who} stalls every {f.period} steps ({n} times in the run, the last at step "
+        f"{f.last_step}), about {f.periodic_ms:.0f} ms each, {where}{waits}: the job lost "
+        f"{lost_ms / 1000:.1f} s, {f.span_share:.0%} of its time{since}. Make it "
         f"asynchronous (torch.distributed.checkpoint.async_save), run evaluation on every "
         f"rank or off the critical path, log from a background thread.",
-        gap_ms=f.mean_ms, gap_share=f.span_share, period=f.period)
+        gap_ms=f.periodic_ms, gap_share=f.span_share, period=f.period)
 
 
 def _incomplete(ranks: Sequence[RankTiming], framework: str | None) -> Diagnosis:

@@ -43,6 +43,12 @@ MIN_PERIOD = 2
 # A rhythm is still going while its rank's newest step is at most this many periods past
 # its newest stall: a checkpoint every 200 steps that stopped 600 steps ago is over.
 RECENT_PERIODS = 2.0
+# A checkpoint's stalls are alike, and the scheduler's hiccups between them (a few tens of
+# ms on a busy host) are smaller but break the rhythm of the whole set: when all the kept
+# stalls have no period, the ones at least MAJOR_SHARE of the typical larger stall (the
+# median, 75th and 90th percentile of their excess, in turn) are tried alone.
+MAJOR_SHARE = 0.5
+MAJOR_QUANTILES = (50, 75, 90)
 # Distinct phase names a log can code (a run has at most 24, state.MAX_RUN_PHASES).
 MAX_PHASE_CODES = 255
 
@@ -59,6 +65,19 @@ def period(steps: np.ndarray | list[int]) -> int | None:
     return round(mid) if close >= PERIOD_SHARE * len(gaps) else None
 
 
+def rhythm(steps: np.ndarray, excess: np.ndarray) -> tuple[int, np.ndarray] | None:
+    """The period of the kept stalls and which of them keep it (MAJOR_SHARE): all of them,
+    or the larger ones when smaller hiccups fall between; None without a rhythm."""
+    floors = [0.0] + [MAJOR_SHARE * float(np.percentile(excess, q)) for q in MAJOR_QUANTILES
+                      if len(excess)]
+    for floor in floors:
+        keep = excess >= floor
+        found = period(steps[keep])
+        if found is not None:
+            return found, keep
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class StallFinding:
     """One rank's stall record, as the rule and the summary read it. `kept_*`: over the
@@ -69,10 +88,12 @@ class StallFinding:
     lost_ms: float  # their excess over the rank's typical step, summed over the run
     kept: int  # of them, still in the log (the newest)
     period: int | None  # steps between them, None when they have no rhythm
-    phase: str  # the phase holding most of the kept stalls (`wait`: outside every phase)
-    first_step: int  # the oldest kept stall's step
-    last_step: int  # the newest stall's step
-    span_share: float  # the kept stalls' excess after the oldest, over the time since it
+    periodic: int  # of the kept stalls, those that keep the period (rhythm)
+    periodic_ms: float  # their mean excess (of all kept stalls without a period)
+    phase: str  # the phase holding most of them (`wait`: outside every phase)
+    first_step: int  # the oldest of them
+    last_step: int  # the newest of them
+    span_share: float  # their excess after the oldest, over the time since it
     recent: bool  # the rhythm still goes on (RECENT_PERIODS)
     victim_count: int  # steps it waited in sync for another rank's stall
     victim_ms: float
@@ -81,12 +102,20 @@ class StallFinding:
     def mean_ms(self) -> float:
         return self.lost_ms / self.count if self.count else 0.0
 
+    @property
+    def periodic_count(self) -> int:
+        """The periodic stalls over the run: exact while the log dropped none, else their
+        share of the kept ones applied to every stall counted."""
+        if self.kept == self.count or not self.kept:
+            return self.periodic
+        return round(self.periodic * self.count / self.kept)
+
 
 class StallLog:
     """One rank's stalls (module docstring: what is kept, and its bytes)."""
 
     __slots__ = ("_step", "_excess", "_phase", "_next", "kept", "count", "lost_ms",
-                 "victim_count", "victim_ms", "_period", "_dirty")
+                 "victim_count", "victim_ms", "_rhythm", "_dirty")
 
     def __init__(self) -> None:
         self._step: np.ndarray | None = None  # allocated at the first own stall
@@ -98,7 +127,7 @@ class StallLog:
         self.lost_ms = 0.0
         self.victim_count = 0
         self.victim_ms = 0.0
-        self._period: int | None = None
+        self._rhythm: tuple[int, np.ndarray] | None = None
         self._dirty = False
 
     def add(self, step: int, excess_ms: float, code: int) -> None:
@@ -125,12 +154,13 @@ class StallLog:
         order = np.roll(np.arange(STALL_LOG_KEEP), -self._next)
         return self._step[order], self._excess[order], self._phase[order]
 
-    def period(self) -> int | None:
-        """The kept stalls' period, recomputed only after a new stall."""
+    def rhythm(self) -> tuple[int, np.ndarray] | None:
+        """The kept stalls' rhythm (stalls.rhythm), recomputed only after a new stall."""
         if self._dirty:
-            self._period = period(self.ordered()[0])
+            steps, excess, _ = self.ordered()
+            self._rhythm = rhythm(steps, excess)
             self._dirty = False
-        return self._period
+        return self._rhythm
 
     @property
     def nbytes(self) -> int:
@@ -179,15 +209,19 @@ class StallBook:
         if log is None or log.count == 0 or typical_ms is None or not typical_ms > 0:
             return None
         steps, excess, codes = log.ordered()
-        rhythm = log.period()
+        found = log.rhythm()
+        every, keep = (None, None) if found is None else found
+        if keep is not None:  # the periodic ones: a checkpoint's, without the hiccups
+            steps, excess, codes = steps[keep], excess[keep], codes[keep]
         first, last = int(steps[0]), int(steps[-1])
         after = float(excess[1:].sum())
         span_ms = max(0, last_step - first) * typical_ms + after
         counts = np.bincount(codes, minlength=len(self.names))
         phase = self.names[int(np.argmax(counts))]
-        recent = rhythm is not None and last_step - last <= RECENT_PERIODS * rhythm
-        return StallFinding(rank, log.count, log.lost_ms, log.kept, rhythm, phase, first,
-                            last, after / span_ms if span_ms > 0 else 0.0, recent,
+        recent = every is not None and last_step - last <= RECENT_PERIODS * every
+        return StallFinding(rank, log.count, log.lost_ms, log.kept, every, len(steps),
+                            float(excess.mean()), phase, first, last,
+                            after / span_ms if span_ms > 0 else 0.0, recent,
                             log.victim_count, log.victim_ms)
 
     def nbytes(self) -> int:

@@ -189,6 +189,7 @@ class StallRecord(_S, kw_only=True):
     rank: int
     period: int | None = None
     count: int = 0
+    periodic_count: int = 0
     mean_excess_ms: float = 0.0
     phase: str = ""
     lost_s: float = 0.0

@@ -436,7 +436,8 @@ def stalls_json(found: Sequence[StallFinding]) -> list[dict[str, Any]]:
     most time lost first."""
     rows = sorted(found, key=lambda f: (-f.lost_ms, f.rank))[:STALLS_LISTED]
     return [{"rank": f.rank, "period": f.period, "count": f.count,
-             "mean_excess_ms": round(f.mean_ms, 3), "phase": f.phase,
+             "periodic_count": f.periodic_count if f.period else 0,
+             "mean_excess_ms": round(f.periodic_ms, 3), "phase": f.phase,
              "lost_s": round(f.lost_ms / 1000.0, 3), "last_step": f.last_step,
              "recurring": f.recent}
             for f in rows]
@@ -447,7 +448,8 @@ def stall_lines(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     for s in rows[:TEXT_STALLS]:
         rhythm = f"every {s['period']} steps" if s["period"] else "irregularly"
-        out.append(f"  Stalls: rank {s['rank']} {rhythm}, {s['count']} times, about "
+        times = s["periodic_count"] if s["period"] else s["count"]
+        out.append(f"  Stalls: rank {s['rank']} {rhythm}, {times} times, about "
                    f"{s['mean_excess_ms']:.0f} ms each in {s['phase']}: "
                    f"{s['lost_s']:.1f} s lost")
     if len(rows) > TEXT_STALLS:
