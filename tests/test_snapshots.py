@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from traceml_agent.checks import Finding
+from traceml_agent.protocol import CollRow
 from traceml_tui.collect.canned import StaticSource, make_hang_state, make_state, with_history
 from traceml_tui.view.dashboard import DashboardApp
 from traceml_tui.viewmodel import DeepTraceView
@@ -69,6 +70,18 @@ def deep_trace():
     return state
 
 
+def with_collectives():
+    """The straggler, its sync split by collective (read with o): a metrics all-gather on
+    a second group beside DDP's all-reduce."""
+    state = straggler()
+    rows = [CollRow("r0-7", "all_gather", "none", 10, 10_485_760, 23.0),
+            CollRow("world", "all_reduce", "backward", 10, 40_960_000, 14.5),
+            CollRow("world", "broadcast_coalesced", "forward", 10, 26_000, 0.4)]
+    for rank in range(state.world_size):
+        state.collectives.add(rank, rows)
+    return state
+
+
 CASES = [
     ("straggler", straggler, WIDE, ()),
     ("straggler-narrow", straggler, NARROW, ()),
@@ -79,6 +92,7 @@ CASES = [
     ("help", straggler, WIDE, ("question_mark",)),
     ("hang-with-stack", make_hang_state, WIDE, ()),
     ("deep-trace", deep_trace, WIDE, ("T",)),
+    ("collectives", with_collectives, WIDE, ("o",)),
 ]
 
 

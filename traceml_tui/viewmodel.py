@@ -113,6 +113,13 @@ class DeepTraceView(Struct, frozen=True):
 CheckRow = tuple[str, str, tuple[int, ...], str, str]
 
 
+# The run's collectives, most exposed first (judge/collectives.py), per step of the ranks
+# that issued each: (group, op, phase issued in, calls, bytes or None, exposed ms, share
+# of all sync or None). At most MAX_VIEW_COLLECTIVES.
+CollectiveRow = tuple[str, str, str, float, float | None, float, float | None]
+MAX_VIEW_COLLECTIVES = 16
+
+
 class RunView(Struct, frozen=True):
     run_name: str
     world_size: int
@@ -149,6 +156,7 @@ class RunView(Struct, frozen=True):
     # The rank that failed first, in one line (report/summary.failure_of): the banner
     # leads with it, before the performance label of the steps before it.
     failure: str | None = None
+    collectives: tuple[CollectiveRow, ...] = ()
 
     @property
     def reporting(self) -> int:

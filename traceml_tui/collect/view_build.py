@@ -19,6 +19,7 @@ from traceml_tui.viewmodel import (
     DONE,
     FAILED,
     HIDDEN,
+    MAX_VIEW_COLLECTIVES,
     OK,
     STALE,
     STALE_MIN_S,
@@ -155,7 +156,10 @@ def build(snap: Snapshot, recent: Callable[[int], tuple[float, ...]] = lambda ra
         episodes=tuple((max(0.0, e.start - snap.started_at),
                         None if e.end is None else max(0.0, e.end - snap.started_at),
                         e.label, e.severity) for e in snap.timeline),
-        failure=_failure(snap))
+        failure=_failure(snap),
+        collectives=tuple((c.group, c.op, c.phase, c.count_per_step, c.bytes_per_step,
+                           c.exposed_ms_per_step, c.share_of_sync)
+                          for c in snap.collectives[:MAX_VIEW_COLLECTIVES]))
     worst_rank = d.rank if d.rank is not None else _slowest(rows)
     if worst_rank is None:
         return view

@@ -37,7 +37,7 @@ from .banner import Banner
 from .distribution import Distribution
 from .heat_table import SORT_KEYS, HeatTable
 from .rank_panel import RankPanel
-from .screens import ChecksScreen, HelpScreen, PromptScreen, TraceScreen
+from .screens import ChecksScreen, CollectivesScreen, HelpScreen, PromptScreen, TraceScreen
 from .status_bar import StatusBar
 from .time_chart import TimeChart
 
@@ -85,6 +85,8 @@ class DashboardApp(App[None]):
                                                      "or part of a host name"),
         Binding("n", "nodes", "Nodes", tooltip="Node view / rank view"),
         Binding("c", "checks", "Checks", tooltip="Setup checks: evidence and fix"),
+        Binding("o", "collectives", "Collectives", show=False,
+                tooltip="Which collective on which group took the sync time"),
         Binding("t", "trace", "Trace", tooltip="Deep trace of the pinned (else worst) rank"),
         Binding("T", "show_trace", "Last deep trace", show=False),
         Binding("e", "export", "Export JSON", show=False,
@@ -321,6 +323,9 @@ class DashboardApp(App[None]):
 
     def action_checks(self) -> None:
         self.push_screen(ChecksScreen(self.state.checks if self.state else ()))
+
+    def action_collectives(self) -> None:
+        self.push_screen(CollectivesScreen(self.state.collectives if self.state else ()))
 
     def action_help(self) -> None:
         keys = [(b.key, b.tooltip or b.description) for b in self.BINDINGS

@@ -1,4 +1,5 @@
-"""Modal screens: help, the setup checks, and the one-line prompt (rank number, filter)."""
+"""Modal screens: help, the setup checks, the collectives, and the one-line prompt (rank
+number, filter)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label, Static
 
-from traceml_tui.viewmodel import DeepTraceView
+from traceml_tui.viewmodel import CollectiveRow, DeepTraceView
 
 
 class HelpScreen(ModalScreen[None]):
@@ -53,6 +54,41 @@ class ChecksScreen(ModalScreen[None]):
             yield Label("setup checks (docs/checks.md)", id="help-title")
             yield Static(text)
             yield Label("escape closes this screen", classes="hint")
+
+
+class CollectivesScreen(ModalScreen[None]):
+    """Which collective, on which process group, issued from which phase, took the sync
+    time: per step of the ranks that issued it (docs/network.md, "Which collective")."""
+
+    BINDINGS = [Binding("escape,q,o", "dismiss", "Close")]
+
+    def __init__(self, rows: tuple[CollectiveRow, ...]) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def compose(self) -> ComposeResult:
+        text = Text()
+        if not self.rows:
+            text.append("  No collective accounted so far.\n")
+        else:
+            text.append(f"  {'op':<24} {'group':<18} {'issued in':<10} {'calls':>6} "
+                        f"{'bytes':>9} {'exposed':>9} {'of sync':>7}\n", style="bold")
+        for group, op, phase, calls, nbytes, exposed_ms, share in self.rows:
+            size = "-" if nbytes is None else _size(nbytes)
+            part = "-" if share is None else f"{share:.0%}"
+            text.append(f"  {op[:24]:<24} {group[:18]:<18} {phase[:10]:<10} {calls:>6.3g} "
+                        f"{size:>9} {exposed_ms:>6.2f} ms {part:>7}\n")
+        with Vertical(id="help"):
+            yield Label("collectives per step (exposed wait)", id="help-title")
+            yield Static(text)
+            yield Label("escape closes this screen", classes="hint")
+
+
+def _size(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 class TraceScreen(ModalScreen[None]):
