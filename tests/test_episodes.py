@@ -40,7 +40,8 @@ def test_span_is_the_newest_run_of_evidence(label, pattern, after, want):
     assert episodes.span(label, steps, hot, after) == want
 
 
-@pytest.mark.parametrize(("label", "job", "saving", "want"), [
+@pytest.mark.parametrize(("label", "job", "saving", "want", "gap"), [pytest.param(*c, *(
+    () if len(c) == 5 else (None,))) for c in [
     (STRAG, 10.0, 0.7, True),  # 7 % of the step: above SKEW_EXIT (6 %)
     (STRAG, 10.0, 0.5, False),
     (STRAG, 1.0, 0.1, False),  # 10 % but under MIN_GAP_MS
@@ -49,9 +50,12 @@ def test_span_is_the_newest_run_of_evidence(label, pattern, after, want):
     (dx.PERIODIC_STALL, 10.0, 0.3, True),  # its pricing counts only stalled steps
     (dx.PERIODIC_STALL, 10.0, 0.0, False),
     (STRAG, np.nan, 0.7, True),  # a step with no job figure: the floor is MIN_GAP_MS
-])
-def test_a_step_is_evidence_at_its_labels_exit_threshold(label, job, saving, want):
-    got = episodes.evidence(label, np.array([job]), np.array([saving]))
+    (STRAG, 30.0, 9.0, False, 20.0),  # under half the gap it was named with
+    (STRAG, 30.0, 10.0, True, 20.0),
+    (dx.PERIODIC_STALL, 10.0, 0.3, True, 250.0),  # each stall is one: no half-gap edge
+]])
+def test_a_step_is_evidence_at_its_labels_exit_threshold(label, job, saving, want, gap):
+    got = episodes.evidence(label, np.array([job]), np.array([saving]), gap)
     assert bool(got[0]) is want
 
 

@@ -12,18 +12,30 @@ time is priced over those steps. Pure functions over arrays: no I/O, no clock.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from traceml_agent.vocab import (
+    COMPUTE_PHASES,
     COMPUTE_STRAGGLER,
     INPUT_BOUND,
+    INPUT_PHASES,
     INPUT_STRAGGLER,
     PERIODIC_STALL,
     STRAGGLER,
     WAIT_HEAVY,
 )
 
-from .diagnosis import INPUT_BOUND_EXIT, MIN_GAP_MS, SKEW_EXIT, WAIT_HEAVY_EXIT
+from .diagnosis import (
+    FSDP_COMPUTE_PHASES,
+    INPUT_BOUND_EXIT,
+    MIN_GAP_MS,
+    SKEW_EXIT,
+    WAIT_HEAVY_EXIT,
+    Diagnosis,
+)
+from .windows import AlignedSteps, nan_medians
 
 # A step is evidence of a label's culprit when the culprit cost the job at least this
 # share of that step (and MIN_GAP_MS): the label's own exit threshold, read per step, so
@@ -36,6 +48,15 @@ EVIDENCE_SHARE = {
     WAIT_HEAVY: WAIT_HEAVY_EXIT,
     PERIODIC_STALL: 0.0,  # its pricing counts only stalled steps: each one is evidence
 }
+# ... and at least this share of the gap the label was named with (the window's median):
+# the edges of an episode are where its gap is half there, so a loaded machine's noisy
+# step of a few milliseconds beside it is not taken for its start or its end.
+EDGE_SHARE = 0.5
+# The per-step cost is smoothed by a running median of this many steps before it is
+# compared: on a loaded machine another rank's descheduled step paces the job now and
+# then and the culprit's cost in it drops, which would split one episode in two; a median
+# of 7 ignores up to 3 such steps and keeps a real change's edge where it is.
+SMOOTH_STEPS = 7
 # Steps without evidence that still join two runs of it into one episode: on a loaded
 # machine a straggler's single step can come out short (the scheduler ran it first), and
 # the label would not have left for it. A stall recurs with its period: any gap joins.
@@ -45,13 +66,55 @@ MIN_EVIDENCE = 3
 MIN_STALLS = 1  # each stall is a step the rule counted (it needs several in its window)
 
 
-def evidence(label: str, job_ms: np.ndarray, saving_ms: np.ndarray) -> np.ndarray:
-    """Per step, whether the culprit's cost in it is evidence of `label` (a bool array)."""
+def evidence(label: str, job_ms: np.ndarray, saving_ms: np.ndarray,
+             gap_ms: float | None = None) -> np.ndarray:
+    """Per step, whether the culprit's cost in it (or a straggler's own gap, own_gap)
+    is evidence of `label` (a bool array); `gap_ms`: the gap the label was named with
+    (Diagnosis.gap_ms), for EDGE_SHARE."""
     share = EVIDENCE_SHARE.get(label)
     if share is None:
         return np.zeros(len(saving_ms), dtype=bool)
-    floor = np.maximum(MIN_GAP_MS, share * np.nan_to_num(job_ms))
-    return np.nan_to_num(saving_ms) >= np.maximum(floor, 1e-9)
+    edge = EDGE_SHARE * gap_ms if gap_ms and gap_ms > 0 and label != PERIODIC_STALL else 0.0
+    floor = np.maximum(max(MIN_GAP_MS, edge), share * np.nan_to_num(job_ms))
+    cost = np.nan_to_num(saving_ms)
+    if label != PERIODIC_STALL:  # a stall is one step: nothing to smooth
+        cost = rolling_median(cost, SMOOTH_STEPS)
+    return cost >= np.maximum(floor, 1e-9)
+
+
+def own_gap(d: Diagnosis, data: AlignedSteps, fsdp: bool = False) -> np.ndarray | None:
+    """Per aligned step, a straggler's own gap: its local work in the diagnosed group
+    less the median of the other ranks' (a node: its ranks' median), in ms; what the
+    label was named from, step by step. Unlike its cost (cost.Savings) it does not drop
+    on the steps where another rank's stray delay paces the job. None for other labels."""
+    compute = FSDP_COMPUTE_PHASES if fsdp else COMPUTE_PHASES
+    group = {INPUT_STRAGGLER: INPUT_PHASES, COMPUTE_STRAGGLER: compute,
+             STRAGGLER: INPUT_PHASES + compute}.get(d.label)
+    culprits = d.node_ranks if d.node is not None else (d.rank,)
+    mask = np.isin(data.ranks, np.asarray([c for c in culprits if c is not None],
+                                          dtype=np.int64))
+    arrays = [data.phase_ms[p] for p in group or () if p in data.phase_ms]
+    if not arrays or not mask.any() or mask.all():
+        return None
+    work = np.zeros_like(data.step_ms)
+    for a in arrays:
+        work += np.nan_to_num(a)
+    work[np.isnan(data.step_ms)] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN steps: no value
+        return nan_medians(work[mask]) - nan_medians(work[~mask])
+
+
+def rolling_median(values: np.ndarray, width: int) -> np.ndarray:
+    """Each value replaced by the median of the `width` values centred on it (fewer at
+    the ends): a step-shaped change keeps its edge, a few stray steps are ignored."""
+    n = len(values)
+    if n == 0 or width <= 1:
+        return values
+    half = width // 2
+    padded = np.pad(values, half, mode="edge")
+    windows = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1)
+    return np.median(windows, axis=1)[:n]
 
 
 def span(label: str, steps: np.ndarray, hot: np.ndarray, after: int

@@ -9,9 +9,12 @@ collector passes the time in, so the whole state machine is testable offline.
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from traceml_agent.checks import Finding
 from traceml_agent.protocol import (
@@ -37,7 +40,15 @@ from . import diagnosis as dx
 from .history import History, Point, StepClock, point
 from .setup_checks import ChecksBoard
 from .stalls import StallBook, StallFinding
-from .windows import BlockStats, Quantiles, RankWindow, WindowBlock, median, window_steps_for
+from .windows import (
+    BlockStats,
+    Quantiles,
+    RankWindow,
+    WindowBlock,
+    median,
+    nan_medians,
+    window_steps_for,
+)
 
 # Steps of each rank that the live diagnosis looks at: enough for a stable median,
 # few enough that a straggler appearing mid-run flips it within ~LIVE_STEPS/2 steps.
@@ -775,14 +786,26 @@ class RunState:
     def _newest_step(self) -> int:
         return max((rs.last_step for rs in self.ranks.values()), default=-1)
 
-    def _savings(self, d: dx.Diagnosis) -> cost.Savings | None:
+    def _evidence(self, d: dx.Diagnosis) -> tuple[cost.Savings, np.ndarray, np.ndarray] | None:
         """What `d`'s culprit cost step by step over the ranks' windows (as far as
-        cost.steps_to_read lets a large job read back)."""
+        cost.steps_to_read lets a large job read back), and the steps that are its
+        evidence (episodes.py): (savings, steps, evidence)."""
         if d.label not in cost.COSTED_LABELS or not self.ranks:
             return None
         data = self.block.aligned(list(self.ranks), cost.steps_to_read(
             len(self.ranks), self.window_steps, self.window_steps))
-        return None if data is None else cost.savings(d, data, self.parallel == "fsdp")
+        fsdp = self.parallel == "fsdp"
+        saved = None if data is None else cost.savings(d, data, fsdp)
+        if data is None or saved is None:
+            return None
+        gap = episodes.own_gap(d, data, fsdp)
+        if gap is None:
+            hot = episodes.evidence(d.label, saved.job_ms, saved.saving_ms, d.gap_ms)
+            return saved, saved.steps, hot
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN steps: no value
+            job = nan_medians(data.step_ms)
+        return saved, data.steps, episodes.evidence(d.label, job, gap, d.gap_ms)
 
     def _new_episode(self, d: dx.Diagnosis, now: float) -> None:
         """Close the open episode and open one for `d`. An episode with a culprit is
@@ -807,10 +830,10 @@ class RunState:
             if e.dated or e.label == dx.HANG:
                 floor = max(floor, e.end_step if e.end_step is not None else step)
         start, dated, lost, mark = step, False, None, newest
-        saved = None if d.label == dx.HANG else self._savings(d)
-        if saved is not None:
-            hot = episodes.evidence(d.label, saved.job_ms, saved.saving_ms, d.gap_ms)
-            found = episodes.span(d.label, saved.steps, hot, floor)
+        seen = None if d.label == dx.HANG else self._evidence(d)
+        if seen is not None:
+            saved, steps, hot = seen
+            found = episodes.span(d.label, steps, hot, floor)
             if found is not None:
                 # Priced from its first step to the newest step every rank has sent.
                 start, dated, mark = found[0], True, int(saved.steps[-1])
@@ -834,11 +857,11 @@ class RunState:
         """Where the open dated episode `e` ends: its last step of evidence (the newest
         step if it has left the window), with its lost time brought to exactly its steps
         (evaluations counted it up to the last one's newest step)."""
-        saved = self._savings(d)
-        if saved is None:
+        seen = self._evidence(d)
+        if seen is None:
             return step
-        hot = episodes.evidence(d.label, saved.job_ms, saved.saving_ms, d.gap_ms)
-        end = episodes.last_evidence(d.label, saved.steps, hot, e.start_step - 1)
+        saved, steps, hot = seen
+        end = episodes.last_evidence(d.label, steps, hot, e.start_step - 1)
         if end is None:
             return step
         mark = self._lost_mark
