@@ -47,6 +47,7 @@ def faults(micro_per_step: int) -> str:
 
 @pytest.mark.e2e
 @pytest.mark.frameworks
+@pytest.mark.alone  # the timeline holds only the injected episodes
 @pytest.mark.parametrize("name, script, args, micro, env", CASES, ids=[c[0] for c in CASES])
 def test_framework_gets_the_right_label_rank_and_phase(tmp_path, name, script, args, micro,
                                                        env):
@@ -87,6 +88,7 @@ def test_framework_gets_the_right_label_rank_and_phase(tmp_path, name, script, a
 
 @pytest.mark.e2e
 @pytest.mark.frameworks
+@pytest.mark.alone  # the timeline holds only the injected episodes
 def test_a_forward_inside_a_compiled_step_is_reported_untimed_not_guessed(tmp_path):
     """`torch.compile` on a whole loss function: no hook runs inside compiled code, so the
     forward cannot be seen. The run says so instead of calling the job balanced."""

@@ -220,6 +220,7 @@ def test_live_view_shows_the_node_not_started_yet(tmp_path):
     assert [r["steps"] for r in doc["ranks"]] == [60] * 4
 
 
+@pytest.mark.alone  # the second node's start within seconds
 @pytest.mark.parametrize("first", [1, 0], ids=["node1-first", "node0-first"])
 def test_nodes_without_a_shared_folder_or_secret_start_at_once(tmp_path, first):
     """The seed guide's plain command line on both nodes, each with its own --out (no
