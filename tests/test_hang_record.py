@@ -3,6 +3,8 @@ does after it, and who may add a stack to it. Pure state and summary, no process
 
 from __future__ import annotations
 
+import time
+
 from traceml_agent.protocol import PHASES, Identity, decode, encode
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import summary
@@ -135,3 +137,104 @@ def test_the_state_marks_ranks_behind_a_silent_relay():
     assert progress[1].node == 1 and progress[1].relay_silent
     assert not {p.rank: p for p in state.progress(2.0)}[1].relay_silent
     assert hang.RELAY_LOST == "relay lost"
+
+
+# --- stacks of other nodes' ranks: through their relay, from their launcher ---------------
+
+
+def test_a_relay_passes_stack_requests_to_its_launcher_and_its_dumps_up():
+    """The collector asks on the relay's own route; the launcher's answer goes up beside
+    the batches, for the relay's own node only."""
+    import socket
+
+    import zmq
+
+    from traceml_agent import protocol as p
+    from traceml_tui.collect.relay import Relay
+
+    ctx = zmq.Context()
+    mine, launcher = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    collector = ctx.socket(zmq.ROUTER)
+    try:
+        port = collector.bind_to_random_port("tcp://127.0.0.1")
+        relay = Relay(ctx, f"tcp://127.0.0.1:{port}", 1, None, stacks=mine)
+        relay.tick(float("inf"))  # a keepalive: the collector learns the relay's identity
+        assert collector.poll(5000)
+        conn, tag, _ = collector.recv_multipart()
+        assert tag == p.RELAY_TAG
+        request = p.encode_relay_stacks(p.RelayStackRequest(2, 4242))
+        collector.send_multipart([conn, p.RELAY_TAG, p.RELAY_ROUTE.pack(p.RELAY_SELF_ROUTE),
+                                  request])
+        launcher.settimeout(5.0)
+        deadline = time.monotonic() + 5
+        got = None
+        while got is None and time.monotonic() < deadline:
+            relay.on_upstream()
+            try:
+                got = launcher.recv(4096)
+            except (TimeoutError, BlockingIOError):
+                launcher.settimeout(0.05)
+        assert p.decode_relay_stacks(got) == p.RelayStackRequest(2, 4242)
+        launcher.send(p.encode_relay_stacks(p.RelayStacks(0, 2, 4242, "not my node")))
+        launcher.send(p.encode_relay_stacks(p.RelayStacks(1, 2, 4242, "pause (libc.so.6)")))
+        deadline = time.monotonic() + 5
+        while relay.stacks_sent == 0 and time.monotonic() < deadline:
+            relay.on_stacks()
+        assert collector.poll(5000)
+        frames = collector.recv_multipart()
+        assert frames[:2] == [conn, p.RELAY_STACKS_TAG]
+        assert p.decode_relay_stacks(frames[2]) == p.RelayStacks(1, 2, 4242,
+                                                                 "pause (libc.so.6)")
+        assert relay.stacks_sent == 1  # the other node's was dropped
+        relay.close()
+    finally:
+        launcher.close()
+        collector.close(linger=0)
+        ctx.term()
+
+
+def test_only_the_relay_of_that_rank_may_add_its_stack():
+    """A rank's key opens the ingest socket: the stack of rank 3 is taken only from the
+    connection that relays rank 3's messages, for node 1, for rank 3's pid."""
+    state = RunState("relay", world_size=4, started_at=T0, nnodes=2, hang_after_s=5.0)
+    state.relay_seen(1, 0, 0, now=1.0)
+    ident = Identity(3, 1, 1, "host1", 303, 4)
+    _steps(state, ident, 0, 5, now=1.0, conn=(b"relay-1", 7))
+    direct = Identity(2, 0, 1, "host1", 302, 4)
+    _steps(state, direct, 0, 5, now=1.0, conn=(b"rank-2", None))
+    for conn, node, rank, pid in ((b"rank-2", 1, 3, 303),  # another connection
+                                  (b"relay-1", 0, 3, 303),  # another node
+                                  (b"relay-1", 1, 3, 999),  # another process
+                                  (b"rank-2", 1, 2, 302)):  # a direct rank, not relayed
+        assert not state.relay_stack(conn, node, rank, pid, "forged"), (conn, node, rank)
+    assert state.ranks[3].stacks == () and state.ranks[2].stacks == ()
+    assert state.relay_stack(b"relay-1", 1, 3, 303, "pause (libc.so.6)\x1b[2J")
+    (name, text), = state.ranks[3].stacks
+    assert name.startswith("native") and "pause" in text and "\x1b" not in text
+
+
+def test_a_launcher_dumps_only_processes_of_its_own_torchrun():
+    """A pid from a hello is a rank's word: not a descendant of this node's torchrun,
+    it is refused and counted, and nothing is sent."""
+    import os
+    import socket
+    import threading
+
+    from traceml_agent.protocol import RelayStackRequest
+    from traceml_tui.launch.native_stacks import NodeStackServer
+
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        server = NodeStackServer(mine, 1, threading.Event(), torchrun_pid=os.getpid() + 10**6,
+                                 py_spy="/bin/false")
+        server.answer(RelayStackRequest(3, os.getpid()))
+        assert server.refused == 1 and server.sent == 0
+        theirs.setblocking(False)
+        try:
+            theirs.recv(4096)
+            raise AssertionError("something was sent")
+        except BlockingIOError:
+            pass
+    finally:
+        mine.close()
+        theirs.close()

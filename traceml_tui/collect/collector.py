@@ -39,11 +39,17 @@ import zmq
 from traceml_agent import keys
 from traceml_agent.protocol import (
     MAX_RELAY_BATCH_BYTES,
+    RELAY_SELF_ROUTE,
+    RELAY_STACKS_TAG,
     RELAY_TAG,
     Capture,
     ProtocolError,
+    RelayStackRequest,
+    RelayStacks,
     decode,
     decode_relay_batch,
+    decode_relay_stacks,
+    encode_relay_stacks,
 )
 from traceml_agent.requests import (
     LAUNCHER_OPS,
@@ -112,6 +118,9 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 CONTROL_KEY_CHARS = 64
 
 
+MAX_STACK_ASKS = 64  # culprits of one hang whose stacks are asked of their relays
+
+
 def recv_hwm(world_size: int) -> int:
     return min(MAX_RECV_HWM, max(MIN_RECV_HWM,
                                  RECV_BACKLOG_BYTES // QUEUED_MESSAGE_BYTES // max(1, world_size)))
@@ -171,6 +180,8 @@ class Collector:
         # keep that record beside ours, and never call ours complete.
         self.earlier_record = self._keep_earlier_record()
         self.routes: dict[int, Route] = {}  # rank -> its connection, to send it requests
+        # rank -> (pid, hang since): the stack asked of its node relay in this hang
+        self.stacks_asked: dict[int, tuple[int, float | None]] = {}
         self.captures = DeepTraceBoard(self.run_dir)
         self.step_log = StepLogWriter(RunFolder(self.run_dir).step_log)
         self.views = ViewServer(self.view, state, self.captures, self.routes, self.pump.send)
@@ -234,6 +245,7 @@ class Collector:
                 self.state.counters["rejected_peers"] = self.rejected_peers
                 self.state.counters["backlog_refused"] = self.pump.refused
                 self.state.evaluate(time.time(), time.monotonic())
+                self.ask_relays_for_stacks()
                 self.views.refresh()
                 self.step_log.flush_if_due()
                 cost = time.monotonic() - now
@@ -291,6 +303,8 @@ class Collector:
             self._receive_one((frames[0], None), frames[1], mono)
         elif len(frames) == 3 and frames[1] == RELAY_TAG:
             self._receive_relayed(frames, mono)
+        elif len(frames) == 3 and frames[1] == RELAY_STACKS_TAG:
+            self._receive_stacks(frames[0], frames[2])
         else:
             self.state.count_malformed()
 
@@ -305,6 +319,41 @@ class Collector:
         conn = frames[0]
         for route, payload in zip(batch.routes, batch.payloads, strict=True):
             self._receive_one((conn, route), payload, mono)
+
+    def ask_relays_for_stacks(self) -> None:
+        """While a hang names ranks behind a node relay that sent no stack of their own
+        (stuck in native code holding the GIL, they cannot), ask that relay, once per
+        rank and hang: its launcher dumps them (native_stacks.NodeStackServer)."""
+        report = self.state.hang
+        if report is None:
+            self.stacks_asked.clear()
+            return
+        for rank in report.culprits[:MAX_STACK_ASKS]:
+            rs = self.state.ranks.get(rank)
+            if rs is None or rs.stacks or not (isinstance(rs.conn, tuple)
+                                               and rs.conn[1] is not None):
+                continue  # unknown, has a stack, or not relayed (node 0's own watcher)
+            asked = (rs.ident.pid, self.state.hang_since)
+            if self.stacks_asked.get(rank) == asked:
+                continue
+            self.stacks_asked[rank] = asked
+            self.pump.send((rs.conn[0], RELAY_SELF_ROUTE), encode_relay_stacks(
+                RelayStackRequest(rank, rs.ident.pid)))
+
+    def _receive_stacks(self, conn: bytes, data: bytes) -> None:
+        """A node's dump of one of its ranks: taken only when asked, for that pid, and
+        from the very connection that relays that rank's messages (state.relay_stack)."""
+        try:
+            dump = decode_relay_stacks(data)
+        except ProtocolError:
+            self.state.count_malformed()
+            return
+        asked = self.stacks_asked.get(dump.rank) if isinstance(dump, RelayStacks) else None
+        if (not isinstance(dump, RelayStacks) or asked is None or asked[0] != dump.pid
+                or not self.state.relay_stack(conn, dump.node, dump.rank, dump.pid,
+                                              dump.text)):
+            self.state.counters["stacks_refused"] = (
+                self.state.counters.get("stacks_refused", 0) + 1)
 
     def _receive_one(self, route: Route, payload: bytes, mono: float) -> None:
         try:

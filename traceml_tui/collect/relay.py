@@ -15,7 +15,11 @@ queue in their own bounded sockets and are dropped there: the collector sees the
 node's ranks fall silent, as it would for a lost network, and says so.
 
 Requests from the collector to a rank (a deep-trace capture) come back the same way,
-addressed by the route number the batch gave the rank's message.
+addressed by the route number the batch gave the rank's message. One route is the
+relay's own (protocol.RELAY_SELF_ROUTE): the collector asks there for the stacks of this
+node's stuck ranks, which the relay passes to its launcher (the ranks' ancestor, which
+alone may ptrace them) over a private socketpair and sends the dumps up the same
+connection as its batches (protocol.RELAY_STACKS_TAG; docs/hangs.md).
 """
 
 from __future__ import annotations
@@ -38,10 +42,18 @@ from traceml_agent import env, handover, keys
 from traceml_agent.protocol import (
     MAX_MESSAGE_BYTES,
     MAX_RELAY_BATCH,
+    MAX_RELAY_STACKS_BYTES,
     RELAY_ROUTE,
+    RELAY_SELF_ROUTE,
+    RELAY_STACKS_TAG,
     RELAY_TAG,
+    ProtocolError,
     RelayBatch,
+    RelayStackRequest,
+    RelayStacks,
+    decode_relay_stacks,
     encode_relay_batch,
+    encode_relay_stacks,
 )
 from traceml_agent.sanitize import clean_line
 from traceml_tui.runfolder import folders
@@ -71,11 +83,15 @@ class Relay:
 
     def __init__(self, ctx: zmq.Context, upstream: str, node: int,
                  run_keys: keys.CurveKeys | None, local_port: int = 0,
-                 local_fd: int | None = None) -> None:
+                 local_fd: int | None = None, stacks: socket.socket | None = None) -> None:
         """`local_fd`: a loopback socket already bound and listening on `local_port`
         (the launcher's, inherited): used as it is, so the port is never free between
-        its reservation and its use."""
+        its reservation and its use. `stacks`: the launcher's end of a SOCK_SEQPACKET
+        pair, where stack requests go and dumps come from (none: no stacks here)."""
         self.node = node
+        self.stacks = stacks
+        if stacks is not None:
+            stacks.setblocking(False)
         self.local = ctx.socket(zmq.ROUTER)
         self.local.setsockopt(zmq.LINGER, 0)
         self.local.setsockopt(zmq.RCVHWM, LOCAL_HWM)
@@ -98,6 +114,7 @@ class Relay:
         self._route_of: dict[bytes, int] = {}
         self._conn_of: dict[int, bytes] = {}
         self._next_route = 0
+        self.stacks_sent = 0  # dumps of this node's ranks sent up
         self._routes: list[int] = []
         self._payloads: list[bytes] = []
         self._pending_bytes = 0
@@ -116,6 +133,8 @@ class Relay:
                     del self._conn_of[self._route_of.pop(old)]
             route = self._next_route
             self._next_route = (route + 1) & 0xFFFF_FFFF
+            if self._next_route == RELAY_SELF_ROUTE:  # the relay's own, never a rank's
+                self._next_route = 0
             self._route_of[conn] = route
             self._conn_of[route] = conn
         return route
@@ -152,12 +171,54 @@ class Relay:
                 return
             if len(frames) != 3 or frames[0] != RELAY_TAG or len(frames[1]) != RELAY_ROUTE.size:
                 continue
-            conn = self._conn_of.get(RELAY_ROUTE.unpack(frames[1])[0])
+            route = RELAY_ROUTE.unpack(frames[1])[0]
+            if route == RELAY_SELF_ROUTE:
+                self._ask_launcher(frames[2])
+                continue
+            conn = self._conn_of.get(route)
             if conn is None:
                 continue
             try:
                 self.local.send_multipart([conn, frames[2]], zmq.NOBLOCK)
             except zmq.ZMQError:  # the rank is gone or its queue is full: a lost request
+                pass
+
+    def _ask_launcher(self, data: bytes) -> None:
+        """A stack request from the collector, checked, to the launcher (best effort)."""
+        try:
+            request = decode_relay_stacks(data)
+        except ProtocolError:
+            return
+        if self.stacks is None or not isinstance(request, RelayStackRequest):
+            return
+        try:
+            self.stacks.send(encode_relay_stacks(request))
+        except OSError:  # the launcher is gone or busy: no stack this time
+            pass
+
+    def on_stacks(self) -> None:
+        """Dumps from the launcher: this node's ranks only, sent up beside the batches."""
+        assert self.stacks is not None
+        while True:
+            try:
+                data = self.stacks.recv(MAX_RELAY_STACKS_BYTES + 1)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if not data:
+                return
+            try:
+                dump = decode_relay_stacks(data)
+            except ProtocolError:
+                continue
+            if not isinstance(dump, RelayStacks) or dump.node != self.node:
+                continue
+            try:
+                self.up.send_multipart([RELAY_STACKS_TAG, encode_relay_stacks(dump)],
+                                       zmq.NOBLOCK)
+                self.stacks_sent += 1
+            except zmq.ZMQError:
                 pass
 
     def tick(self, now: float) -> None:
@@ -191,6 +252,8 @@ class Relay:
         poller = zmq.Poller()
         poller.register(self.local, zmq.POLLIN)
         poller.register(self.up, zmq.POLLIN)
+        if self.stacks is not None:
+            poller.register(self.stacks.fileno(), zmq.POLLIN)
         next_tick = time.monotonic() + TICK_S
         while not stop():
             wait_ms = max(0, int((next_tick - time.monotonic()) * 1000))
@@ -199,6 +262,8 @@ class Relay:
                 self.on_local()
             if self.up in events:
                 self.on_upstream()
+            if self.stacks is not None and self.stacks.fileno() in events:
+                self.on_stacks()
             now = time.monotonic()
             if now >= next_tick:
                 self.tick(now)
@@ -209,6 +274,8 @@ class Relay:
     def close(self) -> None:
         self.local.close()
         self.up.close()  # lingers up to LINGER_MS for the last batch
+        if self.stacks is not None:
+            self.stacks.close()
 
 
 def _secret(store: str | None, stopping: Callable[[], bool],
@@ -240,13 +307,15 @@ class RelayProcess:
         socket (ZeroMQ's USE_FD): the ranks are told the port at once, before the relay
         has the run's secret, and nobody else can take it meanwhile."""
         reserved = reserve_loopback()
+        # Stack requests to us and dumps back (ours: stacks_sock; the relay's: inherited).
+        self.stacks_sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.port = reserved.getsockname()[1]
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.stopping = False
         cmd = [sys.executable, "-m", "traceml_tui.collect.relay", "--upstream", upstream,
                "--node", str(node), "--port", str(self.port), "--fd", str(reserved.fileno()),
-               "--parent-pid", str(os.getpid())]
+               "--parent-pid", str(os.getpid()), "--stacks-fd", str(theirs.fileno())]
         if secret_file is not None:
             cmd += ["--secret-file", str(secret_file)]
         if secret_store:
@@ -254,12 +323,12 @@ class RelayProcess:
         child_env = {k: v for k, v in os.environ.items() if k != env.SECRET}
         if secret:  # in the environment, never on a command line others can read
             child_env[env.SECRET] = secret
-        with reserved, folders.open_private(log_path) as log:
+        with reserved, theirs, folders.open_private(log_path) as log:
             # Its own session: the terminal's Ctrl-C reaches the launcher, which stops
             # the relay only after the ranks' last messages went through it.
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                                          env=child_env, start_new_session=True,
-                                         pass_fds=(reserved.fileno(),))
+                                         pass_fds=(reserved.fileno(), theirs.fileno()))
 
     def failure(self) -> str | None:
         """One line when the relay ended on its own with an error (it could not start or
@@ -303,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a shared run folder's secret.key, polled for while waiting")
     p.add_argument("--secret-store", default=None, metavar="HOST:PORT",
                    help="where to fetch the run's secret if $TRACEML_SECRET is not set")
+    p.add_argument("--stacks-fd", type=int, default=None,
+                   help="an inherited SOCK_SEQPACKET socket to the launcher, for stacks")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="the launcher's pid: when it is gone, flush and exit")
     return p
@@ -334,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     run_keys = keys.derive(secret) if secret else None
     auth = start_authenticator(ctx, run_keys) if run_keys is not None else None
     try:
-        relay = Relay(ctx, args.upstream, args.node, run_keys, args.port, args.fd)
+        stacks = (None if args.stacks_fd is None
+                  else socket.socket(fileno=args.stacks_fd))
+        relay = Relay(ctx, args.upstream, args.node, run_keys, args.port, args.fd, stacks)
     except zmq.ZMQError as exc:
         print(f"[traceml] relay: cannot start (listening on 127.0.0.1:{args.port}, sending "
               f"to {args.upstream}): {exc}",

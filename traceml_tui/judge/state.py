@@ -537,8 +537,9 @@ class RunState:
         from, for the process that is that rank now. A rank's key opens the ingest socket;
         it does not make its connection another rank's relay."""
         rs = self.ranks.get(rank)
-        relayed = rs is not None and isinstance(rs.conn, tuple) and len(rs.conn) == 2
-        if (rs is None or not relayed or rs.conn[0] != conn or rs.conn[1] is None
+        route = rs.conn if rs is not None else None
+        if (rs is None or not isinstance(route, tuple) or len(route) != 2
+                or route[0] != conn or route[1] is None
                 or rs.ident.node != node or node not in self.relays or rs.ident.pid != pid):
             return False
         self.set_native_stack(rank, pid, text)

@@ -39,7 +39,7 @@ from traceml_tui.runfolder.layout import RunFolder
 
 from . import nccl_debug
 from .job_output import Progress, Tee, parse_root_cause, read_tail
-from .native_stacks import NativeStackWatcher, control_sender
+from .native_stacks import NativeStackWatcher, NodeStackServer, control_sender
 from .options import LaunchError, RunOptions, master_port, prepare_run_dir, torchrun_command
 
 if TYPE_CHECKING:
@@ -392,6 +392,7 @@ class _Node:
     handover: _Handover | None = None  # multi-node: what goes through torchrun's store
     relay: RelayProcess | None = None  # another node: its ranks reach node 0 through it
     stacks: NativeStackWatcher | None = None  # node 0: py-spy dumps of its stuck ranks
+    node_stacks: NodeStackServer | None = None  # another node: the same, asked by its relay
 
 
 def _finalize(node: _Node, run_dir: Path, opts: RunOptions, rc: int, signals: _Signals,
@@ -626,6 +627,10 @@ def run(opts: RunOptions) -> int:
                 run_dir, 0, control_sender(node.control, node.secret, node.control_key),
                 stop_watching, proc.pid)
             node.stacks.start()
+        elif node.relay is not None:  # the collector asks through this node's relay
+            node.node_stacks = NodeStackServer(node.relay.stacks_sock, opts.node_rank,
+                                               stop_watching, proc.pid)
+            node.node_stacks.start()
 
         def finish() -> EndReply:
             rc = _wait(proc, signals, progress if opts.headless else None)

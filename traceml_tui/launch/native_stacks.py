@@ -2,11 +2,14 @@
 
 A rank inside a C call that holds the GIL (a stuck NCCL call, a deadlocked extension, a
 hung cudaMemcpy) cannot run its agent's thread: it sends no stack and goes silent. While
-the collector reports a hang, node 0's `traceml run` (the ranks' ancestor, which Linux's
-Yama ptrace rule lets inspect them) takes each culprit's Python and native stack with
-`py-spy dump --native` and hands it to the collector, which shows it in the hang report
-(docs/hangs.md). Best effort: without py-spy, or where ptrace is forbidden, nothing
-changes.
+the collector reports a hang, the `traceml run` of the culprit's node (the ranks'
+ancestor, which Linux's Yama ptrace rule lets inspect them) takes its Python and native
+stack with `py-spy dump --native`. Node 0's hands it to the collector (NativeStackWatcher,
+over the control socket, with the launcher's key); another node's is asked by its relay,
+which the collector asked, and answers through it (NodeStackServer: the relay's
+connection to node 0, where the collector takes it only for that relay's own ranks).
+The hang report shows it (docs/hangs.md). Best effort: without py-spy, or where ptrace is
+forbidden, nothing changes.
 
 The pid comes from the rank's own hello, which any key holder can forge: it is dumped
 only when /proc shows it a descendant of the torchrun this launcher started (so a
@@ -19,14 +22,23 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from msgspec.structs import replace
 
+from traceml_agent.protocol import (
+    ProtocolError,
+    RelayStackRequest,
+    RelayStacks,
+    decode_relay_stacks,
+    encode_relay_stacks,
+)
 from traceml_agent.requests import (
     NATIVE_STACK_MAX,
     ControlReply,
@@ -131,6 +143,67 @@ class NativeStackWatcher(threading.Thread):
                 text = dump(pid, self.py_spy)
                 if text is not None:
                     self.send(NativeStack(rank=rank, pid=pid, text=text))
+
+
+REDUMP_S = 30.0  # the same rank and pid is dumped again at most this often
+
+
+class NodeStackServer(threading.Thread):
+    """Another node's side: answers its relay's stack requests (the collector's, for this
+    node's ranks in a hang) with `py-spy dump --native` of that pid, when /proc shows it a
+    descendant of this node's torchrun; every other pid is refused and counted."""
+
+    def __init__(self, sock: socket.socket, node: int, stop: threading.Event,
+                 torchrun_pid: int, py_spy: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(name="traceml-node-stacks", daemon=True)
+        self.sock = sock
+        self.node = node
+        self.stop = stop
+        self.torchrun_pid = torchrun_pid
+        self.py_spy = py_spy or shutil.which("py-spy")
+        self.clock = clock
+        self.last: dict[tuple[int, int], float] = {}  # (rank, pid) -> when dumped
+        self.refused = 0
+        self.sent = 0
+
+    def run(self) -> None:
+        self.sock.settimeout(POLL_S)
+        while not self.stop.is_set():
+            try:
+                data = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # the relay is gone
+            if not data:
+                return
+            try:
+                request = decode_relay_stacks(data)
+            except ProtocolError:
+                continue
+            if isinstance(request, RelayStackRequest):
+                self.answer(request)
+
+    def answer(self, request: RelayStackRequest) -> None:
+        key, now = (request.rank, request.pid), self.clock()
+        if now - self.last.get(key, -REDUMP_S) < REDUMP_S:
+            return
+        if len(self.last) > 4096:  # bounded: a node runs a few dozen ranks
+            self.last.clear()
+        self.last[key] = now
+        if not descends_from(request.pid, self.torchrun_pid):
+            self.refused += 1  # a forged hello's pid: never ptraced
+            return
+        text = dump(request.pid, self.py_spy)
+        if text is None:
+            return
+        try:
+            self.sock.send(encode_relay_stacks(RelayStacks(self.node, request.rank,
+                                                           request.pid, text)))
+            self.sent += 1
+        except OSError:
+            pass
 
 
 def control_sender(control: str, secret: str, control_key: str, timeout_s: float = 5.0
