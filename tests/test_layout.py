@@ -5,6 +5,7 @@ file names itself."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from traceml_agent import vocab
@@ -75,3 +76,16 @@ def test_no_module_but_layout_joins_run_folder_names():
             if _joins_a_name(node):
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
     assert not found, f"run folder paths built outside runfolder/layout.py: {found}"
+
+
+def test_the_readme_layout_names_every_module():
+    """README's Layout section is the map of the house: a new module is named there with
+    its role (package __init__ files aside, but for the agent's, its explicit API)."""
+    text = (PACKAGE.parent / "README.md").read_text()
+    block = text.split("## Layout\n", 1)[1].split("```")[1]
+    words = set(re.findall(r"[a-z_]+", block))
+    modules = [p for root in ("traceml_tui", "agent")
+               for p in sorted((PACKAGE.parent / root).rglob("*.py"))
+               if p.stem != "__main__" and (p.stem != "__init__" or p.parent.name == "agent")]
+    missing = [str(p.relative_to(PACKAGE.parent)) for p in modules if p.stem not in words]
+    assert not missing, f"README's Layout does not name: {missing}"
