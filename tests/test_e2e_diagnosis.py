@@ -110,9 +110,12 @@ def test_a_straggler_that_recovers_is_cleared_within_10_steps_or_2_s(tmp_path):
     episode = episodes[0]
     step_ms = doc["ranks"][0]["step_ms"]["median"]
     promised = max(10, round(2000 / step_ms)) + 2  # + ingest and evaluation cadence
-    assert 80 < episode["end_step"] <= 80 + promised, (episode, step_ms)
-    # It cost about its 40 ms gap on every step it was named (job seconds).
-    named = episode["end_step"] - episode["start_step"]
+    # The live label left within the promise (cleared_step: the newest step then); the
+    # episode itself is filed on its slow steps (evidence-dated, docs/diagnosis.md).
+    assert 80 < episode["cleared_step"] <= 80 + promised, (episode, step_ms)
+    assert abs(episode["start_step"] - 30) <= 10 and abs(episode["end_step"] - 79) <= 10
+    # It cost about its 40 ms gap on every one of its steps (job seconds).
+    named = episode["end_step"] - episode["start_step"] + 1
     assert 0.5 * named * 0.04 <= episode["lost_s"] <= 1.5 * named * 0.04, episode
     assert doc["diagnosis"]["label"] == "BALANCED"  # the run as a whole
     assert "COMPUTE STRAGGLER rank 1  (cost the job" in proc.stdout

@@ -177,3 +177,34 @@ def test_a_label_without_a_culprit_is_dated_by_its_evaluation():
     assert labels == [(dx.BALANCED, False), (dx.COMM_BOUND, False)], state.timeline
     e = state.timeline[-1]
     assert e.start_step == e.named_step and 100 < e.start_step < 200, e
+
+
+def test_the_summary_and_the_time_chart_file_it_on_its_steps():
+    """final_summary.json (schema-valid), its text and the dashboard's time chart say the
+    same: the straggler on steps 40-99, drawn on the chart where those steps ran."""
+    from jobs import validate_schema
+    from traceml_tui.collect.view_build import build as build_view
+    from traceml_tui.report import summary
+    from traceml_tui.view.dashboard.time_chart import episode_line
+
+    state = _run(10.0, range(40, 100), 300, lag=20)
+    snap = state.snapshot(state.clock.marks[-1][1] + 1.0, mono_now=0.0, full=True)
+    doc = summary.build(snap, summary.RunMeta(command=["x"], exit_code=0))
+    validate_schema(doc)
+    (e,) = [x for x in doc["timeline"] if x["label"] == STRAG]
+    assert (e["start_step"], e["end_step"], e["rank"]) == (40, 99, SLOW)
+    assert e["named_step"] > 40 and e["cleared_step"] > 99
+    assert "steps     40-99      COMPUTE STRAGGLER rank 2  (cost the job 1.2 s)" in (
+        summary.render_text(doc))
+    # The chart: the straggler's bar covers the share of the run its steps took.
+    view = build_view(snap)
+    t0, t_end = view.history[0][0], max(view.history[-1][0], view.elapsed_s)
+    cols = 100
+    line = episode_line(view, cols, t0, t_end).plain.split("│", 1)[1]
+    first = line.index(f" {STRAG} ") - 1  # the label is written one cell into its bar
+    (ep,) = [x for x in state.timeline if x.label == STRAG]
+    assert abs(first - (ep.start - state.started_at - t0) / (t_end - t0) * cols) <= 1, line
+    # ... and where the chart's history shows the slow steps: before them the step is
+    # the clean 10 ms, on them three times that.
+    slow = [p for p in view.history if p[1] is not None and p[1] > 20.0]
+    assert slow and abs(slow[0][0] - (ep.start - state.started_at)) <= 1.0, (slow, ep)
