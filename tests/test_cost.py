@@ -77,6 +77,12 @@ CASES = [
      dx.Diagnosis(dx.COMM_BOUND, None, "sync", dx.WARNING, ""), job(sync=30.0), None, False),
     ("stalls of one rank", dx.Diagnosis(dx.PERIODIC_STALL, 1, "wait", dx.WARNING, ""),
      job(stall={1: lambda i: 300.0 if i % 10 == 5 else 0.0}), 30.0, False),
+    # The stall log's verdict: 300 ms every 50 steps, over the run, whether or not this
+    # window holds one (it holds none here): 6 ms a step on average, on top of the
+    # window's step.
+    ("stalls of the run, none in the window",
+     dx.Diagnosis(dx.PERIODIC_STALL, 1, "wait", dx.WARNING, "", gap_ms=300.0, period=50),
+     job(), 6.0, False),
     ("residual wait on every rank", dx.Diagnosis(dx.WAIT_HEAVY, None, "wait", dx.WARNING, ""),
      job(wait=12.0), 12.0, True),
 ]
@@ -96,6 +102,19 @@ def test_what_if(name, d, data, saving, weak):
     assert (w.weak is not None) == weak, w.weak
     assert w.steps == N
     assert w.to_json()["speedup"] == round(w.speedup, 3)
+
+
+def test_a_periodic_stall_is_priced_at_its_rate_over_the_run():
+    """The window holds no stall of the log's checkpoint (300 ms every 50 steps): the job's
+    step now is the window's plus 6 ms of stall a step, and without it the window's."""
+    data = job()
+    d = dx.Diagnosis(dx.PERIODIC_STALL, 1, "wait", dx.WARNING, "", gap_ms=300.0, period=50)
+    w = cost.what_if(d, data)
+    assert w is not None
+    window = float(np.median(data.step_ms, axis=0).mean())
+    assert w.now_ms == pytest.approx(window + 6.0, rel=0.02)
+    assert w.step_ms == pytest.approx(window, rel=0.02)
+    assert "about 300 ms every 50 steps" in w.reasoning
 
 
 def test_the_job_step_now_is_the_median_ranks():

@@ -294,9 +294,10 @@ def _wait_heavy(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray
 
 def _stalls(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray) -> Savings | None:
     """Periodic stalls: the stall log's mean excess (d.gap_ms, over the run) once every
-    d.period steps, spread evenly over the steps: a window of 32 steps holds no stall of a
-    checkpoint every 500, and one that happens to hold two would price it at sixteen
-    times its cost; over the run the spread is exact. Without a period (a verdict made
+    d.period steps, spread evenly over the steps (and the job's step with it in place of
+    the stalls the window holds): a window of 32 steps holds no stall of a checkpoint
+    every 500, and one that happens to hold one would price it at fifteen times its
+    cost; over the run the spread is exact. Without a period (a verdict made
     elsewhere), each step at least STALL_FACTOR times the typical one costs its excess
     (the culprit's own steps when one rank stalls; the others wait for it in their next
     collective, which must not count twice)."""
@@ -309,14 +310,16 @@ def _stalls(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray) -> Sa
     else:
         steps_ms = job
         who = "every rank's stalls"
-    if d.period and d.gap_ms is not None:
-        excess = np.where(np.isnan(steps_ms), np.nan, d.gap_ms / d.period)
-        return Savings(data.steps, job, excess, excess, None, "stalls", None,
-                       f"{who} (about {d.gap_ms:.0f} ms every {d.period} steps) made "
-                       f"asynchronous")
     typical = float(nan_medians(steps_ms[:, None])[0])
     threshold = max(STALL_FACTOR * typical, typical + STALL_MIN_MS)
     excess = np.where(steps_ms >= threshold, steps_ms - typical, 0.0)
+    if d.period and d.gap_ms is not None:
+        # The job's step as over the run: the stalls this window happens to hold taken
+        # out, the run's rate of them put in.
+        spread = np.where(np.isnan(steps_ms), np.nan, d.gap_ms / d.period)
+        return Savings(data.steps, job - excess + spread, spread, spread, None, "stalls",
+                       None, f"{who} (about {d.gap_ms:.0f} ms every {d.period} steps) "
+                             f"made asynchronous")
     return Savings(data.steps, job, excess, excess, None, "stalls", None,
                    f"{who} made asynchronous")
 

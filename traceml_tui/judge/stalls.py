@@ -57,7 +57,7 @@ def period(steps: np.ndarray | list[int]) -> int | None:
     """The period of recurring steps (ascending), when they recur regularly (PERIOD_*)."""
     if len(steps) < STALL_MIN_COUNT:
         return None
-    gaps = np.diff(np.asarray(steps, dtype=np.int64))
+    gaps = np.diff(np.asarray(steps, dtype=np.int64)).astype(np.float64)
     mid = float(np.median(gaps))
     if mid < MIN_PERIOD:
         return None
