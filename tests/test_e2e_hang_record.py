@@ -4,12 +4,14 @@ on whichever node it ran."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
 import subprocess
 from pathlib import Path
 
+import netns
 import pytest
 from test_native_stacks import ptrace_allowed
 
@@ -71,32 +73,50 @@ def test_ctrl_c_waking_the_stuck_rank_leaves_the_latched_hang_in_the_summary(tmp
 
 @pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy is not installed")
 @pytest.mark.skipif(not ptrace_allowed(), reason="ptrace is forbidden here (Yama scope)")
-def test_a_rank_of_node_1_stuck_in_native_code_has_its_stacks_in_the_summary(tmp_path):
-    """Two nodes of 2 ranks; rank 2 (node 1) blocks in a C call holding the GIL, so it
-    sends nothing. Node 1's launcher dumps it with py-spy, asked by the collector through
-    node 1's relay, and the stack reaches node 0's summary: Python and native frames."""
+@pytest.mark.parametrize("hosts", ["loopback", "netns"])
+def test_a_rank_of_node_1_stuck_in_native_code_has_its_stacks_in_the_summary(tmp_path, hosts):
+    """Two nodes of 2 ranks (on loopback, or each in its own network namespace with its
+    own address, as separate hosts); rank 2 (node 1) blocks in a C call holding the GIL,
+    so it sends nothing. Node 1's launcher dumps it with py-spy, asked by the collector
+    through node 1's relay, and the stack reaches node 0's summary: Python and native
+    frames."""
     out, port = tmp_path / "runs", free_ports(3)
+    with contextlib.ExitStack() as stack:
+        if hosts == "netns":
+            if (why := netns.unavailable()) is not None:
+                pytest.skip(why)
+            nodes = stack.enter_context(netns.cluster(2))
+            master = nodes[0].address
+            wrap = [n.wrap for n in nodes]
+            ifname = [n.interface for n in nodes]
+        else:
+            master, wrap, ifname = "127.0.0.1", [list, list], [None, None]
 
-    def node(n: int) -> subprocess.Popen:
-        return spawn_traceml(
-            "run", str(EXAMPLES / "ddp_toy.py"), "--nnodes", "2", "--node-rank", str(n),
-            "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-            "--run-name", "native2", "--out", str(out), "--headless", "--hang-after", "3",
-            "--", "--gil-hang-rank", "2", "--hang-at-step", "20", "--steps", "100000")
+        def node(n: int) -> subprocess.Popen:
+            env = {"TRACEML_SECRET": "cd" * 32}  # no handover: the job starts sooner
+            if ifname[n]:
+                env["GLOO_SOCKET_IFNAME"] = ifname[n]
+            args = ("run", str(EXAMPLES / "ddp_toy.py"), "--nnodes", "2", "--node-rank",
+                    str(n), "--nproc-per-node", "2", "--master-addr", master,
+                    "--master-port", str(port), "--run-name", "native2", "--out", str(out),
+                    "--headless", "--hang-after", "3", "--", "--gil-hang-rank", "2",
+                    "--hang-at-step", "10", "--steps", "100000")
+            return spawn_traceml(*args, env=env, wrapper=tuple(wrap[n]([])))
 
-    def native(doc: dict) -> str:
-        threads = ((doc.get("hang") or {}).get("stacks") or {}).get("2") or []
-        return next((t["stack"] for t in threads if t["thread"] == NATIVE_THREAD), "")
+        def native(doc: dict) -> str:
+            threads = ((doc.get("hang") or {}).get("stacks") or {}).get("2") or []
+            return next((t["stack"] for t in threads if t["thread"] == NATIVE_THREAD), "")
 
-    p0, p1 = node(0), node(1)
-    run_dir = out / "native2"
-    try:
-        wait_for(lambda: "pause" in native(_live(run_dir)), 150, "rank 2's native stack")
-    finally:
-        outputs = _stop(p0, p1)
+        p0, p1 = node(0), node(1)
+        run_dir = out / "native2"
+        try:
+            wait_for(lambda: "pause" in native(_live(run_dir)), 150, "rank 2's native stack")
+        finally:
+            outputs = _stop(p0, p1)
     doc = json.loads((run_dir / "final_summary.json").read_text())
     validate_schema(doc)
     assert (doc["diagnosis"]["label"], doc["hang"]["ranks"]) == ("HANG", [2]), outputs[0]
     stack = native(doc)
     assert "pause" in stack and "block_in_c_holding_the_gil" in stack, stack
     assert doc["collector"].get("stacks_refused", 0) == 0
+    assert "block_in_c_holding_the_gil" in outputs[0]  # node 0's text summary shows it

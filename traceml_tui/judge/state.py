@@ -699,10 +699,13 @@ class RunState:
         return shown
 
     def _keep_hang_stacks(self) -> None:
-        """The stacks ranks sent (or that were taken of them) during the latched hang."""
+        """The stacks ranks sent (or that were taken of them) during the latched hang,
+        thread by thread: one taken from outside stays when the rank's own come later."""
         for rs in self.ranks.values():
             if rs.stacks:
-                self.hang_stacks[rs.ident.rank] = rs.stacks
+                threads = dict(self.hang_stacks.get(rs.ident.rank, ()))
+                threads.update(rs.stacks)
+                self.hang_stacks[rs.ident.rank] = tuple(threads.items())
 
     def _aftermath_of(self, at_steps: int, steps: int) -> bool:
         return steps - at_steps <= AFTERMATH_STEPS * max(1, len(self.ranks))

@@ -289,11 +289,11 @@ def _hang(snap: Snapshot) -> dict[str, Any] | None:
                       "nccl": None if r.nccl is None else msgspec.to_builtins(r.nccl)}
                      for r in snap.ranks if r.reported],
         # As taken during the hang: a rank woken by the stop (its step closed, its stack
-        # cleared) keeps the stack it had while stuck (state.hang_stacks).
+        # cleared) keeps the stacks it had while stuck (state.hang_stacks).
         "stacks": {str(rank): [{"thread": name, "stack": text} for name, text in stacks]
                    for rank, stacks in sorted(
-                       {**snap.hang_stacks, **{r.rank: r.stacks for r in snap.ranks
-                                               if r.stacks}}.items())},
+                       {**{r.rank: r.stacks for r in snap.ranks if r.stacks},
+                        **snap.hang_stacks}.items())},
     }
 
 
