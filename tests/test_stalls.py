@@ -165,3 +165,25 @@ def test_the_state_finds_a_checkpoint_every_200_steps_through_32_step_windows():
     assert [(f.rank, f.period, f.count) for f in snap.stalls] == [(0, 200, 4)]
     assert snap.stalls[0].lost_ms == pytest.approx(4 * 400.0, rel=0.01)
     assert snap.live.label == dx.PERIODIC_STALL
+
+
+def test_the_summary_lists_the_ranks_that_lost_most_bounded():
+    """final_summary.json's `stalls`: most time lost first, at most STALLS_LISTED ranks
+    (every rank evaluating at 16,384 ranks says one thing); the text, the first few."""
+    from traceml_tui.report.summary import STALLS_LISTED, TEXT_STALLS, stall_lines, stalls_json
+
+    book = sl.StallBook()
+    for rank in range(40):
+        for s in stall_steps(20, 10, start=20):
+            book.add(rank, s, 100.0 + rank, "wait")
+    found = [f for r in sorted(book.stalling) if (f := book.finding(r, STEP, 200))]
+    rows = stalls_json(found)
+    assert len(rows) == STALLS_LISTED
+    assert [r["rank"] for r in rows[:3]] == [39, 38, 37]
+    assert rows[0] == {"rank": 39, "period": 20, "count": 10, "periodic_count": 10,
+                       "mean_excess_ms": 139.0, "phase": "wait", "lost_s": 1.39,
+                       "last_step": 200, "recurring": True}
+    lines = stall_lines(rows)
+    assert lines[0] == "  Stalls: rank 39 every 20 steps, 10 times, about 139 ms each in wait: " \
+                       "1.4 s lost"
+    assert len(lines) == TEXT_STALLS + 1 and "more stalling ranks" in lines[-1]
