@@ -23,6 +23,7 @@ about 60 MB.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -68,13 +69,16 @@ def period(steps: np.ndarray | list[int]) -> int | None:
 def rhythm(steps: np.ndarray, excess: np.ndarray) -> tuple[int, np.ndarray] | None:
     """The period of the kept stalls and which of them keep it (MAJOR_SHARE): all of them,
     or the larger ones when smaller hiccups fall between; None without a rhythm."""
-    floors = [0.0] + [MAJOR_SHARE * float(np.percentile(excess, q)) for q in MAJOR_QUANTILES
-                      if len(excess)]
-    for floor in floors:
+    every = period(steps)
+    if every is not None:
+        return every, np.ones(len(steps), bool)
+    if len(excess) <= STALL_MIN_COUNT:
+        return None
+    for floor in MAJOR_SHARE * np.percentile(excess, MAJOR_QUANTILES):
         keep = excess >= floor
-        found = period(steps[keep])
-        if found is not None:
-            return found, keep
+        every = period(steps[keep])
+        if every is not None:
+            return every, keep
     return None
 
 
@@ -111,11 +115,23 @@ class StallFinding:
         return round(self.periodic * self.count / self.kept)
 
 
+class _Shape(NamedTuple):
+    """What a log's kept stalls say until the next stall (StallLog.shape)."""
+
+    period: int | None
+    periodic: int  # the stalls that keep it (all kept ones without a period)
+    periodic_ms: float  # their mean excess
+    phase: int  # the code of the phase most of them grew in
+    first: int  # the oldest one's step
+    last: int  # the newest one's step
+    after_ms: float  # the excess of all but the oldest
+
+
 class StallLog:
     """One rank's stalls (module docstring: what is kept, and its bytes)."""
 
     __slots__ = ("_step", "_excess", "_phase", "_next", "kept", "count", "lost_ms",
-                 "victim_count", "victim_ms", "_rhythm", "_dirty")
+                 "victim_count", "victim_ms", "_shape", "_dirty")
 
     def __init__(self) -> None:
         self._step: np.ndarray | None = None  # allocated at the first own stall
@@ -127,7 +143,7 @@ class StallLog:
         self.lost_ms = 0.0
         self.victim_count = 0
         self.victim_ms = 0.0
-        self._rhythm: tuple[int, np.ndarray] | None = None
+        self._shape: _Shape | None = None
         self._dirty = False
 
     def add(self, step: int, excess_ms: float, code: int) -> None:
@@ -154,13 +170,21 @@ class StallLog:
         order = np.roll(np.arange(STALL_LOG_KEEP), -self._next)
         return self._step[order], self._excess[order], self._phase[order]
 
-    def rhythm(self) -> tuple[int, np.ndarray] | None:
-        """The kept stalls' rhythm (stalls.rhythm), recomputed only after a new stall."""
-        if self._dirty:
-            steps, excess, _ = self.ordered()
-            self._rhythm = rhythm(steps, excess)
+    def shape(self) -> _Shape:
+        """The kept stalls' rhythm and its stalls, recomputed only after a new stall: an
+        evaluation at 16,384 stalling ranks then costs a few attribute reads per rank."""
+        if self._dirty or self._shape is None:
+            steps, excess, codes = self.ordered()
+            found = rhythm(steps, excess)
+            every = None if found is None else found[0]
+            if found is not None:  # the periodic ones: a checkpoint's, without the hiccups
+                keep = found[1]
+                steps, excess, codes = steps[keep], excess[keep], codes[keep]
+            self._shape = _Shape(every, len(steps), float(excess.mean()),
+                                 int(np.argmax(np.bincount(codes))), int(steps[0]),
+                                 int(steps[-1]), float(excess[1:].sum()))
             self._dirty = False
-        return self._rhythm
+        return self._shape
 
     @property
     def nbytes(self) -> int:
@@ -208,20 +232,12 @@ class StallBook:
         log = self.logs.get(rank)
         if log is None or log.count == 0 or typical_ms is None or not typical_ms > 0:
             return None
-        steps, excess, codes = log.ordered()
-        found = log.rhythm()
-        every, keep = (None, None) if found is None else found
-        if keep is not None:  # the periodic ones: a checkpoint's, without the hiccups
-            steps, excess, codes = steps[keep], excess[keep], codes[keep]
-        first, last = int(steps[0]), int(steps[-1])
-        after = float(excess[1:].sum())
-        span_ms = max(0, last_step - first) * typical_ms + after
-        counts = np.bincount(codes, minlength=len(self.names))
-        phase = self.names[int(np.argmax(counts))]
-        recent = every is not None and last_step - last <= RECENT_PERIODS * every
-        return StallFinding(rank, log.count, log.lost_ms, log.kept, every, len(steps),
-                            float(excess.mean()), phase, first, last,
-                            after / span_ms if span_ms > 0 else 0.0, recent,
+        sh = log.shape()
+        span_ms = max(0, last_step - sh.first) * typical_ms + sh.after_ms
+        recent = sh.period is not None and last_step - sh.last <= RECENT_PERIODS * sh.period
+        return StallFinding(rank, log.count, log.lost_ms, log.kept, sh.period, sh.periodic,
+                            sh.periodic_ms, self.names[sh.phase], sh.first, sh.last,
+                            sh.after_ms / span_ms if span_ms > 0 else 0.0, recent,
                             log.victim_count, log.victim_ms)
 
     def nbytes(self) -> int:
