@@ -115,6 +115,15 @@ def test_a_periodic_stall_is_priced_at_its_rate_over_the_run():
     assert w.now_ms == pytest.approx(window + 6.0, rel=0.02)
     assert w.step_ms == pytest.approx(window, rel=0.02)
     assert "about 300 ms every 50 steps" in w.reasoning
+    # A window that happens to hold one stall of a checkpoint every 200 steps: 1.5 ms a
+    # step over the run, not the 7.5 ms of one stall in these 40 steps.
+    held = job(stall={1: lambda i: 300.0 if i == 20 else 0.0})
+    d = dx.Diagnosis(dx.PERIODIC_STALL, 1, "wait", dx.WARNING, "", gap_ms=300.0, period=200)
+    w = cost.what_if(d, held)
+    assert w is not None and w.saving_ms == pytest.approx(1.5)
+    # Step by step it is still the stall's own excess (the episode's evidence and lost time).
+    saved = cost.savings(d, held)
+    assert saved is not None and saved.saving_ms.sum() == pytest.approx(300.0, rel=0.05)
 
 
 def test_the_job_step_now_is_the_median_ranks():

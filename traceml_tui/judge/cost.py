@@ -176,9 +176,16 @@ def summarize(d: Diagnosis, s: Savings, last: int | None = None) -> WhatIf | Non
         return None
     now = float(s.job_ms.mean())
     saving = float(s.saving_ms.mean())
+    if s.culprit == "stalls" and d.period and d.gap_ms is not None:
+        # The stall log's mean stall once a period, over the run, in place of the stalls
+        # these steps happen to hold (a 32-step window holds none of a checkpoint every
+        # 500 steps, or one: fifteen times its cost).
+        saving = d.gap_ms / d.period
+        now = float((s.job_ms - s.saving_ms).mean()) + saving
     if now <= 0 or saving < MIN_SAVING_SHARE * now:
         return None
-    excess = float(s.excess_ms.mean())
+    excess = (saving if s.culprit == "stalls" and d.period
+              else float(s.excess_ms.mean()))
     paid = None if s.paid_ms is None else float(s.paid_ms.mean())
     text = s.why
     if paid is not None and s.culprit in ("rank", "node"):
@@ -293,14 +300,12 @@ def _wait_heavy(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray
 
 
 def _stalls(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray) -> Savings | None:
-    """Periodic stalls: the stall log's mean excess (d.gap_ms, over the run) once every
-    d.period steps, spread evenly over the steps (and the job's step with it in place of
-    the stalls the window holds): a window of 32 steps holds no stall of a checkpoint
-    every 500, and one that happens to hold one would price it at fifteen times its
-    cost; over the run the spread is exact. Without a period (a verdict made
-    elsewhere), each step at least STALL_FACTOR times the typical one costs its excess
-    (the culprit's own steps when one rank stalls; the others wait for it in their next
-    collective, which must not count twice)."""
+    """Periodic stalls: each step at least STALL_FACTOR times the typical one costs the
+    job its excess over the typical step (the culprit's own steps when one rank stalls;
+    the others wait for it in their next collective, which must not count twice). Step
+    by step, so the lost time summed over the steps is the stalls' excess, and each
+    stall is its episode's evidence (episodes.py); the what-if's average takes the run's
+    rate instead (summarize)."""
     if d.rank is not None:
         row = np.flatnonzero(data.ranks == d.rank)
         if len(row) == 0:
@@ -314,12 +319,7 @@ def _stalls(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray) -> Sa
     threshold = max(STALL_FACTOR * typical, typical + STALL_MIN_MS)
     excess = np.where(steps_ms >= threshold, steps_ms - typical, 0.0)
     if d.period and d.gap_ms is not None:
-        # The job's step as over the run: the stalls this window happens to hold taken
-        # out, the run's rate of them put in.
-        spread = np.where(np.isnan(steps_ms), np.nan, d.gap_ms / d.period)
-        return Savings(data.steps, job - excess + spread, spread, spread, None, "stalls",
-                       None, f"{who} (about {d.gap_ms:.0f} ms every {d.period} steps) "
-                             f"made asynchronous")
+        who += f" (about {d.gap_ms:.0f} ms every {d.period} steps)"
     return Savings(data.steps, job, excess, excess, None, "stalls", None,
                    f"{who} made asynchronous")
 
