@@ -120,3 +120,35 @@ def test_a_rank_of_node_1_stuck_in_native_code_has_its_stacks_in_the_summary(tmp
     assert "pause" in stack and "block_in_c_holding_the_gil" in stack, stack
     assert doc["collector"].get("stacks_refused", 0) == 0
     assert "block_in_c_holding_the_gil" in outputs[0]  # node 0's text summary shows it
+
+
+def test_a_node_cut_off_reads_its_relay_lost_not_dead(tmp_path):
+    """Two nodes, each in its own network namespace; node 1's link goes down mid-run:
+    gloo stalls every rank, and node 1's ranks fall silent with their relay. The hang
+    reads "node 1's relay lost", not a dead rank: their processes may well be alive."""
+    if (why := netns.unavailable()) is not None:
+        pytest.skip(why)
+    out, port = tmp_path / "runs", free_ports(3)
+    with netns.cluster(2) as nodes:
+        procs = [spawn_traceml(
+            "run", str(EXAMPLES / "ddp_toy.py"), "--nnodes", "2", "--node-rank", str(k),
+            "--nproc-per-node", "2", "--master-addr", nodes[0].address, "--master-port",
+            str(port), "--run-name", "cut", "--out", str(out), "--headless",
+            "--hang-after", "8", "--", "--steps", "100000",
+            env={"TRACEML_SECRET": "cd" * 32, "GLOO_SOCKET_IFNAME": nodes[k].interface},
+            wrapper=tuple(nodes[k].wrap([]))) for k in (0, 1)]
+        run_dir = out / "cut"
+        try:
+            wait_for(lambda: min((r.get("steps") or 0) for r in
+                                 _live(run_dir).get("ranks") or [{}]) >= 10
+                     and len(_live(run_dir).get("ranks") or []) == 4, 150, "steps from all")
+            subprocess.run(["ip", "link", "set", f"{nodes[1].interface}p", "down"], check=True)
+            wait_for(lambda: (_live(run_dir).get("hang") or {}).get("kind") is not None, 60,
+                     "the hang")
+        finally:
+            outputs = _stop(*procs)
+    doc = json.loads((run_dir / "final_summary.json").read_text())
+    assert doc["hang"]["kind"] == "relay lost", doc["hang"]
+    assert doc["hang"]["ranks"] == [2, 3]
+    assert "node 1's relay lost" in doc["diagnosis"]["summary"], outputs[0][-2000:]
+    assert "gone or frozen" not in doc["diagnosis"]["summary"]
