@@ -81,6 +81,18 @@ def test_hiccups_between_a_checkpoints_stalls_do_not_hide_its_period():
     assert f.lost_ms == pytest.approx(9 * 240.0 + 5 * 30.0)
 
 
+def test_a_hiccup_that_fits_the_tolerance_does_not_set_a_wrong_period():
+    """The e2e job: 1 s checkpoints at steps 201, 401, 601 and 801, and a 35 ms hiccup at
+    541; the whole set's gaps (200, 140, 60, 200) pass the tolerance around 170."""
+    book = sl.StallBook()
+    for s, ms in [(201, 1000.0), (401, 1000.0), (541, 35.0), (601, 1000.0), (801, 1000.0)]:
+        book.add(0, s, ms, "wait")
+    assert sl.period([201, 401, 541, 601, 801]) == 170
+    f = book.finding(0, STEP, 999)
+    assert f is not None
+    assert (f.period, f.periodic, f.periodic_ms) == (200, 4, pytest.approx(1000.0))
+
+
 def test_a_victims_sync_stalls_are_counted_not_kept():
     book = sl.StallBook()
     for s in stall_steps(20, 50):

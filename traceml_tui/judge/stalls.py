@@ -56,30 +56,41 @@ MAX_PHASE_CODES = 255
 
 def period(steps: np.ndarray | list[int]) -> int | None:
     """The period of recurring steps (ascending), when they recur regularly (PERIOD_*)."""
+    fit = _fit(steps)
+    return None if fit is None else fit[0]
+
+
+def _fit(steps: np.ndarray | list[int]) -> tuple[int, float] | None:
+    """(period, share of the gaps that keep it) when the steps recur regularly."""
     if len(steps) < STALL_MIN_COUNT:
         return None
     gaps = np.diff(np.asarray(steps, dtype=np.int64)).astype(np.float64)
     mid = float(np.median(gaps))
     if mid < MIN_PERIOD:
         return None
-    close = int((np.abs(gaps - mid) <= max(1.0, PERIOD_TOLERANCE * mid)).sum())
-    return round(mid) if close >= PERIOD_SHARE * len(gaps) else None
+    share = float((np.abs(gaps - mid) <= max(1.0, PERIOD_TOLERANCE * mid)).mean())
+    return (round(mid), share) if share >= PERIOD_SHARE else None
 
 
 def rhythm(steps: np.ndarray, excess: np.ndarray) -> tuple[int, np.ndarray] | None:
     """The period of the kept stalls and which of them keep it (MAJOR_SHARE): all of them,
-    or the larger ones when smaller hiccups fall between; None without a rhythm."""
-    every = period(steps)
-    if every is not None:
-        return every, np.ones(len(steps), bool)
-    if len(excess) <= STALL_MIN_COUNT:
-        return None
-    for floor in MAJOR_SHARE * np.percentile(excess, MAJOR_QUANTILES):
-        keep = excess >= floor
-        every = period(steps[keep])
-        if every is not None:
-            return every, keep
-    return None
+    or the larger ones when smaller hiccups fall between, whichever recur the more
+    regularly (then the more of them); None without a rhythm. A hiccup between two
+    checkpoints can pass the tolerance on the whole set with a wrong period (stalls at
+    201, 401, 541, 601, 801: gaps 200, 140, 60, 200, median 170)."""
+    every = np.ones(len(steps), bool)
+    fit = _fit(steps)
+    if fit is not None and fit[1] == 1.0:
+        return fit[0], every  # every gap keeps it: nothing more regular to find
+    best = None if fit is None else (fit[1], len(steps), fit[0], every)
+    if len(excess) > STALL_MIN_COUNT:
+        for floor in MAJOR_SHARE * np.percentile(excess, MAJOR_QUANTILES):
+            keep = excess >= floor
+            fit = _fit(steps[keep])
+            n = int(keep.sum())
+            if fit is not None and (best is None or (fit[1], n) > best[:2]):
+                best = (fit[1], n, fit[0], keep)
+    return None if best is None else (best[2], best[3])
 
 
 @dataclass(frozen=True, slots=True)
