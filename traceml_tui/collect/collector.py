@@ -438,8 +438,11 @@ class Collector:
         now = time.monotonic()
         if now >= self.finish_deadline or self.all_ranks_finished():
             return True
-        if self.finishing[0].torchrun_exit is None:
-            return False
+        if self.finishing[0].torchrun_exit is None and not self.stopping:
+            return False  # torchrun is running: its ranks' goodbyes are still to come
+        # torchrun exited, or we were told to stop (SIGTERM, the launcher gone): the ranks
+        # that are still talking get the grace, silent ones (or none at all) are not waited
+        # for (a SIGTERM with no rank connected took the whole 10 s multi-node grace).
         quiet_since = now - self.finish_quiet_s
         return all(r.finished or r.last_seen < quiet_since for r in self.state.ranks.values())
 
