@@ -647,14 +647,13 @@ def periodic_stall(findings: Sequence[StallFinding], active: str | None, reporti
     where = STALL_HINTS.get(f.phase, f"in {f.phase}")  # the phase table's hints
     n = f.periodic_count
     lost_ms = n * f.periodic_ms
-    since = "" if f.kept == f.count else f" (from step {f.first_step})"
     return Diagnosis(
         PERIODIC_STALL, None if everyone else f.rank, f.phase, WARNING,
         f"{who} stalls every {f.period} steps ({n} times in the run, the last at step "
         f"{f.last_step}), about {f.periodic_ms:.0f} ms each, {where}{waits}: the job lost "
-        f"{lost_ms / 1000:.1f} s, {f.span_share:.0%} of its time{since}. Make it "
-        f"asynchronous (torch.distributed.checkpoint.async_save), run evaluation on every "
-        f"rank or off the critical path, log from a background thread.",
+        f"{lost_ms / 1000:.1f} s, {f.span_share:.0%} of its time since step {f.first_step}. "
+        f"Make it asynchronous (torch.distributed.checkpoint.async_save), run evaluation on "
+        f"every rank or off the critical path, log from a background thread.",
         gap_ms=f.periodic_ms, gap_share=f.span_share, period=f.period)
 
 
