@@ -79,6 +79,9 @@ def test_a_transient_straggler_is_filed_on_its_steps_and_priced(
     base = statistics.median(clean)
     extra_s = sum(max(0.0, job_ms[s] - base) for s in range(first, last + 1)
                   if s in job_ms) / 1000.0
+    print(f"filed {e['start_step']}-{e['end_step']} for {first}-{last} (named at "
+          f"{e['named_step']}, cleared at {e['cleared_step']}); lost {e['lost_s']} s, "
+          f"measured {extra_s:.2f} s over a clean {base:.1f} ms step")
     assert extra_s > 0.5 * (last - first + 1) * extra_ms / 1000.0, (extra_s, base)
     assert e["lost_s"] == pytest.approx(extra_s, rel=COST_TOLERANCE), (e, extra_s, base)
     # The text summary's timeline says the same.
