@@ -11,7 +11,7 @@ from traceml_agent.protocol import PHASES, Identity, decode, encode
 from traceml_tui.judge import diagnosis as dx
 from traceml_tui.judge import episodes
 from traceml_tui.judge.history import StepClock
-from traceml_tui.judge.state import RunState
+from traceml_tui.judge.state import LIVE_STEPS, RunState
 
 STRAG = dx.COMPUTE_STRAGGLER
 
@@ -91,23 +91,26 @@ SHARES = [0.05, 0.0, 0.2, 0.3, 0.3, 0.05, 0.1]
 
 
 def _steps(rank: int, first: int, last: int, step_ms: float, extra_ms: float,
-           fault: range, everyone: bool = False) -> object:
+           fault: range, everyone: bool = False, comm: range = range(0)) -> object:
     """Rank `rank`'s steps first..last: rank SLOW's forward takes extra_ms more on the
     steps in `fault`, and every other rank waits as long in sync (`everyone`: every
-    rank waits that long in sync, a job-wide slowdown with no culprit)."""
+    rank waits that long in sync, a job-wide slowdown with no culprit; so on the steps
+    in `comm`)."""
     records = []
     for s in range(first, last + 1):
         ms = [share * step_ms for share in SHARES]
         if s in fault:
             slow = rank == SLOW and not everyone
             ms[PHASES.index("forward" if slow else "sync")] += extra_ms
+        if s in comm:
+            ms[PHASES.index("sync")] += extra_ms
         records.append([s, 1000.0 + s, sum(ms), *ms])
     ident = Identity(rank, rank, 0, f"host{rank}", 1000 + rank, WORLD)
     return decode(encode("steps", ident, 1, 0.0, phases=list(PHASES), records=records))
 
 
 def _run(step_ms: float, fault: range, total: int, lag: int = 0,
-         everyone: bool = False) -> RunState:
+         everyone: bool = False, comm: range = range(0)) -> RunState:
     """A job of `total` steps (a faulty step takes 3 steps' time), evaluated every 0.5 s
     of its own time. `lag`: rank SLOW's records arrive that many steps after the others'
     (its sender is held up), so its victims' sync is seen before its own slow steps."""
@@ -118,12 +121,12 @@ def _run(step_ms: float, fault: range, total: int, lag: int = 0,
     while step < total - 1 or any(v < total - 1 for v in sent.values()):
         while step < total - 1 and clock < t + 0.5:  # the steps taken in this 0.5 s
             step += 1
-            clock += (step_ms + extra if step in fault else step_ms) / 1000.0
+            clock += (step_ms + extra if step in fault or step in comm else step_ms) / 1000.0
         for rank in range(WORLD):
             upto = step - lag if rank == SLOW and step < total - 1 else step
             if upto > sent[rank]:
                 state.ingest(_steps(rank, sent[rank] + 1, upto, step_ms, extra, fault,
-                                    everyone), now=t)
+                                    everyone, comm), now=t)
                 sent[rank] = upto
         t += 0.5
         state.evaluate(t)
@@ -208,3 +211,16 @@ def test_the_summary_and_the_time_chart_file_it_on_its_steps():
     # the clean 10 ms, on them three times that.
     slow = [p for p in view.history if p[1] is not None and p[1] > 20.0]
     assert slow and abs(slow[0][0] - (ep.start - state.started_at)) <= 1.0, (slow, ep)
+
+
+@pytest.mark.parametrize("step_ms", [10.0, 100.0])
+def test_a_real_label_after_a_dated_episode_stays(step_ms):
+    """The straggler on steps 40-99, then every rank waits long in sync for 150 steps (a
+    real COMM-BOUND, not its victims' window), then balanced again: the COMM-BOUND stays,
+    from the step after the straggler's evidence."""
+    state = _run(step_ms, range(40, 100), 400, comm=range(100, 250))
+    labels = [(e.label, e.start_step) for e in state.timeline if e.label != dx.WARMUP]
+    assert labels[-3:-1] == [(STRAG, 40), (dx.COMM_BOUND, 100)], state.timeline
+    # No culprit: dated by its evaluation, after the window and the confirming ticks.
+    late = LIVE_STEPS + (dx.CONFIRM_TICKS + 1) * round(500 / step_ms)
+    assert labels[-1][0] == dx.BALANCED and 250 <= labels[-1][1] <= 250 + late, state.timeline

@@ -877,16 +877,21 @@ class RunState:
         return end
 
     def _drop_symptom(self) -> None:
-        """The episode just closed goes when it had no culprit of its own and was named
-        from a window (LIVE_STEPS) mostly made of the dated episode's steps before it:
-        the COMM-BOUND a straggler's victims still show in their window after the
-        straggler was cleared is that episode's evidence, not a label of its own."""
+        """The episode just closed goes when it had no culprit of its own, was named
+        from a window (LIVE_STEPS) mostly made of the dated episode's steps before it,
+        and left once that window could hold none of them (LIVE_STEPS, plus the delay
+        with which the live label left the dated episode): the COMM-BOUND a straggler's
+        victims still show in their window after the straggler was cleared is that
+        episode's evidence, not a label of its own. One that lasted longer stays."""
         if len(self.timeline) < 2:
             return
         sym, cause = self.timeline[-1], self.timeline[-2]
-        if (not sym.dated and sym.label != dx.HANG and cause.dated
-                and cause.end_step is not None and sym.named_step is not None
-                and sym.named_step - LIVE_STEPS // 2 <= cause.end_step):
+        if (sym.dated or sym.label == dx.HANG or not cause.dated or cause.end_step is None
+                or sym.named_step is None or sym.cleared_step is None):
+            return
+        lag = max(0, (cause.cleared_step or cause.end_step) - cause.end_step)
+        if (sym.named_step - LIVE_STEPS // 2 <= cause.end_step
+                and sym.cleared_step - sym.named_step <= LIVE_STEPS + lag):
             self.timeline.pop()
 
     def _fold(self, start: int) -> None:
