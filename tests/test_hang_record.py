@@ -155,6 +155,7 @@ def test_a_relay_passes_stack_requests_to_its_launcher_and_its_dumps_up():
     ctx = zmq.Context()
     mine, launcher = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     collector = ctx.socket(zmq.ROUTER)
+    relay = None
     try:
         port = collector.bind_to_random_port("tcp://127.0.0.1")
         relay = Relay(ctx, f"tcp://127.0.0.1:{port}", 1, None, stacks=mine)
@@ -165,15 +166,17 @@ def test_a_relay_passes_stack_requests_to_its_launcher_and_its_dumps_up():
         request = p.encode_relay_stacks(p.RelayStackRequest(2, 4242))
         collector.send_multipart([conn, p.RELAY_TAG, p.RELAY_ROUTE.pack(p.RELAY_SELF_ROUTE),
                                   request])
-        launcher.settimeout(5.0)
-        deadline = time.monotonic() + 5
+        # Short reads between turns of the relay: the request may reach the relay's
+        # socket after its first turn (a first 5 s read then used up the whole deadline).
+        launcher.settimeout(0.05)
+        deadline = time.monotonic() + 30
         got = None
         while got is None and time.monotonic() < deadline:
             relay.on_upstream()
             try:
                 got = launcher.recv(4096)
             except (TimeoutError, BlockingIOError):
-                launcher.settimeout(0.05)
+                pass
         assert p.decode_relay_stacks(got) == p.RelayStackRequest(2, 4242)
         launcher.send(p.encode_relay_stacks(p.RelayStacks(0, 2, 4242, "not my node")))
         launcher.send(p.encode_relay_stacks(p.RelayStacks(1, 2, 4242, "pause (libc.so.6)")))
@@ -186,11 +189,14 @@ def test_a_relay_passes_stack_requests_to_its_launcher_and_its_dumps_up():
         assert p.decode_relay_stacks(frames[2]) == p.RelayStacks(1, 2, 4242,
                                                                  "pause (libc.so.6)")
         assert relay.stacks_sent == 1  # the other node's was dropped
-        relay.close()
     finally:
+        if relay is not None:
+            relay.close()
         launcher.close()
-        collector.close(linger=0)
-        ctx.term()
+        mine.close()
+        # destroy, not term: a failed assertion must not leave term() waiting forever on
+        # a socket the relay still holds (it did, and hung a whole test run).
+        ctx.destroy(linger=0)
 
 
 def test_only_the_relay_of_that_rank_may_add_its_stack():

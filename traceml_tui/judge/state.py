@@ -848,7 +848,10 @@ class RunState:
             if cause is not None and cause.dated and cause.end_step is not None:
                 # After a dated episode, what follows starts where its evidence ended.
                 start = min(step, cause.end_step + 1)
-        self._fold(start)
+        if dated or start < step:
+            # Only evidence that reaches back covers earlier episodes: a label named on
+            # the newest step (a HANG: no step since) leaves the one before it whole.
+            self._fold(start)
         self.live_since = now
         self._lost_mark = mark
         self._episode_dx = d
