@@ -273,8 +273,15 @@ async def test_a_slow_node_and_a_silent_node_are_named():
         assert "Every rank on node 1 (ranks 2, 3" in banner
         assert "ranks 4/6" in status and "nodes 2/3 (waiting for node 2)" in status
         table = app.query_one(HeatTable)
-        # Worst first: node 1's ranks lead, marked; node 2's show they are waiting.
-        texts = [table.render_line(y).text for y in range(1, table.size.height)]
+
+        def rows() -> list[str]:
+            return [table.render_line(y).text for y in range(1, table.size.height)]
+
+        # Worst first: node 1's ranks lead, marked; node 2's show they are waiting (once
+        # the table has laid out every row: a loaded machine renders it a frame later).
+        await until(pilot, lambda: sum("waiting" in t for t in rows()) == 2,
+                    "node 2's ranks shown waiting")
+        texts = rows()
         assert [x.rank for x in table.lines[:2]] == [2, 3]
         assert texts[0].startswith("▶") and texts[1].startswith("▶")
         assert sum("waiting" in t for t in texts) == 2
