@@ -717,6 +717,13 @@ class RunState:
         assert self.hang is not None
         kept = self.ended_hang
         if kept is not None and self._aftermath_of(kept[3], self.hang_steps):
+            # The kept hang may have latched before its culprits' stacks came (late
+            # batches re-latched it a few steps on): theirs, taken since, complete it.
+            report, since, stacks, at_steps = kept
+            late = {r: self.hang_stacks[r] for r in report.culprits
+                    if r not in stacks and r in self.hang_stacks}
+            if late:
+                self.ended_hang = (report, since, {**stacks, **late}, at_steps)
             return
         self.ended_hang = (self.hang, self.hang_since, self.hang_stacks, self.hang_steps)
 
