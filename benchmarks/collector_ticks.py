@@ -1,5 +1,5 @@
 """The collector's periodic work at N ranks, in-process and without traffic: one live
-evaluation (every rank's recent window, the diagnosis), a full snapshot (every rank's
+evaluation (every rank's recent window, the hang check, the diagnosis), a full snapshot (every rank's
 whole window) and the live snapshot file's content (snapshot + summary + JSON), from a
 state holding --steps steps of every rank (tests/canned.py: synthetic records through
 the real protocol and RunState). CPU milliseconds, median of 5. One JSON line.
@@ -28,6 +28,7 @@ def main() -> None:
     state = make_state(world_size=args.ranks, nproc_per_node=8, steps=args.steps,
                        straggler=args.ranks // 3)
     now = 1_700_000_100.0
+    mono_now = 0.5  # the canned ranks were last heard at 0.0: stepping, nothing stalled
 
     def cpu_ms(fn) -> float:
         times = []
@@ -40,7 +41,7 @@ def main() -> None:
     def evaluate() -> None:
         for rs in state.ranks.values():
             rs.dirty = True  # as after a tick in which every rank stepped
-        state.evaluate(now)
+        state.evaluate(now, mono_now)  # with the hang check, as the collector runs it
 
     def live_file() -> None:
         snap = state.snapshot(now, 0.0, full=True)
