@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -128,7 +130,7 @@ class RankSnapshot:
     steps: int
     window_steps: int
     step_ms: Quantiles | None
-    phase_ms: dict[str, Quantiles | None]
+    phase_ms: Mapping[str, Quantiles | None]  # full snapshots: read from `Snapshot.whole`
     live_step_ms: float | None
     live_phase_ms: dict[str, float | None]
     recent_step_ms: tuple[float, ...]
@@ -155,6 +157,59 @@ def hours_unit(ranks: tuple[RankSnapshot, ...]) -> str:
     """What a lost job-second costs per rank: "GPU"-hours when the ranks ran on GPUs, else
     "rank"-hours (a CPU job)."""
     return "GPU" if any(r.device.startswith("cuda") for r in ranks) else "rank"
+
+
+@dataclass(frozen=True, slots=True)
+class WholeWindow:
+    """The reporting ranks' statistics over their whole windows, by column: one numpy pass
+    per series, taken once per full snapshot. Its rank rows, the final diagnosis and the
+    summary's rank rows read these columns; no per-rank object is built for them."""
+
+    rows: dict[int, int]  # rank -> its row
+    phases: tuple[str, ...]  # the run's phases: columns 1.. (column 0: the step time)
+    median: np.ndarray  # (rows, 1 + phases), ms; NaN: not measured
+    p95: np.ndarray
+    medians: list[list[float]]  # `median` as Python floats (NaN kept)
+    p95s: list[list[float]]
+
+    @classmethod
+    def of(cls, ranks: list[int], phases: tuple[str, ...], stats: BlockStats) -> WholeWindow:
+        nan = stats.median.shape[1]  # a NaN column for phases the block never measured
+        cols = [0] + [stats.index.get(p, nan) for p in phases]
+        pad = np.full((len(ranks), 1), np.nan)
+        median = np.concatenate([stats.median, pad], axis=1)[:, cols]
+        p95 = np.concatenate([stats.p95, pad], axis=1)[:, cols]
+        return cls({rank: row for row, rank in enumerate(ranks)}, phases, median, p95,
+                   median.tolist(), p95.tolist())
+
+    def step(self, row: int) -> Quantiles | None:
+        m = self.medians[row][0]
+        return None if m != m else Quantiles(m, self.p95s[row][0])
+
+    def timing(self, row: int) -> tuple[float | None, dict[str, float | None]]:
+        """(step median, {phase: median}) of a row, None where not measured."""
+        m = [None if v != v else v for v in self.medians[row]]
+        return m[0], dict(zip(self.phases, m[1:], strict=True))
+
+
+class _PhaseRow(Mapping[str, "Quantiles | None"]):
+    """One rank's whole-window phase quantiles, read from the columns when asked for."""
+
+    __slots__ = ("whole", "row", "cols")
+
+    def __init__(self, whole: WholeWindow, row: int, cols: dict[str, int]) -> None:
+        self.whole, self.row, self.cols = whole, row, cols
+
+    def __getitem__(self, phase: str) -> Quantiles | None:
+        i = self.cols[phase]
+        m = self.whole.medians[self.row][i]
+        return None if m != m else Quantiles(m, self.whole.p95s[self.row][i])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.whole.phases)
+
+    def __len__(self) -> int:
+        return len(self.whole.phases)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +267,7 @@ class Snapshot:
     collectives: tuple[coll.CollectiveStat, ...] = ()
     # Each stalling rank's stall log over the run (stalls.py; full snapshots only)
     stalls: tuple[StallFinding, ...] = ()
+    whole: WholeWindow | None = None  # full snapshots: every rank's whole-window statistics
 
     @property
     def reporting(self) -> int:
@@ -925,11 +981,11 @@ class RunState:
 
     # --- snapshots ------------------------------------------------------------------
 
-    def _full_diagnosis(self, ranks: tuple[RankSnapshot, ...]) -> dx.Diagnosis:
+    def _full_diagnosis(self, ranks: tuple[RankSnapshot, ...], whole: WholeWindow
+                        ) -> dx.Diagnosis:
         """The diagnosis over each rank's whole window (the summary's verdict)."""
         timings = [
-            dx.RankTiming(r.rank, r.window_steps, None if r.step_ms is None else r.step_ms.median,
-                          {k: None if v is None else v.median for k, v in r.phase_ms.items()},
+            dx.RankTiming(r.rank, r.window_steps, *whole.timing(whole.rows[r.rank]),
                           r.host, r.node, r.untimed, r.heartbeat.grad_bytes,
                           self.ranks[r.rank].gpu)
             for r in ranks if r.reported]
@@ -952,19 +1008,13 @@ class RunState:
         """Freeze the state. `full` adds whole-window quantiles and the final diagnosis
         (costlier: used for the snapshot file and the summary, not every live tick)."""
         shown = self.live.shown if self.live is not None else self.evaluate(now)
-        # Full: every rank's whole window, in one pass: rank -> (step, phases, untimed).
-        whole: dict[int, tuple[Quantiles | None, dict[str, Quantiles | None],
-                               tuple[dx.Untimed, ...]]] = {}
-        if full:
-            reported = list(self.ranks.values())
-            stats = self.block.stats([rs.ident.rank for rs in reported], None)
-            for row, (rs, (step, phases)) in enumerate(zip(reported, stats.rows(),
-                                                           strict=True)):
-                untimed = self._untimed(rs, int(stats.steps[row]), stats, row)
-                whole[rs.ident.rank] = (step, phases, untimed)
-        ranks = tuple(self._rank_snapshot(r, mono_now, whole.get(r))
+        # Full: every rank's whole window, in one pass per series, kept as columns.
+        whole, untimed = self._whole_window() if full else (None, {})
+        none: Mapping[str, Quantiles | None] = MappingProxyType({p: None for p in self.phases})
+        cols = {p: i for i, p in enumerate(self.phases, 1)}
+        ranks = tuple(self._rank_snapshot(r, mono_now, whole, untimed.get(r), none, cols)
                       for r in range(self.world_size))
-        final = self._full_diagnosis(ranks) if full else None
+        final = self._full_diagnosis(ranks, whole) if whole is not None else None
         aligned = (self.block.aligned(list(self.ranks), cost.steps_to_read(
             len(self.ranks), self.window_steps, self.window_steps)) if full else None)
         return Snapshot(
@@ -984,25 +1034,40 @@ class RunState:
             final_what_if=(None if final is None or aligned is None
                            or final.label not in cost.COSTED_LABELS
                            else cost.what_if(final, aligned, self.parallel == "fsdp")),
-            mean_step_ms=None if aligned is None else cost.job_step_ms(aligned))
+            mean_step_ms=None if aligned is None else cost.job_step_ms(aligned),
+            whole=whole)
 
-    def _rank_snapshot(self, rank: int, mono_now: float,
-                       whole: tuple[Quantiles | None, dict[str, Quantiles | None],
-                                    tuple[dx.Untimed, ...]] | None) -> RankSnapshot:
-        """`whole`: the rank's whole-window statistics, in a full snapshot."""
+    def _whole_window(self) -> tuple[WholeWindow, dict[int, tuple[dx.Untimed, ...]]]:
+        """Every reporting rank's whole window in one pass per series, and the phases each
+        could not time over it (rank -> untimed)."""
+        reported = list(self.ranks.values())
+        stats = self.block.stats([rs.ident.rank for rs in reported], None)
+        untimed = {rs.ident.rank: self._untimed(rs, steps, stats, row)
+                   for row, (rs, steps) in enumerate(zip(reported, stats.steps.tolist(),
+                                                         strict=True))}
+        return WholeWindow.of([rs.ident.rank for rs in reported], tuple(self.phases),
+                              stats), untimed
+
+    def _rank_snapshot(self, rank: int, mono_now: float, whole: WholeWindow | None,
+                       untimed: tuple[dx.Untimed, ...] | None,
+                       none: Mapping[str, Quantiles | None], cols: dict[str, int]
+                       ) -> RankSnapshot:
+        """`whole`, `untimed`: the whole-window statistics, in a full snapshot; `none`:
+        every phase unmeasured; `cols`: phase -> its column in `whole`."""
         rs = self.ranks.get(rank)
         if rs is None:
             return RankSnapshot(
                 rank=rank, local_rank=rank % self.nproc_per_node,
                 node=rank // self.nproc_per_node, host="", pid=0, reported=False, steps=0,
-                window_steps=0, step_ms=None, phase_ms={p: None for p in self.phases},
+                window_steps=0, step_ms=None, phase_ms=none,
                 live_step_ms=None, live_phase_ms={}, recent_step_ms=(), sys=None, idle_s=None,
                 since_step_s=None, exit_code=None, error=None, finished=False, dropped=0,
                 device="")
         live = self._live_timing(rs)
         # Over the whole window for the summary's verdict, as its medians are.
-        step, phases, untimed = whole if whole is not None else (None, {}, live.untimed)
-        phase_ms = {p: phases.get(p) for p in self.phases}
+        row = None if whole is None else whole.rows.get(rank)
+        step, phase_ms = ((None, none) if whole is None or row is None
+                          else (whole.step(row), _PhaseRow(whole, row, cols)))
         return RankSnapshot(
             rank=rank, local_rank=rs.ident.local_rank, node=rs.ident.node, host=rs.ident.host,
             pid=rs.ident.pid, reported=True, steps=rs.steps, window_steps=rs.window.count,
@@ -1012,5 +1077,6 @@ class RunState:
             since_step_s=max(0.0, mono_now - rs.last_step_at) if rs.steps else None,
             exit_code=rs.exit_code,
             error=rs.error, finished=rs.finished, dropped=rs.dropped, device=rs.device,
-            heartbeat=rs.heartbeat, stacks=rs.stacks, untimed=untimed, nccl=rs.nccl,
+            heartbeat=rs.heartbeat, stacks=rs.stacks,
+            untimed=live.untimed if untimed is None else untimed, nccl=rs.nccl,
             bad_records=rs.bad_records, steps_hidden=self.hidden.get(rs.ident.rank))

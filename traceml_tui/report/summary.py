@@ -8,20 +8,21 @@ record of the same shape, marked ``"complete": false``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from traceml_agent import nccl_log
 from traceml_agent.sanitize import clean_line
 from traceml_agent.vocab import SYNC, format_ranks
 from traceml_tui.judge import diagnosis as dx
 from traceml_tui.judge.stalls import StallFinding
-from traceml_tui.judge.state import Episode, Snapshot, hours_unit
+from traceml_tui.judge.state import Episode, Snapshot, WholeWindow, hours_unit
 from traceml_tui.judge.windows import median
 from traceml_tui.runfolder.folders import write_atomic
 from traceml_tui.runfolder.layout import RunFolder
@@ -49,12 +50,30 @@ def iso(epoch: float | None) -> str | None:
     return datetime.fromtimestamp(epoch, tz=timezone.utc).isoformat(timespec="milliseconds")
 
 
-def _q(q: Any) -> dict[str, float | None] | None:
-    return None if q is None else q.to_json()
-
-
 def _round(v: float | None, nd: int = 4) -> float | None:
     return None if v is None else round(v, nd)
+
+
+# Below this, x * 10**nd is exact enough in a double to tell which way x rounds.
+_SCALED_EXACT = 2.0 ** 30
+_TIE = 1e-6  # ... except within this of a tie, where Python's round decides
+
+
+def rounded(values: np.ndarray, nd: int = 4) -> list[Any]:
+    """round(v, nd) of every value, exactly as Python's round gives it (correctly rounded:
+    the file is the same to the last digit whichever way it is built), NaN as None; in
+    numpy by column, with Python's round only for values near a tie or too large."""
+    scale = 10.0 ** nd
+    with np.errstate(invalid="ignore", over="ignore"):  # inf and NaN: Python's round
+        y = values * scale
+        out = (np.rint(y) / scale).astype(object)
+        nan = np.isnan(values)
+        doubt = ~nan & ~((np.abs(y - np.floor(y) - 0.5) > _TIE) & (np.abs(y) < _SCALED_EXACT))
+    for at in zip(*np.nonzero(doubt), strict=True):
+        out[at] = round(float(values[at]), nd)
+    out[nan] = None
+    result: list[Any] = out.tolist()
+    return result
 
 
 def _who(d: dict[str, Any]) -> str:
@@ -104,16 +123,15 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
                          if step_medians else (None, None))
     duration_s = (meta.ended_at or snap.now) - snap.started_at
     ranks = []
+    quantiles = _rank_quantiles(snap)
     for r in snap.ranks:
-        rate = _throughput(r.step_ms.median if r.step_ms else None,
-                           snap.batch_sizes.get(r.rank))
+        step_median, step_q, phase_q = quantiles(r.rank)
         ranks.append({
             "rank": r.rank, "local_rank": r.local_rank, "node": r.node, "host": r.host,
             "pid": r.pid, "device": r.device or None, "reported": r.reported,
             "steps": r.steps, "window_steps": r.window_steps,
-            "step_ms": _q(r.step_ms) or {"median": None, "p95": None},
-            "phase_ms": {p: _q(r.phase_ms.get(p)) for p in snap.phases},
-            "throughput": rate,
+            "step_ms": step_q, "phase_ms": phase_q,
+            "throughput": _throughput(step_median, snap.batch_sizes.get(r.rank)),
             "sys": {k: _round(v, 2) if isinstance(v, float) else v  # GPU note, throttle
                     for k, v in (r.sys.sample() if r.sys else {}).items() if k != "device"},
             "exit_code": r.exit_code, "error": r.error, "dropped_records": r.dropped,
@@ -160,6 +178,35 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
         "collector": dict(snap.counters),
         "relays": _relays(snap),
     }
+
+
+QuantilesDoc = dict[str, float | None]  # {"median": ..., "p95": ...}
+
+
+def _rank_quantiles(snap: Snapshot) -> Callable[
+        [int], tuple[float | None, QuantilesDoc, dict[str, QuantilesDoc | None]]]:
+    """rank -> (its step median as measured, then its step quantiles and {phase:
+    quantiles} as the file has them, rounded), read from the snapshot's whole-window
+    columns: the rounding is done by column, once (issue 33), not per rank and value."""
+    whole: WholeWindow | None = snap.whole
+    phases = snap.phases
+    if whole is None:  # not a full snapshot: no whole-window figures
+        return lambda rank: (None, {"median": None, "p95": None}, dict.fromkeys(phases))
+    assert whole.phases == tuple(phases)
+    medians, p95s = rounded(whole.median), rounded(whole.p95)
+    steps = whole.median[:, 0].tolist()
+    rows = whole.rows
+
+    def of(rank: int) -> tuple[float | None, QuantilesDoc, dict[str, QuantilesDoc | None]]:
+        row = rows.get(rank)
+        if row is None:
+            return None, {"median": None, "p95": None}, dict.fromkeys(phases)
+        m, p, step = medians[row], p95s[row], steps[row]
+        return (None if step != step else step,
+                {"median": m[0], "p95": p[0]},  # both None where the step is not measured
+                {ph: None if a is None else {"median": a, "p95": b}
+                 for ph, a, b in zip(phases, m[1:], p[1:], strict=True)})
+    return of
 
 
 # The exit code `traceml run` gives an interrupted job (Ctrl-C): its ranks' deaths are

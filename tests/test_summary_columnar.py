@@ -1,0 +1,97 @@
+"""The summary and the live snapshot file are the same, to the byte, whichever code builds
+them: the columnar rank rows (issue 33) against the per-rank code of commit 36da305, on
+canned states, the old code run from that commit's tree in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from io import BytesIO
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from traceml_tui.report import summary
+
+ROOT = Path(__file__).resolve().parent.parent
+BEFORE = "36da305"  # the last commit with per-rank summary rows
+
+# Builds each canned state, then its summary (live file and final record, JSON at both
+# indents and the text), printed as one JSON object: the same script runs old and new.
+SCRIPT = r'''
+import json, sys
+from traceml_tui.collect.canned import T0, make_hang_state, make_state
+from traceml_tui.report import summary
+
+states = {
+    "small": lambda: make_state(),
+    "mixed": lambda: make_state(world_size=32, nproc_per_node=4, steps=80, straggler=5,
+                                stale=(3, 9), silent_nodes=(6,), also_slow=(12,),
+                                phase="forward"),
+    "balanced": lambda: make_state(world_size=16, straggler=None, steps=50),
+    "hang": lambda: make_hang_state(),
+    "big": lambda: make_state(world_size=1024, nproc_per_node=8, steps=64, straggler=341),
+}
+out = {}
+for name, make in states.items():
+    snap = make().snapshot(T0 + 75.0, 0.5, full=True)
+    for kind, meta in (("live", summary.RunMeta(complete=False)),
+                       ("final", summary.RunMeta(command=["train.py"], exit_code=0,
+                                                 ended_at=T0 + 80.0))):
+        doc = summary.build(snap, meta)
+        out[f"{name} {kind}"] = [summary.to_json(doc), summary.to_json(doc, indent=2),
+                                 summary.render_text(doc)]
+json.dump(out, sys.stdout)
+'''
+
+
+def _run(pythonpath: str | None) -> dict[str, list[str]]:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                          env=env, cwd=pythonpath or ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out: dict[str, list[str]] = json.loads(proc.stdout)
+    return out
+
+
+def _old_tree(tmp_path: Path) -> Path:
+    """Commit BEFORE's packages, laid out as installed (agent/ imports as traceml_agent)."""
+    try:
+        data = subprocess.run(["git", "archive", BEFORE, "traceml_tui", "agent"], cwd=ROOT,
+                              capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip(f"commit {BEFORE} is not in this checkout's history (a shallow clone?)")
+    with tarfile.open(fileobj=BytesIO(data)) as tar:
+        tar.extractall(tmp_path, filter="data")
+    (tmp_path / "agent").rename(tmp_path / "traceml_agent")
+    return tmp_path
+
+
+def test_summary_bytes_match_the_per_rank_code(tmp_path: Path) -> None:
+    old = _run(str(_old_tree(tmp_path)))
+    new = _run(None)
+    assert sorted(old) == sorted(new)
+    for key in old:
+        for kind, before, now in zip(("json", "json indent 2", "text"), old[key], new[key],
+                                     strict=True):
+            assert now == before, f"{key}: {kind} differs"
+
+
+@pytest.mark.parametrize("nd", [2, 3, 4])
+def test_rounded_is_pythons_round(nd: int) -> None:
+    """By column in numpy, the same digits as Python's round on every value: ties of the
+    decimal (2.675 is 2.67499999...), huge and tiny values, NaN as None."""
+    rng = np.random.default_rng(nd)
+    ties = (np.arange(-2000, 2000) + 0.5) / 10 ** nd  # x.xxx5: binary values near a tie
+    values = np.concatenate([ties, rng.random(5000) * 100, rng.random(500) * 1e9,
+                             [0.0, -0.0, 1e-300, 2.675, 1.0005, 0.125, 1e15 + 0.3,
+                              float("inf"), float("nan"), 3.0]]).reshape(-1, 2)
+    got = summary.rounded(values, nd)
+    want = [[None if v != v else round(v, nd) for v in row] for row in values.tolist()]
+    assert json.dumps(got) == json.dumps(want)
