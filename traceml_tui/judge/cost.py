@@ -137,7 +137,7 @@ def _group(data: AlignedSteps, phases: Sequence[str]) -> np.ndarray | None:
         return None
     total = np.zeros_like(data.step_ms)
     for a in arrays:
-        total += np.nan_to_num(a)
+        total += np.where(np.isnan(a), 0.0, a)  # times are finite (protocol): NaN only
     total[np.isnan(data.step_ms)] = np.nan  # a step not received, not a step of no work
     return total
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, replace
 from math import isfinite
 from typing import NamedTuple, TypeGuard
 
+import numpy as np
+
 from traceml_agent.vocab import (  # noqa: F401 (re-exported)
     BALANCED,
     COMM_BOUND,
@@ -49,6 +51,7 @@ from traceml_agent.vocab import (  # noqa: F401 (re-exported)
 # are re-exported here because the rules below are where they get their meaning.
 from .bandwidth import bus_factor
 from .stalls import STALL_MIN_COUNT, StallFinding
+from .timings import GpuHealth, RankTiming, Timings, Untimed, median_of  # noqa: F401
 from .windows import median
 
 # --- thresholds (docs/diagnosis.md gives the reasoning) -------------------------------------
@@ -104,6 +107,18 @@ def recent_steps(step_ms: float | None) -> int:
         return RECENT_MAX
     steps = RECENT_S * 1000.0 / step_ms  # inf for a sub-normal step: no round() of it
     return RECENT_MAX if steps >= RECENT_MAX else max(RECENT_MIN, round(steps))
+
+
+def recent_steps_of(step_ms: np.ndarray) -> np.ndarray:
+    """`recent_steps` of many ranks' steps at once (NaN: not known); numpy's rounding is
+    Python's (half to even)."""
+    out = np.full(len(step_ms), RECENT_MAX, dtype=np.int64)
+    known = step_ms > 0
+    with np.errstate(over="ignore", divide="ignore"):
+        steps = RECENT_S * 1000.0 / step_ms[known]
+    out[known] = np.where(steps >= RECENT_MAX, RECENT_MAX,
+                          np.maximum(RECENT_MIN, np.round(steps)))
+    return out
 # Periodic stalls are invisible to medians: a few stalled steps in a window of many move
 # no median, yet each costs the whole job its length. A step is a stall when it takes at
 # least STALL_FACTOR times the rank's typical (median) step and STALL_MIN_MS more: a
@@ -132,14 +147,6 @@ COMM_BOUND_EXIT = 0.40
 NODE_MEMBER_SHARE = 0.5
 
 
-@dataclass(frozen=True, slots=True)
-class Untimed:
-    """A phase the agent could not time on a rank, and why."""
-
-    phase: str
-    why: str
-
-
 # GPU health beside a COMPUTE STRAGGLER (docs/diagnosis.md, "GPU health"). NVML's reasons
 # that slow the clocks for the GPU's own sake; "idle", "app clocks", "sync boost" and
 # "display clocks" are settings or states, not a fault of the board.
@@ -148,47 +155,6 @@ THROTTLE_FAULTS = ("hw thermal", "sw thermal", "power brake", "hw slowdown", "po
 # per cent under load (15 MHz steps), so 10% is beyond its wander, and alone slows the
 # rank's kernels about as much as SKEW_ENTER's gap.
 CLOCK_LOW_SHARE = 0.10
-
-
-@dataclass(frozen=True, slots=True)
-class GpuHealth:
-    """A rank's GPU at its latest NVML sample (agent/sysmetrics.py). None: not read."""
-
-    sm_clock_mhz: float | None = None
-    throttle: tuple[str, ...] = ()
-    power_w: float | None = None
-    temp_c: float | None = None
-
-    @classmethod
-    def of(cls, sys: Mapping[str, object]) -> GpuHealth | None:
-        """From a rank's latest "sys" sample (validated by the protocol); None without
-        NVML health figures."""
-        clock, reasons = sys.get("sm_clock_mhz"), sys.get("throttle")
-        power, temp = sys.get("power_w"), sys.get("temp_c")
-        if clock is None and not reasons:
-            return None
-        num = (int, float)
-        # An idle GPU drops its clocks: that reading says nothing about its clock under load.
-        idle = isinstance(reasons, tuple | list) and "idle" in reasons
-        return cls(float(clock) if isinstance(clock, num) and not idle else None,
-                   tuple(str(x) for x in reasons) if isinstance(reasons, tuple | list) else (),
-                   float(power) if isinstance(power, num) else None,
-                   float(temp) if isinstance(temp, num) else None)
-
-
-@dataclass(frozen=True, slots=True)
-class RankTiming:
-    """One rank's median timings over the window, in ms. None: not measured."""
-
-    rank: int
-    steps: int
-    step_ms: float | None
-    phase_ms: Mapping[str, float | None]
-    host: str = ""
-    node: int = 0
-    untimed: tuple[Untimed, ...] = ()
-    comm_bytes: int = 0  # gradient bytes all-reduced per step (DDP), 0 when unknown
-    gpu: GpuHealth | None = None  # its GPU's health, where NVML sampled it
 
 
 def bus_gbps(nbytes: float, ms: float, world: int) -> float | None:
@@ -318,10 +284,7 @@ def _finite(value: float | None) -> TypeGuard[float]:
     return value is not None and isfinite(value)
 
 
-def _group(timing: RankTiming, phases: Sequence[str]) -> float | None:
-    """Sum of the measured phases of a group; None when none of them was measured."""
-    vals = [v for v in (timing.phase_ms.get(p) for p in phases) if _finite(v)]
-    return sum(vals) if vals else None
+Table = Timings | Sequence[RankTiming]  # what the rules accept (a sequence is converted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,45 +294,46 @@ class _Skew:
     share: float
 
 
-def _skew(ranks: Sequence[RankTiming], phases: Sequence[str], step_ms: float) -> _Skew | None:
+def _skew(t: Timings, phases: Sequence[str], step_ms: float) -> _Skew | None:
     """Worst rank vs median rank for a group of phases. Ties go to the lowest rank."""
-    values = [(r.rank, v) for r in ranks if (v := _group(r, phases)) is not None]
-    if len(values) < 2:
+    sums, has = t.group(phases)
+    if np.count_nonzero(has) < 2:
         return None
-    mid = median([v for _, v in values], empty=0.0)
-    worst_rank, worst = max(values, key=lambda rv: (rv[1], -rv[0]))
+    values, ranks = sums[has], t.ranks[has]
+    mid = median_of(values)
+    worst = float(values.max())
     gap = worst - mid
-    return _Skew(worst_rank, gap, gap / step_ms)
+    return _Skew(int(ranks[values == worst].min()), gap, gap / step_ms)
 
 
-def phase_gaps(ranks: Sequence[RankTiming], rank: int, phases: Sequence[str]) -> dict[str, float]:
+def phase_gaps(ranks: Table, rank: int, phases: Sequence[str]) -> dict[str, float]:
     """For one rank: its median minus the median rank's, per phase (ms)."""
-    me = next(r for r in ranks if r.rank == rank)
+    t = Timings.of(ranks)
+    me = t.row(rank)
+    if me is None:
+        raise ValueError(f"rank {rank} is not in the table")
     gaps = {}
     for p in phases:
-        mine = me.phase_ms.get(p)
-        others = [v for v in (r.phase_ms.get(p) for r in ranks) if _finite(v)]
-        if _finite(mine) and others:
-            gaps[p] = mine - median(others, empty=0.0)
+        col = t.column(p)
+        mine = float(col[me])
+        if isfinite(mine) and np.isfinite(col).any():
+            gaps[p] = mine - median_of(col)
     return gaps
 
 
-def _worst_phase(ranks: Sequence[RankTiming], rank: int, phases: Sequence[str]) -> str | None:
-    gaps = phase_gaps(ranks, rank, phases)
+def _worst_phase(t: Timings, rank: int, phases: Sequence[str]) -> str | None:
+    gaps = phase_gaps(t, rank, phases)
     if not gaps:
         return None
     return max(phases, key=lambda p: gaps.get(p, float("-inf")))
 
 
-def _share(ranks: Sequence[RankTiming], phases: Sequence[str]) -> float:
+def _share(t: Timings, phases: Sequence[str]) -> float:
     """The median rank's share of its step spent in a group of phases."""
-    shares = []
-    for r in ranks:
-        value = _group(r, phases)
-        step_ms = r.step_ms
-        if value is not None and _finite(step_ms) and step_ms > 0:
-            shares.append(value / step_ms)
-    return median(shares, empty=0.0)
+    sums, has = t.group(phases)
+    step_ms = t.step_ms
+    ok = has & np.isfinite(step_ms) & (step_ms > 0)
+    return median_of(sums[ok] / step_ms[ok])
 
 
 # --- the classifier ----------------------------------------------------------------------
@@ -381,7 +345,7 @@ def _share(ranks: Sequence[RankTiming], phases: Sequence[str]) -> float:
 FSDP_COMPUTE_PHASES = (OPTIMIZER,)
 
 
-Recent = Sequence[RankTiming] | Callable[[], Sequence[RankTiming]] | None
+Recent = Table | Callable[[], Table] | None
 
 
 def _still_behind(recent: Recent, rank: int, phases: Sequence[str]) -> bool:
@@ -392,14 +356,14 @@ def _still_behind(recent: Recent, rank: int, phases: Sequence[str]) -> bool:
         return True
     if callable(recent):
         recent = recent()
-    ready = [r for r in recent if r.steps >= RECENT_MIN and _finite(r.step_ms)]
-    values = {r.rank: _group(r, phases) for r in ready}
-    mine = values.get(rank)
-    others = [v for v in values.values() if v is not None]
-    if mine is None or len(others) < 2:
+    t = Timings.of(recent)
+    ready = t.select((t.steps >= RECENT_MIN) & np.isfinite(t.step_ms))
+    sums, has = ready.group(phases)
+    me = np.flatnonzero((ready.ranks == rank) & has)
+    if len(me) == 0 or np.count_nonzero(has) < 2:
         return True
-    step_ms = median([r.step_ms for r in ready if r.step_ms is not None], empty=0.0)
-    gap = mine - median(others, empty=0.0)
+    step_ms = median_of(ready.step_ms)
+    gap = float(sums[me[-1]]) - median_of(sums[has])
     return gap >= MIN_GAP_MS and gap >= SKEW_EXIT * step_ms
 
 
@@ -408,8 +372,8 @@ class WindowStats:
     """What every rule reads: one evaluation's ranks and the statistics over them. Built
     once per evaluation (`WindowStats.of`); the rules only read it."""
 
-    ranks: Sequence[RankTiming]  # every rank that reported
-    ready: Sequence[RankTiming]  # those with MIN_STEPS steps and a step time
+    ranks: Timings  # every rank that reported
+    ready: Timings  # those with MIN_STEPS steps and a step time
     step_ms: float  # the median ready rank's step (0.0 while none is ready)
     active: str | None  # the label shown now: its own rule leaves at its exit threshold
     compute: tuple[str, ...]  # the compute phases compared across ranks (FSDP: fewer)
@@ -421,16 +385,16 @@ class WindowStats:
     preflight_busbw: float | None
 
     @classmethod
-    def of(cls, ranks: Sequence[RankTiming], active: str | None, fsdp: bool,
+    def of(cls, ranks: Table, active: str | None, fsdp: bool,
            framework: str | None, recent: Recent, stalls: Sequence[StallFinding] | None,
            preflight_busbw: float | None) -> WindowStats:
         compute = FSDP_COMPUTE_PHASES if fsdp else COMPUTE_PHASES
-        ready = [r for r in ranks
-                 if r.steps >= MIN_STEPS and _finite(r.step_ms) and r.step_ms > 0]
-        step_ms = median([r.step_ms for r in ready if r.step_ms is not None], empty=0.0)
+        t = Timings.of(ranks)
+        ready = t.select((t.steps >= MIN_STEPS) & np.isfinite(t.step_ms) & (t.step_ms > 0))
+        step_ms = median_of(ready.step_ms)
         # Untimed local phases: their time sits in "wait", so balance, residual wait and
         # any comparison of that group cannot be judged; a group fully timed still can.
-        untimed = frozenset(u.phase for r in ready for u in r.untimed)
+        untimed = frozenset(u.phase for us in ready.untimed.values() for u in us)
 
         def gap(phases: Sequence[str], group: Sequence[str], *holding: str) -> _Skew | None:
             if untimed & set(group):  # under FSDP an untimed forward blinds compute too
@@ -441,7 +405,7 @@ class WindowStats:
                    and _still_behind(recent, skew.rank, phases))
             return skew if hit else None
 
-        return cls(ranks, ready, step_ms, active, compute, untimed,
+        return cls(t, ready, step_ms, active, compute, untimed,
                    gap(INPUT_PHASES, INPUT_PHASES, INPUT_STRAGGLER, STRAGGLER),
                    gap(compute, COMPUTE_PHASES, COMPUTE_STRAGGLER, STRAGGLER),
                    framework, stalls or (), preflight_busbw)
@@ -458,7 +422,7 @@ class WindowStats:
 def _warmup(w: WindowStats) -> Diagnosis | None:
     if w.ready:
         return None
-    most = max((r.steps for r in w.ranks), default=0)
+    most = int(w.ranks.steps.max()) if len(w.ranks) else 0
     return Diagnosis(WARMUP, None, None, INFO,
                      f"Collecting steps: {most} of {MIN_STEPS} needed before judging.")
 
@@ -495,8 +459,7 @@ def _input_bound(w: WindowStats) -> Diagnosis | None:
     share = 0.0 if w.untimed & set(INPUT_PHASES) else _share(w.ready, INPUT_PHASES)
     if not w.over(share, INPUT_BOUND_ENTER, INPUT_BOUND_EXIT, INPUT_BOUND):
         return None
-    phase = max(INPUT_PHASES, key=lambda p: median(
-        [v for r in w.ready if _finite(v := r.phase_ms.get(p))], empty=0.0))
+    phase = max(INPUT_PHASES, key=lambda p: median_of(w.ready.column(p)))
     return Diagnosis(
         INPUT_BOUND, None, phase, WARNING,
         f"Every rank spends about {share:.0%} of its {w.step_ms:.1f} ms step waiting for "
@@ -567,7 +530,7 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
+def diagnose(ranks: Table, active: str | None = None,
              collectives_in_compute: bool = False, framework: str | None = None,
              recent: Recent = None,
              stalls: Sequence[StallFinding] | None = None,
@@ -593,20 +556,25 @@ def diagnose(ranks: Sequence[RankTiming], active: str | None = None,
     raise AssertionError("BALANCED, the last rule, always answers")
 
 
-def comm_bound(ranks: Sequence[RankTiming], share: float, step_ms: float,
+def comm_bound(ranks: Table, share: float, step_ms: float,
                preflight_busbw: float | None) -> Diagnosis:
     """COMM-BOUND, with the achieved bus bandwidth per rank where the gradient bytes are
     known: bytes all-reduced per step over the rank's exposed sync time. Part of each
     transfer overlaps backward, so this is an upper bound of what the slowest link did."""
-    world = len(ranks)
-    rates = [(r.rank, g) for r in ranks
-             if (g := bus_gbps(r.comm_bytes, r.phase_ms.get(SYNC) or 0.0, world)) is not None]
-    sync_ms = median([r.phase_ms.get(SYNC) or 0.0 for r in ranks], empty=0.0)
+    t = Timings.of(ranks)
+    world = len(t)
+    sync = t.column(SYNC)
+    sync = np.where(np.isnan(sync), 0.0, sync)  # not measured: no exposed wait
+    nb = t.comm_bytes
+    known = (nb != 0) & (sync > 0) if world >= 2 else np.zeros(world, dtype=bool)
+    gbps = nb[known] / (sync[known] / 1000.0) / 1e9 * bus_factor("all_reduce", world)
+    sync_ms = median_of(sync)
     evidence = ""
-    if rates:
-        nbytes = median([r.comm_bytes for r in ranks if r.comm_bytes], empty=0.0)
-        slow_rank, slow = min(rates, key=lambda x: (x[1], x[0]))
-        mid = median([g for _, g in rates], empty=0.0)
+    if len(gbps):
+        nbytes = median_of(nb[nb != 0])
+        slow = float(gbps.min())
+        slow_rank = int(t.ranks[known][gbps == slow].min())
+        mid = median_of(gbps)
         evidence = (f" DDP all-reduces {nbytes / 1e6:.1f} MB of gradients per step: about "
                     f"{mid:.3g} GB/s of bus bandwidth over the exposed wait (lowest: rank "
                     f"{slow_rank}, {slow:.3g} GB/s)")
@@ -657,12 +625,12 @@ def periodic_stall(findings: Sequence[StallFinding], active: str | None, reporti
         gap_ms=f.periodic_ms, gap_share=f.span_share, period=f.period)
 
 
-def _incomplete(ranks: Sequence[RankTiming], framework: str | None) -> Diagnosis:
+def _incomplete(ranks: Table, framework: str | None) -> Diagnosis:
     """No verdict from phases that were not seen: say which, where and why instead."""
     where: dict[tuple[str, str], list[int]] = {}
-    for r in ranks:
-        for u in r.untimed:
-            where.setdefault((u.phase, u.why), []).append(r.rank)
+    for rank, untimed in Timings.of(ranks).untimed.items():
+        for u in untimed:
+            where.setdefault((u.phase, u.why), []).append(rank)
     parts = [f"{phase} on rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)} ({why})"
              for (phase, why), rs in sorted(where.items())]
     first = min(where)[0]
@@ -693,27 +661,27 @@ _NODE_ADVICE = {
                "with the other nodes'",
 }
 
-def slow_node(ranks: Sequence[RankTiming], worst_rank: int, phases: Sequence[str],
+def slow_node(ranks: Table, worst_rank: int, phases: Sequence[str],
               gap_ms: float) -> tuple[int, tuple[int, ...]] | None:
     """(node, its ranks) when the worst rank's whole node is behind and nobody else is."""
-    if len({r.node for r in ranks}) < 2:
+    t = Timings.of(ranks)
+    if len(np.unique(t.node)) < 2:
         return None
-    values = [(r, v) for r in ranks if (v := _group(r, phases)) is not None]
-    mid = median([v for _, v in values], empty=0.0)
-    node = next(r.node for r in ranks if r.rank == worst_rank)
-    slow = {r.rank for r, v in values if v - mid >= NODE_MEMBER_SHARE * gap_ms}
-    members = {r.rank for r in ranks if r.node == node}
+    sums, has = t.group(phases)
+    mid = median_of(sums[has])
+    node = t.node[t.ranks == worst_rank][0]
+    slow = set(t.ranks[has & (sums - mid >= NODE_MEMBER_SHARE * gap_ms)].tolist())
+    members = set(t.ranks[t.node == node].tolist())
     if len(members) < 2 or slow != members:
         return None
-    return node, tuple(sorted(members))
+    return int(node), tuple(sorted(members))
 
 
 def _straggler(label: str, rank: int, phase: str | None, gap: float, share: float,
-               step_ms: float, ranks: Sequence[RankTiming], phases: Sequence[str]
-               ) -> Diagnosis:
+               step_ms: float, ranks: Timings, phases: Sequence[str]) -> Diagnosis:
     severity = CRITICAL if share >= CRITICAL_SHARE else WARNING
     where = f" in {phase}" if phase else ""
-    host = next((r.host for r in ranks if r.rank == rank), "")
+    host = ranks.hosts.get(rank, "")
     whole = slow_node(ranks, rank, phases, gap)
     if whole is not None:
         node, members = whole
@@ -752,11 +720,12 @@ def _median_clock(gpus: Sequence[GpuHealth]) -> float | None:
     return median(clocks) if clocks else None
 
 
-def node_gpu_evidence(ranks: Sequence[RankTiming], members: Sequence[int]) -> str | None:
+def node_gpu_evidence(ranks: Table, members: Sequence[int]) -> str | None:
     """What a slow node's GPUs say: how many are throttled (THROTTLE_FAULTS), or their
     median SM clock CLOCK_LOW_SHARE below the other nodes'."""
-    inside = [r.gpu for r in ranks if r.rank in members and r.gpu is not None]
-    outside = [r.gpu for r in ranks if r.rank not in members and r.gpu is not None]
+    gpus = Timings.of(ranks).gpus()
+    inside = [g for r, g in gpus.items() if r in members]
+    outside = [g for r, g in gpus.items() if r not in members]
     if not inside:
         return None
     hot = [g for g in inside if _faults(g)]
@@ -773,15 +742,16 @@ def node_gpu_evidence(ranks: Sequence[RankTiming], members: Sequence[int]) -> st
     return f"{len(hot)} of its {len(inside)} GPUs are throttled ({', '.join(named)}){vs}"
 
 
-def gpu_evidence(ranks: Sequence[RankTiming], rank: int) -> tuple[str, bool] | None:
+def gpu_evidence(ranks: Table, rank: int) -> tuple[str, bool] | None:
     """What the culprit's GPU says about a compute straggler: throttled for one of
     THROTTLE_FAULTS, or an SM clock CLOCK_LOW_SHARE below the median rank's; and whether
     that sets it apart (a low clock, or a throttle that most other ranks do not share)."""
-    mine = next((r.gpu for r in ranks if r.rank == rank), None)
+    gpus = Timings.of(ranks).gpus()
+    mine = gpus.get(rank)
     if mine is None:
         return None
     faults = [f for f in THROTTLE_FAULTS if f in mine.throttle]
-    clocks = [c for r in ranks if r.gpu is not None and _finite(c := r.gpu.sm_clock_mhz)]
+    clocks = [c for g in gpus.values() if _finite(c := g.sm_clock_mhz)]
     mid = median(clocks) if len(clocks) >= 2 else None
     clock = mine.sm_clock_mhz
     low = (_finite(clock) and mid is not None and mid > 0
@@ -790,7 +760,7 @@ def gpu_evidence(ranks: Sequence[RankTiming], rank: int) -> tuple[str, bool] | N
         return None
     vs = f", SM clock {clock:.0f} MHz vs median {mid:.0f}" if _finite(clock) and mid else ""
     if faults:
-        seen = [r.gpu for r in ranks if r.rank != rank and r.gpu is not None]
+        seen = [g for r, g in gpus.items() if r != rank]
         also = sum(1 for g in seen if any(f in g.throttle for f in faults))
         others = f" (as are {also} of {len(seen)} other ranks')" if also else ""
         text = f"rank {rank}'s GPU is throttled ({', '.join(faults)}){others}{vs}"

@@ -147,6 +147,18 @@ def hidden(p: RankProgress, median_step_ms: float | None, limit: float) -> str |
     return None
 
 
+def stepping(stalled_s: Sequence[float], median_step_ms: float | None,
+             override_s: float | None = None) -> bool:
+    """Whether every running rank closed a step so recently (`stalled_s`: per running
+    rank, its seconds since its last step plus its silence) that neither `detect` nor
+    `hidden_ranks` can find anything: no rank is quiet for long enough to hide progress,
+    and none is stalled past the threshold. The common case, checked without a
+    RankProgress per rank."""
+    limit = threshold(median_step_ms, override_s)
+    quiet = max(QUIET_MIN_S, QUIET_STEPS * (median_step_ms or 0.0) / 1000.0)
+    return max(stalled_s, default=0.0) <= min(quiet, limit)
+
+
 def hidden_ranks(progress: Sequence[RankProgress], median_step_ms: float | None,
                  override_s: float | None = None) -> dict[int, str]:
     """rank -> why its steps are not visible: the ranks whose progress suspends `detect`."""

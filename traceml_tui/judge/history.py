@@ -9,9 +9,9 @@ any length keeps its whole span, at a grain that coarsens as it grows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numpy as np
 
-from .windows import median
+from .windows import finite_median
 
 MAX_POINTS = 512
 # (seconds since the run started, median step, median own work, worst own work), in ms.
@@ -60,9 +60,10 @@ class History:
         return tuple(self.points) + ((self._pending,) if self._pending is not None else ())
 
 
-def point(elapsed_s: float, steps: Sequence[float], own: Sequence[float]) -> Point:
+def point(elapsed_s: float, steps: np.ndarray, own: np.ndarray) -> Point:
     """A tick's point from every rank's live step time and own work (ms)."""
-    return (round(elapsed_s, 2), median(steps), median(own), max(own) if own else None)
+    return (round(elapsed_s, 2), finite_median(steps), finite_median(own),
+            float(own.max()) if len(own) else None)
 
 
 class StepClock:

@@ -42,13 +42,15 @@ from . import diagnosis as dx
 from .history import History, Point, StepClock, point
 from .setup_checks import ChecksBoard
 from .stalls import StallBook, StallFinding
+from .timings import Columns, Lookup, Timings
 from .windows import (
     BlockStats,
     Quantiles,
     RankWindow,
     WindowBlock,
-    median,
+    finite_median,
     nan_medians,
+    whole_window_stats,
     window_steps_for,
 )
 
@@ -296,8 +298,7 @@ class RankState:
     dropped: int = 0
     device: str = ""
     dirty: bool = True
-    live: dx.RankTiming | None = None
-    recent: dx.RankTiming | None = None  # the newest few steps (dx.recent_steps)
+    live: dx.RankTiming | None = None  # its live row as an object, once a view asked
     # The step time from which a step is a stall (dx.stall_threshold of the typical step
     # of the last evaluation): stalled steps go to the run's stall log (stalls.py).
     stall_at_ms: float | None = None
@@ -342,6 +343,10 @@ class RunState:
         # rank over once the rank's own has gone quiet (one claim per rank, the newest).
         self.claims: dict[int, tuple[object, int]] = {}
         self.live: dx.LiveLabel | None = None
+        # Every rank's live timings (LIVE_STEPS) and newest few steps' (dx.recent_steps),
+        # as columns by rank: what an evaluation reads, with no object per rank.
+        self.live_cols = Columns(world_size)
+        self.recent_cols = Columns(world_size)
         # The newest step counted into the open episode's lost time (cost.py), and the
         # live what-if of the label on display.
         self._lost_mark = -1
@@ -560,9 +565,9 @@ class RunState:
                 continue
             if rec.step >= WARMUP_STEPS:
                 rs.window.append(rec.step_ms, msg.phases, rec.phase_ms, rec.step)
-                live = rs.live
                 if (rs.stall_at_ms is not None and rec.step_ms >= rs.stall_at_ms
-                        and live is not None and live.step_ms is not None):
+                        and (live := self._evaluated(rs)) is not None
+                        and live.step_ms is not None):
                     st = dx.stall_of(rec.step, rec.step_ms, live.step_ms, msg.phases,
                                      rec.phase_ms, live.phase_ms)
                     self.stall_book.add(rs.ident.rank, st.step, st.excess_ms, st.phase)
@@ -615,63 +620,100 @@ class RunState:
     # --- live diagnosis -------------------------------------------------------------
 
     def _live_timing(self, rs: RankState) -> dx.RankTiming:
-        if rs.dirty or rs.live is None:
+        """One rank's live timings as an object, for a view that names it."""
+        if rs.dirty or not self.live_cols.fresh[rs.ident.rank]:
             self._refresh_live()
-        assert rs.live is not None  # _refresh_live sets every dirty rank's
+        live = self._evaluated(rs)
+        assert live is not None  # _refresh_live wrote every dirty rank's row
+        return live
+
+    def _evaluated(self, rs: RankState) -> dx.RankTiming | None:
+        """A rank's live timings as of the last refresh (None before its first)."""
+        if rs.live is None and self.live_cols.fresh[rs.ident.rank]:
+            rs.live = self.live_cols.timing(rs.ident.rank, rs.ident.host, rs.gpu)
         return rs.live
+
+    def _live_table(self) -> Timings:
+        """Every reported rank's live timings (refreshed where it stepped), as a table."""
+        self._refresh_live()
+        rows = np.fromiter(self.ranks, np.int64, len(self.ranks))
+        return self.live_cols.table(rows, Lookup(self.ranks, lambda rs: rs.ident.host),
+                                    Lookup(self.ranks, lambda rs: rs.gpu))
 
     def _refresh_live(self) -> None:
         """The live timings of every rank that stepped since the last evaluation, over its
-        newest LIVE_STEPS steps, computed together (one WindowBlock.stats call)."""
-        todo = [rs for rs in self.ranks.values() if rs.dirty or rs.live is None]
+        newest LIVE_STEPS steps, computed together (one WindowBlock.stats call) into
+        `live_cols`: its median, untimed phases, gradient bytes and stall threshold."""
+        cols = self.live_cols
+        fresh = cols.fresh
+        todo = [rs for rs in self.ranks.values() if rs.dirty or not fresh[rs.ident.rank]]
         if not todo:
             return
-        stats = self.block.stats([rs.ident.rank for rs in todo], LIVE_STEPS)
-        for rs, timing in zip(todo, self._timings(todo, stats, live=True), strict=True):
-            rs.live = timing
-            rs.recent = None  # computed only when a straggler rule asks (_recent_timings)
-            if timing.steps >= dx.MIN_STEPS:
-                rs.stall_at_ms = dx.stall_threshold(timing.step_ms)
+        rows = np.fromiter((rs.ident.rank for rs in todo), np.int64, len(todo))
+        stats = self.block.stats(rows, LIVE_STEPS)
+        cols.put(rows, stats)
+        self.recent_cols.fresh[rows] = False  # asked again only by a straggler rule
+        steps = stats.steps.tolist()
+        node, grad, forced = [], [], []
+        for i, (rs, n, step_ms) in enumerate(zip(todo, steps, stats.median[:, 0].tolist(),
+                                                 strict=True)):
+            node.append(rs.ident.node)
+            grad.append(rs.heartbeat.grad_bytes)
+            if rs.forced:
+                forced.append(i)
+            if n >= dx.MIN_STEPS:
+                rs.stall_at_ms = dx.stall_threshold(None if step_ms != step_ms else step_ms)
+            rs.live = None  # rebuilt from the row when a view asks (_evaluated)
             rs.dirty = False
+        cols.node[rows] = node
+        cols.comm_bytes[rows] = grad
+        self._refresh_untimed(todo, rows, stats, forced)
 
-    def _recent_timings(self) -> list[dx.RankTiming]:
+    def _refresh_untimed(self, todo: list[RankState], rows: np.ndarray, stats: BlockStats,
+                         forced: list[int]) -> None:
+        """The untimed phases of the refreshed ranks, asked (`_untimed`) only of the ranks
+        that may have some: an expected phase seen on fewer than half their steps, or a
+        phase closed without its end hook."""
+        n = stats.steps
+        seen = np.stack([stats.seen[:, i] if (i := stats.index.get(p)) is not None
+                         else np.zeros(len(rows), dtype=np.int64)
+                         for p in dx.EXPECTED_PHASES], axis=1)
+        maybe = (n >= dx.MIN_STEPS) & (seen * 2 < n[:, None]).any(axis=1)
+        maybe[forced] = True
+        untimed = self.live_cols.untimed
+        if untimed:
+            refreshed = set(rows.tolist())
+            for rank in [r for r in untimed if r in refreshed]:
+                del untimed[rank]
+        for i in np.flatnonzero(maybe).tolist():
+            found = self._untimed(todo[i], int(n[i]), stats, i)
+            if found:
+                untimed[int(rows[i])] = found
+
+    def _recent_timings(self) -> Timings:
         """Every rank's newest few steps (dx.recent_steps), to see a straggler recover
         before the window does. A second pass over the block, so only a straggler rule
         that holds on the window asks for it."""
-        todo = [rs for rs in self.ranks.values() if rs.recent is None]
-        if todo:
-            lasts = [dx.recent_steps(rs.live.step_ms if rs.live is not None else None)
-                     for rs in todo]
-            stats = self.block.stats([rs.ident.rank for rs in todo], lasts)
-            for rs, timing in zip(todo, self._timings(todo, stats, live=False), strict=True):
-                rs.recent = timing
-        return [rs.recent for rs in self.ranks.values() if rs.recent is not None]
-
-    def _timings(self, ranks: list[RankState], stats: BlockStats, live: bool
-                 ) -> list[dx.RankTiming]:
-        """The diagnosis's view of each rank's statistics (medians, in ms); `live` adds
-        the untimed phases and the gradient bytes the live rules read."""
-        out = []
-        for row, (rs, steps, (step_ms, medians)) in enumerate(
-                zip(ranks, stats.steps.tolist(), stats.medians(), strict=True)):
-            ident = rs.ident
-            if live:
-                out.append(dx.RankTiming(ident.rank, steps, step_ms, medians, ident.host,
-                                         ident.node, self._untimed(rs, steps, stats, row),
-                                         rs.heartbeat.grad_bytes, rs.gpu))
-            else:
-                out.append(dx.RankTiming(ident.rank, steps, step_ms, medians, ident.host,
-                                         ident.node))
-        return out
+        cols = self.recent_cols
+        rows = np.fromiter(self.ranks, np.int64, len(self.ranks))
+        todo = rows[~cols.fresh[rows]]
+        if len(todo):
+            live = self.live_cols
+            typical = np.where(live.fresh[todo], live.step_ms[todo], np.nan)
+            cols.put(todo, self.block.stats(todo, dx.recent_steps_of(typical)))
+        return cols.table(rows, {}, {})
 
     def stall_findings(self) -> list[StallFinding]:
         """What each stalling rank's stall log says now (its typical step: the live one)."""
         out = []
+        cols = self.live_cols
         for rank in sorted(self.stall_book.stalling):
             rs = self.ranks.get(rank)
-            typical = rs.live.step_ms if rs is not None and rs.live is not None else None
+            typical = (float(cols.step_ms[rank]) if rs is not None and cols.fresh[rank]
+                       else None)
             found = (None if rs is None else
-                     self.stall_book.finding(rank, typical, rs.last_step))
+                     self.stall_book.finding(rank, None if typical != typical else typical,
+                                             rs.last_step))
             if found is not None:
                 out.append(found)
         return out
@@ -683,6 +725,20 @@ class RunState:
         hb = rs.heartbeat  # the agent's own counts say why a phase went unmeasured
         return dx.untimed_phases(seen, window, rs.forced, rs.steps, rs.auto,
                                  hb.capture_skips, hb.timing_faults)
+
+    def _hang_check(self, mono_now: float, med: float | None
+                    ) -> tuple[hang.HangReport | None, dict[int, str]]:
+        """The hang report (None: no hang) and the ranks whose steps are not visible. While
+        every running rank stepped recently (hang.stepping) neither can name anything,
+        and no rank's progress is built."""
+        stalled = [rs.since_step_at_msg_s + max(0.0, mono_now - rs.last_seen)
+                   for rs in self.ranks.values()
+                   if not rs.finished and rs.heartbeat.agent_off is None]
+        if hang.stepping(stalled, med, self.hang_after_s):
+            return None, {}
+        progress = self.progress(mono_now)
+        return (hang.detect(progress, med, self.hang_after_s),
+                hang.hidden_ranks(progress, med, self.hang_after_s))
 
     def progress(self, mono_now: float) -> list[hang.RankProgress]:
         out = []
@@ -707,14 +763,12 @@ class RunState:
     def evaluate(self, now: float, mono_now: float | None = None) -> dx.Diagnosis:
         """One live evaluation: hang check, then the diagnosis of the recent window, and
         the timeline. Without `mono_now` (offline use) there is no hang check."""
-        timings = [self._live_timing(rs) for rs in self.ranks.values()]
+        timings = self._live_table()
         before = self.live.shown if self.live else None
         report = None
         if mono_now is not None:
-            med = median([t.step_ms for t in timings if t.step_ms])
-            progress = self.progress(mono_now)
-            report = hang.detect(progress, med, self.hang_after_s)
-            self.hidden = hang.hidden_ranks(progress, med, self.hang_after_s)
+            step_ms = timings.step_ms
+            report, self.hidden = self._hang_check(mono_now, finite_median(step_ms[step_ms != 0]))
         steps = sum(rs.steps for rs in self.ranks.values())
         if self.hang is not None and steps == self.hang_steps and not self.hidden:
             # Latched: until a step completes somewhere, this is the same hang. Ranks that
@@ -810,17 +864,12 @@ class RunState:
             self.timeline[-1] = replace(self.timeline[-1], end=None, end_step=None)
         return True
 
-    def _add_history(self, now: float, timings: list[dx.RankTiming]) -> None:
-        steps, own = [], []
-        for t in timings:
-            if t.steps < dx.MIN_STEPS or t.step_ms is None:
-                continue
-            steps.append(t.step_ms)
-            vals = [v for p in LOCAL_PHASES if (v := t.phase_ms.get(p)) is not None]
-            if vals:
-                own.append(sum(vals))
-        if steps:
-            self.history.add(point(now - self.started_at, steps, own))
+    def _add_history(self, now: float, timings: Timings) -> None:
+        """The tick's point of the time chart, from the ranks past warm-up."""
+        past = timings.select((timings.steps >= dx.MIN_STEPS) & ~np.isnan(timings.step_ms))
+        if len(past):
+            own, has = past.group(LOCAL_PHASES)
+            self.history.add(point(now - self.started_at, past.step_ms, own[has]))
 
     def _count_cost(self, shown: dx.Diagnosis) -> None:
         """What the shown problem cost in the steps taken since the last evaluation (step
@@ -1041,7 +1090,7 @@ class RunState:
         """Every reporting rank's whole window in one pass per series, and the phases each
         could not time over it (rank -> untimed)."""
         reported = list(self.ranks.values())
-        stats = self.block.stats([rs.ident.rank for rs in reported], None)
+        stats = whole_window_stats(self.block, [rs.ident.rank for rs in reported])
         untimed = {rs.ident.rank: self._untimed(rs, steps, stats, row)
                    for row, (rs, steps) in enumerate(zip(reported, stats.steps.tolist(),
                                                          strict=True))}
