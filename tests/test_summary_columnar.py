@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from traceml_tui.judge.windows import WindowBlock, whole_window_stats
 from traceml_tui.report import summary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +56,7 @@ def _run(pythonpath: str | None) -> dict[str, list[str]]:
         env["PYTHONPATH"] = pythonpath
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                           env=env, cwd=pythonpath or ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stderr[-4000:]
     out: dict[str, list[str]] = json.loads(proc.stdout)
     return out
 
@@ -95,3 +96,29 @@ def test_rounded_is_pythons_round(nd: int) -> None:
     got = summary.rounded(values, nd)
     want = [[None if v != v else round(v, nd) for v in row] for row in values.tolist()]
     assert json.dumps(got) == json.dumps(want)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_whole_window_stats_is_block_stats(seed: int) -> None:
+    """The snapshot file's whole-window pass gives WindowBlock.stats's figures to the bit:
+    windows filling or full, the same or different counts, phases measured on every step,
+    on some or never, ranks not reporting."""
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        size, world = int(rng.integers(1, 40)), int(rng.integers(1, 12))
+        block = WindowBlock(world, size)
+        same = rng.random() < 0.5  # every rank the same number of steps
+        steps = int(rng.integers(0, 3 * size))
+        partial = float(rng.choice([0.0, 0.3]))
+        for rank in range(world):
+            if not same and rng.random() < 0.2:
+                continue
+            for step in range(steps if same else int(rng.integers(0, 3 * size))):
+                values = [None if rng.random() < p else float(rng.integers(0, 5))
+                          for p in (0.0, partial, 1.0 if rank % 2 else 0.0)]
+                block.append(rank, float(rng.integers(0, 9)), ("a", "b", "c"), values, step)
+        ranks = [x for x in range(world) if rng.random() < 0.8]
+        fast, slow = whole_window_stats(block, ranks), block.stats(ranks, None)
+        assert fast.index == slow.index
+        for name in ("steps", "median", "p95", "seen"):
+            assert np.array_equal(getattr(fast, name), getattr(slow, name), equal_nan=True), name

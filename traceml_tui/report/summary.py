@@ -124,7 +124,7 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
     duration_s = (meta.ended_at or snap.now) - snap.started_at
     ranks = []
     quantiles = _rank_quantiles(snap)
-    for r in snap.ranks:
+    for r, sys in zip(snap.ranks, _sys_rows(snap), strict=True):
         step_median, step_q, phase_q = quantiles(r.rank)
         ranks.append({
             "rank": r.rank, "local_rank": r.local_rank, "node": r.node, "host": r.host,
@@ -132,8 +132,7 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
             "steps": r.steps, "window_steps": r.window_steps,
             "step_ms": step_q, "phase_ms": phase_q,
             "throughput": _throughput(step_median, snap.batch_sizes.get(r.rank)),
-            "sys": {k: _round(v, 2) if isinstance(v, float) else v  # GPU note, throttle
-                    for k, v in (r.sys.sample() if r.sys else {}).items() if k != "device"},
+            "sys": sys,
             "exit_code": r.exit_code, "error": r.error, "dropped_records": r.dropped,
             "progress": {"collectives": r.heartbeat.collectives, "phase": r.heartbeat.phase,
                          "in_collective": r.heartbeat.in_collective, "since_step_s": _round(
@@ -265,23 +264,54 @@ def _relays(snap: Snapshot) -> dict[str, Any] | None:
 def _comm(snap: Snapshot) -> dict[str, Any]:
     """The job's collective wait: the median rank's share of its step in sync, and per
     rank the achieved all-reduce bus bandwidth over its exposed sync time (where DDP's
-    gradient bytes are known). docs/network.md explains the figures."""
-    shares, per_rank = [], []
-    for r in snap.ranks:
-        if not r.reported or r.step_ms is None:
-            continue
-        sync = r.phase_ms.get(SYNC)
-        sync_ms = None if sync is None else sync.median
-        if sync_ms is not None and r.step_ms.median > 0:
-            shares.append(sync_ms / r.step_ms.median)
-        gbps = dx.bus_gbps(r.heartbeat.grad_bytes, sync_ms or 0.0, snap.world_size)
-        per_rank.append({"rank": r.rank, "sync_ms": _round(sync_ms),
-                         "bytes_per_step": r.heartbeat.grad_bytes or None,
-                         "busbw_gbps": _round(gbps)})
+    gradient bytes are known). docs/network.md explains the figures. From the whole
+    window's columns: the ranks with a measured step."""
+    whole = snap.whole
+    listed = [] if whole is None else [
+        (r, row) for r in snap.ranks
+        if r.reported and (row := whole.rows.get(r.rank)) is not None
+        and whole.medians[row][0] == whole.medians[row][0]]  # not NaN
+    shares: list[float] = []
+    per_rank = []
+    if whole is not None and listed:
+        at = np.array([row for _, row in listed], dtype=np.int64)
+        step = whole.median[at, 0]
+        sync = (whole.median[at, whole.phases.index(SYNC) + 1] if SYNC in whole.phases
+                else np.full(len(at), np.nan))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            shares = (sync / step)[~np.isnan(sync) & (step > 0)].tolist()
+        for (r, _), sync_ms, shown in zip(listed, sync.tolist(), rounded(sync), strict=True):
+            nbytes = r.heartbeat.grad_bytes
+            gbps = (dx.bus_gbps(nbytes, 0.0 if sync_ms != sync_ms else sync_ms,
+                                snap.world_size) if nbytes else None)
+            per_rank.append({"rank": r.rank, "sync_ms": shown, "bytes_per_step": nbytes or None,
+                             "busbw_gbps": _round(gbps)})
     rates = [x["busbw_gbps"] for x in per_rank if x["busbw_gbps"] is not None]
     return {"sync_share": _round(median(shares)) if shares else None,
             "busbw_gbps": _round(median(rates)) if rates else None,
             "preflight_busbw_gbps": snap.preflight_busbw, "ranks": per_rank}
+
+
+def _sys_rows(snap: Snapshot) -> list[dict[str, Any]]:
+    """Each rank's latest system sample as its summary row has it (Sys.sample: its
+    figures by name; floats to 2 places; not the device, the row has it), by column."""
+    samples = [r.sys for r in snap.ranks]
+    first = next((x for x in samples if x is not None), None)
+    names = [] if first is None else [n for n in first.sample() if n != "device"]
+    if not names:
+        return [{} for _ in samples]
+    columns = []
+    for name in names:
+        values = [None if x is None else getattr(x, name) for x in samples]
+        kinds = set(map(type, values))
+        if float in kinds:
+            if kinds <= {float, type(None)}:
+                values = rounded(np.array(values, dtype=float), 2)  # None: NaN, then None
+            else:
+                values = [_round(v, 2) if isinstance(v, float) else v for v in values]
+        columns.append(values)
+    return [{} if x is None else dict(zip(names, row, strict=True))
+            for x, row in zip(samples, zip(*columns, strict=True), strict=True)]
 
 
 # A step shorter than a microsecond is not a measurement: no rate from it (1000 / 5e-324
