@@ -102,6 +102,11 @@ Epoch = Annotated[float, Meta(ge=0.0, le=1e11)]
 Megabytes = Annotated[float, Meta(ge=0.0, le=1e9)]
 Short = Annotated[str, Meta(max_length=64)]
 Line = Annotated[str, Meta(max_length=MAX_STR)]
+# A field flagged so (Annotated[..., SUMMARIZED]) is copied, under its name, into its
+# rank's row of final_summary.json: report/model.py declares the row's field from the
+# flag, after the row's own fields, in this Struct's order (issue 31: a field a rank
+# sends reaches the summary with no edit on the collector's side).
+SUMMARIZED = Meta(extra={"summary": True})
 EnvValue = Annotated[str, Meta(max_length=1024)]
 Tiny = Annotated[str, Meta(max_length=16)]
 ThreadName = Annotated[str, Meta(max_length=128)]
@@ -293,10 +298,10 @@ class Heartbeat(_Wire, tag="heartbeat", kw_only=True, frozen=True):
     # agent itself busy, e.g. "deep trace stopping" while the profiler stops; and the rule
     # that chose the timing device, e.g. "current device (parameters on CPU: offload)"
     # (agent state, like agent_off: sys carries the device, the heartbeat why that one).
-    replays: Count = 0
-    batches: Count = 0
-    timing_faults: Count = 0
-    capture_skips: Count = 0
+    replays: Annotated[Count, SUMMARIZED] = 0
+    batches: Annotated[Count, SUMMARIZED] = 0
+    timing_faults: Annotated[Count, SUMMARIZED] = 0
+    capture_skips: Annotated[Count, SUMMARIZED] = 0
     agent_busy: Line | None = None
     device_rule: Line | None = None
 

@@ -176,8 +176,8 @@ class WholeWindow:
 
     @classmethod
     def of(cls, ranks: list[int], phases: tuple[str, ...], stats: BlockStats) -> WholeWindow:
-        nan = stats.median.shape[1]  # a NaN column for phases the block never measured
-        cols = [0] + [stats.index.get(p, nan) for p in phases]
+        nan = int(stats.median.shape[1])  # a NaN column for phases never measured
+        cols = np.array([0] + [stats.index.get(p, nan) for p in phases], dtype=np.int64)
         pad = np.full((len(ranks), 1), np.nan)
         median = np.concatenate([stats.median, pad], axis=1)[:, cols]
         p95 = np.concatenate([stats.p95, pad], axis=1)[:, cols]

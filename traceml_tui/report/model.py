@@ -15,12 +15,14 @@ their writers define them and no reader needs them typed.
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
+from traceml_agent.protocol import Heartbeat
 from traceml_agent.sanitize import clean_line
 from traceml_agent.vocab import INFO
 
@@ -110,7 +112,9 @@ class Throughput(_S, kw_only=True):
     ranks: int | UnsetType = UNSET  # the job's: ranks with a rate
 
 
-class Rank(_S, kw_only=True):
+class RankBase(_S, kw_only=True):
+    """A rank's row, less what its heartbeat says that the row repeats (`Rank`)."""
+
     rank: int
     local_rank: int = 0
     node: int = 0
@@ -134,10 +138,31 @@ class Rank(_S, kw_only=True):
     device_rule: str | None = None
     steps_hidden: str | None = None
     agent_busy: str | None = None
-    replays: int = 0
-    batches: int = 0
-    timing_faults: int = 0
-    capture_skips: int = 0
+
+
+def summarized(wire: type[Struct]) -> list[tuple[str, Any, Any]]:
+    """A wire Struct's fields flagged protocol.SUMMARIZED, in its order, as (name, plain
+    type, default): the summary's row reads them without the wire's bounds."""
+    annotated = typing.get_type_hints(wire, include_extras=True)
+    plain = typing.get_type_hints(wire)
+    out = []
+    for f in msgspec.structs.fields(wire):
+        if any(isinstance(m, msgspec.Meta) and (m.extra or {}).get("summary")
+               for m in getattr(annotated[f.name], "__metadata__", ())):
+            default = (f.default if f.default is not msgspec.NODEFAULT
+                       else msgspec.field(default_factory=f.default_factory))
+            out.append((f.name, plain[f.name], default))
+    return out
+
+
+# What a rank's heartbeat counts and its row repeats (graph replays, batches, timing
+# faults, capture skips...): declared once, on protocol.Heartbeat, and copied by name.
+HEARTBEAT_FIELDS = summarized(Heartbeat)
+if TYPE_CHECKING:
+    Rank = RankBase
+else:
+    Rank = msgspec.defstruct("Rank", HEARTBEAT_FIELDS, bases=(RankBase,), kw_only=True,
+                             module=__name__)
 
 
 class Episode(_S, kw_only=True):

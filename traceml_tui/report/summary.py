@@ -124,6 +124,7 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
     duration_s = (meta.ended_at or snap.now) - snap.started_at
     ranks = []
     quantiles = _rank_quantiles(snap)
+    heartbeat_fields = [name for name, _, _ in model.HEARTBEAT_FIELDS]  # the row's last
     for r, sys in zip(snap.ranks, _sys_rows(snap), strict=True):
         step_median, step_q, phase_q = quantiles(r.rank)
         ranks.append({
@@ -141,9 +142,7 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
             "agent_off": r.heartbeat.agent_off,
             "bad_records": r.bad_records, "device_rule": r.heartbeat.device_rule,
             "steps_hidden": r.steps_hidden, "agent_busy": r.heartbeat.agent_busy,
-            "replays": r.heartbeat.replays, "batches": r.heartbeat.batches,
-            "timing_faults": r.heartbeat.timing_faults,
-            "capture_skips": r.heartbeat.capture_skips,
+            **{name: getattr(r.heartbeat, name) for name in heartbeat_fields},
         })
     return {
         "schema_version": SCHEMA_VERSION,
