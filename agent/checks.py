@@ -460,6 +460,9 @@ class StepObserver:
       on_loader_batch(it)   after every DataLoader __next__, with the iterator
       on_backward()         every backward pass that reaches the model's parameters
       on_optimizer_step()   after every optimizer.step(), of any optimizer
+    The hooks write on_loader_batch and on_backward out inline (a Python call each saved
+    per step, ~1k instructions): they set `last_iter`, and count `synced` while `sync_src`
+    (a DDP module) is set, exactly as those methods do.
     The sender thread calls drain() for new findings and take_facts() for the values
     the collector compares across ranks.
 
@@ -469,8 +472,8 @@ class StepObserver:
     """
 
     __slots__ = ("rank", "world_size", "error", "_off", "_findings", "_fired", "_models",
-                 "_ddp", "_sync_src", "_last_iter", "_train_pass", "_samplers", "_batch",
-                 "_bn_checked", "_synced", "_accum_strikes", "_accum_max", "_unused_steps",
+                 "_ddp", "sync_src", "last_iter", "_train_pass", "_samplers", "_batch",
+                 "_bn_checked", "synced", "_accum_strikes", "_accum_max", "_unused_steps",
                  "_checksums", "_in_flight", "_device", "_stepped", "_facts_sent")
 
     def __init__(self, rank: int, world_size: int) -> None:
@@ -482,8 +485,8 @@ class StepObserver:
         self._fired: set[str] = set()
         self._models: list[Any] = []
         self._ddp: Any = None
-        self._sync_src: Any = None  # the DDP module on_backward reads; None once judged
-        self._last_iter: Any = None  # the iterator of the last batch, until the step ends
+        self.sync_src: Any = None  # the DDP module on_backward reads; None once judged
+        self.last_iter: Any = None  # the iterator of the last batch, until the step ends
         self._train_pass: Callable[[], Any] = _dead  # ref to the training pass's _sampler_iter
         # Per sampler seen feeding steps, by id(): (ref to the sampler, ref to its current
         # pass, epoch at that pass, passes). Weak where possible, so a dataset the user
@@ -491,7 +494,7 @@ class StepObserver:
         self._samplers: dict[int, tuple[Callable[[], Any], Callable[[], Any], int, int]] = {}
         self._batch: int | None = None
         self._bn_checked = False
-        self._synced = 0  # synchronized backward passes since the last optimizer step
+        self.synced = 0  # synchronized backward passes since the last optimizer step
         self._accum_strikes = 0  # steps in a row with several synchronized backwards
         self._accum_max = 0
         self._unused_steps = -1  # steps of DDP unused-parameter evidence; -1: not checking
@@ -515,7 +518,7 @@ class StepObserver:
             for f in inspect_model(module, self.world_size, self.rank):
                 self._emit(f)
             if self._ddp is None and _is_ddp(module):
-                self._ddp = self._sync_src = module
+                self._ddp = self.sync_src = module
                 if module.find_unused_parameters and not module.static_graph:
                     self._unused_steps = 0
             pending = _PendingChecksum.start(module)
@@ -531,18 +534,18 @@ class StepObserver:
 
     def on_loader_batch(self, iterator: Any) -> None:
         """After each DataLoader __next__: remember which iterator fed the step."""
-        self._last_iter = iterator
+        self.last_iter = iterator
 
     def on_backward(self) -> None:
         """Each backward pass. DDP decides at *forward* time whether the next backward
         allreduces: it sets `require_forward_param_sync` from `require_backward_grad_sync`
         (False inside no_sync()). Reading the forward-time flag also catches a forward run
         outside no_sync() with only the backward inside, which still synchronizes."""
-        ddp = self._sync_src
+        ddp = self.sync_src
         if ddp is not None:
             try:
                 if ddp.require_forward_param_sync:
-                    self._synced += 1
+                    self.synced += 1
             except Exception as exc:
                 self._fail(exc)
 
@@ -552,15 +555,16 @@ class StepObserver:
             return
         self._stepped = True
         try:
-            it = self._last_iter
+            it = self.last_iter
             if it is not None:
-                self._last_iter = None  # hold no iterator (and its workers) past the step
+                self.last_iter = None  # hold no iterator (and its workers) past the step
                 if it._sampler_iter is not self._train_pass():
                     self._new_training_pass(it)
-            synced = self._synced
+            synced = self.synced
             if synced:
-                self._synced = 0
-                self._judge_accumulation(synced)
+                self.synced = 0
+                if synced > 1 or self._accum_strikes:  # one per step: nothing to judge
+                    self._judge_accumulation(synced)
             if self._unused_steps >= 0:
                 self._check_unused_parameters()
             if self._in_flight:  # GPU copies only: a CPU checksum is known at once
@@ -649,7 +653,7 @@ class StepObserver:
         self._accum_max = max(self._accum_max, synced)
         if self._accum_strikes >= ACCUMULATION_CONFIRM_STEPS:
             per_step = self._accum_max
-            self._sync_src = None  # said once: stop counting
+            self.sync_src = None  # said once: stop counting
             self._emit(finding(ACCUMULATION_WITHOUT_NO_SYNC, (self.rank,),
                                f"{per_step} backward passes per optimizer step each allreduced "
                                f"all gradients ({self._accum_strikes} steps in a row): "
@@ -683,7 +687,7 @@ class StepObserver:
         """An observer bug must not become the user's problem: stop observing."""
         self.error = exc
         self._off = True
-        self._ddp = self._sync_src = None
+        self._ddp = self.sync_src = None
         self._unused_steps = -1
 
 

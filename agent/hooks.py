@@ -56,6 +56,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from threading import get_ident as _get_ident
+from time import perf_counter_ns
 from typing import Any
 
 from . import device, recorder
@@ -74,6 +75,13 @@ _obs: StepObserver | None = None  # the setup checks (checks.py), fed by the sam
 _on_error: Callable[[BaseException], None] = print  # replaced by install()
 _queue_callback: Callable[[Callable[[], None]], None] = print  # autograd's, bound at install
 _is_compiling: Callable[[], bool] = bool  # torch.compiler.is_compiling, bound at install
+# The hottest wrappers' cheaper form of it, bound at install: `_dynamo_compiling() or
+# _compile_flags._is_compiling_flag`. torch.compiler.is_compiling() is that flag behind a
+# torch.jit.is_scripting() call (two Python calls in eager); is_dynamo_compiling() is one
+# call that returns False in eager, and Dynamo folds it to True when it traces the wrapper
+# (so the flag is never read then); the flag is what export and a compile session set.
+_dynamo_compiling: Callable[[], bool] = bool
+_compile_flags: Any = None
 _in_autograd: Callable[[], bool] = bool  # this thread runs a backward (bound at install)
 # Nothing compiles before torch._dynamo is imported (torch.compile and torch.export do
 # it), so the hottest wrappers ask is_compiling() (two Python calls) only after that.
@@ -97,12 +105,13 @@ def install(rec: Recorder, torch: Any, on_error: Callable[[BaseException], None]
             observer: StepObserver | None = None) -> None:
     global _rec, _on_error, _learning, _step_optimizer, _obs, _is_compiling
     global _finish_pending, _depth, _learning_forwards, _scaler_mark
-    global _in_autograd
+    global _in_autograd, _dynamo_compiling, _compile_flags
     _rec, _on_error, _obs = rec, on_error, observer
     _learning, _step_optimizer, _finish_pending = True, None, False
     _scaler_mark = rec.step
     _depth = _learning_forwards = 0
     _is_compiling = _compiling_probe(torch)
+    _dynamo_compiling, _compile_flags = _dynamo_probe(torch, _is_compiling)
     _in_autograd = _autograd_probe(torch)
     _roots.clear()
     _grad_order.clear()
@@ -159,6 +168,21 @@ def _compiling_probe(torch: Any) -> Callable[[], bool]:
     compiler = getattr(torch, "compiler", None)
     probe = getattr(compiler, "is_compiling", None)
     return probe if callable(probe) else bool
+
+
+class _NoFlags:
+    _is_compiling_flag = False
+
+
+def _dynamo_probe(torch: Any, is_compiling: Callable[[], bool]) -> tuple[Callable[[], bool],
+                                                                       Any]:
+    """(is_dynamo_compiling, the module holding _is_compiling_flag), or (is_compiling, a
+    flag that is always False) on a torch without them."""
+    compiler = getattr(torch, "compiler", None)
+    dynamo = getattr(compiler, "is_dynamo_compiling", None)
+    if callable(dynamo) and isinstance(getattr(compiler, "_is_compiling_flag", None), bool):
+        return dynamo, compiler
+    return is_compiling, _NoFlags
 
 
 def _admit(rec: Recorder, idx: int) -> bool:
@@ -245,8 +269,8 @@ def _patch_dataloader(torch: Any) -> None:
             except Exception as exc:
                 _fail(exc)
         obs = _obs
-        if obs is not None:
-            obs.on_loader_batch(self)
+        if obs is not None:  # obs.on_loader_batch(self), written out (once per batch)
+            obs.last_iter = self
         return batch
 
     _setattr(cls, "__next__", __next__)
@@ -270,8 +294,8 @@ def _background_next(rec: Recorder, it: Any, original: Callable[[Any], Any]) -> 
         except Exception as exc:
             _fail(exc)
     obs = _obs
-    if obs is not None:
-        obs.on_loader_batch(it)
+    if obs is not None:  # obs.on_loader_batch(it)
+        obs.last_iter = it
     return batch
 
 
@@ -432,7 +456,8 @@ def _wrap_call(cls: type) -> None:
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         # _timed written out: this runs for every root call, the hottest wrapper.
         rec = _rec
-        if rec is None or (_DYNAMO in _modules and _is_compiling()):
+        if rec is None or (_DYNAMO in _modules and (_dynamo_compiling()
+                                                    or _compile_flags._is_compiling_flag)):
             return original(self, *args, **kwargs)
         if rec.check_threads and _get_ident() != rec.thread and not _admit(rec, FORWARD):
             return original(self, *args, **kwargs)
@@ -485,13 +510,26 @@ def _grads_ready() -> None:
             _fail(exc)
 
 
+def _host_ready() -> None:
+    """`_grads_ready` for a recorder on the host clock: its grads_ready() written out (a
+    slot store of an int, which cannot raise into autograd's final callback)."""
+    rec = _rec
+    if rec is not None:
+        rec.t_ready = perf_counter_ns()
+
+
 def _on_first_grad(param: Any) -> None:
     try:
-        if _obs is not None:  # once per backward that reaches the model's parameters
-            _obs.on_backward()
+        obs = _obs  # once per backward that reaches the model's parameters
+        if obs is not None and obs.sync_src is not None:  # obs.on_backward(), written out
+            try:
+                if obs.sync_src.require_forward_param_sync:
+                    obs.synced += 1
+            except Exception as exc:  # the observer's own failure: it turns itself off
+                obs._fail(exc)
         rec = _rec
         if rec is not None and rec.active == BACKWARD:
-            _queue_callback(_grads_ready)
+            _queue_callback(_host_ready if rec.HOST_READY else _grads_ready)
     except Exception as exc:
         _fail(exc)
 
@@ -505,7 +543,8 @@ def _patch_backward(torch: Any) -> None:
 
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         rec = _rec
-        if rec is None or (_DYNAMO in _modules and _is_compiling()):  # never traced
+        if rec is None or (_DYNAMO in _modules and (_dynamo_compiling()  # never traced
+                                                    or _compile_flags._is_compiling_flag)):
             return original(tensors, *args, **kwargs)
         if rec.check_threads and _get_ident() != rec.thread and not _admit(rec, BACKWARD):
             return original(tensors, *args, **kwargs)
@@ -553,16 +592,17 @@ def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
             and not _admit(rec, OPTIMIZER):
         return
     try:
-        rec.end(optimizer)
-        if _obs is not None:  # every optimizer: a GAN's two each judge their backward
-            _obs.on_optimizer_step()
         if _step_optimizer is None:
             _step_optimizer = optimizer
-            _add_device_source(optimizer)
+            _add_device_source(optimizer)  # before the close: a lazy recorder reads it there
         if optimizer is _step_optimizer and not rec.explicit_steps:
-            rec.close_step()
+            rec.end_step(optimizer)  # end(optimizer), then close_step(), in one call
             if _learning:
                 _schedule_finish()
+        else:
+            rec.end(optimizer)
+        if _obs is not None:  # every optimizer: a GAN's two each judge their backward
+            _obs.on_optimizer_step()
     except Exception as exc:
         _fail(exc)
 

@@ -99,6 +99,9 @@ class Recorder:
     """Host-clock recorder, used on CPU jobs."""
 
     DEFERRED = False  # steps are appended as they close (CudaRecorder parks them)
+    # grads_ready() only stores perf_counter_ns() in t_ready: hooks.py's final callback
+    # does that itself (a Python call saved per backward). CudaRecorder records an event.
+    HOST_READY = True
 
     __slots__ = (
         "out",
@@ -486,6 +489,41 @@ class Recorder:
         if listener is not None:
             listener()
 
+    def end_step(self, owner: Any) -> None:
+        """`end(owner)` then `close_step()`: the stepping optimizer's post hook, once a step.
+        Written out for the common case (the optimizer is the only open phase, no
+        background loader): one Python call and one clock read where the two took two
+        each. Anything else, and the device recorders, take the composed path."""
+        stack = self.stack
+        if owner is not self.owner or len(stack) != 1 or self.bg_loader:
+            self._end_step_composed(owner)
+            return
+        t = perf_counter_ns()
+        acc = self.acc
+        active = self.active
+        prev = acc[active]
+        acc[active] = t - self.t_mark if prev is None else prev + t - self.t_mark
+        stack.pop()
+        self.active, self.owner = NO_PHASE, None
+        self.t_mark = t
+        if self.coll:  # before the record: a sender that has the record has its table
+            self.coll_out.append(self.coll)
+            self.coll = {}
+        start = self.step_start or t
+        self.out.append((self.step, t, t - start, acc))
+        self.step += 1
+        self.step_start = t
+        self.last_step_t = t
+        self.last_wall = t - start
+        self.acc = [None] * len(self.names)
+        listener = self.step_listener
+        if listener is not None:
+            listener()
+
+    def _end_step_composed(self, owner: Any) -> None:
+        self.end(owner)
+        self.close_step()
+
     def _close_stale(self, t: int) -> None:
         """A phase open since before the previous boundary lost its end hook."""
         stack, step = self.stack, self.step
@@ -578,8 +616,10 @@ class CudaRecorder(Recorder):
                  "stream")
     DEVICE_PHASES = frozenset(MEASURED.index(p) for p in vocab.DEVICE_PHASES)
     DEFERRED = True
+    HOST_READY = False
     begin = Recorder._begin_composed
     end = Recorder._end_composed
+    end_step = Recorder._end_step_composed
 
     def __init__(self, out: deque, torch_module: Any, max_pending: int = 64,
                  device: int | None = None) -> None:
@@ -847,7 +887,9 @@ class LazyCudaRecorder(CudaRecorder):
     _push = Recorder._push
     _resume = Recorder._resume
     _emit = Recorder._emit
+    end_step = Recorder._end_step_composed  # its close_step learns the device
     DEFERRED = False
+    HOST_READY = True
 
     def close_step(self) -> None:
         Recorder.close_step(self)

@@ -133,10 +133,11 @@ def test_internal_error_turns_the_agent_off_once_and_training_continues(collecto
     stderr = io.StringIO()
     monkeypatch.setattr(sys, "stderr", stderr)
 
-    def broken(self):
+    def broken(self, *args):
         raise RuntimeError("agent bug")
 
-    monkeypatch.setattr(type(traceml_agent._state["rec"]), "close_step", broken)
+    for name in ("close_step", "end_step"):  # end_step: the step close written out
+        monkeypatch.setattr(type(traceml_agent._state["rec"]), name, broken)
     _train(steps=5)  # must not raise
     assert not traceml_agent.enabled()
     assert torch.autograd.backward is original_backward  # hooks uninstalled
