@@ -20,8 +20,10 @@ That saving is then checked against what the others are measured to pay: their e
 collective wait (sync) beyond the culprit's own. Extra work that overlaps communication
 is paid by nobody, and the estimate says so instead of promising it.
 
-Each costed label has its pricing function in `PRICING` (at the end, below the functions);
-its keys are the labels with a what-if (`COSTED_LABELS`).
+Each model of what a culprit costs is a pricing function in `MODELS` (at the end, below
+the functions), by name; a rule of diagnosis.RULES names the model its label is priced by,
+so `PRICING` (label -> function) and the labels with a what-if (`COSTED_LABELS`) derive
+from the rules: a new label priced by an existing model is its word and its rule.
 """
 
 from __future__ import annotations
@@ -32,20 +34,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from traceml_agent.vocab import (
-    COMPUTE_PHASES,
-    COMPUTE_STRAGGLER,
-    INPUT_BOUND,
-    INPUT_PHASES,
-    INPUT_STRAGGLER,
-    PERIODIC_STALL,
-    STRAGGLER,
-    SYNC,
-    WAIT,
-    WAIT_HEAVY,
-)
+from traceml_agent.vocab import COMPUTE_PHASES, INPUT_PHASES, SYNC, WAIT
 
-from .diagnosis import FSDP_COMPUTE_PHASES, STALL_FACTOR, STALL_MIN_MS, Diagnosis
+from .diagnosis import (
+    FSDP_COMPUTE_PHASES,
+    PRICED,
+    STALL_FACTOR,
+    STALL_MIN_MS,
+    Diagnosis,
+    compared_phases,
+)
 from .windows import AlignedSteps, nan_medians
 
 # Rank-steps the model reads at most per estimate: a what-if over 1,024 ranks' whole
@@ -219,18 +217,13 @@ def _compute(fsdp: bool) -> tuple[str, ...]:
     return FSDP_COMPUTE_PHASES if fsdp else COMPUTE_PHASES
 
 
-_GROUP = {INPUT_STRAGGLER: lambda fsdp: INPUT_PHASES,
-          COMPUTE_STRAGGLER: _compute,
-          STRAGGLER: lambda fsdp: INPUT_PHASES + _compute(fsdp)}
-
-
 def _straggler(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray
                ) -> Savings | None:
     culprits = d.node_ranks if d.node is not None else (d.rank,)
     mask = np.isin(data.ranks, np.asarray(culprits, dtype=np.int64))
     if not mask.any() or mask.all():
         return None
-    group = _GROUP[d.label](fsdp)
+    group = compared_phases(d, fsdp)
     local = _group(data, INPUT_PHASES + _compute(fsdp))
     gap = _group(data, group)
     if local is None or gap is None:
@@ -324,16 +317,17 @@ def _stalls(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray) -> Sa
                    f"{who} made asynchronous")
 
 
-# How each costed label is priced: its culprit taken away, step by step. The costed labels
-# are its keys; the others (balanced, comm-bound, hang, timing incomplete, warm-up) have
-# no culprit whose work could be taken away, and no what-if.
+# The models of what a culprit costs, by the name a rule gives (diagnosis.Rule.pricing):
+# its culprit taken away, step by step. A straggler (a rank or a node, its gap in the
+# phases it was compared on), input on every rank, residual wait on every rank, stalls.
 Pricing = Callable[[Diagnosis, AlignedSteps, bool, np.ndarray], Savings | None]
-PRICING: Mapping[str, Pricing] = {
-    INPUT_STRAGGLER: _straggler,
-    COMPUTE_STRAGGLER: _straggler,
-    STRAGGLER: _straggler,
-    INPUT_BOUND: _input_bound,
-    WAIT_HEAVY: _wait_heavy,
-    PERIODIC_STALL: _stalls,
+MODELS: Mapping[str, Pricing] = {
+    "straggler": _straggler,
+    "fleet_input": _input_bound,
+    "residual_wait": _wait_heavy,
+    "stalls": _stalls,
 }
+# How each costed label is priced; the others (balanced, comm-bound, hang, timing
+# incomplete, warm-up) have no culprit whose work could be taken away, and no what-if.
+PRICING: Mapping[str, Pricing] = {label: MODELS[model] for label, model in PRICED.items()}
 COSTED_LABELS = frozenset(PRICING)

@@ -254,6 +254,9 @@ class Diagnosis:
     node_ranks: tuple[int, ...] = ()
     # PERIODIC STALL: the steps between the stalls (cost.py spreads their excess over them).
     period: int | None = None
+    # The phases it compared across ranks (a straggler's group: cost.py prices its gap
+    # there); empty for labels judged on something else. Not part of the JSON.
+    phases: tuple[str, ...] = ()
 
     @property
     def subject(self) -> tuple[str, str, int | None]:
@@ -343,6 +346,16 @@ def _share(t: Timings, phases: Sequence[str]) -> float:
 # gradient reduce-scatters): a rank waiting there for a straggler looks slower in forward
 # than the straggler itself. Only phases without collectives are compared across ranks.
 FSDP_COMPUTE_PHASES = (OPTIMIZER,)
+
+
+def compared_phases(d: Diagnosis, fsdp: bool) -> tuple[str, ...]:
+    """The phases a straggler verdict compared: its own `phases`, or for one made
+    without them (by hand, in a table test) its label's group."""
+    if d.phases:
+        return d.phases
+    compute = FSDP_COMPUTE_PHASES if fsdp else COMPUTE_PHASES
+    return {INPUT_STRAGGLER: INPUT_PHASES, COMPUTE_STRAGGLER: compute,
+            STRAGGLER: INPUT_PHASES + compute}.get(d.label, ())
 
 
 Recent = Table | Callable[[], Table] | None
@@ -504,10 +517,13 @@ def _balanced(w: WindowStats) -> Diagnosis | None:
 
 
 class Rule(NamedTuple):
-    """A label and the rule that gives it."""
+    """A label, the rule that gives it, and how its culprit is priced: the name of one of
+    cost.py's models of what the job would gain without it (cost.MODELS), None for a
+    label with no culprit to take away (and no what-if)."""
 
     label: str
     judge: Callable[[WindowStats], Diagnosis | None]
+    pricing: str | None = None
 
 
 # Priority is position: the first rule that answers gives the label (docs/diagnosis.md,
@@ -518,16 +534,18 @@ class Rule(NamedTuple):
 # here: it is judged from progress, not from a window (hang.py).
 RULES: tuple[Rule, ...] = (
     Rule(WARMUP, _warmup),
-    Rule(STRAGGLER, _straggler_in_both),
-    Rule(INPUT_STRAGGLER, _input_straggler),
-    Rule(COMPUTE_STRAGGLER, _compute_straggler),
-    Rule(INPUT_BOUND, _input_bound),
-    Rule(PERIODIC_STALL, _periodic_stall),
+    Rule(STRAGGLER, _straggler_in_both, "straggler"),
+    Rule(INPUT_STRAGGLER, _input_straggler, "straggler"),
+    Rule(COMPUTE_STRAGGLER, _compute_straggler, "straggler"),
+    Rule(INPUT_BOUND, _input_bound, "fleet_input"),
+    Rule(PERIODIC_STALL, _periodic_stall, "stalls"),
     Rule(TIMING_INCOMPLETE, _timing_incomplete),
     Rule(COMM_BOUND, _comm_bound),
-    Rule(WAIT_HEAVY, _wait_heavy),
+    Rule(WAIT_HEAVY, _wait_heavy, "residual_wait"),
     Rule(BALANCED, _balanced),
 )
+# label -> its pricing model, for the labels with a what-if.
+PRICED: Mapping[str, str] = {r.label: r.pricing for r in RULES if r.pricing is not None}
 
 
 def diagnose(ranks: Table, active: str | None = None,
@@ -693,7 +711,7 @@ def _straggler(label: str, rank: int, phase: str | None, gap: float, share: floa
             f"Every rank on node {node} (ranks {listed}{on_host}) spends about {gap:.1f} ms "
             f"more{where} than the median rank, {share:.0%} of the {step_ms:.1f} ms step that "
             f"every rank waits for: {gpus + '; ' if gpus else ''}{_NODE_ADVICE[label]}.",
-            gap_ms=gap, gap_share=share, node=node, node_ranks=members)
+            gap_ms=gap, gap_share=share, node=node, node_ranks=members, phases=tuple(phases))
     on_host = f" (host {host})" if host else ""
     health = gpu_evidence(ranks, rank) if label == COMPUTE_STRAGGLER else None
     advice = _ADVICE[label]
@@ -704,7 +722,7 @@ def _straggler(label: str, rank: int, phase: str | None, gap: float, share: floa
         label, rank, phase, severity,
         f"Rank {rank}{on_host} spends {gap:.1f} ms more{where} than the median rank, "
         f"{share:.0%} of the {step_ms:.1f} ms step that every rank waits for: {advice}.",
-        gap_ms=gap, gap_share=share)
+        gap_ms=gap, gap_share=share, phases=tuple(phases))
 
 
 _GPU_ADVICE = ("check its cooling, power limit and clocks (nvidia-smi -q -d "
