@@ -12,9 +12,7 @@ import urllib.parse
 import urllib.request
 
 import pytest
-from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import CollectorRegistry
 
 from jobs import EXAMPLES, free_ports, kill_session, spawn_traceml, wait_for
 from traceml_tui.collect import metrics
@@ -24,9 +22,7 @@ from traceml_tui.collect.canned import T0, make_state, make_view
 def scrape(state) -> dict[str, list]:
     view = make_view(state)
     snap = state.snapshot(T0 + 75.0, 0.5)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(metrics.RunMetrics(lambda: (view, snap), "demo"))
-    text = generate_latest(registry).decode()
+    text = metrics.render(view, snap, "demo").decode()
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
 

@@ -1,0 +1,96 @@
+"""The /metrics text is written by metrics.render, byte for byte what prometheus_client's
+generate_latest wrote over the former RunMetrics collector (commit 36da305), on canned
+states: ranks past PER_RANK_ALL, a hang, a stale rank, label values that need escaping,
+a Slurm job; and a render reuses nothing that changed (values, labels, job)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from io import BytesIO
+from pathlib import Path
+
+import pytest
+
+from traceml_tui.collect import metrics
+from traceml_tui.collect.canned import T0, make_state, make_view
+
+ROOT = Path(__file__).resolve().parent.parent
+BEFORE = "36da305"  # the last commit with the prometheus_client collector
+
+SCRIPT = r'''
+import json, os, sys
+from traceml_tui.collect.canned import T0, make_hang_state, make_state, make_view
+from traceml_tui.collect import metrics
+
+def render(view, snap, job):
+    if hasattr(metrics, "render"):
+        return metrics.render(view, snap, job).decode()
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(metrics.RunMetrics(lambda: (view, snap), job))
+    return generate_latest(registry).decode()
+
+cases = {
+    "small": lambda: make_state(),
+    "1024": lambda: make_state(world_size=1024, nproc_per_node=8, steps=12, straggler=341,
+                               phase="forward"),
+    "2048": lambda: make_state(world_size=2048, nproc_per_node=8, steps=12, straggler=700,
+                               phase="forward"),
+    "hang": lambda: make_hang_state(),
+    "odd": lambda: make_state(world_size=8, hosts='n"o\\d\ne', stale=(3,)),
+}
+out = {}
+for name, make in cases.items():
+    state = make()
+    view, snap = make_view(state), state.snapshot(T0 + 75.0, 0.5)
+    for job in ("demo", 'we"ird\\job\nname'):
+        os.environ.pop("SLURM_JOB_ID", None)
+        out[f"{name} {job}"] = render(view, snap, job)
+        os.environ["SLURM_JOB_ID"] = "4242"
+        out[f"{name} {job} slurm"] = render(view, snap, job)
+json.dump(out, sys.stdout)
+'''
+
+
+def _run(pythonpath: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                          env=env, cwd=pythonpath or ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out: dict[str, str] = json.loads(proc.stdout)
+    return out
+
+
+def test_the_text_is_what_prometheus_client_wrote(tmp_path: Path) -> None:
+    try:
+        data = subprocess.run(["git", "archive", BEFORE, "traceml_tui", "agent"], cwd=ROOT,
+                              capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip(f"commit {BEFORE} is not in this checkout's history (a shallow clone?)")
+    with tarfile.open(fileobj=BytesIO(data)) as tar:
+        tar.extractall(tmp_path, filter="data")
+    (tmp_path / "agent").rename(tmp_path / "traceml_agent")
+    old, new = _run(str(tmp_path)), _run(None)
+    assert sorted(old) == sorted(new)
+    for key in old:
+        assert new[key] == old[key], f"{key}: the exposition differs"
+
+
+def test_a_render_follows_the_view() -> None:
+    """Kept label sets never stand in for changed ones: another job name, another view."""
+    slow = make_state(world_size=8, straggler=2, phase="dataloader")
+    calm = make_state(world_size=8, straggler=None)
+    first = metrics.render(make_view(slow), None, "a").decode()
+    assert 'job="a"' in first and 'job="b"' not in first
+    second = metrics.render(make_view(slow), None, "b").decode()
+    assert second == first.replace('job="a"', 'job="b"')
+    third = metrics.render(make_view(calm), calm.snapshot(T0 + 75.0, 0.5), "b").decode()
+    assert third != second and 'label="BALANCED"' in third
+    assert metrics.render(None, None, "a") == b""
