@@ -94,3 +94,23 @@ def test_a_render_follows_the_view() -> None:
     third = metrics.render(make_view(calm), calm.snapshot(T0 + 75.0, 0.5), "b").decode()
     assert third != second and 'label="BALANCED"' in third
     assert metrics.render(None, None, "a") == b""
+
+
+def test_every_scraper_gets_the_bytes_rendered_once_per_view() -> None:
+    """Two scrapers over real HTTP, several scrapes each: one render per published view,
+    the same bytes to all; a new view (the next tick) renders once more."""
+    import urllib.request
+
+    state = make_state(world_size=16, straggler=3)
+    published = [make_view(state)]
+    server = metrics.serve(lambda: (published[0], None), "demo", "127.0.0.1", 0)
+    try:
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        bodies = [urllib.request.urlopen(url, timeout=10).read() for _ in range(4)]
+        assert len(set(bodies)) == 1 and b"traceml_rank_step_seconds" in bodies[0]
+        assert server.renders == 1
+        published[0] = make_view(make_state(world_size=16, straggler=None))
+        again = urllib.request.urlopen(url, timeout=10).read()
+        assert again != bodies[0] and server.renders == 2
+    finally:
+        server.stop()

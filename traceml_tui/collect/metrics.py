@@ -23,6 +23,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from itertools import chain, repeat
+from typing import Any
 
 from traceml_tui.judge.state import Snapshot
 from traceml_tui.viewmodel import VIEW_PHASES, RankRow, RunView, own_work
@@ -65,7 +67,14 @@ def ranks_to_export(view: RunView) -> list[RankRow]:
 # next: a rank's labels do not change from tick to tick, so a render formats only values.
 # Bounded: a family's are dropped past this many (16,384 ranks x 9 series fit).
 MAX_PREFIXES = 1 << 18
-_PREFIXES: dict[str, dict[tuple[str, ...], str]] = {}
+_PREFIXES: dict[tuple[str, ...], dict[Any, Any]] = {}
+
+
+def _kept(*key: str) -> dict[Any, Any]:
+    known = _PREFIXES.setdefault(key, {})
+    if len(known) > MAX_PREFIXES:
+        known.clear()
+    return known
 
 
 class Family:
@@ -74,7 +83,7 @@ class Family:
     an object per sample: label sets are formatted once (and kept: _PREFIXES) and the
     values all at once. A counter's samples are named NAME_total."""
 
-    __slots__ = ("head", "template", "base", "rows", "values")
+    __slots__ = ("head", "template", "base", "known", "prefixes", "values")
 
     def __init__(self, name: str, doc: str, base: dict[str, str],
                  labels: tuple[str, ...] | list[str] = (), kind: str = "gauge") -> None:
@@ -86,26 +95,26 @@ class Family:
                          for i in sorted(range(len(names)), key=names.__getitem__))
         self.template = sample + ("{{" + inner + "}}" if names else "") + " "
         self.base = tuple(base.values())
-        self.rows: list[tuple[str, ...]] = []
+        self.known = _kept(self.template, *self.base)
+        self.prefixes: list[str] = []
         self.values: list[float] = []
 
-    def add(self, values: list[str], value: float) -> None:
-        """A sample: its own label values (after the job's), and its value."""
-        self.rows.append((*self.base, *values))
+    def prefix(self, values: tuple[str, ...]) -> str:
+        """A sample's line up to its value, for its own label values (after the job's)."""
+        text = self.known.get(values)
+        if text is None:
+            text = self.known[values] = self.template.format(*map(_escape, self.base + values))
+        return text
+
+    def add(self, values: tuple[str, ...], value: float) -> None:
+        self.prefixes.append(self.prefix(values))
         self.values.append(value)
 
     def text(self) -> str:
-        prefixes = _PREFIXES.setdefault(self.template, {})
-        if len(prefixes) > MAX_PREFIXES:
-            prefixes.clear()
-        fmt = self.template.format
-        out = [self.head]
-        for row, value in zip(self.rows, _go_floats(self.values), strict=True):
-            prefix = prefixes.get(row)
-            if prefix is None:
-                prefix = prefixes[row] = fmt(*map(_escape, row))
-            out.append(prefix + value + "\n")
-        return "".join(out)
+        floats = _go_floats(self.values)
+        assert len(floats) == len(self.prefixes)
+        return self.head + "".join(chain.from_iterable(zip(self.prefixes, floats,
+                                                           repeat("\n"))))
 
 
 def _escape(value: str) -> str:
@@ -154,30 +163,46 @@ def render(view: RunView | None, snap: Snapshot | None, run_name: str) -> bytes:
                   "phase (sync: exposed collective wait).", ["rank", "node", "phase"])
     steps = Family("traceml_rank_steps", "Steps a rank has completed.", base,
                    ["rank", "node"], kind="counter")
+    # Rank rows are most of the text: their three families' label sets kept per rank.
+    known = _kept("ranks", step.template, *step.base)
+    step_ms: list[float] = []
+    phase_lines: list[str] = []
+    phase_ms: list[float | None] = []
     for r in ranks_to_export(view):
-        rank, node = str(r.rank), str(r.node)
+        pre = known.get((r.rank, r.node, r.host))
+        if pre is None:
+            rank, node = str(r.rank), str(r.node)
+            pre = known[(r.rank, r.node, r.host)] = (
+                step.prefix((rank, node, r.host)),
+                [phase.prefix((rank, node, name)) for name in VIEW_PHASES],
+                steps.prefix((rank, node)))
         if r.step_ms is not None:
-            step.add([rank, node, r.host], r.step_ms / 1000.0)
-        for name, v in zip(VIEW_PHASES, r.phase_ms, strict=True):
-            if v is not None:
-                phase.add([rank, node, name], v / 1000.0)
-        steps.add([rank, node], float(r.steps))
+            step.prefixes.append(pre[0])
+            step_ms.append(r.step_ms)
+        phase_lines += pre[1]
+        phase_ms += r.phase_ms
+        steps.prefixes.append(pre[2])
+        steps.values.append(r.steps)
+    step.values = [v / 1000.0 for v in step_ms]
+    phase.prefixes = [line for line, v in zip(phase_lines, phase_ms, strict=True)
+                      if v is not None]
+    phase.values = [v / 1000.0 for v in phase_ms if v is not None]
     out = [step, phase, steps]
 
     node_step = gauge("traceml_node_worst_step_seconds", "The slowest median step of "
                       "a node's ranks (every node, whatever the scale).", ["node", "host"])
     for _, row in view.node_rows or _nodes(view):
         if row.step_ms is not None:
-            node_step.add([str(row.node), row.host], row.step_ms / 1000.0)
+            node_step.add((str(row.node), row.host), row.step_ms / 1000.0)
     out.append(node_step)
 
     job = gauge("traceml_job_step_seconds", "The median rank's step.")
     if view.median_step_ms is not None:
-        job.add([], view.median_step_ms / 1000.0)
+        job.add((), view.median_step_ms / 1000.0)
     total = Family("traceml_job_steps", "Steps of the furthest rank.", base, kind="counter")
-    total.add([], float(view.steps))
+    total.add((), float(view.steps))
     world = gauge("traceml_world_size", "Ranks the job was started with.")
-    world.add([], float(view.world_size))
+    world.add((), float(view.world_size))
     out += [job, total, world]
 
     diag = gauge("traceml_diagnosis_info", "The live diagnosis (value 1): its label, "
@@ -186,8 +211,8 @@ def render(view: RunView | None, snap: Snapshot | None, run_name: str) -> bytes:
     node = "" if view.node is None else str(view.node)
     if view.node is None and view.rank is not None and view.rank < len(view.rows):
         node = str(view.rows[view.rank].node)
-    diag.add([view.label, "" if view.rank is None else str(view.rank), node, view.severity,
-              view.phase or ""], 1.0)
+    diag.add((view.label, "" if view.rank is None else str(view.rank), node, view.severity,
+              view.phase or ""), 1.0)
     out.append(diag)
     out += _cost(view, gauge)
 
@@ -197,13 +222,13 @@ def render(view: RunView | None, snap: Snapshot | None, run_name: str) -> bytes:
     for r in view.rows:
         counts[r.status] = counts.get(r.status, 0) + 1
     for name, n in sorted(counts.items()):
-        status.add([name], float(n))
+        status.add((name,), float(n))
     out.append(status)
 
     checks = gauge("traceml_setup_check_ranks", "Ranks a setup check found a mistake "
                    "on (docs/checks.md).", ["check", "severity"])
     for check_id, severity, ranks, _evidence, _fix in view.checks:
-        checks.add([check_id, severity], float(len(ranks)))
+        checks.add((check_id, severity), float(len(ranks)))
     out.append(checks)
 
     if snap is not None:
@@ -211,7 +236,7 @@ def render(view: RunView | None, snap: Snapshot | None, run_name: str) -> bytes:
                           "(dropped: agent_dropped, malformed, ...).", base, ["kind"],
                           kind="counter")
         for name, n in sorted(snap.counters.items()):
-            counters.add([name], float(n))
+            counters.add((name,), float(n))
         out.append(counters)
     return "".join(f.text() for f in out).encode()
 
@@ -227,12 +252,12 @@ def _cost(view: RunView, gauge: Callable[..., Family]) -> list[Family]:
     whatif = gauge("traceml_whatif_step_seconds", "The step the job would have without the "
                    "diagnosed problem.")
     if c is not None:
-        share.add([], c.share)
-        whatif.add([], c.step_ms / 1000.0)
+        share.add((), c.share)
+        whatif.add((), c.step_ms / 1000.0)
         if c.lost_s is not None:
-            lost.add([], c.lost_s)
+            lost.add((), c.lost_s)
         if c.hours is not None:
-            hours.add([c.unit], c.hours)
+            hours.add((c.unit,), c.hours)
     return [share, lost, hours, whatif]
 
 
