@@ -188,11 +188,6 @@ class WholeWindow:
         m = self.medians[row][0]
         return None if m != m else Quantiles(m, self.p95s[row][0])
 
-    def timing(self, row: int) -> tuple[float | None, dict[str, float | None]]:
-        """(step median, {phase: median}) of a row, None where not measured."""
-        m = [None if v != v else v for v in self.medians[row]]
-        return m[0], dict(zip(self.phases, m[1:], strict=True))
-
 
 class _PhaseRow(Mapping[str, "Quantiles | None"]):
     """One rank's whole-window phase quantiles, read from the columns when asked for."""
@@ -1032,12 +1027,18 @@ class RunState:
 
     def _full_diagnosis(self, ranks: tuple[RankSnapshot, ...], whole: WholeWindow
                         ) -> dx.Diagnosis:
-        """The diagnosis over each rank's whole window (the summary's verdict)."""
-        timings = [
-            dx.RankTiming(r.rank, r.window_steps, *whole.timing(whole.rows[r.rank]),
-                          r.host, r.node, r.untimed, r.heartbeat.grad_bytes,
-                          self.ranks[r.rank].gpu)
-            for r in ranks if r.reported]
+        """The diagnosis over each rank's whole window (the summary's verdict), read as one
+        table from the window's columns (no per-rank object)."""
+        listed = [r for r in ranks if r.reported]
+        at = np.array([whole.rows[r.rank] for r in listed], dtype=np.int64)
+        timings: dx.Table = [] if not listed else Timings(
+            np.array([r.rank for r in listed], dtype=np.int64),
+            np.array([r.window_steps for r in listed], dtype=np.int64),
+            whole.median[at, 0], {p: i for i, p in enumerate(whole.phases)},
+            whole.median[at, 1:], np.array([r.node for r in listed], dtype=np.int64),
+            np.array([r.heartbeat.grad_bytes for r in listed], dtype=np.int64),
+            {r.rank: r.host for r in listed}, {r.rank: r.untimed for r in listed if r.untimed},
+            {r.rank: gpu for r in listed if (gpu := self.ranks[r.rank].gpu) is not None})
         return self._named(dx.diagnose(timings, collectives_in_compute=self.parallel == "fsdp",
                                        framework=self.framework, stalls=self.stall_findings(),
                                        preflight_busbw=self.preflight_busbw))
@@ -1091,9 +1092,16 @@ class RunState:
         could not time over it (rank -> untimed)."""
         reported = list(self.ranks.values())
         stats = whole_window_stats(self.block, [rs.ident.rank for rs in reported])
-        untimed = {rs.ident.rank: self._untimed(rs, steps, stats, row)
-                   for row, (rs, steps) in enumerate(zip(reported, stats.steps.tolist(),
-                                                         strict=True))}
+        # Asked (`_untimed`) only of the ranks that may have some, as _refresh_untimed
+        # does: an expected phase seen on fewer than half their steps, or a phase closed
+        # without its end hook.
+        n = stats.steps
+        seen = np.stack([stats.seen[:, i] if (i := stats.index.get(p)) is not None
+                         else np.zeros(len(n), dtype=np.int64)
+                         for p in dx.EXPECTED_PHASES], axis=1)
+        maybe = ((n >= dx.MIN_STEPS) & (seen * 2 < n[:, None]).any(axis=1)).tolist()
+        untimed = {rs.ident.rank: self._untimed(rs, int(n[row]), stats, row)
+                   for row, rs in enumerate(reported) if maybe[row] or rs.forced}
         return WholeWindow.of([rs.ident.rank for rs in reported], tuple(self.phases),
                               stats), untimed
 
@@ -1127,5 +1135,5 @@ class RunState:
             exit_code=rs.exit_code,
             error=rs.error, finished=rs.finished, dropped=rs.dropped, device=rs.device,
             heartbeat=rs.heartbeat, stacks=rs.stacks,
-            untimed=live.untimed if untimed is None else untimed, nccl=rs.nccl,
+            untimed=live.untimed if whole is None else untimed or (), nccl=rs.nccl,
             bad_records=rs.bad_records, steps_hidden=self.hidden.get(rs.ident.rank))

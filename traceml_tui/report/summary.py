@@ -8,7 +8,7 @@ record of the same shape, marked ``"complete": false``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -123,16 +123,15 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
                          if step_medians else (None, None))
     duration_s = (meta.ended_at or snap.now) - snap.started_at
     ranks = []
-    quantiles = _rank_quantiles(snap)
+    rank_steps, step_q, phase_q = _rank_quantiles(snap)
+    rates = _throughputs(rank_steps, [snap.batch_sizes.get(r.rank) for r in snap.ranks])
     heartbeat_fields = [name for name, _, _ in model.HEARTBEAT_FIELDS]  # the row's last
-    for r, sys in zip(snap.ranks, _sys_rows(snap), strict=True):
-        step_median, step_q, phase_q = quantiles(r.rank)
+    for i, (r, sys) in enumerate(zip(snap.ranks, _sys_rows(snap), strict=True)):
         ranks.append({
             "rank": r.rank, "local_rank": r.local_rank, "node": r.node, "host": r.host,
             "pid": r.pid, "device": r.device or None, "reported": r.reported,
             "steps": r.steps, "window_steps": r.window_steps,
-            "step_ms": step_q, "phase_ms": phase_q,
-            "throughput": _throughput(step_median, snap.batch_sizes.get(r.rank)),
+            "step_ms": step_q[i], "phase_ms": phase_q[i], "throughput": rates[i],
             "sys": sys,
             "exit_code": r.exit_code, "error": r.error, "dropped_records": r.dropped,
             "progress": {"collectives": r.heartbeat.collectives, "phase": r.heartbeat.phase,
@@ -181,30 +180,36 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
 QuantilesDoc = dict[str, float | None]  # {"median": ..., "p95": ...}
 
 
-def _rank_quantiles(snap: Snapshot) -> Callable[
-        [int], tuple[float | None, QuantilesDoc, dict[str, QuantilesDoc | None]]]:
-    """rank -> (its step median as measured, then its step quantiles and {phase:
-    quantiles} as the file has them, rounded), read from the snapshot's whole-window
-    columns: the rounding is done by column, once (issue 33), not per rank and value."""
+def _rank_quantiles(snap: Snapshot) -> tuple[
+        list[float | None], list[QuantilesDoc], list[dict[str, QuantilesDoc | None]]]:
+    """Per rank of the snapshot: its step median as measured, then its step quantiles and
+    {phase: quantiles} as the file has them, rounded; from the whole-window columns, the
+    rounding and the quantile objects made by column (issue 33), not per rank and value."""
     whole: WholeWindow | None = snap.whole
     phases = snap.phases
+    absent = [whole is None or r.rank not in whole.rows for r in snap.ranks]
+    steps: list[float | None] = [None] * len(snap.ranks)
+    step_q: list[QuantilesDoc] = [{"median": None, "p95": None} if a else {} for a in absent]
+    phase_q: list[dict[str, QuantilesDoc | None]] = [
+        dict.fromkeys(phases) if a else {} for a in absent]
     if whole is None:  # not a full snapshot: no whole-window figures
-        return lambda rank: (None, {"median": None, "p95": None}, dict.fromkeys(phases))
+        return steps, step_q, phase_q
     assert whole.phases == tuple(phases)
-    medians, p95s = rounded(whole.median), rounded(whole.p95)
-    steps = whole.median[:, 0].tolist()
-    rows = whole.rows
-
-    def of(rank: int) -> tuple[float | None, QuantilesDoc, dict[str, QuantilesDoc | None]]:
-        row = rows.get(rank)
-        if row is None:
-            return None, {"median": None, "p95": None}, dict.fromkeys(phases)
-        m, p, step = medians[row], p95s[row], steps[row]
-        return (None if step != step else step,
-                {"median": m[0], "p95": p[0]},  # both None where the step is not measured
-                {ph: None if a is None else {"median": a, "p95": b}
-                 for ph, a, b in zip(phases, m[1:], p[1:], strict=True)})
-    return of
+    medians, p95s = rounded(whole.median.T), rounded(whole.p95.T)  # by column
+    raw = whole.median[:, 0].tolist()
+    columns = [[None if a is None else {"median": a, "p95": b} for a, b in zip(m, p, strict=True)]
+               for m, p in zip(medians[1:], p95s[1:], strict=True)]
+    by_row = ([dict(zip(phases, row, strict=True)) for row in zip(*columns, strict=True)]
+              if phases else [{} for _ in raw])
+    for i, r in enumerate(snap.ranks):
+        row = whole.rows.get(r.rank)
+        if row is not None:
+            step = raw[row]
+            steps[i] = None if step != step else step
+            # both None where the step is not measured
+            step_q[i] = {"median": medians[0][row], "p95": p95s[0][row]}
+            phase_q[i] = by_row[row]
+    return steps, step_q, phase_q
 
 
 # The exit code `traceml run` gives an interrupted job (Ctrl-C): its ranks' deaths are
@@ -325,6 +330,17 @@ def _throughput(step_ms: float | None, batch: int | None) -> dict[str, float | N
     samples = None if steps is None or batch is None else steps * batch
     return {"steps_per_s": _round(steps, 3), "samples_per_s": _round(samples, 2),
             "batch_size": batch}
+
+
+def _throughputs(step_ms: list[float | None], batch: list[int | None]
+                 ) -> list[dict[str, float | None]]:
+    """`_throughput` of every rank, the rates rounded by column."""
+    ms = np.array([np.nan if v is None else v for v in step_ms], dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        steps = np.where(ms >= MIN_RATE_STEP_MS, 1000.0 / ms, np.nan)  # NaN: no rate
+        samples = steps * np.array([np.nan if b is None else b for b in batch], dtype=float)
+    return [{"steps_per_s": s, "samples_per_s": x, "batch_size": b} for s, x, b in zip(
+        rounded(steps, 3), rounded(samples, 2), batch, strict=True)]
 
 
 def _job_throughput(ranks: list[dict[str, Any]]) -> dict[str, float | None]:
