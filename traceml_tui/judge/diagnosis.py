@@ -225,6 +225,14 @@ def stall_threshold(typical_ms: float | None) -> float | None:
     return max(STALL_FACTOR * typical_ms, typical_ms + STALL_MIN_MS)
 
 
+def stall_thresholds(typical_ms: np.ndarray) -> np.ndarray:
+    """`stall_threshold` of many ranks' typical steps at once (NaN: not yet known)."""
+    with np.errstate(invalid="ignore"):
+        known = typical_ms > 0
+    return np.where(known, np.maximum(STALL_FACTOR * typical_ms, typical_ms + STALL_MIN_MS),
+                    np.nan)
+
+
 def stall_of(step: int, step_ms: float, typical_ms: float, names: Sequence[str],
              values: Sequence[float | None], typical: Mapping[str, float | None]) -> Stall:
     """The stall in one step: its excess over the typical step, and the phase whose time

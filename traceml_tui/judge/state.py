@@ -640,24 +640,25 @@ class RunState:
         newest LIVE_STEPS steps, computed together (one WindowBlock.stats call) into
         `live_cols`: its median, untimed phases, gradient bytes and stall threshold."""
         cols = self.live_cols
-        fresh = cols.fresh
-        todo = [rs for rs in self.ranks.values() if rs.dirty or not fresh[rs.ident.rank]]
+        fresh = cols.fresh.tolist()  # a list item reads faster than a numpy one
+        todo = [rs for r, rs in self.ranks.items() if rs.dirty or not fresh[r]]
         if not todo:
             return
         rows = np.fromiter((rs.ident.rank for rs in todo), np.int64, len(todo))
         stats = self.block.stats(rows, LIVE_STEPS)
         cols.put(rows, stats)
         self.recent_cols.fresh[rows] = False  # asked again only by a straggler rule
-        steps = stats.steps.tolist()
+        at = dx.stall_thresholds(stats.median[:, 0]).tolist()  # set past warm-up (past)
+        past = (stats.steps >= dx.MIN_STEPS).tolist()
         node, grad, forced = [], [], []
-        for i, (rs, n, step_ms) in enumerate(zip(todo, steps, stats.median[:, 0].tolist(),
-                                                 strict=True)):
+        for i, rs in enumerate(todo):
             node.append(rs.ident.node)
             grad.append(rs.heartbeat.grad_bytes)
             if rs.forced:
                 forced.append(i)
-            if n >= dx.MIN_STEPS:
-                rs.stall_at_ms = dx.stall_threshold(None if step_ms != step_ms else step_ms)
+            if past[i]:
+                stall_at = at[i]
+                rs.stall_at_ms = None if stall_at != stall_at else stall_at
             rs.live = None  # rebuilt from the row when a view asks (_evaluated)
             rs.dirty = False
         cols.node[rows] = node
