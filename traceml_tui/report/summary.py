@@ -195,19 +195,19 @@ def _rank_quantiles(snap: Snapshot) -> tuple[
     if whole is None:  # not a full snapshot: no whole-window figures
         return steps, step_q, phase_q
     assert whole.phases == tuple(phases)
-    medians, p95s = rounded(whole.median.T), rounded(whole.p95.T)  # by column
+    medians, p95s = rounded(whole.median), rounded(whole.p95)
     raw = whole.median[:, 0].tolist()
-    columns = [[None if a is None else {"median": a, "p95": b} for a, b in zip(m, p, strict=True)]
-               for m, p in zip(medians[1:], p95s[1:], strict=True)]
-    by_row = ([dict(zip(phases, row, strict=True)) for row in zip(*columns, strict=True)]
-              if phases else [{} for _ in raw])
+    # Row by row: a rank's objects lie together, which the model's conversion reads faster.
+    by_row = [{ph: None if a is None else {"median": a, "p95": b}
+               for ph, a, b in zip(phases, m[1:], p[1:], strict=True)}
+              for m, p in zip(medians, p95s, strict=True)]
     for i, r in enumerate(snap.ranks):
         row = whole.rows.get(r.rank)
         if row is not None:
             step = raw[row]
             steps[i] = None if step != step else step
             # both None where the step is not measured
-            step_q[i] = {"median": medians[0][row], "p95": p95s[0][row]}
+            step_q[i] = {"median": medians[row][0], "p95": p95s[row][0]}
             phase_q[i] = by_row[row]
     return steps, step_q, phase_q
 
