@@ -33,6 +33,14 @@ loop (one rank, gloo); `--profile` shows gloo's own threads apart (~15.6k/step).
     python benchmarks/agent_instructions.py --ddp --whole --short 100 --long 400
     python benchmarks/agent_instructions.py --ddp --whole --only hooks --profile DIR
         # then: callgrind_annotate --inclusive=yes DIR/callgrind.hooks.400-01 (thread 1)
+    python benchmarks/agent_instructions.py --ddp --whole --profile DIR --by-function 25
+        # per thread (training, sender, libzmq I/O, gloo) and per function, per step
+
+With --profile the summary splits each variant's per-step figure by thread (callgrind's
+--separate-threads files, matched by creation order between the two lengths and told
+apart by what they run); --by-function N lists each thread's N functions whose
+exclusive instructions per step moved most between the variants (callgrind_annotate).
+Functions are C-level: the agent's Python runs inside _PyEval_EvalFrameDefault.
 
 Each run takes 2-5 minutes under callgrind on this 2-core box (importing torch is
 most of it).
@@ -159,6 +167,63 @@ def count(steps: int, hooks: bool, agent: Path, port: int, ddp: bool,
         return int(match.group(1))
 
 
+def thread_files(profile: Path, variant: str, steps: int) -> dict[str, Path]:
+    """A run's per-thread callgrind files, named by their role."""
+    out: dict[str, Path] = {}
+    for f in sorted(profile.glob(f"callgrind.{variant}.{steps}-*")):
+        # The functions it ran ("fn=(id) name" names each function once).
+        text = " ".join(re.findall(r"^fn=\(\d+\) (\S+)", f.read_text(errors="replace"),
+                                   re.M)).lower()
+        if f.name.endswith("-01"):
+            role = "main"
+        elif "gloo::" in text:
+            role = "gloo"
+        elif "_pyeval_evalframedefault" in text:
+            role = "sender"  # the one other Python thread: the agent's (traceml-sender)
+        elif "zmq::" in text or "sodium" in text:
+            role = "zmq-io"  # libzmq's I/O thread: CURVE encryption, the socket
+        else:
+            role = "other"
+        n = sum(1 for r in out if r.split("#")[0] == role)
+        out[f"{role}#{n}" if n else role] = f
+    return out
+
+
+def _total(f: Path) -> int:
+    match = re.search(r"^(?:summary|totals): (\d+)", f.read_text(errors="replace"), re.M)
+    return int(match.group(1)) if match else 0
+
+
+def by_thread(profile: Path, variant: str, short: int, long: int) -> dict[str, float]:
+    a, b = thread_files(profile, variant, short), thread_files(profile, variant, long)
+    return {role: (_total(b[role]) - (_total(a[role]) if role in a else 0)) / (long - short)
+            for role in b}
+
+
+def functions(f: Path) -> dict[str, int]:
+    """Exclusive instructions by function (callgrind_annotate)."""
+    text = subprocess.run(["callgrind_annotate", "--threshold=100", "--inclusive=no", str(f)],
+                          capture_output=True, text=True).stdout
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*([\d,]+) \([^)]*\)\s+(.*)", line)
+        if m and "PROGRAM TOTALS" not in line:
+            name = re.sub(r"\s*\[.*\]$", "", m.group(2))
+            name = re.sub(r"^.*?/Python-3[.\d]*/", "", re.sub(r"'\d+$", "", name))
+            out[name] = out.get(name, 0) + int(m.group(1).replace(",", ""))
+    return out
+
+
+def per_step_functions(profile: Path, variant: str, role: str, short: int,
+                       long: int) -> dict[str, float]:
+    a = thread_files(profile, variant, short).get(role)
+    b = thread_files(profile, variant, long).get(role)
+    if b is None:
+        return {}
+    fa, fb = functions(a) if a else {}, functions(b)
+    return {k: (fb.get(k, 0) - fa.get(k, 0)) / (long - short) for k in set(fa) | set(fb)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--agent", type=Path, default=HERE.parent / "agent",
@@ -177,7 +242,9 @@ def main() -> None:
                    help="measure one variant only (e.g. hooks of two checkouts)")
     p.add_argument("--profile", type=Path,
                    help="keep callgrind's files (one per thread) in this folder, for "
-                        "callgrind_annotate --inclusive=yes")
+                        "callgrind_annotate --inclusive=yes; the summary splits by thread")
+    p.add_argument("--by-function", type=int, default=0, metavar="N",
+                   help="with --profile: each thread's N functions that moved most")
     args = p.parse_args()
     port = 29_811
     result = {}
@@ -206,7 +273,25 @@ def main() -> None:
         summary.update(agent_per_step=round(agent), agent_share=round(agent / result["bare"], 4))
     if sink is not None:
         summary["messages_received"] = sink.messages
+    if args.profile is not None:
+        threads = {v: by_thread(args.profile, v, args.short, args.long)
+                   for v in ("bare", "hooks") if v in result}
+        summary["per_thread"] = {v: {r: round(x) for r, x in t.items()}
+                                 for v, t in threads.items()}
+        if len(threads) == 2:
+            roles = sorted(set(threads["bare"]) | set(threads["hooks"]))
+            summary["agent_per_thread"] = {r: round(threads["hooks"].get(r, 0)
+                                                    - threads["bare"].get(r, 0)) for r in roles}
     print(json.dumps(summary))
+    if args.profile is not None and args.by_function:
+        for role in sorted(thread_files(args.profile, "hooks", args.long)):
+            hooks = per_step_functions(args.profile, "hooks", role, args.short, args.long)
+            bare = (per_step_functions(args.profile, "bare", role, args.short, args.long)
+                    if "bare" in result else {})
+            diff = {k: hooks.get(k, 0) - bare.get(k, 0) for k in set(hooks) | set(bare)}
+            print(f"--- {role}: per step, hooks - bare ({sum(diff.values()):,.0f} in all)")
+            for name, v in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:args.by_function]:
+                print(f"{v:10,.0f}  {name[:120]}")
 
 
 if __name__ == "__main__":
