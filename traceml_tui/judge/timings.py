@@ -107,10 +107,8 @@ class Timings:
         for r in rows:
             for p in r.phase_ms:
                 phases.setdefault(p, len(phases))
-        medians = np.full((len(rows), len(phases)), NAN)
-        for i, r in enumerate(rows):
-            for p, v in r.phase_ms.items():
-                medians[i, phases[p]] = _nan(v)
+        medians = np.array([[NAN if (v := r.phase_ms.get(p)) is None else v for p in phases]
+                            for r in rows], dtype=np.float64).reshape(len(rows), len(phases))
         return cls(np.array([r.rank for r in rows], dtype=np.int64),
                    np.array([r.steps for r in rows], dtype=np.int64),
                    np.array([_nan(r.step_ms) for r in rows], dtype=np.float64),
