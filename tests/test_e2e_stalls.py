@@ -35,6 +35,13 @@ def test_a_rank_0_checkpoint_reads_periodic_stall_with_its_period(tmp_path, what
     d = doc["diagnosis"]
     assert (d["label"], d["rank"], d["phase"]) == ("PERIODIC STALL", 0, "wait"), d
     assert f"stalls every {every} steps" in d["summary"], d["summary"]
+    # The diagnosis's own figures: each stall about the checkpoint, as every rank paid it,
+    # over the label's share of the time; and no median moved (rank 0's wait median is
+    # what read BALANCED before the stalls named it). Formerly test_e2e_diagnosis's
+    # 4-rank checkpoint job, the same kind of run: one job here asserts both.
+    assert 0.8 * seconds * 1000 <= d["gap_ms"] <= 1.6 * seconds * 1000, d
+    assert d["gap_share"] >= 0.05, d
+    assert doc["ranks"][0]["phase_ms"]["wait"]["median"] < 5, doc["ranks"][0]["phase_ms"]
     expected = steps // every - 1  # the toy skips step 0 and stops before the last
     found = doc["stalls"][0]
     assert (found["rank"], found["period"], found["phase"]) == (0, every, "wait"), found
