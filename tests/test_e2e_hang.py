@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -23,12 +25,13 @@ def _live(run_dir) -> dict:
         return {}
 
 
-def _start(tmp_path, name, *script_args, hang_after="3", nproc=3):
+def _start(tmp_path, name, *script_args, hang_after="3", nproc=3, launcher_args=()):
     out = tmp_path / "runs"
     proc = subprocess.Popen(
         [sys.executable, "-m", "traceml_tui", "run", str(EXAMPLES / "ddp_toy.py"),
          "--nproc-per-node", str(nproc), "--headless", "--out", str(out), "--run-name", name,
-         "--hang-after", hang_after, "--", "--steps", "1000000", *script_args],
+         "--hang-after", hang_after, *launcher_args, "--", "--steps", "1000000",
+         *script_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     return proc, out / name
@@ -39,29 +42,55 @@ def _hang_seen(run_dir) -> dict | None:
     return d if d.get("label") == "HANG" else None
 
 
-def test_a_rank_sleeping_before_forward_is_named_with_its_stack(tmp_path):
-    """Rank 1 starts slowly (6 s of "loading": its stack is sent then), steps, and later
-    sleeps forever: the hang shows the later stack, never the start-up one."""
-    proc, run_dir = _start(tmp_path, "sleeper", "--hang-rank", "1", "--hang-at-step", "25",
-                           "--startup-stall-s", "6")
+@dataclass
+class SleeperHang:
+    """What the sleeper job showed live and at its end."""
+    seen_after: float  # seconds from rank 1's last step to the live HANG label
+    live_rank: int  # the rank the live HANG named
+    live_stack: str  # rank 1's stack in the live snapshot once it arrived
+    returncode: int
+    output: str
+    run_dir: Path
+
+
+@pytest.fixture(scope="module")
+def sleeper_hang(tmp_path_factory) -> SleeperHang:
+    """One 3-rank job for two tests: rank 1 starts slowly (6 s of "loading": its stack is
+    sent then), steps, and sleeps forever before its forward at step 25; the run has
+    --nccl-debug and the toy writes NCCL's lines itself (--fake-nccl-log). The stack test
+    and the NCCL-log test read the same hang (they were two identical jobs but for the
+    NCCL flags, which add each rank's log tail beside the hang and change nothing else)."""
+    proc, run_dir = _start(tmp_path_factory.mktemp("sleeper"), "sleeper", "--hang-rank", "1",
+                           "--hang-at-step", "25", "--startup-stall-s", "6",
+                           "--fake-nccl-log", launcher_args=("--nccl-debug",))
     try:
         wait_for(lambda: live_steps(run_dir) >= 25, 120)
         t_last_step = time.monotonic()
         wait_for(lambda: _hang_seen(run_dir) is not None, 60, "the HANG label")
         seen_after = time.monotonic() - t_last_step
-        assert _hang_seen(run_dir)["rank"] == 1
-        assert seen_after < 3 + 6  # threshold + heartbeat, evaluation and snapshot cadence
-        # The stack of this stall arrives with the next heartbeat (stall > 3 s); a stack
-        # of the start-up stall must never stand in for it meanwhile.
+        live_rank = _hang_seen(run_dir)["rank"]
+        # The stack of this stall arrives with the next heartbeat (stall > 3 s).
         wait_for(lambda: "1" in ((_live(run_dir).get("hang") or {}).get("stacks") or {}),
                  30, "rank 1's stack")
         live_stack = _live(run_dir)["hang"]["stacks"]["1"][0]["stack"]
-        assert "wait_forever" in live_stack and "slow_startup" not in live_stack
+        wait_for(lambda: all(p.get("nccl") for p in (_live(run_dir).get("hang") or {})
+                             .get("progress", [{}])), 30, "every rank's NCCL state")
     finally:
         proc.send_signal(signal.SIGINT)  # the user presses Ctrl-C on the hung job
         output, _ = proc.communicate(timeout=90)
-    assert proc.returncode == 130, output[-3000:]
-    doc = json.loads((run_dir / "final_summary.json").read_text())
+    return SleeperHang(seen_after, live_rank, live_stack, proc.returncode, output, run_dir)
+
+
+def test_a_rank_sleeping_before_forward_is_named_with_its_stack(sleeper_hang):
+    """Rank 1 starts slowly, steps, and later sleeps forever: the hang shows the later
+    stack, never the start-up one."""
+    job = sleeper_hang
+    assert job.live_rank == 1
+    assert job.seen_after < 3 + 6  # threshold + heartbeat, evaluation and snapshot cadence
+    # A stack of the start-up stall must never stand in for this stall's.
+    assert "wait_forever" in job.live_stack and "slow_startup" not in job.live_stack
+    assert job.returncode == 130, job.output[-3000:]
+    doc = json.loads((job.run_dir / "final_summary.json").read_text())
     validate_schema(doc)
     assert (doc["diagnosis"]["label"], doc["diagnosis"]["rank"]) == ("HANG", 1)
     assert doc["hang"]["kind"] == "behind" and doc["hang"]["ranks"] == [1]
@@ -69,7 +98,7 @@ def test_a_rank_sleeping_before_forward_is_named_with_its_stack(tmp_path):
     assert "wait_forever" in stack and "time.sleep" in stack
     assert "slow_startup" not in stack
     assert {p["rank"]: p["steps"] for p in doc["hang"]["progress"]} == {0: 25, 1: 25, 2: 25}
-    assert "Diagnosis: HANG  rank 1" in output and "wait_forever" in output
+    assert "Diagnosis: HANG  rank 1" in job.output and "wait_forever" in job.output
 
 
 def test_a_rank_skipping_a_collective_is_named(tmp_path):
@@ -149,28 +178,13 @@ def test_a_long_checkpoint_step_is_not_a_hang(tmp_path):
     assert doc["hang"] is None
 
 
-def test_nccl_debug_puts_each_ranks_last_opcount_beside_the_hang(tmp_path):
+def test_nccl_debug_puts_each_ranks_last_opcount_beside_the_hang(sleeper_hang):
     """`--nccl-debug`: every rank logs to its own file in the run folder; when the job
     hangs, each agent reads its own log's tail and the summary compares the last opCounts
     as the network guide does by hand. Gloo writes no NCCL log, so the example writes NCCL's lines
     itself (--fake-nccl-log): what is tested is the plumbing, from the variables each rank
     gets to the lines the user reads."""
-    out = tmp_path / "runs"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "traceml_tui", "run", str(EXAMPLES / "ddp_toy.py"),
-         "--nproc-per-node", "3", "--headless", "--out", str(out), "--run-name", "ncclhang",
-         "--hang-after", "3", "--nccl-debug", "--", "--steps", "1000000", "--hang-rank", "1",
-         "--hang-at-step", "25", "--fake-nccl-log"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    run_dir = out / "ncclhang"
-    try:
-        wait_for(lambda: _hang_seen(run_dir) is not None, 120, "the HANG label")
-        wait_for(lambda: all(p.get("nccl") for p in (_live(run_dir).get("hang") or {})
-                             .get("progress", [{}])), 30, "every rank's NCCL state")
-    finally:
-        proc.send_signal(signal.SIGINT)
-        output = proc.communicate(timeout=90)[0]
+    run_dir, output = sleeper_hang.run_dir, sleeper_hang.output  # rank 1 hangs at step 25
     logs = sorted((run_dir / "logs" / "nccl").glob("nccl-*.log"))
     assert len(logs) == 3  # one per rank, in the private run folder
     assert oct((run_dir / "logs" / "nccl").stat().st_mode & 0o777) == "0o700"
