@@ -1,6 +1,7 @@
-"""The summary and the live snapshot file are the same, to the byte, whichever code builds
-them: the columnar rank rows (issue 33) against the per-rank code of commit 36da305, on
-canned states, the old code run from that commit's tree in a subprocess."""
+"""The summary, the live snapshot file and the view are the same, to the byte, whichever
+code builds them: the columnar snapshot and rank rows (issue 33) against the per-rank code
+of commit 36da305, on canned states, the old code run from that commit's tree in a
+subprocess."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ BEFORE = "36da305"  # the last commit with per-rank summary rows
 # indents and the text), printed as one JSON object: the same script runs old and new.
 SCRIPT = r'''
 import json, sys
+from traceml_tui import viewmodel
+from traceml_tui.collect import view_build
 from traceml_tui.collect.canned import T0, make_hang_state, make_state
 from traceml_tui.report import summary
 
@@ -39,7 +42,15 @@ states = {
 }
 out = {}
 for name, make in states.items():
-    snap = make().snapshot(T0 + 75.0, 0.5, full=True)
+    state = make()
+    for full in (False, True):  # the view of either snapshot, with two ranks' panels
+        live = state.snapshot(T0 + 75.0, 0.5, full=full)
+        view = view_build.build(live, state.recent_steps)
+        out[f"{name} view {full}"] = [viewmodel.encode_view(view).hex()] + [
+            viewmodel.encode_detail(view_build.detail(live, rank, view,
+                                                      state.recent_steps(rank))).hex()
+            for rank in (0, 5)]
+    snap = state.snapshot(T0 + 75.0, 0.5, full=True)
     for kind, meta in (("live", summary.RunMeta(complete=False)),
                        ("final", summary.RunMeta(command=["train.py"], exit_code=0,
                                                  ended_at=T0 + 80.0))):
@@ -79,9 +90,8 @@ def test_summary_bytes_match_the_per_rank_code(tmp_path: Path) -> None:
     new = _run(None)
     assert sorted(old) == sorted(new)
     for key in old:
-        for kind, before, now in zip(("json", "json indent 2", "text"), old[key], new[key],
-                                     strict=True):
-            assert now == before, f"{key}: {kind} differs"
+        for part, (before, now) in enumerate(zip(old[key], new[key], strict=True)):
+            assert now == before, f"{key}: part {part} differs"
 
 
 @pytest.mark.parametrize("nd", [2, 3, 4])

@@ -1063,7 +1063,11 @@ class RunState:
         whole, untimed = self._whole_window() if full else (None, {})
         none: Mapping[str, Quantiles | None] = MappingProxyType({p: None for p in self.phases})
         cols = {p: i for i, p in enumerate(self.phases, 1)}
-        ranks = tuple(self._rank_snapshot(r, mono_now, whole, untimed.get(r), none, cols)
+        # Every rank's live timings, read from the live columns at once (no RankTiming).
+        self._refresh_live()
+        live = self.live_cols
+        lives = (live.step_ms.tolist(), live.medians.tolist(), list(live.phases), live.untimed)
+        ranks = tuple(self._rank_snapshot(r, mono_now, whole, untimed.get(r), none, cols, lives)
                       for r in range(self.world_size))
         final = self._full_diagnosis(ranks, whole) if whole is not None else None
         aligned = (self.block.aligned(list(self.ranks), cost.steps_to_read(
@@ -1108,10 +1112,12 @@ class RunState:
 
     def _rank_snapshot(self, rank: int, mono_now: float, whole: WholeWindow | None,
                        untimed: tuple[dx.Untimed, ...] | None,
-                       none: Mapping[str, Quantiles | None], cols: dict[str, int]
-                       ) -> RankSnapshot:
+                       none: Mapping[str, Quantiles | None], cols: dict[str, int],
+                       lives: tuple[list[float], list[list[float]], list[str],
+                                    Mapping[int, tuple[dx.Untimed, ...]]]) -> RankSnapshot:
         """`whole`, `untimed`: the whole-window statistics, in a full snapshot; `none`:
-        every phase unmeasured; `cols`: phase -> its column in `whole`."""
+        every phase unmeasured; `cols`: phase -> its column in `whole`; `lives`: the live
+        columns (timings.Columns: step medians, phase medians, their phases, untimed)."""
         rs = self.ranks.get(rank)
         if rs is None:
             return RankSnapshot(
@@ -1121,7 +1127,7 @@ class RunState:
                 live_step_ms=None, live_phase_ms={}, recent_step_ms=(), sys=None, idle_s=None,
                 since_step_s=None, exit_code=None, error=None, finished=False, dropped=0,
                 device="")
-        live = self._live_timing(rs)
+        live_step = lives[0][rank]
         # Over the whole window for the summary's verdict, as its medians are.
         row = None if whole is None else whole.rows.get(rank)
         step, phase_ms = ((None, none) if whole is None or row is None
@@ -1129,12 +1135,15 @@ class RunState:
         return RankSnapshot(
             rank=rank, local_rank=rs.ident.local_rank, node=rs.ident.node, host=rs.ident.host,
             pid=rs.ident.pid, reported=True, steps=rs.steps, window_steps=rs.window.count,
-            step_ms=step, phase_ms=phase_ms, live_step_ms=live.step_ms,
-            live_phase_ms=dict(live.phase_ms), recent_step_ms=(),
+            step_ms=step, phase_ms=phase_ms,
+            live_step_ms=None if live_step != live_step else live_step,
+            live_phase_ms={p: None if v != v else v
+                           for p, v in zip(lives[2], lives[1][rank], strict=True)},
+            recent_step_ms=(),
             sys=rs.sys, idle_s=max(0.0, mono_now - rs.last_seen),
             since_step_s=max(0.0, mono_now - rs.last_step_at) if rs.steps else None,
             exit_code=rs.exit_code,
             error=rs.error, finished=rs.finished, dropped=rs.dropped, device=rs.device,
             heartbeat=rs.heartbeat, stacks=rs.stacks,
-            untimed=live.untimed if whole is None else untimed or (), nccl=rs.nccl,
+            untimed=lives[3].get(rank, ()) if whole is None else untimed or (), nccl=rs.nccl,
             bad_records=rs.bad_records, steps_hidden=self.hidden.get(rs.ident.rank))
