@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import psutil
 import pytest
@@ -75,6 +76,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # --- `alone` under xdist: a readers-writer lock over the workers ---------------------------
 # Every test holds the run's lock shared, an `alone` test holds it exclusively. A turnstile
 # taken first keeps a waiting `alone` test from being starved by the other workers' tests.
+# A worker whose next test is `alone` too keeps the lock exclusive between the two: taking
+# it again drains the other workers' tests first (they slip in between), so a module of
+# `alone` tests drains them once, not once per test.
+
+_exclusive: IO[str] | None = None  # the machine lock this worker holds between `alone` tests
+
 
 def _lock_dir(config: pytest.Config) -> Path | None:
     """Only an xdist worker locks (not a pytest that a test runs inside its worker)."""
@@ -84,28 +91,54 @@ def _lock_dir(config: pytest.Config) -> Path | None:
     return Path(tempfile.gettempdir()) / f"traceml-tests-{worker['testrunuid']}"
 
 
-@contextlib.contextmanager
-def _turn(folder: Path | None, alone: bool) -> Iterator[None]:
-    if folder is None:
-        yield
-        return
+def _take(folder: Path, alone: bool) -> IO[str]:
     folder.mkdir(exist_ok=True)
-    with open(folder / "turnstile", "a") as gate, open(folder / "machine", "a") as machine:
+    machine = open(folder / "machine", "a")  # noqa: SIM115 - held past this function
+    with open(folder / "turnstile", "a") as gate:
         fcntl.flock(gate, fcntl.LOCK_EX)
         try:
             fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        except BaseException:
+            machine.close()
+            raise
         finally:
             fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(machine, fcntl.LOCK_UN)
+    return machine
+
+
+@contextlib.contextmanager
+def _turn(folder: Path | None, alone: bool, next_alone: bool) -> Iterator[None]:
+    global _exclusive
+    if folder is None:
+        yield
+        return
+    held, _exclusive = _exclusive, None
+    if held is not None and not alone:  # the next test was not the one announced
+        _release(held)
+        held = None
+    machine = held or _take(folder, alone)
+    try:
+        yield
+    finally:
+        if alone and next_alone:
+            _exclusive = machine
+        else:
+            _release(machine)
+
+
+def _release(machine: IO[str]) -> None:
+    fcntl.flock(machine, fcntl.LOCK_UN)
+    machine.close()
+
+
+def _alone(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("alone") is not None
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Setup, call and teardown (module fixtures' jobs included) inside the lock."""
-    with _turn(_lock_dir(item.config), item.get_closest_marker("alone") is not None):
+    with _turn(_lock_dir(item.config), _alone(item), _alone(nextitem)):
         yield
 
 
