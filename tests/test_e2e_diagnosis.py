@@ -13,16 +13,18 @@ pytestmark = pytest.mark.e2e
 
 # scenario, expected label, expected rank, expected phase
 CASES = [
-    # A tiny model on gloo over loopback: the allreduce is most of the step, and saying
-    # so is right (docs/network.md). With real compute per step it is BALANCED.
-    ("balanced", "COMM-BOUND", None, "sync"),
-    ("compute-all", "BALANCED", None, None),
     ("input", "INPUT STRAGGLER", 1, "dataloader"),
-    ("forward", "COMPUTE STRAGGLER", 1, "forward"),
     ("optimizer", "COMPUTE STRAGGLER", 1, "optimizer"),
     ("batch", "COMPUTE STRAGGLER", 1, None),  # forward or backward: both grow with the batch
     ("input-all", "INPUT-BOUND", None, "dataloader"),
     ("stall", "WAIT-HEAVY", None, "wait"),
+    # The `alone` cases last, then this module's other `alone` tests: one run of them in a
+    # row, which drains the other xdist workers once (conftest.py).
+    # A tiny model on gloo over loopback: the allreduce is most of the step, and saying
+    # so is right (docs/network.md). With real compute per step it is BALANCED.
+    ("balanced", "COMM-BOUND", None, "sync"),
+    ("compute-all", "BALANCED", None, None),
+    ("forward", "COMPUTE STRAGGLER", 1, "forward"),
 ]
 
 
