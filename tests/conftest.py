@@ -48,6 +48,12 @@ def unmarked_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ[SESSION_VAR] = SESSION
+    # pytest-xdist's loadfile hands out files in the order of the collection (see
+    # pytest_collection_modifyitems), not its default of the most tests first: that put
+    # the end-to-end files, a few long tests each, last, and the run ended on one of them
+    # while the other workers idled.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 # Tests in files without a module mark that start a real job (`traceml run`, torchrun):
@@ -66,11 +72,26 @@ E2E_TESTS = {
 }
 
 
+# A test that starts a real job costs about this many times one that starts none (a job:
+# tens of seconds, mostly its processes' start-up; a unit test: tenths of a second).
+E2E_WEIGHT = 200
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         names = E2E_TESTS.get(item.path.name, set())
         if "*" in names or getattr(item, "originalname", item.name) in names:
             item.add_marker(pytest.mark.e2e)
+    # The costliest files first, each file's tests in their order (module fixtures share
+    # jobs): under xdist the long end-to-end files start early and the short files fill
+    # in at the end (longest first), instead of one long file ending the run alone.
+    cost: dict[Path, int] = {}
+    first: dict[Path, int] = {}
+    for index, item in enumerate(items):
+        first.setdefault(item.path, index)
+        cost[item.path] = cost.get(item.path, 0) + (
+            E2E_WEIGHT if item.get_closest_marker("e2e") is not None else 1)
+    items.sort(key=lambda item: (-cost[item.path], first[item.path]))
 
 
 # --- `alone` under xdist: a readers-writer lock over the workers ---------------------------
