@@ -1,7 +1,10 @@
 """The step-time diagnosis: pure functions from window statistics to a label.
 
-No I/O, no clocks: the collector passes in each rank's median timings and gets a
-`Diagnosis` back, so every rule is testable from a table. The rules are a table too
+No I/O, no clocks: the collector passes in every rank's median timings, one table with
+a column per figure (timings.Timings; tests write rows, RankTiming, which it converts),
+and gets a `Diagnosis` back, so every rule is testable from a table. The rules compare
+ranks with array operations, by the arithmetic of one median (windows.median), ties to
+the lowest rank. The rules are a table too
 (`RULES`, near the end of the classifier): each a small function of one evaluation's
 `WindowStats`, asked in order until one answers. docs/diagnosis.md lists them in that order
 and explains each threshold.

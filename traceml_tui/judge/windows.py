@@ -336,14 +336,26 @@ class WindowBlock:
                 flat = (r * self.size)[:, None] + cols  # one gather per series, in C
                 inside = steps[None, :] >= (width - n)[:, None]  # the rank's own n newest
                 full = bool((n == width).all())
+            # Where every rank holds `width` steps, a series measured on all of them is
+            # read at the same columns of every sorted row (_nan_quantiles' arithmetic).
+            lo, hi = (width - 1) // 2, width // 2
+            top = max(math.ceil(0.95 * width) - 1, 0)
             for i, arr in enumerate(self.series):
                 data = arr[r] if flat is None else np.take(arr, flat)
                 if not full:
                     data[~inside] = np.nan
-                measured = ~np.isnan(data)
-                seen[:, i] = np.count_nonzero(measured, axis=1)
+                missing = np.isnan(data)
+                if full and not missing.any():
+                    data.sort(axis=1)
+                    med[:, i] = (data[:, lo] + data[:, hi]) / 2.0
+                    p95[:, i] = data[:, top]
+                    seen[:, i] = width
+                    continue
+                if missing.all():  # measured by none of them: NaN, seen on no step
+                    continue
+                seen[:, i] = np.count_nonzero(~missing, axis=1)
                 if i:  # a phase seen in the window took no time on its other steps
-                    fill = ~measured & (seen[:, i] > 0)[:, None]
+                    fill = missing & (seen[:, i] > 0)[:, None]
                     if not full:
                         fill &= inside
                     np.copyto(data, 0.0, where=fill)
