@@ -10,6 +10,7 @@ Usage: python benchmarks/collector_ticks.py [--ranks N] [--steps K]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -44,9 +45,11 @@ def main() -> None:
             rs.dirty = True  # as after a tick in which every rank stepped
         state.evaluate(now, mono_now)  # with the hang check, as the collector runs it
 
-    def live_file() -> None:
-        snap = state.snapshot(now, 0.0, full=True)
-        summary.to_json(summary.build(snap, summary.RunMeta(complete=False)))
+    def live_file() -> None:  # as the collector writes it (collector.write_live)
+        with getattr(summary, "gc_paused", contextlib.nullcontext)():
+            snap = state.snapshot(now, 0.0, full=True)
+            summary.to_json(summary.build(snap, summary.RunMeta(complete=False)))
+            del snap
 
     def view() -> None:
         viewmodel.encode_view(view_build.build(state.snapshot(now, 0.0), state.recent_steps))

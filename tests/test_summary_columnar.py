@@ -132,3 +132,20 @@ def test_whole_window_stats_is_block_stats(seed: int) -> None:
         assert fast.index == slow.index
         for name in ("steps", "median", "p95", "seen"):
             assert np.array_equal(getattr(fast, name), getattr(slow, name), equal_nan=True), name
+
+
+def test_the_cycle_collector_is_paused_only_while_a_summary_is_built() -> None:
+    import gc
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), summary.gc_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("a failed build")
+    assert gc.isenabled()  # back on, whatever happened inside
+    gc.disable()
+    try:
+        with summary.gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller's own pause is left as it was
+    finally:
+        gc.enable()

@@ -372,9 +372,10 @@ class Collector:
 
     def write_live(self) -> None:
         try:
-            snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
-            doc = summary.build(snap, summary.RunMeta(complete=False))
-            text = summary.to_json(doc)
+            with summary.gc_paused():
+                snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
+                text = summary.to_json(summary.build(snap, summary.RunMeta(complete=False)))
+                del snap  # freed here, while no collection can run
             descriptors.write_anyway(  # whatever the sockets hold, the record is written
                 lambda: folders.write_atomic(RunFolder(self.run_dir).live, text),
                 self.reserve)
@@ -492,8 +493,9 @@ class Collector:
             complete=(request.complete and not self.earlier_record
                       and not unseen),
             failed_rank=failed, extra=extra)
-        snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
-        doc = summary.build(snap, meta)
+        with summary.gc_paused():
+            doc = summary.build(self.state.snapshot(time.time(), time.monotonic(), full=True),
+                                meta)
         note = "" if not unseen else (
             f"INCOMPLETE: no rank of node(s) {', '.join(map(str, unseen))} ever reported (its "
             f"relay or agents never reached node 0; its own terminal says why).\n")
