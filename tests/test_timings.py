@@ -101,6 +101,33 @@ def test_columns_keep_each_ranks_row_until_it_is_written_again():
     assert timing.step_ms == 10.0 and timing.steps == 8
 
 
+@pytest.mark.parametrize("dropped", [False, True])
+def test_aligned_steps_read_from_a_gather_are_the_steps_read_from_the_block(dropped):
+    """The cost model's steps taken from what the live statistics gathered (ranks in
+    lockstep) equal the steps gathered again, records an agent dropped included."""
+    block = WindowBlock(5, 40)
+    for step in range(60):
+        for rank in range(5):
+            if dropped and rank == 3 and step == 55:
+                continue  # never received: its slot holds another step
+            block.append(rank, 10.0 + RNG.random(), ("forward", "sync"),
+                         (1.0 + rank, None if step % 7 == 0 else 2.0), step)
+    if dropped:  # rank 3 catches up: the same newest step as the others
+        block.append(3, 10.0, ("forward", "sync"), (1.0, 2.0), 60)
+        for rank in (0, 1, 2, 4):
+            block.append(rank, 10.0, ("forward", "sync"), (1.0, 2.0), 60)
+    stats = block.stats(range(5), 32, keep=True)
+    assert stats.gather is not None
+    again = block.aligned(list(range(5)), 32)
+    reused = block.aligned(list(range(5)), 32, stats.gather)
+    assert again is not None and reused is not None
+    for a, b in [(again.step_ms, reused.step_ms),
+                 *[(again.phase_ms[p], reused.phase_ms[p]) for p in again.phase_ms]]:
+        assert np.array_equal(a, b, equal_nan=True)
+    assert np.isnan(reused.step_ms).any() == dropped
+    assert reused.step_ms.flags.writeable == dropped  # the gather itself, or a masked copy
+
+
 def progress(rank: int, stalled: float, **kw) -> hang.RankProgress:
     return hang.RankProgress(rank, "h", 10, 20, "forward", None, stalled, 0.0, **kw)
 

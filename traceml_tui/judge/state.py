@@ -45,6 +45,7 @@ from .stalls import StallBook, StallFinding
 from .timings import Columns, Lookup, Timings
 from .windows import (
     BlockStats,
+    Gather,
     Quantiles,
     RankWindow,
     WindowBlock,
@@ -342,6 +343,8 @@ class RunState:
         # as columns by rank: what an evaluation reads, with no object per rank.
         self.live_cols = Columns(world_size)
         self.recent_cols = Columns(world_size)
+        # What this evaluation's refresh gathered, for the cost model's aligned steps.
+        self._gather: Gather | None = None
         # The newest step counted into the open episode's lost time (cost.py), and the
         # live what-if of the label on display.
         self._lost_mark = -1
@@ -629,13 +632,14 @@ class RunState:
         return rs.live
 
     def _live_table(self) -> Timings:
-        """Every reported rank's live timings (refreshed where it stepped), as a table."""
-        self._refresh_live()
+        """Every reported rank's live timings (refreshed where it stepped), as a table;
+        what the refresh gathered is kept for this evaluation's cost model."""
+        self._refresh_live(keep=True)
         rows = np.fromiter(self.ranks, np.int64, len(self.ranks))
         return self.live_cols.table(rows, Lookup(self.ranks, lambda rs: rs.ident.host),
                                     Lookup(self.ranks, lambda rs: rs.gpu))
 
-    def _refresh_live(self) -> None:
+    def _refresh_live(self, keep: bool = False) -> None:
         """The live timings of every rank that stepped since the last evaluation, over its
         newest LIVE_STEPS steps, computed together (one WindowBlock.stats call) into
         `live_cols`: its median, untimed phases, gradient bytes and stall threshold."""
@@ -645,7 +649,8 @@ class RunState:
         if not todo:
             return
         rows = np.fromiter((rs.ident.rank for rs in todo), np.int64, len(todo))
-        stats = self.block.stats(rows, LIVE_STEPS)
+        stats = self.block.stats(rows, LIVE_STEPS, keep=keep)
+        self._gather = stats.gather
         cols.put(rows, stats)
         self.recent_cols.fresh[rows] = False  # asked again only by a straggler rule
         at = dx.stall_thresholds(stats.median[:, 0]).tolist()  # set past warm-up (past)
@@ -802,6 +807,7 @@ class RunState:
             self._new_episode(shown, now if hang_since is None else hang_since)
         self._count_cost(shown)
         self._add_history(now, timings)
+        self._gather = None  # what the refresh gathered serves this evaluation only
         return shown
 
     def _keep_hang_stacks(self) -> None:
@@ -879,7 +885,7 @@ class RunState:
         newest = max((rs.last_step for rs in self.ranks.values()), default=-1)
         fresh = newest - self._lost_mark
         data = self.block.aligned(list(self.ranks), cost.steps_to_read(
-            len(self.ranks), self.window_steps, max(LIVE_STEPS, fresh)))
+            len(self.ranks), self.window_steps, max(LIVE_STEPS, fresh)), self._gather)
         fsdp = self.parallel == "fsdp"
         saved = None if data is None else cost.savings(shown, data, fsdp)
         if data is None or saved is None:

@@ -107,6 +107,16 @@ def nan_medians(x: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True, slots=True)
+class Gather:
+    """Some ranks' newest values as one `WindowBlock.stats` gathered them: the slots read
+    (flat indices into a (ranks, size) series) and, per series, the values (read-only).
+    `WindowBlock.aligned` reads the same slots from them rather than from memory again."""
+
+    flat: np.ndarray
+    values: list[np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
 class BlockStats:
     """Quantiles of some ranks' newest steps, one row per rank asked for, one column per
     series (0: the step time, then the phases at their `index`). NaN where none had a value.
@@ -120,6 +130,8 @@ class BlockStats:
     median: np.ndarray  # (k, series)
     p95: np.ndarray  # (k, series)
     seen: np.ndarray  # (k, series)
+    # The values gathered, where `WindowBlock.stats` was asked to keep them (`keep`).
+    gather: Gather | None = None
 
     def rows(self) -> list[tuple[Quantiles | None, dict[str, Quantiles | None]]]:
         """Per rank asked for: (step quantiles, {phase: quantiles}) in plain Python."""
@@ -310,9 +322,12 @@ class WindowBlock:
         return self.series[idx][rank, cols].tolist()
 
     def stats(self, ranks: Sequence[int] | np.ndarray,
-              last: int | Sequence[int] | np.ndarray | None = None) -> BlockStats:
+              last: int | Sequence[int] | np.ndarray | None = None, keep: bool = False
+              ) -> BlockStats:
         """Quantiles of each rank's newest `last` steps (a number, one per rank, or None
-        for the whole window), for all the given ranks in one pass per series."""
+        for the whole window), for all the given ranks in one pass per series. `keep`:
+        keep what was gathered (BlockStats.gather) where every rank had `last` steps, for
+        `aligned` in the same evaluation."""
         r = np.asarray(ranks, dtype=np.int64)
         count = np.asarray(self.count, dtype=np.int64)[r]
         n = count if last is None else np.minimum(np.asarray(last, dtype=np.int64), count)
@@ -340,8 +355,13 @@ class WindowBlock:
             # read at the same columns of every sorted row (_nan_quantiles' arithmetic).
             lo, hi = (width - 1) // 2, width // 2
             top = max(math.ceil(0.95 * width) - 1, 0)
+            kept: list[np.ndarray] | None = [] if keep and full and flat is not None else None
             for i, arr in enumerate(self.series):
                 data = arr[r] if flat is None else np.take(arr, flat)
+                if kept is not None:  # kept as gathered; the statistics work on a copy
+                    data.flags.writeable = False
+                    kept.append(data)
+                    data = data.copy()
                 if not full:
                     data[~inside] = np.nan
                 missing = np.isnan(data)
@@ -360,14 +380,19 @@ class WindowBlock:
                         fill &= inside
                     np.copyto(data, 0.0, where=fill)
                 med[:, i], p95[:, i] = _nan_quantiles(data)
+            if kept is not None and flat is not None:
+                return BlockStats(n, dict(self.index), med, p95, seen, Gather(flat, kept))
         return BlockStats(n, dict(self.index), med, p95, seen)
 
-    def aligned(self, ranks: Sequence[int], last: int) -> AlignedSteps | None:
+    def aligned(self, ranks: Sequence[int], last: int, reuse: Gather | None = None
+                ) -> AlignedSteps | None:
         """The given ranks' values over the same steps: up to `last` of the newest steps
         that all of them hold, for the cost model (cost.py), which compares ranks step by
         step. Ranks more than half a window behind the median rank's newest step (ended,
         stuck) are left out; a slot whose step number is not the one expected (records an
-        agent dropped) is NaN. None when no step is common to them."""
+        agent dropped) is NaN. None when no step is common to them. `reuse`: values
+        `stats` gathered in this evaluation, read where the slots are the same (ranks in
+        lockstep: the newest steps of each are the common ones)."""
         r = np.asarray([x for x in ranks if self.count[x] > 0], dtype=np.int64)
         if len(r) == 0 or last <= 0:
             return None
@@ -387,8 +412,17 @@ class WindowBlock:
         wrong = np.take(self.step_no, flat) != steps[None, :]
         some_wrong = bool(wrong.any())
 
+        same = (reuse is not None and reuse.flat.shape == flat.shape
+                and np.array_equal(reuse.flat, flat))
+
         def take(series: int) -> np.ndarray:
-            out = np.take(self.series[series], flat)
+            if same and reuse is not None and series < len(reuse.values):
+                out = reuse.values[series]
+                if not some_wrong:
+                    return out
+                out = out.copy()
+            else:
+                out = np.take(self.series[series], flat)
             if some_wrong:
                 out[wrong] = np.nan
             return out
