@@ -52,7 +52,7 @@ def main() -> None:
         view, snap = make_view(state), state.snapshot(T0 + 75.0, 0.5)
         render = renderer(view, snap)
         text = render()
-        server = metrics.MetricsServer(lambda: (view, snap), "bench", "127.0.0.1", 0)
+        server = metrics.MetricsServer(lambda v=view, s=snap: (v, s), "bench", "127.0.0.1", 0)
         server.exposition()  # the tick's first scrape renders; the others reuse its bytes
         cached = cpu_ms(server.exposition, 101)
         server.listener.close()
