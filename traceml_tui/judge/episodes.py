@@ -16,38 +16,28 @@ import warnings
 
 import numpy as np
 
-from traceml_agent.vocab import (
-    COMPUTE_PHASES,
-    COMPUTE_STRAGGLER,
-    INPUT_BOUND,
-    INPUT_PHASES,
-    INPUT_STRAGGLER,
-    PERIODIC_STALL,
-    STRAGGLER,
-    WAIT_HEAVY,
-)
-
 from .diagnosis import (
-    FSDP_COMPUTE_PHASES,
     INPUT_BOUND_EXIT,
     MIN_GAP_MS,
+    PRICED,
     SKEW_EXIT,
     WAIT_HEAVY_EXIT,
     Diagnosis,
+    compared_phases,
 )
 from .windows import AlignedSteps, nan_medians
 
 # A step is evidence of a label's culprit when the culprit cost the job at least this
 # share of that step (and MIN_GAP_MS): the label's own exit threshold, read per step, so
-# an episode spans the steps on which the label would still hold.
+# an episode spans the steps on which the label would still hold. By the label's pricing
+# model (diagnosis.Rule.pricing): the labels priced alike share their exit threshold.
 EVIDENCE_SHARE = {
-    INPUT_STRAGGLER: SKEW_EXIT,
-    COMPUTE_STRAGGLER: SKEW_EXIT,
-    STRAGGLER: SKEW_EXIT,
-    INPUT_BOUND: INPUT_BOUND_EXIT,
-    WAIT_HEAVY: WAIT_HEAVY_EXIT,
-    PERIODIC_STALL: 0.0,  # its pricing counts only stalled steps: each one is evidence
+    "straggler": SKEW_EXIT,
+    "fleet_input": INPUT_BOUND_EXIT,
+    "residual_wait": WAIT_HEAVY_EXIT,
+    "stalls": 0.0,  # its pricing counts only stalled steps: each one is evidence
 }
+
 # ... and at least this share of the gap the label was named with (the window's median):
 # the edges of an episode are where its gap is half there, so a loaded machine's noisy
 # step of a few milliseconds beside it is not taken for its start or its end.
@@ -66,18 +56,22 @@ MIN_EVIDENCE = 3
 MIN_STALLS = 1  # each stall is a step the rule counted (it needs several in its window)
 
 
+def _stalls(label: str) -> bool:
+    return PRICED.get(label) == "stalls"
+
+
 def evidence(label: str, job_ms: np.ndarray, saving_ms: np.ndarray,
              gap_ms: float | None = None) -> np.ndarray:
     """Per step, whether the culprit's cost in it (or a straggler's own gap, own_gap)
     is evidence of `label` (a bool array); `gap_ms`: the gap the label was named with
     (Diagnosis.gap_ms), for EDGE_SHARE."""
-    share = EVIDENCE_SHARE.get(label)
+    share = EVIDENCE_SHARE.get(PRICED.get(label, ""))
     if share is None:
         return np.zeros(len(saving_ms), dtype=bool)
-    edge = EDGE_SHARE * gap_ms if gap_ms and gap_ms > 0 and label != PERIODIC_STALL else 0.0
+    edge = EDGE_SHARE * gap_ms if gap_ms and gap_ms > 0 and not _stalls(label) else 0.0
     floor = np.maximum(max(MIN_GAP_MS, edge), share * np.nan_to_num(job_ms))
     cost = np.nan_to_num(saving_ms)
-    if label != PERIODIC_STALL:  # a stall is one step: nothing to smooth
+    if not _stalls(label):  # a stall is one step: nothing to smooth
         cost = rolling_median(cost, SMOOTH_STEPS)
     return cost >= np.maximum(floor, 1e-9)
 
@@ -87,9 +81,7 @@ def own_gap(d: Diagnosis, data: AlignedSteps, fsdp: bool = False) -> np.ndarray 
     less the median of the other ranks' (a node: its ranks' median), in ms; what the
     label was named from, step by step. Unlike its cost (cost.Savings) it does not drop
     on the steps where another rank's stray delay paces the job. None for other labels."""
-    compute = FSDP_COMPUTE_PHASES if fsdp else COMPUTE_PHASES
-    group = {INPUT_STRAGGLER: INPUT_PHASES, COMPUTE_STRAGGLER: compute,
-             STRAGGLER: INPUT_PHASES + compute}.get(d.label)
+    group = compared_phases(d, fsdp) if PRICED.get(d.label) == "straggler" else None
     culprits = d.node_ranks if d.node is not None else (d.rank,)
     mask = np.isin(data.ranks, np.asarray([c for c in culprits if c is not None],
                                           dtype=np.int64))
@@ -122,7 +114,7 @@ def span(label: str, steps: np.ndarray, hot: np.ndarray, after: int
     """The newest run of evidence on steps after `after`, as (first, last) step numbers:
     evidenced steps joined across at most JOIN_GAP steps without (any gap for periodic
     stalls); None without a run of MIN_EVIDENCE evidenced steps (MIN_STALLS stalls)."""
-    stall = label == PERIODIC_STALL
+    stall = _stalls(label)
     mask = hot & (steps > after)
     at = steps[mask]
     if len(at) == 0:
