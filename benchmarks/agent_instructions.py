@@ -74,7 +74,8 @@ if {hooks!r} and {whole!r}:
     import traceml_agent
     from traceml_agent import transport
     for name in ("SEND_INTERVAL_S", "MAX_SEND_INTERVAL_S", "HEARTBEAT_INTERVAL_S",
-                 "SYS_INTERVAL_S", "LARGE_SYS_INTERVAL_S"):  # --cadence-scale
+                 "SYS_INTERVAL_S", "LARGE_SYS_INTERVAL_S", "STACK_MIN_S",
+                 "STACK_REFRESH_S"):  # --cadence-scale (a slow start is not a stall)
         setattr(transport, name, getattr(transport, name) * {scale!r})
     assert traceml_agent.init({endpoint!r}, secret={secret!r})
 elif {hooks!r}:
@@ -194,10 +195,24 @@ def _total(f: Path) -> int:
     return int(match.group(1)) if match else 0
 
 
+def _gc(f: Path) -> int:
+    """Instructions in Python's garbage collections (gc_collect_main, inclusive)."""
+    text = subprocess.run(["callgrind_annotate", "--threshold=100", "--inclusive=yes", str(f)],
+                          capture_output=True, text=True).stdout
+    match = re.search(r"^\s*([\d,]+) \([^)]*\)\s+\S*gcmodule\.c:gc_collect_main ", text, re.M)
+    return int(match.group(1).replace(",", "")) if match else 0
+
+
 def by_thread(profile: Path, variant: str, short: int, long: int) -> dict[str, float]:
+    """Per step, by thread; "main-gc" is the training thread without its garbage
+    collections (a full one is ~6.5M instructions: at 500 steps of difference, one more
+    or fewer in a run moves the thread's figure by ~13k/step)."""
     a, b = thread_files(profile, variant, short), thread_files(profile, variant, long)
-    return {role: (_total(b[role]) - (_total(a[role]) if role in a else 0)) / (long - short)
-            for role in b}
+    out = {role: (_total(b[role]) - (_total(a[role]) if role in a else 0)) / (long - short)
+           for role in b}
+    if "main" in a and "main" in b:
+        out["main-gc"] = out["main"] - (_gc(b["main"]) - _gc(a["main"])) / (long - short)
+    return out
 
 
 def functions(f: Path) -> dict[str, int]:
@@ -228,6 +243,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--agent", type=Path, default=HERE.parent / "agent",
                    help="the agent folder measured (default: this checkout's)")
+    p.add_argument("--port", type=int, default=29_811,
+                   help="the gloo store's port (and port + 1): two runs at once need two")
     p.add_argument("--short", type=int, default=100)
     p.add_argument("--long", type=int, default=600)
     p.add_argument("--ddp", action="store_true",
@@ -246,7 +263,7 @@ def main() -> None:
     p.add_argument("--by-function", type=int, default=0, metavar="N",
                    help="with --profile: each thread's N functions that moved most")
     args = p.parse_args()
-    port = 29_811
+    port = args.port
     result = {}
     sink = Sink() if args.whole else None
     variants = (False, True) if args.only is None else (args.only == "hooks",)
