@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from traceml_tui.collect import metrics
 from traceml_tui.collect.canned import T0, make_state, make_view
-from traceml_tui.judge.state import Snapshot
+from traceml_tui.judge.snapshot import Snapshot
 from traceml_tui.viewmodel import RunView
 
 

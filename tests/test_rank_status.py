@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from traceml_tui.collect.view_build import rank_status
-from traceml_tui.judge.state import RankSnapshot
+from traceml_tui.judge.snapshot import RankSnapshot
 from traceml_tui.viewmodel import DONE, FAILED, OK, STALE, STOPPED, WAITING
 
 BASE = RankSnapshot(rank=0, local_rank=0, node=0, host="h", pid=1, reported=True, steps=50,

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from itertools import chain, repeat
 from typing import Any
 
-from traceml_tui.judge.state import Snapshot
+from traceml_tui.judge.snapshot import Snapshot
 from traceml_tui.viewmodel import VIEW_PHASES, RankRow, RunView, own_work
 
 # Every rank gets its own series up to this many ranks (8 phase series + 2 per rank:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from msgspec.structs import replace
 
 from traceml_agent.protocol import Sys
-from traceml_tui.judge.state import RankSnapshot, Snapshot, hours_unit
+from traceml_tui.judge.snapshot import RankSnapshot, Snapshot, hours_unit
 from traceml_tui.judge.windows import median
 from traceml_tui.report.summary import failure_of
 from traceml_tui.viewmodel import (

@@ -27,7 +27,8 @@ from traceml_agent.requests import (
     encode_view,
 )
 from traceml_tui import viewmodel
-from traceml_tui.judge.state import RunState, Snapshot
+from traceml_tui.judge.snapshot import Snapshot
+from traceml_tui.judge.state import RunState
 from traceml_tui.report import summary
 
 from . import view_build

@@ -89,7 +89,7 @@ class RankProgress:
     busy: str | None = None
     busy_s: float = 0.0
     node: int = 0
-    relay_silent: bool = False  # its node's relay fell silent (state.RELAY_SILENT_S)
+    relay_silent: bool = False  # its node's relay fell silent (snapshot.RELAY_SILENT_S)
 
     def position(self) -> tuple[int, int, int]:
         return (self.steps, self.collectives, PHASE_ORDER.get(self.phase, 0))

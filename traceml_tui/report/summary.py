@@ -23,8 +23,8 @@ from traceml_agent import nccl_log
 from traceml_agent.sanitize import clean_line
 from traceml_agent.vocab import SYNC, format_ranks
 from traceml_tui.judge import diagnosis as dx
+from traceml_tui.judge.snapshot import Episode, Snapshot, WholeWindow, hours_unit
 from traceml_tui.judge.stalls import StallFinding
-from traceml_tui.judge.state import Episode, Snapshot, WholeWindow, hours_unit
 from traceml_tui.judge.windows import median
 from traceml_tui.runfolder.folders import write_atomic
 from traceml_tui.runfolder.layout import RunFolder
