@@ -84,14 +84,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.e2e)
     # The costliest files first, each file's tests in their order (module fixtures share
     # jobs): under xdist the long end-to-end files start early and the short files fill
-    # in at the end (longest first), instead of one long file ending the run alone.
+    # in at the end (longest first), instead of one long file ending the run alone. In
+    # a file its `alone` tests go last, in one run: the other workers drain once for them
+    # (see _turn below), not once for each.
     cost: dict[Path, int] = {}
     first: dict[Path, int] = {}
     for index, item in enumerate(items):
         first.setdefault(item.path, index)
         cost[item.path] = cost.get(item.path, 0) + (
             E2E_WEIGHT if item.get_closest_marker("e2e") is not None else 1)
-    items.sort(key=lambda item: (-cost[item.path], first[item.path]))
+    items.sort(key=lambda item: (-cost[item.path], first[item.path], _alone(item)))
 
 
 # --- `alone` under xdist: a readers-writer lock over the workers ---------------------------
