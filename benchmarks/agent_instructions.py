@@ -206,12 +206,15 @@ def _gc(f: Path) -> int:
 def by_thread(profile: Path, variant: str, short: int, long: int) -> dict[str, float]:
     """Per step, by thread; "main-gc" is the training thread without its garbage
     collections (a full one is ~6.5M instructions: at 500 steps of difference, one more
-    or fewer in a run moves the thread's figure by ~13k/step)."""
+    or fewer in a run moves the thread's figure by ~13k/step), "all-gc" every thread
+    without them (a collection runs on whichever thread allocates when it is due)."""
     a, b = thread_files(profile, variant, short), thread_files(profile, variant, long)
     out = {role: (_total(b[role]) - (_total(a[role]) if role in a else 0)) / (long - short)
            for role in b}
     if "main" in a and "main" in b:
         out["main-gc"] = out["main"] - (_gc(b["main"]) - _gc(a["main"])) / (long - short)
+        gc = sum(_gc(b[r]) - (_gc(a[r]) if r in a else 0) for r in b) / (long - short)
+        out["all-gc"] = sum(v for r, v in out.items() if r != "main-gc") - gc
     return out
 
 
