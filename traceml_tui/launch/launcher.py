@@ -672,4 +672,21 @@ def run(opts: RunOptions) -> int:
               flush=True)
     if reply.incomplete:
         print(f"[traceml] {reply.incomplete}", file=sys.stderr, flush=True)
+    let_handover_end(node.handover)
     return 1 if reply.exit_code is None else int(reply.exit_code)
+
+
+# The longest a store call of the handover thread takes against a store that is gone.
+HANDOVER_EXIT_WAIT_S = 4 * handover.CONNECT_TIMEOUT_S
+
+
+def let_handover_end(handed: threading.Thread | None) -> None:
+    """Wait for the store thread to leave its last store call before the interpreter
+    exits. Its `until` holds once torchrun has ended, so it returns after its current
+    call; but a daemon thread still inside torch's TCPStore client (node 0's store gone
+    first: a refused connect is retried for ~12 s, more than its 5 s timeout) when the
+    interpreter finalizes is stopped by pthread_exit inside C++, and the process aborts
+    (SIGABRT, exit -6) after the job itself succeeded: seen on a loaded machine when
+    node 1 ended after node 0. The reply is printed before this wait."""
+    if handed is not None:
+        handed.join(HANDOVER_EXIT_WAIT_S)
