@@ -7,16 +7,14 @@ the whole-window verdict of a full snapshot."""
 
 from __future__ import annotations
 
-import io
 import json
-import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+from old_code import env, old_tree
 
 from traceml_agent import vocab
 
@@ -25,28 +23,6 @@ OLD = "36da305"  # the last per-rank judgement
 CASES = Path(__file__).resolve().parent / "columnar_cases.py"
 WHERE = ("import traceml_tui.judge.state as s, traceml_agent as a; "
          "print(s.__file__); print(a.__file__)")
-
-
-def old_tree(into: Path) -> Path:
-    """The collector and agent of OLD, importable from `into` (the agent as the package
-    name it is installed under)."""
-    known = subprocess.run(["git", "cat-file", "-e", f"{OLD}^{{commit}}"], cwd=ROOT,
-                           capture_output=True)
-    if known.returncode != 0:
-        pytest.skip(f"commit {OLD} is not in this clone's history (a shallow clone?)")
-    archive = subprocess.run(["git", "archive", "--format=tar", OLD, "traceml_tui", "agent"],
-                             cwd=ROOT, capture_output=True, check=True).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(into, filter="data")
-    (into / "agent").rename(into / "traceml_agent")
-    return into
-
-
-def env(pythonpath: Path | None) -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    if pythonpath is not None:
-        out["PYTHONPATH"] = str(pythonpath)
-    return out
 
 
 def leaves(a: Any, b: Any, path: str = "") -> tuple[int, list[str]]:
@@ -72,7 +48,7 @@ def leaves(a: Any, b: Any, path: str = "") -> tuple[int, list[str]]:
 
 @pytest.mark.parametrize("world", [32, pytest.param(1024, marks=pytest.mark.e2e)])
 def test_the_columnar_judgement_gives_the_per_rank_verdicts_and_figures(world, tmp_path):
-    old = old_tree(tmp_path)
+    old = old_tree(OLD, tmp_path)
     where = subprocess.run([sys.executable, "-c", WHERE], env=env(old), cwd=tmp_path,
                            capture_output=True, text=True, check=True).stdout.split()
     assert all(Path(p).is_relative_to(old) for p in where)  # the old code, not ours

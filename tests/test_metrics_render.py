@@ -5,15 +5,9 @@ a Slurm job; and a render reuses nothing that changed (values, labels, job)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tarfile
-from io import BytesIO
 from pathlib import Path
 
-import pytest
+from old_code import old_tree, run_json
 
 from traceml_tui.collect import metrics
 from traceml_tui.collect.canned import T0, make_state, make_view
@@ -57,27 +51,10 @@ json.dump(out, sys.stdout)
 '''
 
 
-def _run(pythonpath: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          env=env, cwd=pythonpath or ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out: dict[str, str] = json.loads(proc.stdout)
-    return out
-
-
 def test_the_text_is_what_prometheus_client_wrote(tmp_path: Path) -> None:
-    try:
-        data = subprocess.run(["git", "archive", BEFORE, "traceml_tui", "agent"], cwd=ROOT,
-                              capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip(f"commit {BEFORE} is not in this checkout's history (a shallow clone?)")
-    with tarfile.open(fileobj=BytesIO(data)) as tar:
-        tar.extractall(tmp_path, filter="data")
-    (tmp_path / "agent").rename(tmp_path / "traceml_agent")
-    old, new = _run(str(tmp_path)), _run(None)
+    drop = ("SLURM_JOB_ID",)
+    old = run_json(SCRIPT, old_tree(BEFORE, tmp_path), drop)
+    new = run_json(SCRIPT, None, drop)
     assert sorted(old) == sorted(new)
     for key in old:
         assert new[key] == old[key], f"{key}: the exposition differs"

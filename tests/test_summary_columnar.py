@@ -6,15 +6,11 @@ subprocess."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tarfile
-from io import BytesIO
 from pathlib import Path
 
 import numpy as np
 import pytest
+from old_code import old_tree, run_json
 
 from traceml_tui.judge.windows import WindowBlock, whole_window_stats
 from traceml_tui.report import summary
@@ -61,33 +57,9 @@ json.dump(out, sys.stdout)
 '''
 
 
-def _run(pythonpath: str | None) -> dict[str, list[str]]:
-    env = dict(os.environ)
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          env=env, cwd=pythonpath or ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out: dict[str, list[str]] = json.loads(proc.stdout)
-    return out
-
-
-def _old_tree(tmp_path: Path) -> Path:
-    """Commit BEFORE's packages, laid out as installed (agent/ imports as traceml_agent)."""
-    try:
-        data = subprocess.run(["git", "archive", BEFORE, "traceml_tui", "agent"], cwd=ROOT,
-                              capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip(f"commit {BEFORE} is not in this checkout's history (a shallow clone?)")
-    with tarfile.open(fileobj=BytesIO(data)) as tar:
-        tar.extractall(tmp_path, filter="data")
-    (tmp_path / "agent").rename(tmp_path / "traceml_agent")
-    return tmp_path
-
-
 def test_summary_bytes_match_the_per_rank_code(tmp_path: Path) -> None:
-    old = _run(str(_old_tree(tmp_path)))
-    new = _run(None)
+    old = run_json(SCRIPT, old_tree(BEFORE, tmp_path))
+    new = run_json(SCRIPT, None)
     assert sorted(old) == sorted(new)
     for key in old:
         for part, (before, now) in enumerate(zip(old[key], new[key], strict=True)):

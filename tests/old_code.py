@@ -1,0 +1,49 @@
+"""An earlier commit's collector and agent, to compare the code before a rewrite with the
+code after it on the same inputs: extracted with `git archive` and run in a process of its
+own (a test skips, saying why, in a clone without that commit: a shallow one)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def old_tree(commit: str, into: Path) -> Path:
+    """`commit`'s traceml_tui and agent, importable from `into` (the agent under the
+    package name it is installed as)."""
+    known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT,
+                           capture_output=True)
+    if known.returncode != 0:
+        pytest.skip(f"commit {commit} is not in this clone's history (a shallow clone?)")
+    archive = subprocess.run(["git", "archive", "--format=tar", commit, "traceml_tui", "agent"],
+                             cwd=ROOT, capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    (into / "agent").rename(into / "traceml_agent")
+    return into
+
+
+def env(pythonpath: Path | None, drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """This environment with PYTHONPATH set to `pythonpath` (None: the installed code)."""
+    out = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and k not in drop}
+    if pythonpath is not None:
+        out["PYTHONPATH"] = str(pythonpath)
+    return out
+
+
+def run_json(script: str, pythonpath: Path | None, drop: tuple[str, ...] = ()) -> Any:
+    """What `script` prints as JSON, run by the code at `pythonpath` (None: this tree)."""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env(pythonpath, drop), cwd=pythonpath or ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
