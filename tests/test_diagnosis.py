@@ -18,6 +18,7 @@ from traceml_tui.judge.diagnosis import (
     CONFIRM_TICKS,
     CRITICAL,
     CRITICAL_SHARE,
+    HANG,
     INFO,
     INPUT_BOUND,
     INPUT_BOUND_ENTER,
@@ -291,6 +292,11 @@ def test_new_rank_for_the_same_label_must_be_confirmed():
 
 def test_leaving_warmup_is_immediate():
     assert run(dg(WARMUP), dg(COMPUTE_STRAGGLER, 2)) == [(COMPUTE_STRAGGLER, 2)]
+
+
+def test_leaving_hang_is_immediate():
+    """HANG is shown from progress: a step taken ends it, with nothing left to confirm."""
+    assert run(dg(HANG, 1), dg(BALANCED)) == [(BALANCED, None)]
 
 
 def test_shown_label_refreshes_its_evidence_at_once():

@@ -327,3 +327,26 @@ def test_the_summary_schema_in_docs_is_the_one_the_tests_check():
     root = Path(__file__).resolve().parents[1]
     assert ((root / "docs" / "spec" / "summary.schema.json").read_text()
             == (root / "tests" / "data" / "summary.schema.json").read_text())
+
+
+def test_a_hang_that_clears_leaves_the_label_at_once():
+    """A step taken ends the hang: the next evaluation shows the window's label, not a
+    HANG kept for the confirming evaluations with no hang behind it (the snapshot's and
+    the summary's hang section null while the banner said HANG)."""
+    from traceml_agent.protocol import PHASES, decode, encode
+
+    state, idents = _state_with_steps()
+    t = 2
+    while state.evaluate(1_700_000_000.0 + t, mono_now=t + 0.5).label != "HANG":
+        for i in idents:
+            _beat(state, i, float(t), since=t - 1.0)
+        t += 1
+        assert t < 120, "no HANG declared"
+    for i in idents:  # every rank steps again
+        records = [_record(s, 1_700_000_000.0 + t) for s in range(20, 30)]
+        state.ingest(decode(encode("steps", i, 2, 1_700_000_000.0 + t, phases=list(PHASES),
+                                   records=records)), now=float(t))
+    shown = state.evaluate(1_700_000_000.0 + t, mono_now=t + 0.5)
+    snap = state.snapshot(1_700_000_000.0 + t, t + 0.5)
+    assert shown.label != "HANG" and snap.live.label != "HANG"
+    assert snap.hang is None

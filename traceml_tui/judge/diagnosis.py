@@ -812,12 +812,14 @@ class LiveLabel:
 def settle(live: LiveLabel | None, candidate: Diagnosis) -> LiveLabel:
     """Advance the displayed label by one evaluation. A new label (or a new rank for the
     same label) must win CONFIRM_TICKS evaluations in a row; the shown label's own
-    evidence refreshes at once. Leaving WARMUP needs no confirmation."""
+    evidence refreshes at once. Leaving WARMUP needs no confirmation, nor does leaving
+    HANG: it is shown from progress, not a window (hang.py), and a step taken is its end;
+    kept for the confirming evaluations, it would be shown with no hang behind it."""
     if live is None:
         return LiveLabel(candidate)
     if candidate.subject == live.shown.subject:
         return LiveLabel(candidate)
-    if live.shown.label == WARMUP:
+    if live.shown.label in (WARMUP, HANG):
         return LiveLabel(candidate)
     key = "|".join(map(str, candidate.subject))
     wins = live.wins + 1 if live.challenger == key else 1
