@@ -111,6 +111,17 @@ class _Relay:
     dropped: int = 0
 
 
+def _rarely_seen(stats: BlockStats) -> np.ndarray:
+    """Per row of `stats`: a judged window (MIN_STEPS) in which an expected phase was
+    seen on fewer than half the steps; only these ranks (and those with phases closed
+    without their end hook) can have untimed phases (diagnosis.untimed_phases)."""
+    n = stats.steps
+    seen = np.stack([stats.seen[:, i] if (i := stats.index.get(p)) is not None
+                     else np.zeros(len(n), dtype=np.int64)
+                     for p in dx.EXPECTED_PHASES], axis=1)
+    return (n >= dx.MIN_STEPS) & (seen * 2 < n[:, None]).any(axis=1)
+
+
 @dataclass
 class RankState:
     ident: Identity
@@ -511,10 +522,7 @@ class RunState:
         that may have some: an expected phase seen on fewer than half their steps, or a
         phase closed without its end hook."""
         n = stats.steps
-        seen = np.stack([stats.seen[:, i] if (i := stats.index.get(p)) is not None
-                         else np.zeros(len(rows), dtype=np.int64)
-                         for p in dx.EXPECTED_PHASES], axis=1)
-        maybe = (n >= dx.MIN_STEPS) & (seen * 2 < n[:, None]).any(axis=1)
+        maybe = _rarely_seen(stats)
         maybe[forced] = True
         untimed = self.live_cols.untimed
         if untimed:
@@ -939,13 +947,9 @@ class RunState:
         reported = list(self.ranks.values())
         stats = whole_window_stats(self.block, [rs.ident.rank for rs in reported])
         # Asked (`_untimed`) only of the ranks that may have some, as _refresh_untimed
-        # does: an expected phase seen on fewer than half their steps, or a phase closed
-        # without its end hook.
+        # does: an expected phase rarely seen, or a phase closed without its end hook.
         n = stats.steps
-        seen = np.stack([stats.seen[:, i] if (i := stats.index.get(p)) is not None
-                         else np.zeros(len(n), dtype=np.int64)
-                         for p in dx.EXPECTED_PHASES], axis=1)
-        maybe = ((n >= dx.MIN_STEPS) & (seen * 2 < n[:, None]).any(axis=1)).tolist()
+        maybe = _rarely_seen(stats).tolist()
         untimed = {rs.ident.rank: self._untimed(rs, int(n[row]), stats, row)
                    for row, rs in enumerate(reported) if maybe[row] or rs.forced}
         return WholeWindow.of([rs.ident.rank for rs in reported], tuple(self.phases),
