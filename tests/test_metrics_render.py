@@ -5,9 +5,13 @@ a Slurm job; and a render reuses nothing that changed (values, labels, job)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from old_code import old_tree, run_json
+from prometheus_client.utils import floatToGoString
 
 from traceml_tui.collect import metrics
 from traceml_tui.collect.canned import T0, make_state, make_view
@@ -91,3 +95,17 @@ def test_every_scraper_gets_the_bytes_rendered_once_per_view() -> None:
         assert again != bodies[0] and server.renders == 2
     finally:
         server.stop()
+
+
+FLOATS = st.floats(allow_nan=True, allow_infinity=True) | st.integers(-(2**53), 2**53)
+EDGES = [0.0, -0.0, 1e-4, 9.999999999999999e-05, 5e-324, 1e6, 999999.9999999999, 1e16, 1e22,
+         -1e-5, 12, 2**53, math.nan, math.inf, -math.inf, 0.1, 1 / 3]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(FLOATS, max_size=64))
+def test_values_are_written_as_prometheus_client_writes_each(values: list[float]) -> None:
+    """Values are formatted all at once (msgspec's shortest digits, then repr's exponents
+    below 1e-4 and Go's above 1e6): each as floatToGoString writes it alone."""
+    values = values + EDGES
+    assert metrics._go_floats(values) == [floatToGoString(v) for v in values]
