@@ -43,9 +43,11 @@ from traceml_agent.protocol import (
     RELAY_STACKS_TAG,
     RELAY_TAG,
     Capture,
+    Message,
     ProtocolError,
     RelayStackRequest,
     RelayStacks,
+    StepRow,
     decode,
     decode_relay_batch,
     decode_relay_stacks,
@@ -61,6 +63,7 @@ from traceml_agent.requests import (
     decode_control,
     encode_reply,
 )
+from traceml_tui.judge import ingest_columns as columns
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import ending, summary
 from traceml_tui.runfolder import folders
@@ -184,6 +187,7 @@ class Collector:
         self.stacks_asked: dict[int, tuple[int, float | None]] = {}
         self.captures = DeepTraceBoard(self.run_dir)
         self.step_log = StepLogWriter(RunFolder(self.run_dir).step_log)
+        self.pending = columns.Pending()  # relayed rows whose records wait for the flush
         self.views = ViewServer(self.view, state, self.captures, self.routes, self.pump.send)
         self.stopping = False
         self.done = False
@@ -295,6 +299,7 @@ class Collector:
             n += len(batch)
             for frames in batch:
                 self._receive(frames, mono)
+            self.flush_columns()
             mono = time.monotonic()
         return n
 
@@ -317,8 +322,41 @@ class Collector:
             return
         self.state.relay_seen(batch.node, batch.batches, batch.dropped, mono)
         conn = frames[0]
+        cols = batch.cols
+        if cols is None:
+            for route, payload in zip(batch.routes, batch.payloads, strict=True):
+                self._receive_one((conn, route), payload, mono)
+            return
+        # An empty payload stands for the next column row (protocol.StepColumns).
+        rows, opened, i = cols.rows, columns.open_groups(cols.groups, cols.rows), 0
         for route, payload in zip(batch.routes, batch.payloads, strict=True):
-            self._receive_one((conn, route), payload, mono)
+            if payload:
+                self._receive_one((conn, route), payload, mono)
+            else:
+                self._receive_row((conn, route), rows[i], opened[i], mono)
+                i += 1
+
+    def _receive_row(self, route: Route, row: StepRow,
+                     opened: tuple[columns.Group, int] | None, mono: float) -> None:
+        """One column row: taken at once for its envelope, its records with the drain's
+        others (flush_columns), or else ingested as the steps message it stands for."""
+        if opened is None or columns.row_error(row, opened[0]) is not None:
+            self.state.count_malformed()
+            return
+        group, start = opened
+        if columns.take_row(self.state, self.pending, row.id, route, mono, row, group, start):
+            self.routes[row.id.rank] = route
+            return
+        self._take(route, columns.message_of(row, group, start), mono)
+
+    def flush_columns(self) -> None:
+        """The records of the rows taken since the last flush, into the state and the
+        step log (judge/ingest_columns.py)."""
+        if not self.pending.ranks:
+            return
+        for run in columns.flush(self.state, self.pending):
+            self.step_log.append_columns(run.phases, run.rank, run.step, run.t_end,
+                                         run.step_ms, run.values)
 
     def ask_relays_for_stacks(self) -> None:
         """While a hang names ranks behind a node relay that sent no stack of their own
@@ -361,8 +399,19 @@ class Collector:
         except ProtocolError:
             self.state.count_malformed()
             return
+        self._take(route, msg, mono)
+
+    def _take(self, route: Route, msg: Message, mono: float) -> None:
+        pending = self.pending
+        waits = bool(pending.ranks) and msg.ident.rank in pending.ranks
+        # Its rows waiting go first; a sys sample does not meet them, and a heartbeat only
+        # where flush settles by their order (ingest_columns.py).
+        if waits and msg.kind not in ("heartbeat", "sys"):
+            self.flush_columns()
         if not self.state.ingest(msg, mono, route):  # a live rank's record is its connection's
             return
+        if waits and msg.kind == "heartbeat":
+            pending.beat(msg.ident.rank)
         rank = msg.ident.rank
         self.routes[rank] = route
         if msg.kind == "steps":
@@ -626,6 +675,7 @@ def main(argv: list[str] | None = None) -> int:
             from . import metrics
 
             views = collector.views
+            views.eager = True  # the metrics thread reads the tick's view as it is
             collector.metrics = metrics.serve(lambda: (views.now, views.snap), state.run_name,
                                               args.metrics_host, args.metrics_port)
         except (ImportError, OSError) as exc:  # the run goes on without the metrics
