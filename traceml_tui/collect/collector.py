@@ -77,7 +77,8 @@ from .ingest_pump import IngestPump, Route
 from .view_server import ViewServer
 
 EVAL_INTERVAL_S = 0.5  # live diagnosis cadence: a change shows within ~1-2 s
-# With thousands of ranks one evaluation (diagnosis + the viewers' frozen state) costs
+# With thousands of ranks one evaluation (diagnosis + the viewers' frozen state, built
+# when a viewer asks: view_server.py) costs
 # ~170 ms at 4,096 ranks and ~0.9 s at 16,384: ticks are spaced at least this many times
 # their cost apart, so they never take more than a sixth of the collector's core from
 # ingest (the dashboard then refreshes every ~0.9 s at 4,096 ranks, ~5 s at 16,384;
@@ -245,6 +246,7 @@ class Collector:
             self.handshakes.drain()
             now = time.monotonic()
             if now >= next_eval:
+                viewed = self.views.take_spent()  # views built for viewers since the last
                 self._count_refusals()
                 self.state.counters["rejected_peers"] = self.rejected_peers
                 self.state.counters["backlog_refused"] = self.pump.refused
@@ -252,7 +254,7 @@ class Collector:
                 self.ask_relays_for_stacks()
                 self.views.refresh()
                 self.step_log.flush_if_due()
-                cost = time.monotonic() - now
+                cost = time.monotonic() - now + viewed
                 next_eval = now + max(EVAL_INTERVAL_S, EVAL_BACKOFF * cost)
             if now >= next_snap:
                 self.write_live()

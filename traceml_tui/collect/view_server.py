@@ -66,22 +66,35 @@ class ViewServer:
         self.eager = False  # build every tick (a /metrics server reads `now` and `snap`)
         self.stale = True  # a tick has passed since the view was built
         self.builds = 0
+        self.spent = 0.0  # seconds of views built on request, not yet charged to a tick
 
     def refresh(self) -> None:
-        """A new tick: the view is frozen again when a viewer next asks (now if eager)."""
+        """A new tick: the view is frozen again when a viewer next asks (now if eager,
+        inside the tick, whose cost the collector already counts)."""
         self.stale = True
         if self.eager:
-            self.build()
+            self.build(charge=False)
 
-    def build(self) -> None:
-        """Freeze the state for viewers; every viewer gets the same bytes."""
+    def build(self, charge: bool = True) -> None:
+        """Freeze the state for viewers; every viewer gets the same bytes. A build asked
+        by a viewer between ticks is charged to the next tick (`take_spent`): the
+        collector spaces its ticks by their cost, views included, as when every tick
+        built one (collector.EVAL_BACKOFF)."""
+        start = time.monotonic()
         self.stale = False
         self.builds += 1
-        snap = self.state.snapshot(time.time(), time.monotonic())
+        snap = self.state.snapshot(time.time(), start)
         self.snap = snap
         self.now = replace(view_build.build(snap, self.state.recent_steps),
                                 capture=self.captures.view())
         self.bytes = viewmodel.encode_view(self.now)
+        if charge:
+            self.spent += time.monotonic() - start
+
+    def take_spent(self) -> float:
+        """Seconds spent building views for viewers since the last call."""
+        spent, self.spent = self.spent, 0.0
+        return spent
 
     def handle(self) -> None:
         """One view request, one reply. The request is decoded and validated by its Struct
