@@ -48,7 +48,6 @@ from traceml_agent.protocol import (
     RELAY_STACKS_TAG,
     RELAY_TAG,
     ProtocolError,
-    RelayBatch,
     RelayStackRequest,
     RelayStacks,
     decode_relay_stacks,
@@ -58,6 +57,7 @@ from traceml_agent.protocol import (
 from traceml_agent.sanitize import clean_line
 from traceml_tui.runfolder import folders
 
+from . import relay_columns as columns
 from .auth import start_authenticator
 
 TICK_S = 0.2  # one batch per tick: ~5 messages a second per node reach node 0
@@ -116,7 +116,7 @@ class Relay:
         self._next_route = 0
         self.stacks_sent = 0  # dumps of this node's ranks sent up
         self._routes: list[int] = []
-        self._payloads: list[bytes] = []
+        self._payloads: list[columns.Item] = []
         self._pending_bytes = 0
         self.batches = 0  # relay messages sent
         self.forwarded = 0  # rank messages sent on
@@ -140,13 +140,18 @@ class Relay:
         return route
 
     def add(self, conn: bytes, payload: bytes) -> None:
-        """One rank message for the next batch."""
+        """One rank message for the next batch: a plain steps message as a column row
+        (relay_columns.py), anything else as it came. An empty one is no message at all (an
+        empty payload stands for a column row on the wire): it is not forwarded."""
         size = len(payload)
+        if not size:
+            return
         if self._pending_bytes + size > PENDING_BYTES or size > MAX_MESSAGE_BYTES:
             self.dropped += 1
             return
         self._routes.append(self._route(conn))
-        self._payloads.append(payload)
+        msg = columns.plain_steps(payload)
+        self._payloads.append(payload if msg is None else (msg, payload))
         self._pending_bytes += size
 
     def on_local(self) -> None:
@@ -231,12 +236,12 @@ class Relay:
         while True:
             end, size = start, 0
             while end < len(payloads) and end - start < MAX_RELAY_BATCH:
-                size += len(payloads[end])
+                size += columns.item_bytes(payloads[end])
                 if size > BATCH_BYTES and end > start:
                     break
                 end += 1
-            batch = RelayBatch(self.node, self.batches, self.dropped, routes[start:end],
-                               payloads[start:end])
+            batch = columns.relay_batch(self.node, self.batches, self.dropped,
+                                        routes[start:end], payloads[start:end])
             try:
                 self.up.send_multipart([RELAY_TAG, encode_relay_batch(batch)], zmq.NOBLOCK)
                 self.batches += 1

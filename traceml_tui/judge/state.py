@@ -396,34 +396,47 @@ class RunState:
         if body.colls:
             self.collectives.add(rs.ident.rank, body.colls)
         for rec in msg.records:
-            if rec.step <= rs.last_step:  # replayed or out of order: already counted
-                self.counters["duplicate_records"] += 1
-                continue
-            if rs.first_step < 0:
-                rs.first_step, rs.first_step_at = rec.step, rs.last_seen
-            elif rec.step > rs.first_step + MAX_STEP_JUMP + int(
-                    MAX_STEPS_PER_S * max(0.0, rs.last_seen - rs.first_step_at)):
-                # Faster than any training steps: a jump to 2**62 (or a climb to it, record
-                # by record) would make every later real step look like a duplicate.
-                self.counters["absurd_steps"] += 1
-                continue
-            if rec.step >= WARMUP_STEPS:
-                rs.window.append(rec.step_ms, msg.phases, rec.phase_ms, rec.step)
-                if (rs.stall_at_ms is not None and rec.step_ms >= rs.stall_at_ms
-                        and (live := self._evaluated(rs)) is not None
-                        and live.step_ms is not None):
-                    st = dx.stall_of(rec.step, rec.step_ms, live.step_ms, msg.phases,
-                                     rec.phase_ms, live.phase_ms)
-                    self.stall_book.add(rs.ident.rank, st.step, st.excess_ms, st.phase)
-            rs.last_step_at = rs.last_seen
-            rs.since_step_at_msg_s = 0.0
-            rs.last_step = rec.step
-            rs.steps += 1
-            self.counters["records"] += 1
-            rs.dirty = True
+            self.take_record(rs, rec.step, rec.step_ms, msg.phases, rec.phase_ms)
         if rs.stacks and rs.last_step > rs.stacks_after_step:
             rs.stacks = ()
             rs.nccl = None
+
+    def take_record(self, rs: RankState, step: int, step_ms: float, phases: tuple[str, ...],
+                    phase_ms: tuple[float | None, ...]) -> bool:
+        """One validated record of a rank's batch, in order; False if refused (a duplicate
+        or an absurd step). judge/ingest_columns.py does the same for whole columns, and
+        comes here for a rank whose records are not simply the next steps."""
+        if step <= rs.last_step:  # replayed or out of order: already counted
+            self.counters["duplicate_records"] += 1
+            return False
+        if rs.first_step < 0:
+            rs.first_step, rs.first_step_at = step, rs.last_seen
+        elif step > rs.first_step + MAX_STEP_JUMP + int(
+                MAX_STEPS_PER_S * max(0.0, rs.last_seen - rs.first_step_at)):
+            # Faster than any training steps: a jump to 2**62 (or a climb to it, record
+            # by record) would make every later real step look like a duplicate.
+            self.counters["absurd_steps"] += 1
+            return False
+        if step >= WARMUP_STEPS:
+            rs.window.append(step_ms, phases, phase_ms, step)
+            if rs.stall_at_ms is not None and step_ms >= rs.stall_at_ms:
+                self.stall_seen(rs, step, step_ms, phases, phase_ms)
+        rs.last_step_at = rs.last_seen
+        rs.since_step_at_msg_s = 0.0
+        rs.last_step = step
+        rs.steps += 1
+        self.counters["records"] += 1
+        rs.dirty = True
+        return True
+
+    def stall_seen(self, rs: RankState, step: int, step_ms: float, phases: tuple[str, ...],
+                   phase_ms: tuple[float | None, ...]) -> None:
+        """A step at or past the rank's stall threshold: to the stall log, against its
+        live timings of the last evaluation."""
+        live = self._evaluated(rs)
+        if live is not None and live.step_ms is not None:
+            st = dx.stall_of(step, step_ms, live.step_ms, phases, phase_ms, live.phase_ms)
+            self.stall_book.add(rs.ident.rank, st.step, st.excess_ms, st.phase)
 
     def set_native_stack(self, rank: int, pid: int, text: str) -> None:
         """A stuck rank's stack taken from outside (native_stacks.py): kept beside any

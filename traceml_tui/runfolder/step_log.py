@@ -16,7 +16,12 @@ Stream format (each item one msgpack array):
   [0, FORMAT_VERSION, generation]       file header; generations order the two files
   [1, table_id, [phase names]]          a phase-name table, declared before first use
   [2, rank, step, t_end, step_ms, table_id, [phase_ms or nil, ...]]
+  [3, table_id, ranks, steps, t_end, step_ms, phase_ms]   records as columns: packed
+                                        little-endian arrays (int64, int64, float64 x 3,
+                                        phase_ms len(table) per record, NaN for nil)
 Every file re-declares all tables after its header, so each file reads on its own.
+Columns are what the collector writes for a relay's columns (judge/ingest_columns.py):
+one item for hundreds of records, where packing each record cost ~1 us of node 0's time.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from traceml_agent.protocol import StepRecord
 
@@ -44,7 +50,7 @@ MAX_BUFFER_BYTES = 4 << 20
 # Distinct phase-name tuples a log holds; agents send one tuple each, so this is plenty.
 MAX_PHASE_TABLES = 4096
 
-_HEADER, _TABLE, _STEP = 0, 1, 2
+_HEADER, _TABLE, _STEP, _COLUMNS = 0, 1, 2, 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +130,25 @@ class StepLogWriter:
                 n += 1
         except (TypeError, ValueError, OverflowError):
             self.dropped += 1  # a value msgpack cannot encode; the rest of the batch is lost
+        self._buffered += n
+        self.flush_if_due()
+
+    def append_columns(self, phases: tuple[str, ...], rank: np.ndarray, step: np.ndarray,
+                       t_end: np.ndarray, step_ms: np.ndarray, values: np.ndarray) -> None:
+        """Log validated records of one phase list as columns (values: records x phases,
+        NaN where a phase was not measured), in the order they came."""
+        n = len(rank)
+        if self.disabled:
+            self.dropped += n
+            return
+        table = self._tables.get(phases)
+        if table is None and (table := self._declare(phases)) is None:
+            self.dropped += n
+            return
+        self._buf += self._pack((_COLUMNS, table, rank.astype("<i8").tobytes(),
+                                 step.astype("<i8").tobytes(), t_end.astype("<f8").tobytes(),
+                                 step_ms.astype("<f8").tobytes(),
+                                 values.astype("<f8").tobytes()))
         self._buffered += n
         self.flush_if_due()
 
@@ -247,6 +272,8 @@ def _read_file(path: Path) -> Iterator[LoggedStep]:
                     step = _step(item, tables)
                     if step is not None:
                         yield step
+                elif item[0] == _COLUMNS and len(item) == 7:
+                    yield from _columns(item, tables)
                 elif (item[0] == _TABLE and len(item) == 3 and isinstance(item[2], list)
                       and all(isinstance(n, str) for n in item[2])):
                     tables[item[1]] = tuple(item[2])
@@ -263,3 +290,19 @@ def _step(item: list, tables: dict[int, tuple[str, ...]]) -> LoggedStep | None:
             or not all(v is None or isinstance(v, (int, float)) for v in phase_ms)):
         return None
     return LoggedStep(rank, step, float(t_end), float(step_ms), phases, tuple(phase_ms))
+
+
+def _columns(item: list, tables: dict[int, tuple[str, ...]]) -> Iterator[LoggedStep]:
+    _, table, *arrays = item
+    phases = tables.get(table) if type(table) is int else None
+    if phases is None or not all(isinstance(a, bytes) for a in arrays):
+        return
+    n = len(arrays[0]) // 8
+    if any(len(a) != 8 * n for a in arrays[:4]) or len(arrays[4]) != 8 * n * len(phases):
+        return
+    rank, step = (np.frombuffer(a, "<i8").tolist() for a in arrays[:2])
+    t_end, step_ms = (np.frombuffer(a, "<f8").tolist() for a in arrays[2:4])
+    values = np.frombuffer(arrays[4], "<f8").reshape(n, len(phases)).tolist()
+    for i in range(n):
+        yield LoggedStep(rank[i], step[i], t_end[i], step_ms[i], phases,
+                         tuple(None if v != v else v for v in values[i]))

@@ -1,0 +1,330 @@
+"""A relay's columns (protocol.StepColumns) change nothing but node 0's cost: the same
+rank messages, sent as old relays send them (each payload as it came) and as columns,
+leave the same state, snapshot, summary, view, step log and counters.
+
+The stream has what the per-message path has rules for: several phase lists, unmeasured
+phases, warm-up steps, duplicates, an absurd step, a stall past the threshold of an
+evaluation, dropped and forced counts, a refused record, a restart with a new pid on a new
+route, an impostor on another relay, heartbeats between a rank's steps, and goodbyes."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from traceml_agent import protocol
+from traceml_agent.protocol import (
+    PHASES,
+    RELAY_TAG,
+    Identity,
+    RelayBatch,
+    StepColumns,
+    StepGroup,
+    StepRow,
+    encode_relay_batch,
+)
+from traceml_tui import viewmodel
+from traceml_tui.collect import relay_columns, view_build
+from traceml_tui.collect.collector import Collector
+from traceml_tui.judge.state import RunState
+from traceml_tui.report import summary
+from traceml_tui.runfolder.layout import RunFolder
+from traceml_tui.runfolder.step_log import read_steps
+
+WORLD, PER_NODE = 24, 8
+T0 = 1_700_000_000.0
+LISTS = (list(PHASES), [*PHASES, "custom"], ["forward", "backward"])
+STALLED, RESTARTED, IMPOSTOR_OF, ENDED, ABSURD, DROPPING, FORCED, BAD = 12, 9, 10, 11, 4, 6, 7, 8
+BURST, WINDOW = 3, 32
+
+
+def _stream() -> list[list[tuple[int, int, bytes]]]:
+    """Ticks of (node, route, payload): what each rank sent its node's relay per tick."""
+    rng = random.Random(33)
+    ids = {r: Identity(r, r % PER_NODE, r // PER_NODE, f"node{r // PER_NODE}", 1000 + r, WORLD)
+           for r in range(WORLD)}
+    route = {r: r % PER_NODE for r in range(WORLD)}
+    seq = dict.fromkeys(range(WORLD), 0)
+    step = dict.fromkeys(range(WORLD), 0)
+    ticks: list[list[tuple[int, int, bytes]]] = []
+
+    def send(tick: list, r: int, kind: str, ident: Identity | None = None, node: int | None = None,
+             at: int | None = None, **body: Any) -> None:
+        ident = ident or ids[r]
+        seq[r] += 1
+        tick.append((ident.node if node is None else node, route[r] if at is None else at,
+                     protocol.encode(kind, ident, seq[r], T0 + len(ticks), **body)))
+
+    def records(r: int, n: int, names: list[str], first: int | None = None) -> list[list]:
+        out = []
+        for i in range(n):
+            s = step[r] if first is None else first + i
+            ph = [None if rng.random() < 0.15 else rng.uniform(1.0, 40.0) for _ in names]
+            slow = 900.0 if r == STALLED and len(ticks) > 30 and s % 7 == 0 else 0.0
+            out.append([s, T0 + s * 0.1, 100.0 + rng.uniform(0, 20) + slow, *ph])
+            if first is None:
+                step[r] += 1
+        return out
+
+    for t in range(48):
+        tick: list[tuple[int, int, bytes]] = []
+        for r in range(WORLD):
+            names = LISTS[r % 3]
+            if t == 0:
+                send(tick, r, "hello", run="cols", device="cpu")
+                continue
+            if r == ENDED and t > 40:
+                continue
+            if r == RESTARTED and t == 20:  # a new process, on a new connection
+                ids[r] = Identity(r, r % PER_NODE, r // PER_NODE, "node1", 7000 + r, WORLD)
+                route[r], step[r] = 100 + r, 0
+                send(tick, r, "hello", run="cols", device="cpu")
+            extra: dict[str, Any] = {}
+            if r == DROPPING:
+                extra["dropped"] = t // 5
+            if r == FORCED:
+                extra["forced"] = [t // 10] * len(names)
+            recs = records(r, rng.choice((1, 1, 2, 3)), names)
+            if r == ABSURD and t == 25:
+                recs.append([10**9, T0, 100.0, *[1.0] * len(names)])  # then more steps
+            if r == BAD and t % 9 == 1:  # behind rows of its own waiting for the flush
+                recs.append([step[r], T0, 100.0, *[-1.0] * len(names)])
+            send(tick, r, "steps", phases=names, records=recs, **extra)
+            if t % 6 == r % 6:  # a replayed batch: duplicates
+                send(tick, r, "steps", phases=names, records=records(r, 2, names, step[r] - 2))
+            if rng.random() < 0.5:
+                send(tick, r, "heartbeat", step=step[r], since_step_s=rng.uniform(0, 2))
+            if t % 5 == r % 5:
+                send(tick, r, "sys", cpu_pct=50.0, rss_mb=1000.0 + t)
+            if rng.random() < 0.3:  # more steps after the heartbeat, same tick
+                send(tick, r, "steps", phases=names, records=records(r, 1, names))
+            if r == ABSURD and t == 32:  # the last of its rank's records in this drain
+                send(tick, r, "steps", phases=names,
+                     records=[[10**9, T0, 100.0, *[1.0] * len(names)]])
+            if r == BURST and t == 14:  # more records in one drain than its window holds
+                send(tick, r, "steps", phases=names, records=records(r, 40, names))
+            if r == ENDED and t == 40:
+                send(tick, r, "goodbye", exit_code=0, steps=step[r])
+        # Another node's relay speaks for rank IMPOSTOR_OF, as another process: refused.
+        if t in (10, 30):
+            fake = Identity(IMPOSTOR_OF, 2, 0, "node0", 9999, WORLD)
+            send(tick, IMPOSTOR_OF, "steps", ident=fake, node=2, at=50,
+                 phases=LISTS[0], records=[[500 + t, T0, 1.0, *[1.0] * len(LISTS[0])]])
+            step[IMPOSTOR_OF] += 0
+        ticks.append(tick)
+    return ticks
+
+
+def _batches(ticks: list, columns: bool) -> Iterator[list[list[bytes]]]:
+    """Per tick, each node's batch (as a relay's tick sends it), as ingest frames."""
+    counts: dict[int, int] = {}
+    for tick in ticks:
+        frames = []
+        for node in sorted({n for n, _, _ in tick}):
+            routes = [rt for n, rt, _ in tick if n == node]
+            payloads = [p for n, _, p in tick if n == node]
+            if columns:
+                items: list[relay_columns.Item] = [
+                    p if (m := relay_columns.plain_steps(p)) is None else (m, p)
+                    for p in payloads]
+                batch = relay_columns.relay_batch(node, counts.get(node, 0), 0, routes, items)
+            else:
+                batch = RelayBatch(node, counts.get(node, 0), 0, routes, payloads)
+            counts[node] = counts.get(node, 0) + 1
+            frames.append([b"relay%d" % node, RELAY_TAG, encode_relay_batch(batch)])
+        yield frames
+
+
+def _run(tmp: Path, columns: bool) -> dict[str, Any]:
+    state = RunState("cols", WORLD, nnodes=3, nproc_per_node=PER_NODE, started_at=T0,
+                     window_steps=WINDOW)
+    coll = Collector(tmp, state)
+    try:
+        rows = 0
+        for t, frames in enumerate(_batches(_stream(), columns)):
+            mono = 100.0 + t * 0.2
+            for f in frames:
+                cols = protocol.decode_relay_batch(f[2]).cols
+                rows += 0 if cols is None else len(cols.rows)
+                coll._receive(f, mono)
+            if t % 3 == 2:  # a drain: a few ticks of batches, then the flush
+                coll.flush_columns()
+            if t in (20, 32):
+                coll.flush_columns()
+                state.evaluate(T0 + t, mono)
+        coll.flush_columns()
+        coll.step_log.flush()
+        snap = state.snapshot(T0 + 50, 110.0, full=True)
+        out = {
+            "counters": dict(state.counters),
+            "live": summary.to_json(summary.build(snap, summary.RunMeta(complete=False))),
+            "final": summary.to_json(summary.build(snap, summary.RunMeta(
+                command=["x"], exit_code=0, ended_at=T0 + 60))),
+            "view": viewmodel.encode_view(view_build.build(snap, state.recent_steps)),
+            "ranks": {r: _rank(state, r) for r in sorted(state.ranks)},
+            "stalls": {r: _slots(log) for r, log in state.stall_book.logs.items()},
+            "relays": state._relay_snapshots(110.0),
+        }
+        logged: dict[int, list] = {}
+        for rec in read_steps(RunFolder(tmp).step_log):
+            logged.setdefault(rec.rank, []).append(rec)
+        out["log"] = logged
+        out["columns_rows"] = rows
+        return out
+    finally:
+        coll.close()
+
+
+def _slots(obj: Any) -> dict[str, Any]:
+    out = {}
+    for name in type(obj).__slots__:
+        v = getattr(obj, name)
+        out[name] = v.tolist() if isinstance(v, np.ndarray) else v
+    return out
+
+
+def _rank(state: RunState, r: int) -> dict[str, Any]:
+    rs, b = state.ranks[r], state.block
+    fields = ("steps", "last_step", "last_seen", "last_step_at", "since_step_at_msg_s",
+              "dropped", "forced", "bad_records", "finished", "first_step", "first_step_at",
+              "stacks", "device")
+    out: dict[str, Any] = {f: getattr(rs, f) for f in fields}
+    out["pid"] = rs.ident.pid
+    # By name: a series' number is the order names first reached a window, which is not
+    # the same when some records wait for a flush (and nothing reads the numbers).
+    out["window"] = {name: np.nan_to_num(b.series[i][r], nan=-1.0).tolist()
+                     for name, i in [("", 0), *b.index.items()]}
+    out["step_no"] = b.step_no[r].tolist()
+    out["ring"] = (b.pos[r], b.count[r], sorted(b.known[r]), b.last_names[r])
+    out["heartbeat"] = rs.heartbeat.since_step_s
+    return out
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    return (_run(tmp_path_factory.mktemp("messages"), False),
+            _run(tmp_path_factory.mktemp("columns"), True))
+
+
+def test_the_stream_exercises_the_rules(both: tuple[dict, dict]) -> None:
+    old, new = both
+    c = old["counters"]
+    assert c["absurd_steps"] == 2  # the last of its rank's records in a drain, and not
+    for name in ("duplicate_records", "absurd_steps", "restarts", "not_owner", "bad_records",
+                 "agent_dropped"):
+        assert c[name] > 0, name
+    assert new["columns_rows"] > 500 and old["columns_rows"] == 0
+    assert any(old["stalls"].values()) and old["ranks"][ENDED]["finished"]
+
+
+def test_columns_leave_the_same_state(both: tuple[dict, dict]) -> None:
+    old, new = both
+    assert new["counters"] == old["counters"]
+    assert new["ranks"].keys() == old["ranks"].keys()
+    for r in old["ranks"]:
+        assert new["ranks"][r] == old["ranks"][r], r
+    assert new["stalls"] == old["stalls"]
+    assert new["relays"] == old["relays"]
+
+
+def test_columns_leave_the_same_summary_and_view(both: tuple[dict, dict]) -> None:
+    old, new = both
+    assert new["final"] == old["final"]
+    assert new["live"] == old["live"]
+    assert new["view"] == old["view"]
+
+
+def test_columns_leave_the_same_step_log(both: tuple[dict, dict]) -> None:
+    old, new = both
+    assert new["log"].keys() == old["log"].keys()
+    for r in old["log"]:
+        assert new["log"][r] == old["log"][r], r
+
+
+def _column_batch(rows: list[StepRow], groups: list[StepGroup]) -> list[bytes]:
+    batch = RelayBatch(0, 0, 0, [0] * len(rows), [b""] * len(rows), StepColumns(groups, rows))
+    return [b"relay0", RELAY_TAG, encode_relay_batch(batch)]
+
+
+def _group(steps: list[int], step_ms: list[float], values: list[list[float]],
+           phases: list[str] | None = None) -> StepGroup:
+    return StepGroup(phases or ["forward", "backward"], np.array(steps, "<i8").tobytes(),
+                     np.full(len(steps), T0).tobytes(), np.array(step_ms, "<f8").tobytes(),
+                     np.array(values, "<f8").tobytes())
+
+
+def test_a_relays_bad_columns_are_refused_and_counted(tmp_path: Path) -> None:
+    """A relay holds a rank's key, not more: its rows are checked as a message is."""
+    state = RunState("cols", 8, nnodes=1, started_at=T0)
+    coll = Collector(tmp_path, state)
+    try:
+        ident = Identity(0, 0, 0, "node0", 1000, 8)
+        coll._receive([b"relay0", RELAY_TAG, encode_relay_batch(RelayBatch(
+            0, 0, 0, [0, 0], [protocol.encode("hello", ident, 0, T0),
+                              protocol.encode("steps", ident, 1, T0, phases=["forward"],
+                                              records=[[1, T0, 10.0, 5.0]])]))], 1.0)
+        before = dict(state.counters)
+        row = StepRow(ident, 2, T0, 0, 4)
+        bad = [math.nan, math.inf, -1.0, 2e8]  # each refused as protocol._record refuses
+        coll._receive(_column_batch([row], [_group([2, 3, 4, 5], bad, [[1, 1]] * 4)]), 1.0)
+        coll.flush_columns()
+        assert state.counters["bad_records"] == before["bad_records"] + 4
+        assert state.ranks[0].bad_records == 4 and state.ranks[0].last_step == 1
+        # Values out of bounds, a wrong count of records, a phase list that repeats, a rank
+        # of another world, a group that does not exist: refused, never raised.
+        coll._receive(_column_batch([StepRow(ident, 3, T0, 0, 2)],
+                                    [_group([6, 7], [10.0, 10.0], [[-5, 1], [1, math.inf]])]),
+                      1.0)
+        coll.flush_columns()
+        assert state.counters["bad_records"] == before["bad_records"] + 6
+        malformed = state.counters["malformed"]
+        for rows, groups in (
+                ([StepRow(ident, 4, T0, 0, 3)], [_group([8, 9], [1.0, 1.0], [[1, 1]] * 2)]),
+                ([StepRow(ident, 4, T0, 0, 1)],
+                 [_group([8], [1.0], [[1, 1]], ["forward", "forward"])]),
+                ([StepRow(Identity(9, 0, 0, "x", 1, 8), 4, T0, 0, 1)],
+                 [_group([8], [1.0], [[1, 1]])]),
+                ([StepRow(ident, 4, T0, 3, 1)], [_group([8], [1.0], [[1, 1]])]),
+                ([StepRow(ident, 4, T0, 0, 1, forced=[1])], [_group([8], [1.0], [[1, 1]])])):
+            coll._receive(_column_batch(rows, groups), 1.0)
+            coll.flush_columns()
+        assert state.counters["malformed"] == malformed + 5
+        # An empty payload without its row, or a row without its payload: the batch is bad.
+        coll._receive([b"relay0", RELAY_TAG, encode_relay_batch(RelayBatch(
+            0, 1, 0, [0], [b""]))], 1.0)
+        assert state.counters["malformed"] == malformed + 6
+        # The good rows still count: the rank's steps went on.
+        coll._receive(_column_batch([StepRow(ident, 9, T0, 0, 2)],
+                                    [_group([2, 3], [10.0, 11.0], [[1, None], [2, 3]])]), 1.0)
+        coll.flush_columns()
+        assert state.ranks[0].last_step == 3 and state.ranks[0].steps == 3
+        # Another world's rank, a new process without hello: refused as a message is.
+        other = Identity(0, 0, 0, "node0", 4242, 8)
+        coll._receive(_column_batch([StepRow(other, 10, T0, 0, 1)],
+                                    [_group([50], [10.0], [[1, 1]])]), 1.0)
+        coll.flush_columns()
+        assert state.ranks[0].last_step == 3 and state.counters["foreign"] >= 1
+    finally:
+        coll.close()
+
+
+def test_step_log_columns_read_back_and_bad_ones_are_skipped(tmp_path: Path) -> None:
+    from traceml_tui.runfolder.step_log import StepLogWriter
+
+    with StepLogWriter(tmp_path) as log:
+        log.append(0, 1, T0, 10.0, ["forward"], [None])
+        log.append_columns(("forward",), np.array([1, 2]), np.array([5, 6]),
+                           np.array([T0, T0 + 1]), np.array([10.0, 11.0]),
+                           np.array([[np.nan], [3.0]]))
+        log._buf += log._pack((3, 0, b"\0" * 8, b"\0" * 8, b"\0" * 8, b"\0" * 8, b""))  # short
+        log.append_columns(("forward",), np.array([3]), np.array([7]), np.array([T0]),
+                           np.array([12.0]), np.array([[4.0]]))
+    got = [(s.rank, s.step, s.step_ms, s.phase_ms) for s in read_steps(tmp_path)]
+    assert got == [(0, 1, 10.0, (None,)), (1, 5, 10.0, (None,)), (2, 6, 11.0, (3.0,)),
+                   (3, 7, 12.0, (4.0,))]

@@ -1,0 +1,98 @@
+"""A relay's plain steps messages as columns (protocol.StepColumns), built per batch.
+
+At 1,024 ranks most of what node 0 receives is steps messages of one record or a few,
+and decoding each (a msgspec decode, then every record checked in Python) and ingesting
+it record by record cost node 0 ~9 us a message. The relay has the time (its node's CPU,
+not node 0's): it decodes each of its ranks' messages with the same protocol.decode, and
+a plain one (no collectives, no refused record, few enough records) goes up as a row of
+columns; node 0 checks the columns with array operations and ingests them a drain at a
+time (judge/ingest_columns.py). Anything else goes up unchanged, and so does a message
+the relay cannot decode: the collector judges it as it always has.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from traceml_agent.protocol import (
+    MAX_COLUMN_GROUPS,
+    Message,
+    ProtocolError,
+    RelayBatch,
+    StepColumns,
+    StepGroup,
+    StepRow,
+    Steps,
+    decode,
+)
+
+# Records of one message sent as a row; a larger batch (a rank catching up) goes up as it
+# came: a decoded record costs the relay ~10 times its bytes while it waits for a tick.
+MAX_ROW_RECORDS = 256
+NAN = float("nan")
+
+
+# A pending item: a payload as it came, or a plain steps message (decoded, with its bytes:
+# sent as they came after all if its batch has no room for another phase list).
+Item = bytes | tuple[Message, bytes]
+
+
+def plain_steps(payload: bytes) -> Message | None:
+    """The decoded message if it can travel as a column row, else None (sent as it came)."""
+    try:
+        msg = decode(payload)
+    except ProtocolError:
+        return None
+    body = msg.body
+    if (not isinstance(body, Steps) or body.colls or msg.bad_records
+            or len(msg.records) > MAX_ROW_RECORDS):
+        return None
+    return msg
+
+
+def item_bytes(item: Item) -> int:
+    """An item's share of a batch's bytes (a row: as packed columns, with its envelope)."""
+    if isinstance(item, tuple):
+        msg = item[0]
+        return 96 + len(msg.records) * 8 * (3 + len(msg.phases))
+    return len(item)
+
+
+def relay_batch(node: int, batches: int, dropped: int, routes: list[int],
+                items: list[Item]) -> RelayBatch:
+    """One batch: payloads as they came, and an empty payload for each column row."""
+    if not any(isinstance(item, tuple) for item in items):
+        return RelayBatch(node, batches, dropped, routes, items)  # type: ignore[arg-type]
+    group_of: dict[tuple[str, ...], int] = {}
+    recs: list[list[Message]] = []
+    rows = []
+    payloads: list[bytes] = []
+    for item in items:
+        if not isinstance(item, tuple):
+            payloads.append(item)
+            continue
+        msg, payload = item
+        g = group_of.get(msg.phases)
+        if g is None:
+            if len(group_of) >= MAX_COLUMN_GROUPS:  # never with real agents: one list each
+                payloads.append(payload)
+                continue
+            g = group_of[msg.phases] = len(recs)
+            recs.append([])
+        payloads.append(b"")
+        recs[g].append(msg)
+        body = msg.body
+        assert isinstance(body, Steps)
+        rows.append(StepRow(msg.ident, msg.seq, msg.t, g, len(msg.records), body.dropped,
+                            list(msg.forced) if any(msg.forced) else None))
+    groups = []
+    for phases, g in group_of.items():  # in order: g is the group's index
+        records = [r for m in recs[g] for r in m.records]
+        groups.append(StepGroup(
+            list(phases),
+            np.fromiter((r.step for r in records), "<i8", len(records)).tobytes(),
+            np.fromiter((r.t_end for r in records), "<f8", len(records)).tobytes(),
+            np.fromiter((r.step_ms for r in records), "<f8", len(records)).tobytes(),
+            np.fromiter((NAN if v is None else v for r in records for v in r.phase_ms),
+                        "<f8", len(records) * len(phases)).tobytes()))
+    return RelayBatch(node, batches, dropped, routes, payloads, StepColumns(groups, rows))
