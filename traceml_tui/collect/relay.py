@@ -5,8 +5,11 @@ ZeroMQ message per rank every ~100 ms: at 16,384 ranks that is 16,384 CURVE sess
 and ~160,000 messages a second through one process. With it, the `traceml run` of every
 other node starts this relay (`python -m traceml_tui.collect.relay`), the node's ranks connect
 to it over loopback, and node 0 receives one message per node per tick, carrying that
-node's rank messages unchanged (protocol.RELAY_TAG). The collector still decodes and
-validates every rank message itself: a relay holds the same key as a rank, not more.
+node's rank messages (protocol.RELAY_TAG): unchanged, except plain steps messages, which
+the relay decodes and sends as packed columns (relay_columns.py), so node 0 ingests a
+drain's steps with array operations instead of decoding each message. The collector
+still validates every rank message and every column row itself, as strictly: a relay
+holds the same key as a rank, not more.
 
 The relay never slows the training: the ranks' sends are as non-blocking as before,
 its own queues are bounded (what does not fit is dropped and counted, and the count

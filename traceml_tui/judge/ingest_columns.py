@@ -49,13 +49,20 @@ _MAX_T_END = 1e11  # protocol._record's bound on t_end
 
 @dataclass(slots=True)
 class Group:
-    """One batch's column group, its arrays read in place (np.frombuffer: no copy)."""
+    """One batch's column group, its lengths checked; its bytes are read as arrays only at
+    the flush, joined with the other batches' groups of the same phase list: at 16,384
+    ranks a batch holds a row or two, and numpy's per-call cost would outweigh them."""
 
     phases: tuple[str, ...]
-    step: np.ndarray
-    t_end: np.ndarray
-    step_ms: np.ndarray
-    values: np.ndarray  # (records, len(phases)); NaN: not measured
+    n: int  # records
+    src: StepGroup
+
+    def arrays(self, start: int, end: int) -> tuple[np.ndarray, ...]:
+        """step, t_end, step_ms and values (end - start, phases) of records [start, end)."""
+        g, p = self.src, len(self.phases)
+        return (np.frombuffer(g.step, "<i8")[start:end], np.frombuffer(g.t_end, "<f8")[start:end],
+                np.frombuffer(g.step_ms, "<f8")[start:end],
+                np.frombuffer(g.values, "<f8").reshape(self.n, p)[start:end])
 
 
 def open_groups(groups: list[StepGroup], rows: list[StepRow]) -> list[tuple[Group, int] | None]:
@@ -72,7 +79,7 @@ def open_groups(groups: list[StepGroup], rows: list[StepRow]) -> list[tuple[Grou
         out.append((g, starts[row.group]))
         starts[row.group] += row.n
     for i, g in enumerate(opened):  # the rows must account for the group's records exactly
-        if g is not None and starts[i] != len(g.step):
+        if g is not None and starts[i] != g.n:
             out = [None if o is not None and o[0] is g else o for o in out]
     return out
 
@@ -86,9 +93,7 @@ def _open(group: StepGroup) -> Group | None:
     if (len(group.step) != 8 * n or len(group.t_end) != 8 * n or len(group.step_ms) != 8 * n
             or len(group.values) != 8 * n * len(phases)):
         return None
-    return Group(phases, np.frombuffer(group.step, "<i8"), np.frombuffer(group.t_end, "<f8"),
-                 np.frombuffer(group.step_ms, "<f8"),
-                 np.frombuffer(group.values, "<f8").reshape(n, len(phases)))
+    return Group(phases, n, group)
 
 
 def row_error(row: StepRow, group: Group) -> str | None:
@@ -114,9 +119,7 @@ def _valid(step: np.ndarray, t_end: np.ndarray, step_ms: np.ndarray, values: np.
 def message_of(row: StepRow, group: Group, start: int) -> Message:
     """The steps message a row stands for, as protocol.decode would give it: valid records
     only, the refused ones counted."""
-    end = start + row.n
-    step, t_end, step_ms = group.step[start:end], group.t_end[start:end], group.step_ms[start:end]
-    values = group.values[start:end]
+    step, t_end, step_ms, values = group.arrays(start, start + row.n)
     ok = _valid(step, t_end, step_ms, values)
     records = tuple(
         StepRecord(int(step[i]), float(t_end[i]), float(step_ms[i]),
@@ -239,27 +242,42 @@ def _flush(state: RunState, p: Pending) -> list[LogRun]:
     row_of = np.repeat(np.arange(len(n)), n)  # each record's row, in the order they came
     src = np.repeat(np.array(p.row_start, np.int64) - (np.cumsum(n) - n), n) + np.arange(total)
     grp = np.array(p.row_group, np.int64)[row_of]
-    # The records as columns in the order they came; phase values per phase list.
-    step = np.empty(total, np.int64)
-    t_end = np.empty(total)
-    step_ms = np.empty(total)
+    # The records as columns in the order they came; phase values per phase list (each
+    # list's batches' bytes joined: one array per field and list).
     lists: dict[tuple[str, ...], list[int]] = {}
     for g, group in enumerate(p.groups):
         lists.setdefault(group.phases, []).append(g)
-    single = len(p.groups) == 1
+    base = np.zeros(len(p.groups), np.int64)  # a group's first record in its list's arrays
+    joined: dict[tuple[str, ...], tuple[np.ndarray, ...]] = {}
+    for phases, gs in lists.items():
+        srcs = [p.groups[g].src for g in gs]
+        sizes = [p.groups[g].n for g in gs]
+        base[gs] = np.cumsum(sizes) - sizes
+        joined[phases] = (
+            np.frombuffer(b"".join(x.step for x in srcs), "<i8"),
+            np.frombuffer(b"".join(x.t_end for x in srcs), "<f8"),
+            np.frombuffer(b"".join(x.step_ms for x in srcs), "<f8"),
+            np.frombuffer(b"".join(x.values for x in srcs), "<f8").reshape(-1, len(phases)))
+    src += base[grp]
     sel_of: dict[tuple[str, ...], np.ndarray] = {}
     vals_of: dict[tuple[str, ...], np.ndarray] = {}
-    for phases, gs in lists.items():
-        sel = np.arange(total) if single else np.flatnonzero(np.isin(grp, gs))
-        vals = np.empty((len(sel), len(phases)))
-        for g in gs:
-            group = p.groups[g]
-            at = np.arange(len(sel)) if single else np.flatnonzero(grp[sel] == g)
-            s = src[sel[at]]
-            step[sel[at]], t_end[sel[at]] = group.step[s], group.t_end[s]
-            step_ms[sel[at]] = group.step_ms[s]
-            vals[at] = group.values[s]
-        sel_of[phases], vals_of[phases] = sel, vals
+    if len(joined) == 1:
+        [(phases, (a_step, a_end, a_ms, a_vals))] = joined.items()
+        step, t_end, step_ms = a_step[src], a_end[src], a_ms[src]
+        sel_of[phases], vals_of[phases] = np.arange(total), a_vals[src]
+    else:
+        step = np.empty(total, np.int64)
+        t_end = np.empty(total)
+        step_ms = np.empty(total)
+        key_of = np.empty(len(p.groups), np.int64)
+        for k, gs in enumerate(lists.values()):
+            key_of[gs] = k
+        rec_key = key_of[grp]
+        for k, (phases, (a_step, a_end, a_ms, a_vals)) in enumerate(joined.items()):
+            sel = np.flatnonzero(rec_key == k)
+            s = src[sel]
+            step[sel], t_end[sel], step_ms[sel] = a_step[s], a_end[s], a_ms[s]
+            sel_of[phases], vals_of[phases] = sel, a_vals[s]
     valid = (step >= 0) & (step <= MAX_COUNT) & (t_end >= 0.0) & (t_end <= _MAX_T_END) & (
         step_ms >= 0.0) & (step_ms <= MAX_STEP_MS)
     for phases, sel in sel_of.items():
@@ -272,8 +290,6 @@ def _flush(state: RunState, p: Pending) -> list[LogRun]:
     names = list(sel_of)
     for k, phases in enumerate(names):
         key[sel_of[phases]] = k
-    # A row's phase values in the run's series (NaN: not sent or not measured), for the
-    # window: filled only for the records the windows take.
     log = _log_runs(names, valid, key, rank, step, t_end, step_ms, sel_of, vals_of)
     _take(state, p, valid, rank, step, step_ms, key, names, sel_of, vals_of, row_of)
     return log
