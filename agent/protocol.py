@@ -617,7 +617,7 @@ def decode_relay_batch(data: bytes) -> RelayBatch:
     if len(batch.routes) != len(batch.payloads):
         raise ProtocolError("a relay batch needs one route per payload")
     rows = 0 if batch.cols is None else len(batch.cols.rows)
-    if sum(1 for p in batch.payloads if not p) != rows:
+    if batch.payloads.count(b"") != rows:
         raise ProtocolError("a relay batch needs one column row per empty payload")
     return batch
 

@@ -362,43 +362,63 @@ def _take(state: RunState, p: Pending, valid: np.ndarray, rank: np.ndarray, step
         _to_windows(state, order, r_s, step_s, step_ms, window, starts, counts, key, names,
                     sel_of, vals_of)
     mark = np.array(p.row_mark, np.int64)[row_of[order]]
+    ends = starts + counts
+    # Per rank as Python lists: the loop below touches each rank's state once.
     w_counts = np.add.reduceat(window, starts).tolist()
-    plain_l = plain.tolist()
+    lasts = step_s[ends - 1].tolist()
+    last_marks = mark[ends - 1].tolist()
+    starts_l, ends_l, plain_l = starts.tolist(), ends.tolist(), plain.tolist()
+    # Stalls: the window records at or past their rank's threshold (rare), in order.
+    stall_at = np.array([np.inf if rs.stall_at_ms is None else rs.stall_at_ms for rs in ranks])
+    stalled = window & (step_ms[order] >= np.repeat(stall_at, counts))
+    hits: dict[int, list[int]] = {}
+    for j in np.flatnonzero(stalled).tolist():
+        hits.setdefault(int(np.searchsorted(starts, j, side="right")) - 1, []).append(j)
+    counters = state.counters
+    size = block.size
     for i, rs in enumerate(ranks):
-        lo, hi = int(starts[i]), int(starts[i]) + int(counts[i])
+        lo, hi = starts_l[i], ends_l[i]
         beat = p.beat_mark.get(uniq[i], -1)
         since = rs.since_step_at_msg_s
-        if not plain_l[i]:
+        if not plain_l[i]:  # record by record, as a message's
             last = -1
             for j in range(lo, hi):
                 rec = int(order[j])
-                phases = names[int(key[rec])]
-                vals = vals_of[phases][int(np.searchsorted(sel_of[phases], rec))]
-                if state.take_record(rs, int(step[rec]), float(step_ms[rec]), phases,
-                                     tuple(None if v != v else v for v in vals.tolist())):
+                phases, vals = _values(rec, key, names, sel_of, vals_of)
+                if state.take_record(rs, int(step[rec]), float(step_ms[rec]), phases, vals):
                     last = int(mark[j])
             if last < 0:
                 continue
         else:
-            last = int(mark[hi - 1])
-            rs.last_step = int(step_s[hi - 1])
+            last = last_marks[i]
+            rs.last_step = lasts[i]
             rs.steps += hi - lo
-            state.counters["records"] += hi - lo
+            counters["records"] += hi - lo
             rs.last_step_at = rs.last_seen
             rs.dirty = True
             nw = w_counts[i]
             if nw:
                 r = uniq[i]
-                pos = block.pos[r] + nw
-                block.pos[r] = pos % block.size
-                block.count[r] = min(block.size, block.count[r] + nw)
-                if rs.stall_at_ms is not None:
-                    _stalls(state, rs, order[lo:hi], step, step_ms, window[lo:hi], key, names,
-                            sel_of, vals_of)
+                block.pos[r] = (block.pos[r] + nw) % size
+                block.count[r] = min(size, block.count[r] + nw)
+            for j in hits.get(i, ()):
+                rec = int(order[j])
+                phases, vals = _values(rec, key, names, sel_of, vals_of)
+                state.stall_seen(rs, int(step[rec]), float(step_ms[rec]), phases, vals)
         rs.since_step_at_msg_s = since if beat > last else 0.0
         if rs.stacks and rs.last_step > rs.stacks_after_step:
             rs.stacks = ()
             rs.nccl = None
+
+
+def _values(rec: int, key: np.ndarray, names: list[tuple[str, ...]],
+            sel_of: dict[tuple[str, ...], np.ndarray],
+            vals_of: dict[tuple[str, ...], np.ndarray]
+            ) -> tuple[tuple[str, ...], tuple[float | None, ...]]:
+    """One record's phase names and values as a message's record has them."""
+    phases = names[int(key[rec])]
+    vals = vals_of[phases][int(np.searchsorted(sel_of[phases], rec))]
+    return phases, tuple(None if v != v else v for v in vals.tolist())
 
 
 def _to_windows(state: RunState, order: np.ndarray, r_s: np.ndarray, step_s: np.ndarray,
@@ -440,8 +460,7 @@ def _to_windows(state: RunState, order: np.ndarray, r_s: np.ndarray, step_s: np.
     stepped = np.flatnonzero(np.add.reduceat(window, starts)).tolist()
     if len(names) == 1:
         only = names[0]
-        for i in stepped:
-            r = int(r_s[starts[i]])
+        for r in r_s[starts[stepped]].tolist():
             if block.last_names[r] != only:
                 block.known[r].update(only)
                 block.last_names[r] = only
@@ -456,19 +475,3 @@ def _to_windows(state: RunState, order: np.ndarray, r_s: np.ndarray, step_s: np.
             for kk in set(used.tolist()):
                 block.known[r].update(names[kk])
             block.last_names[r] = newest
-
-
-def _stalls(state: RunState, rs: object, recs: np.ndarray, step: np.ndarray,
-            step_ms: np.ndarray, window: np.ndarray, key: np.ndarray,
-            names: list[tuple[str, ...]], sel_of: dict[tuple[str, ...], np.ndarray],
-            vals_of: dict[tuple[str, ...], np.ndarray]) -> None:
-    """A rank's window records at or past its stall threshold, in order, to the stall log."""
-    from .state import RankState
-
-    assert isinstance(rs, RankState) and rs.stall_at_ms is not None
-    hit = recs[window & (step_ms[recs] >= rs.stall_at_ms)]
-    for rec in hit.tolist():
-        phases = names[int(key[rec])]
-        vals = vals_of[phases][int(np.searchsorted(sel_of[phases], rec))]
-        state.stall_seen(rs, int(step[rec]), float(step_ms[rec]), phases,
-                         tuple(None if v != v else v for v in vals.tolist()))
