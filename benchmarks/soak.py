@@ -60,6 +60,11 @@ from traceml_agent.protocol import PHASES, Identity  # noqa: E402
 from traceml_agent.transport import send_interval_s, sys_interval_s  # noqa: E402
 from traceml_tui.collect.auth import start_authenticator  # noqa: E402
 from traceml_tui.collect.relay import TICK_S, Relay  # noqa: E402
+
+try:  # the code before relay columns has none (run paired with it: PYTHONPATH=old tree)
+    from traceml_tui.collect import relay_columns  # noqa: E402
+except ImportError:
+    relay_columns = None  # type: ignore[assignment]
 from traceml_tui.judge.windows import window_steps_for  # noqa: E402
 from traceml_tui.runfolder.layout import RunFolder  # noqa: E402
 
@@ -83,9 +88,12 @@ def run_collector(run_dir: str, world: int, nnodes: int, conn: Connection) -> No
 
 
 def run_ranks(addr: str, world: int, per_node: int, step_ms: float, prefill: int,
-              seconds: float, conn: Connection) -> None:
-    """Every simulated rank, handing its messages to its node's real relay."""
+              seconds: float, conn: Connection, columns: bool = True) -> None:
+    """Every simulated rank, handing its messages to its node's real relay (`columns`
+    False: relays that send every payload as it came, as before protocol.StepColumns)."""
     pin(OTHER_CORES)
+    if not columns and relay_columns is not None:
+        relay_columns.plain_steps = lambda payload: None
     nodes = math.ceil(world / per_node)
     rng, slow = random.Random(7), world // 3
     # The agents' own cadence at this world size (agent/transport.py): a step batch every
@@ -180,6 +188,8 @@ def main() -> None:
     p.add_argument("--ranks-per-node", type=int, default=8)
     p.add_argument("--seconds", type=float, default=600.0)
     p.add_argument("--step-ms", type=float, default=1000.0)
+    p.add_argument("--no-columns", action="store_true",
+                   help="relays send every payload as it came (no protocol.StepColumns)")
     a = p.parse_args()
     pin(OTHER_CORES)
     nodes = math.ceil(a.ranks / a.ranks_per_node)
@@ -208,7 +218,8 @@ def main() -> None:
 
     gconn, g2 = ctx.Pipe()
     gproc = ctx.Process(target=run_ranks, daemon=True, args=(
-        ingest, a.ranks, a.ranks_per_node, a.step_ms, prefill, a.seconds, g2))
+        ingest, a.ranks, a.ranks_per_node, a.step_ms, prefill, a.seconds, g2,
+        not a.no_columns))
     gproc.start()
 
     def from_ranks() -> Any:
@@ -281,6 +292,7 @@ def main() -> None:
         "evaluate_ms_median": round(statistics.median(evals), 1) if evals else None,
         "live_write_ms_median": round(statistics.median(lives), 1) if lives else None,
         "malformed": counters["malformed"],
+        "relay_columns": relay_columns is not None and not a.no_columns,
     }
     print(json.dumps(result), flush=True)
 

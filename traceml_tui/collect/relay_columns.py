@@ -30,6 +30,7 @@ from traceml_agent.protocol import (
 # came: a decoded record costs the relay ~10 times its bytes while it waits for a tick.
 MAX_ROW_RECORDS = 256
 NAN = float("nan")
+_STEPS = b"\xa5steps"  # "steps" as msgpack writes it (a fixstr of 5)
 
 
 # A pending item: a payload as it came, or a plain steps message (decoded, with its bytes:
@@ -38,7 +39,10 @@ Item = bytes | tuple[Message, bytes]
 
 
 def plain_steps(payload: bytes) -> Message | None:
-    """The decoded message if it can travel as a column row, else None (sent as it came)."""
+    """The decoded message if it can travel as a column row, else None (sent as it came).
+    A payload without the msgpack string "steps" in it is no steps message: not decoded."""
+    if _STEPS not in payload:
+        return None
     try:
         msg = decode(payload)
     except ProtocolError:
