@@ -61,6 +61,12 @@ from traceml_agent.transport import send_interval_s, sys_interval_s  # noqa: E40
 from traceml_tui.collect.auth import start_authenticator  # noqa: E402
 from traceml_tui.collect.relay import TICK_S, Relay  # noqa: E402
 
+try:  # the relays' tick at this world size (before it scaled: TICK_S)
+    from traceml_tui.collect.relay import tick_s  # noqa: E402
+except ImportError:
+    def tick_s(world_size: int) -> float:
+        return TICK_S
+
 try:  # the code before relay columns has none (run paired with it: PYTHONPATH=old tree)
     from traceml_tui.collect import relay_columns  # noqa: E402
 except ImportError:
@@ -141,7 +147,8 @@ def run_ranks(addr: str, world: int, per_node: int, step_ms: float, prefill: int
     pattern += [(2, k) for k in range(world)]
     rng.shuffle(pattern)
     per_s, total = len(pattern), int(len(pattern) * seconds)
-    i, next_tick, behind = 0, start + TICK_S, 0.0
+    tick = tick_s(world)
+    i, next_tick, behind = 0, start + tick, 0.0
     time.sleep(max(0.0, start - time.monotonic()))
     while i < total and time.monotonic() < start + seconds + 30:
         now = time.monotonic()
@@ -155,7 +162,7 @@ def run_ranks(addr: str, world: int, per_node: int, step_ms: float, prefill: int
             seq[k], i = seq[k] + 1, i + 1
         if now >= next_tick:
             tick_all(now)
-            next_tick = now + TICK_S
+            next_tick = now + tick
         time.sleep(0.005)
     tick_all(float("inf"))
     conn.send({"sent": sum(r.forwarded for r in relays), "generated": i, "target": total,

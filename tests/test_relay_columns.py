@@ -328,3 +328,25 @@ def test_step_log_columns_read_back_and_bad_ones_are_skipped(tmp_path: Path) -> 
     got = [(s.rank, s.step, s.step_ms, s.phase_ms) for s in read_steps(tmp_path)]
     assert got == [(0, 1, 10.0, (None,)), (1, 5, 10.0, (None,)), (2, 6, 11.0, (3.0,)),
                    (3, 7, 12.0, (4.0,))]
+
+
+def test_relays_tick_slower_only_where_the_agents_send_slower() -> None:
+    """Past ~2,000 ranks the agents send their steps less often than every 0.1 s, and a
+    relay's batch costs node 0 the same however little it holds: the tick follows."""
+    import zmq
+
+    from traceml_tui.collect.relay import TICK_S, Relay, tick_s
+
+    assert tick_s(8) == tick_s(1024) == TICK_S == 0.2
+    assert tick_s(16_384) == 0.5
+    ctx = zmq.Context()
+    relay = Relay(ctx, "tcp://127.0.0.1:9", 0, None)
+    try:
+        assert relay.tick_s == TICK_S
+        ident = Identity(1, 1, 0, "node0", 1, 16_384)
+        relay.add(b"a", protocol.encode("steps", ident, 1, T0, phases=["forward"],
+                                        records=[[1, T0, 10.0, 5.0]]))
+        assert relay.tick_s == 0.5
+    finally:
+        relay.close()
+        ctx.term()

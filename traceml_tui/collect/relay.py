@@ -58,12 +58,14 @@ from traceml_agent.protocol import (
     encode_relay_stacks,
 )
 from traceml_agent.sanitize import clean_line
+from traceml_agent.transport import send_interval_s
 from traceml_tui.runfolder import folders
 
 from . import relay_columns as columns
 from .auth import start_authenticator
 
-TICK_S = 0.2  # one batch per tick: ~5 messages a second per node reach node 0
+TICK_S = 0.2  # one batch per tick: ~5 messages a second per node reach node 0 (at least)
+MAX_TICK_S = 0.5
 KEEPALIVE_S = 1.0  # an empty batch at least this often: the collector sees the relay live
 # Payload bytes per relay message: any valid rank message fits alone (a batch may carry
 # protocol.MAX_RELAY_BATCH_BYTES), and small ones share a batch up to this much.
@@ -75,6 +77,15 @@ UPSTREAM_HWM = 64  # relay messages queued for node 0 (~13 s of ticks), then dro
 LOCAL_HWM = 16
 MAX_ROUTES = 4_096  # local connections remembered (a node runs a few dozen ranks at most)
 LINGER_MS = 1_000  # at exit, how long the last batch may take to leave
+
+
+def tick_s(world_size: int) -> float:
+    """Seconds between batches: half the interval at which the job's ranks send their steps
+    (agent/transport.send_interval_s), within [TICK_S, MAX_TICK_S]. Past ~2,000 ranks the
+    agents send less often, and node 0 pays for each batch (its CURVE frame, its decode, its
+    bookkeeping) whatever it holds: at 16,384 ranks, 0.2 s ticks were 10,000 batches a
+    second of ~7 messages. A rank's messages wait at most a tick longer than they did."""
+    return min(MAX_TICK_S, max(TICK_S, send_interval_s(world_size) / 2))
 
 
 class Relay:
@@ -125,6 +136,8 @@ class Relay:
         self.forwarded = 0  # rank messages sent on
         self.dropped = 0  # rank messages lost here (full queues)
         self._last_sent = 0.0
+        self.world_size = 0  # as the ranks' steps messages say (0: none seen yet)
+        self.tick_s = TICK_S
 
     # --- rank side ------------------------------------------------------------------
 
@@ -155,6 +168,9 @@ class Relay:
         self._routes.append(self._route(conn))
         msg = columns.plain_steps(payload)
         self._payloads.append(payload if msg is None else (msg, payload))
+        if msg is not None and msg.ident.world_size != self.world_size:
+            self.world_size = msg.ident.world_size
+            self.tick_s = tick_s(self.world_size)
         self._pending_bytes += size
 
     def on_local(self) -> None:
@@ -262,7 +278,7 @@ class Relay:
         poller.register(self.up, zmq.POLLIN)
         if self.stacks is not None:
             poller.register(self.stacks.fileno(), zmq.POLLIN)
-        next_tick = time.monotonic() + TICK_S
+        next_tick = time.monotonic() + self.tick_s
         while not stop():
             wait_ms = max(0, int((next_tick - time.monotonic()) * 1000))
             events = dict(poller.poll(min(wait_ms, 100)))
@@ -275,7 +291,7 @@ class Relay:
             now = time.monotonic()
             if now >= next_tick:
                 self.tick(now)
-                next_tick = now + TICK_S
+                next_tick = now + self.tick_s
         self.on_local()  # the ranks' last words (goodbyes) go out with the last batch
         self.tick(float("inf"))
 

@@ -12,7 +12,8 @@ the relay cannot decode: the collector judges it as it always has.
 
 from __future__ import annotations
 
-import numpy as np
+import sys
+from array import array
 
 from traceml_agent.protocol import (
     MAX_COLUMN_GROUPS,
@@ -93,10 +94,17 @@ def relay_batch(node: int, batches: int, dropped: int, routes: list[int],
     for phases, g in group_of.items():  # in order: g is the group's index
         records = [r for m in recs[g] for r in m.records]
         groups.append(StepGroup(
-            list(phases),
-            np.fromiter((r.step for r in records), "<i8", len(records)).tobytes(),
-            np.fromiter((r.t_end for r in records), "<f8", len(records)).tobytes(),
-            np.fromiter((r.step_ms for r in records), "<f8", len(records)).tobytes(),
-            np.fromiter((NAN if v is None else v for r in records for v in r.phase_ms),
-                        "<f8", len(records) * len(phases)).tobytes()))
+            list(phases), _packed("q", [r.step for r in records]),
+            _packed("d", [r.t_end for r in records]),
+            _packed("d", [r.step_ms for r in records]),
+            _packed("d", [NAN if v is None else v for r in records for v in r.phase_ms])))
     return RelayBatch(node, batches, dropped, routes, payloads, StepColumns(groups, rows))
+
+
+def _packed(code: str, values: list) -> bytes:
+    """Values as a little-endian packed array (the array module: a batch holds a few
+    records, where numpy's per-call cost would be most of the work)."""
+    arr = array(code, values)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
