@@ -233,7 +233,8 @@ def test_two_hosts_with_their_own_addresses(tmp_path, two_hosts):
 # in test_two_nodes_one_summary_with_the_slow_node_named[node0-first], the same kind of run.
 
 
-@pytest.mark.alone  # the second node's start within seconds
+# Not `alone`: the bound on the first step (below) is a fifth of the wait it guards against,
+# with room for this 2-core machine's start-up of 4 ranks beside other tests' jobs.
 @pytest.mark.parametrize("first", [1, 0], ids=["node1-first", "node0-first"])
 def test_nodes_without_a_shared_folder_or_secret_start_at_once(tmp_path, first):
     """The seed guide's plain command line on both nodes, each with its own --out (no
@@ -265,12 +266,14 @@ def test_nodes_without_a_shared_folder_or_secret_start_at_once(tmp_path, first):
     assert (rc0, rc1) == (0, 0), err0[-3000:] + err1[-3000:]
 
     # The first step of every rank came soon after the last node started: no node
-    # waited for the monitor (before: node 1 waited up to 300 s for a secret file).
+    # waited for the monitor (before: node 1 waited up to 300 s for a secret file). The
+    # 4 ranks' start-up (torch, DDP: ~3 CPU-s each) shares 2 cores with the other
+    # tests' jobs: 60 s, a fifth of the wait that was the bug.
     first_steps = [float((progress / f"rank{r}.txt").read_text().split()[1])
                    for r in range(4)]
     delay = max(first_steps) - second_started
     print(f"first step {delay:.1f} s after the second node started")
-    assert delay < 30, delay
+    assert delay < 60, delay
 
     assert not (outs[1] / "plain" / "final_summary.json").exists()
     doc = json.loads((outs[0] / "plain" / "final_summary.json").read_text())
