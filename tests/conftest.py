@@ -72,9 +72,28 @@ E2E_TESTS = {
 }
 
 
-# A test that starts a real job costs about this many times one that starts none (a job:
-# tens of seconds, mostly its processes' start-up; a unit test: tenths of a second).
-E2E_WEIGHT = 200
+# What a file costs, to hand out the costliest first: its wall time in the whole suite (3
+# workers on 2 cores, 2026-11-26; files over 10 s), else (and for a file of jobs under -m
+# or -k, which may leave part of it) an estimate: a test that starts a real job about
+# E2E_S seconds (mostly its processes' start-up), one that starts none UNIT_S. By count
+# alone, files of a few slow tests that start no job went last and ended the run alone
+# while the other workers idled (test_phase_table.py, 2 tests, 22 s, was the last file
+# of the suite), and files of many short jobs (test_faults.py) went first.
+E2E_S = 15.0
+UNIT_S = 0.07
+FILE_S = {
+    "test_e2e_multinode.py": 190, "test_e2e_frameworks.py": 150,
+    "test_checks_examples.py": 155, "test_e2e_diagnosis.py": 153, "test_faults.py": 145,
+    "test_e2e_hang.py": 116, "test_e2e_hang_record.py": 102, "test_netcheck.py": 100,
+    "test_e2e_cost.py": 93, "test_terminal.py": 76, "test_e2e_run.py": 73,
+    "test_slurm_real.py": 72, "test_e2e_watch.py": 65, "test_fuzz_collector.py": 45,
+    "test_snapshots.py": 36, "test_e2e_episodes.py": 32, "test_security_collector.py": 32,
+    "test_e2e_capture.py": 31, "test_web_view.py": 28, "test_slurm.py": 27,
+    "test_dashboard.py": 25, "test_native_stacks.py": 24, "test_e2e_stalls.py": 24,
+    "test_phase_table.py": 22, "test_e2e_explicit_api.py": 20, "test_metrics.py": 18,
+    "test_layers.py": 18, "test_web_lock.py": 14, "test_e2e_fsdp.py": 14,
+    "test_run_folders.py": 13, "test_relay.py": 12, "test_handover_exit.py": 12,
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -87,12 +106,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # in at the end (longest first), instead of one long file ending the run alone. In
     # a file its `alone` tests go last, in one run: the other workers drain once for them
     # (see _turn below), not once for each.
-    cost: dict[Path, int] = {}
+    cost: dict[Path, float] = {}
     first: dict[Path, int] = {}
+    jobs: set[Path] = set()
     for index, item in enumerate(items):
         first.setdefault(item.path, index)
-        cost[item.path] = cost.get(item.path, 0) + (
-            E2E_WEIGHT if item.get_closest_marker("e2e") is not None else 1)
+        e2e = item.get_closest_marker("e2e") is not None
+        cost[item.path] = cost.get(item.path, 0.0) + (E2E_S if e2e else UNIT_S)
+        if e2e:
+            jobs.add(item.path)
+    whole = not config.option.markexpr and not config.option.keyword
+    for path in cost:
+        if whole or path not in jobs:  # `-m "not e2e"` runs the whole of a file of no jobs
+            cost[path] = FILE_S.get(path.name, cost[path])
     items.sort(key=lambda item: (-cost[item.path], first[item.path], _alone(item)))
 
 
