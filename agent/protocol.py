@@ -456,21 +456,26 @@ def _records(raw: list[list[int | float | None]], n_phases: int
 
 
 def _record(rec: list[int | float | None], n_phases: int) -> StepRecord | None:
-    if len(rec) != 3 + n_phases:  # [step, t_end, step_ms, *phase_ms]
+    if not _record_ok(rec, n_phases):
         return None
+    return StepRecord(rec[0], float(rec[1]), float(rec[2]),  # type: ignore[arg-type]
+                      tuple(v if v is None else float(v) for v in rec[3:]))
+
+
+def _record_ok(rec: list[int | float | None], n_phases: int) -> bool:
+    if len(rec) != 3 + n_phases:  # [step, t_end, step_ms, *phase_ms]
+        return False
     step, t_end, step_ms = rec[0], rec[1], rec[2]
     if type(step) is not int or not 0 <= step <= MAX_COUNT:
-        return None
+        return False
     if type(t_end) not in _NUMBER or not 0.0 <= t_end <= 1e11:  # type: ignore[operator]
-        return None
+        return False
     if type(step_ms) not in _NUMBER or not 0.0 <= step_ms <= MAX_STEP_MS:  # type: ignore[operator]
-        return None
-    values = rec[3:]
-    for v in values:
+        return False
+    for v in rec[3:]:
         if v is not None and (type(v) not in _NUMBER or not 0.0 <= v <= MAX_STEP_MS):
-            return None
-    return StepRecord(step, float(t_end), float(step_ms),  # type: ignore[arg-type]
-                      tuple(v if v is None else float(v) for v in values))
+            return False
+    return True
 
 
 # Phase-name lists seen, validated: agents send the same list in every batch.
@@ -620,6 +625,32 @@ def decode_relay_batch(data: bytes) -> RelayBatch:
     if batch.payloads.count(b"") != rows:
         raise ProtocolError("a relay batch needs one column row per empty payload")
     return batch
+
+
+def decode_plain_steps(payload: bytes, max_records: int
+                       ) -> tuple[Steps, tuple[str, ...]] | None:
+    """For a node relay: a steps message that decode() would give whole (every record
+    kept), without collectives and with at most `max_records` records, and its checked
+    phase names; None for anything else. Cheaper than decode() (no StepRecord objects): a
+    relay checks every steps message of its node."""
+    if len(payload) > MAX_MESSAGE_BYTES:
+        return None
+    try:
+        wire = _DECODER.decode(payload)  # the union: its kind is required, as decode's
+        if not isinstance(wire, Steps):
+            return None
+        phases = _phases(wire.phases)
+    except Exception:  # not a valid message: decode() will say so
+        return None
+    ident, n = wire.id, len(phases)
+    if (wire.v != PROTOCOL_VERSION or ident.rank >= ident.world_size or wire.colls
+            or len(wire.records) > max_records
+            or (wire.forced is not None and len(wire.forced) != n)):
+        return None
+    for rec in wire.records:
+        if not _record_ok(rec, n):
+            return None
+    return wire, phases
 
 
 def column_phases(group: StepGroup) -> tuple[str, ...]:

@@ -350,3 +350,37 @@ def test_relays_tick_slower_only_where_the_agents_send_slower() -> None:
     finally:
         relay.close()
         ctx.term()
+
+
+def test_a_relay_sends_as_columns_only_what_decode_takes_whole() -> None:
+    """decode_plain_steps (the relay's cheaper check) says yes exactly where decode() gives
+    the message with every record kept and no collectives: anything else goes up as it
+    came, and the collector judges it as it always has."""
+    import msgspec as ms
+
+    ident = Identity(1, 1, 0, "node0", 10, 8)
+
+    def steps(records: list, **extra: Any) -> bytes:
+        return protocol.encode("steps", ident, 1, T0, phases=["forward", "backward"],
+                               records=records, **extra)
+
+    ok = [2, T0, 10.0, 1.0, None]
+    no_kind = ms.msgpack.decode(steps([ok]))
+    del no_kind["kind"]
+    cases = [steps([ok]), steps([ok, [3, T0, 10, 1, 2]]), steps([ok], forced=[0, 1]),
+             steps([[2.0, T0, 10.0, 1.0, None]]), steps([[2, T0, 10.0, math.nan, None]]),
+             steps([[2, T0, -1.0, 1.0, None]]), steps([[2, T0, 10.0, 1.0]]),
+             steps([[True, T0, 10.0, 1.0, 2.0]]), steps([[2, None, 10.0, 1.0, 2.0]]),
+             steps([ok], forced=[1]), steps([ok] * 300), ms.msgpack.encode(no_kind),
+             steps([ok], colls=[["g", "all_reduce", "backward", 1, 8, 1.0]]),
+             protocol.encode("steps", Identity(1, 1, 0, "n", 10, 1), 1, T0, phases=["x"],
+                             records=[[2, T0, 1.0, 1.0]]),
+             protocol.encode("heartbeat", ident, 1, T0, phase="steps")]
+    for i, payload in enumerate(cases):
+        try:
+            msg = protocol.decode(payload)
+            whole = (msg.kind == "steps" and not msg.bad_records and not msg.body.colls
+                     and len(msg.records) <= relay_columns.MAX_ROW_RECORDS)
+        except protocol.ProtocolError:
+            whole = False
+        assert (relay_columns.plain_steps(payload) is not None) == whole, i

@@ -168,8 +168,8 @@ class Relay:
         self._routes.append(self._route(conn))
         msg = columns.plain_steps(payload)
         self._payloads.append(payload if msg is None else (msg, payload))
-        if msg is not None and msg.ident.world_size != self.world_size:
-            self.world_size = msg.ident.world_size
+        if msg is not None and msg[0].id.world_size != self.world_size:
+            self.world_size = msg[0].id.world_size
             self.tick_s = tick_s(self.world_size)
         self._pending_bytes += size
 

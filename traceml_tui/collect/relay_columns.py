@@ -17,14 +17,12 @@ from array import array
 
 from traceml_agent.protocol import (
     MAX_COLUMN_GROUPS,
-    Message,
-    ProtocolError,
     RelayBatch,
     StepColumns,
     StepGroup,
     StepRow,
     Steps,
-    decode,
+    decode_plain_steps,
 )
 
 # Records of one message sent as a row; a larger batch (a rank catching up) goes up as it
@@ -34,32 +32,26 @@ NAN = float("nan")
 _STEPS = b"\xa5steps"  # "steps" as msgpack writes it (a fixstr of 5)
 
 
-# A pending item: a payload as it came, or a plain steps message (decoded, with its bytes:
-# sent as they came after all if its batch has no room for another phase list).
-Item = bytes | tuple[Message, bytes]
+# A plain steps message, decoded, with its phase names checked.
+Plain = tuple[Steps, tuple[str, ...]]
+# A pending item: a payload as it came, or a plain steps message with its bytes (sent as
+# they came after all if its batch has no room for another phase list).
+Item = bytes | tuple[Plain, bytes]
 
 
-def plain_steps(payload: bytes) -> Message | None:
+def plain_steps(payload: bytes) -> Plain | None:
     """The decoded message if it can travel as a column row, else None (sent as it came).
     A payload without the msgpack string "steps" in it is no steps message: not decoded."""
     if _STEPS not in payload:
         return None
-    try:
-        msg = decode(payload)
-    except ProtocolError:
-        return None
-    body = msg.body
-    if (not isinstance(body, Steps) or body.colls or msg.bad_records
-            or len(msg.records) > MAX_ROW_RECORDS):
-        return None
-    return msg
+    return decode_plain_steps(payload, MAX_ROW_RECORDS)
 
 
 def item_bytes(item: Item) -> int:
     """An item's share of a batch's bytes (a row: as packed columns, with its envelope)."""
     if isinstance(item, tuple):
-        msg = item[0]
-        return 96 + len(msg.records) * 8 * (3 + len(msg.phases))
+        wire, phases = item[0]
+        return 96 + len(wire.records) * 8 * (3 + len(phases))
     return len(item)
 
 
@@ -69,35 +61,33 @@ def relay_batch(node: int, batches: int, dropped: int, routes: list[int],
     if not any(isinstance(item, tuple) for item in items):
         return RelayBatch(node, batches, dropped, routes, items)  # type: ignore[arg-type]
     group_of: dict[tuple[str, ...], int] = {}
-    recs: list[list[Message]] = []
+    recs: list[list[list[int | float | None]]] = []
     rows = []
     payloads: list[bytes] = []
     for item in items:
         if not isinstance(item, tuple):
             payloads.append(item)
             continue
-        msg, payload = item
-        g = group_of.get(msg.phases)
+        (wire, phases), payload = item
+        g = group_of.get(phases)
         if g is None:
             if len(group_of) >= MAX_COLUMN_GROUPS:  # never with real agents: one list each
                 payloads.append(payload)
                 continue
-            g = group_of[msg.phases] = len(recs)
+            g = group_of[phases] = len(recs)
             recs.append([])
         payloads.append(b"")
-        recs[g].append(msg)
-        body = msg.body
-        assert isinstance(body, Steps)
-        rows.append(StepRow(msg.ident, msg.seq, msg.t, g, len(msg.records), body.dropped,
-                            list(msg.forced) if any(msg.forced) else None))
+        recs[g].extend(wire.records)
+        forced = wire.forced if wire.forced and any(wire.forced) else None
+        rows.append(StepRow(wire.id, wire.seq, wire.t, g, len(wire.records), wire.dropped,
+                            forced))
     groups = []
     for phases, g in group_of.items():  # in order: g is the group's index
-        records = [r for m in recs[g] for r in m.records]
+        records = recs[g]
         groups.append(StepGroup(
-            list(phases), _packed("q", [r.step for r in records]),
-            _packed("d", [r.t_end for r in records]),
-            _packed("d", [r.step_ms for r in records]),
-            _packed("d", [NAN if v is None else v for r in records for v in r.phase_ms])))
+            list(phases), _packed("q", [r[0] for r in records]),
+            _packed("d", [r[1] for r in records]), _packed("d", [r[2] for r in records]),
+            _packed("d", [NAN if v is None else v for r in records for v in r[3:]])))
     return RelayBatch(node, batches, dropped, routes, payloads, StepColumns(groups, rows))
 
 
