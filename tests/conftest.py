@@ -10,8 +10,10 @@ descendants are also noted after each test. A process meant to outlive the sessi
 system daemon a test starts, e.g. munged) is started without the mark (`unmarked_env`).
 
 End-to-end tests (real jobs) carry the `e2e` marker, so `-m "not e2e"` is the quick loop;
-under pytest-xdist a test marked `alone` (it compares timings) runs with no other test
-beside it (see `pytest_runtest_protocol`).
+under pytest-xdist a test marked `alone` (it compares timings) runs with no other test's
+load competing with it: in a CPU cgroup of its own that outweighs the others beside it,
+which run only on the CPU it leaves idle, or (where no cgroup can be made) with no other
+test beside it (see `_turn`).
 """
 
 from __future__ import annotations
@@ -122,13 +124,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: (-cost[item.path], first[item.path], _alone(item)))
 
 
-# --- `alone` under xdist: a readers-writer lock over the workers ---------------------------
-# Every test holds the run's lock shared, an `alone` test holds it exclusively. A turnstile
-# taken first keeps a waiting `alone` test from being starved by the other workers' tests.
-# A worker whose next test is `alone` too keeps the lock exclusive between the two: taking
-# it again drains the other workers' tests first (they slip in between), so a module of
-# `alone` tests drains them once, not once per test.
+# --- `alone` under xdist ----------------------------------------------------------------
+# Where this process may create a CPU cgroup (root, cgroup v1's cpu controller: CI, this
+# project's machines), an `alone` test runs in a cgroup of ALONE_SHARES (its job's
+# processes inherit it, whatever session they start), one `alone` test at a time (an
+# exclusive lock among them), and the other workers' tests go on beside it: the kernel
+# gives them only the CPU time the `alone` test leaves idle (262144 shares against their
+# 1024 each: under 1 % of a core they contend for), so no other test's load competes with
+# its timings, and the ~0.6 core its jobs leave idle on average is not lost (holding the
+# other workers idle instead, `alone` tests took 589 s of the suite's 1,170, at 1.43
+# cores busy). A nice value would not do: each session (every job's launcher and
+# collector) is an autogroup of its own, and nice only orders processes inside one.
+# Elsewhere, a readers-writer lock over the workers: every test holds the run's lock
+# shared, an `alone` test holds it exclusively. A turnstile taken first keeps a waiting
+# `alone` test from being starved by the other workers' tests. A worker whose next test is
+# `alone` too keeps the lock exclusive between the two: taking it again drains the other
+# workers' tests first (they slip in between), so a module of `alone` tests drains them
+# once, not once per test.
 
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
+ALONE_SHARES = 262144  # cgroup v1's most
 _exclusive: IO[str] | None = None  # the machine lock this worker holds between `alone` tests
 
 
@@ -155,6 +170,23 @@ def _take(folder: Path, alone: bool) -> IO[str]:
     return machine
 
 
+def _alone_cgroup(folder: Path) -> Path | None:
+    """The run's cgroup for `alone` tests (made by the first worker to ask), or None where
+    this process may not make one."""
+    group = CPU_CGROUPS / folder.name
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "cpu.shares").write_text(f"{ALONE_SHARES}\n")
+    except OSError:
+        return None
+    return group
+
+
+def _join(group: Path) -> None:
+    """This worker (every thread) and what it starts from now on into `group`."""
+    (group / "cgroup.procs").write_text(f"{os.getpid()}\n")
+
+
 @contextlib.contextmanager
 def _turn(folder: Path | None, alone: bool, next_alone: bool) -> Iterator[None]:
     global _exclusive
@@ -165,10 +197,18 @@ def _turn(folder: Path | None, alone: bool, next_alone: bool) -> Iterator[None]:
     if held is not None and not alone:  # the next test was not the one announced
         _release(held)
         held = None
+    group = _alone_cgroup(folder)
+    if group is not None and not alone:  # beside anything, below an `alone` test
+        yield
+        return
     machine = held or _take(folder, alone)
+    if group is not None:
+        _join(group)
     try:
         yield
     finally:
+        if group is not None:
+            _join(CPU_CGROUPS)
         if alone and next_alone:
             _exclusive = machine
         else:
@@ -218,6 +258,14 @@ def _started(proc: psutil.Process) -> float:
         return proc.create_time()
     except psutil.Error:
         return 0.0
+
+
+def _drop_cgroup(config: pytest.Config) -> None:
+    """The `alone` cgroup, once empty (the last worker's rmdir removes it)."""
+    folder = _lock_dir(config)
+    if folder is not None:
+        with contextlib.suppress(OSError):
+            (CPU_CGROUPS / folder.name).rmdir()
 
 
 def survivors() -> list[tuple[psutil.Process, str]]:
@@ -270,6 +318,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         time.sleep(0.2)
         left = survivors()
     if not left:
+        _drop_cgroup(session.config)
         return
     lines = [f"{test}: pid {proc.pid}: {_describe(proc)}" for proc, test in
              sorted(left, key=lambda pt: (pt[1], pt[0].pid))]
@@ -278,6 +327,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             proc.kill()
         except psutil.Error:
             pass
+    psutil.wait_procs([proc for proc, _ in left], timeout=5)
+    _drop_cgroup(session.config)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line("")
