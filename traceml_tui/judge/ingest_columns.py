@@ -336,7 +336,7 @@ def _take(state: RunState, p: Pending, valid: np.ndarray, rank: np.ndarray, step
           vals_of: dict[tuple[str, ...], np.ndarray], row_of: np.ndarray) -> None:
     """The valid records into the ranks' windows and counts: a rank whose records are all
     the next steps within the step-rate bound in one pass for all; any other rank record
-    by record (RunState.take_record, the per-message path's own code)."""
+    by record (RunState.take_records, the per-message path's own code)."""
     idx = np.flatnonzero(valid)
     if not len(idx):
         return
@@ -385,7 +385,8 @@ def _take(state: RunState, p: Pending, valid: np.ndarray, rank: np.ndarray, step
             for j in range(lo, hi):
                 rec = int(order[j])
                 phases, vals = _values(rec, key, names, sel_of, vals_of)
-                if state.take_record(rs, int(step[rec]), float(step_ms[rec]), phases, vals):
+                one = StepRecord(int(step[rec]), 0.0, float(step_ms[rec]), vals)
+                if state.take_records(rs, (one,), phases):
                     last = int(mark[j])
             if last < 0:
                 continue

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
@@ -30,6 +30,7 @@ from traceml_agent.protocol import (
     Message,
     NcclState,
     Stacks,
+    StepRecord,
     Steps,
     Sys,
 )
@@ -395,39 +396,41 @@ class RunState:
                 rs.forced[name] = max(rs.forced.get(name, 0), count)
         if body.colls:
             self.collectives.add(rs.ident.rank, body.colls)
-        for rec in msg.records:
-            self.take_record(rs, rec.step, rec.step_ms, msg.phases, rec.phase_ms)
+        self.take_records(rs, msg.records, msg.phases)
         if rs.stacks and rs.last_step > rs.stacks_after_step:
             rs.stacks = ()
             rs.nccl = None
 
-    def take_record(self, rs: RankState, step: int, step_ms: float, phases: tuple[str, ...],
-                    phase_ms: tuple[float | None, ...]) -> bool:
-        """One validated record of a rank's batch, in order; False if refused (a duplicate
-        or an absurd step). judge/ingest_columns.py does the same for whole columns, and
-        comes here for a rank whose records are not simply the next steps."""
-        if step <= rs.last_step:  # replayed or out of order: already counted
-            self.counters["duplicate_records"] += 1
-            return False
-        if rs.first_step < 0:
-            rs.first_step, rs.first_step_at = step, rs.last_seen
-        elif step > rs.first_step + MAX_STEP_JUMP + int(
-                MAX_STEPS_PER_S * max(0.0, rs.last_seen - rs.first_step_at)):
-            # Faster than any training steps: a jump to 2**62 (or a climb to it, record
-            # by record) would make every later real step look like a duplicate.
-            self.counters["absurd_steps"] += 1
-            return False
-        if step >= WARMUP_STEPS:
-            rs.window.append(step_ms, phases, phase_ms, step)
-            if rs.stall_at_ms is not None and step_ms >= rs.stall_at_ms:
-                self.stall_seen(rs, step, step_ms, phases, phase_ms)
-        rs.last_step_at = rs.last_seen
-        rs.since_step_at_msg_s = 0.0
-        rs.last_step = step
-        rs.steps += 1
-        self.counters["records"] += 1
-        rs.dirty = True
-        return True
+    def take_records(self, rs: RankState, records: Iterable[StepRecord],
+                     phases: tuple[str, ...]) -> int:
+        """Validated records of a rank's batch, in order; how many were taken (the others
+        are duplicates or absurd steps). judge/ingest_columns.py does the same for whole
+        columns, and comes here for a rank whose records are not simply the next steps."""
+        taken = 0
+        for rec in records:
+            if rec.step <= rs.last_step:  # replayed or out of order: already counted
+                self.counters["duplicate_records"] += 1
+                continue
+            if rs.first_step < 0:
+                rs.first_step, rs.first_step_at = rec.step, rs.last_seen
+            elif rec.step > rs.first_step + MAX_STEP_JUMP + int(
+                    MAX_STEPS_PER_S * max(0.0, rs.last_seen - rs.first_step_at)):
+                # Faster than any training steps: a jump to 2**62 (or a climb to it, record
+                # by record) would make every later real step look like a duplicate.
+                self.counters["absurd_steps"] += 1
+                continue
+            if rec.step >= WARMUP_STEPS:
+                rs.window.append(rec.step_ms, phases, rec.phase_ms, rec.step)
+                if rs.stall_at_ms is not None and rec.step_ms >= rs.stall_at_ms:
+                    self.stall_seen(rs, rec.step, rec.step_ms, phases, rec.phase_ms)
+            rs.last_step_at = rs.last_seen
+            rs.since_step_at_msg_s = 0.0
+            rs.last_step = rec.step
+            rs.steps += 1
+            self.counters["records"] += 1
+            rs.dirty = True
+            taken += 1
+        return taken
 
     def stall_seen(self, rs: RankState, step: int, step_ms: float, phases: tuple[str, ...],
                    phase_ms: tuple[float | None, ...]) -> None:
