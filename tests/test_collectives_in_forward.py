@@ -33,6 +33,7 @@ def group(tmp_path):
     dist.destroy_process_group()
 
 
+@pytest.mark.alone  # the forward's own time against a 100 ms broadcast, measured
 def test_ddps_buffer_broadcast_inside_forward_is_sync(group, monkeypatch):
     real = dist._broadcast_coalesced
     spent: list[float] = []  # each broadcast's own wall time, as DDP's forward saw it
