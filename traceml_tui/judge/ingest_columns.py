@@ -149,7 +149,6 @@ class Pending:
     row_mark: list[int] = field(default_factory=list)
     beat_mark: dict[int, int] = field(default_factory=dict)
     marks: int = 0
-    phases_known: set[tuple[str, ...]] = field(default_factory=set)
 
     def add(self, rank: int, group: Group, start: int, n: int) -> None:
         g = self.group_at.get(id(group))
@@ -188,13 +187,9 @@ def take_row(state: RunState, pending: Pending, ident: Identity, conn: object, n
             or rs.ident.pid != ident.pid or rs.first_step < 0):
         return False
     phases = group.phases
-    if phases not in pending.phases_known:
-        if not state._phases_fit(phases):
-            return False
-        state.phases.extend(name for name in phases if name not in state.phases)
-        if len(pending.phases_known) >= 64:
-            pending.phases_known.clear()
-        pending.phases_known.add(phases)
+    if not state._phases_fit(phases):
+        return False
+    state.add_phases(phases)
     # As RunState.ingest and _ingest_steps do for a message, less its records.
     counters = state.counters
     counters["messages"] += 1

@@ -102,6 +102,7 @@ AFTERMATH_STEPS = 3
 NATIVE_THREAD = "native (py-spy dump --native, innermost first)"
 # Distinct phase names a run may use: the standard ones plus the agent's custom limit.
 MAX_RUN_PHASES = 24
+MAX_PHASE_LISTS = 64  # phase lists remembered as all in the run's (add_phases)
 
 
 @dataclass(slots=True)
@@ -178,6 +179,7 @@ class RunState:
         self.block = WindowBlock(world_size, self.window_steps)
         self.ranks: dict[int, RankState] = {}
         self.phases: list[str] = list(PHASES)
+        self._lists_in: set[tuple[str, ...]] = set()  # phase lists all in self.phases
         self.counters = {"messages": 0, "malformed": 0, "foreign": 0, "records": 0,
                          "duplicate_records": 0, "agent_dropped": 0, "rejected_peers": 0,
                          "restarts": 0, "absurd_steps": 0, "backlog_refused": 0,
@@ -377,11 +379,23 @@ class RunState:
     def _phases_fit(self, phases: tuple[str, ...]) -> bool:
         """Each new phase name costs a window per rank: a sender inventing names must not
         grow the collector without bound."""
+        if phases in self._lists_in:
+            return True
         new = sum(1 for name in phases if name not in self.phases)
         return len(self.phases) + new <= MAX_RUN_PHASES
 
+    def add_phases(self, phases: tuple[str, ...]) -> None:
+        """A batch's phase names into the run's (they fit: _phases_fit). Agents send the
+        same list in every batch: a list whose names are all in is remembered (bounded)."""
+        if phases in self._lists_in:
+            return
+        self.phases.extend(name for name in phases if name not in self.phases)
+        if len(self._lists_in) >= MAX_PHASE_LISTS:
+            self._lists_in.clear()
+        self._lists_in.add(phases)
+
     def _ingest_steps(self, rs: RankState, msg: Message, body: Steps) -> None:
-        self.phases.extend(name for name in msg.phases if name not in self.phases)
+        self.add_phases(msg.phases)
         # Saturating: ranks may claim up to 2**62 each (and a restarted rank counts
         # afresh); the sum must stay an integer every encoder takes.
         self.counters["agent_dropped"] = min(
