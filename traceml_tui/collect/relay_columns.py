@@ -48,10 +48,13 @@ def plain_steps(payload: bytes) -> Plain | None:
 
 
 def item_bytes(item: Item) -> int:
-    """An item's share of a batch's bytes (a row: as packed columns, with its envelope)."""
+    """An item's share of a batch's bytes, never less than it takes in the batch (a row: its
+    envelope, which its message's bytes hold, and its records as packed columns): a batch
+    past protocol.MAX_RELAY_BATCH_BYTES is refused whole, and a row's identity alone may
+    hold a host name of 256 characters."""
     if isinstance(item, tuple):
-        wire, phases = item[0]
-        return 96 + len(wire.records) * 8 * (3 + len(phases))
+        (wire, phases), payload = item
+        return len(payload) + len(wire.records) * 8 * (3 + len(phases))
     return len(item)
 
 
