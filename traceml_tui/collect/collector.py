@@ -348,6 +348,8 @@ class Collector:
         group, start = opened
         if columns.take_row(self.state, self.pending, row.id, route, mono, row, group, start):
             self.routes[row.id.rank] = route
+            if self.pending.records >= columns.MAX_PENDING_RECORDS:  # a flush's memory
+                self.flush_columns()
             return
         self._take(route, columns.message_of(row, group, start), mono)
 

@@ -45,6 +45,10 @@ from traceml_agent.protocol import (
 from .state import COUNTER_MAX, MAX_STEP_JUMP, MAX_STEPS_PER_S, WARMUP_STEPS, RunState
 
 _MAX_T_END = 1e11  # protocol._record's bound on t_end
+# Records waiting at most: the collector flushes early past it. A drain may hold 256 relay
+# frames of ~1 MiB (from as many key holders' connections), and a flush builds a dozen
+# arrays per record: ~8 MiB at this bound, not ~2 GiB. An honest drain holds far fewer.
+MAX_PENDING_RECORDS = 32_768
 
 
 @dataclass(slots=True)
@@ -149,6 +153,7 @@ class Pending:
     row_mark: list[int] = field(default_factory=list)
     beat_mark: dict[int, int] = field(default_factory=dict)
     marks: int = 0
+    records: int = 0  # the rows' records, together (MAX_PENDING_RECORDS)
 
     def add(self, rank: int, group: Group, start: int, n: int) -> None:
         g = self.group_at.get(id(group))
@@ -160,6 +165,7 @@ class Pending:
         self.row_group.append(g)
         self.row_start.append(start)
         self.row_n.append(n)
+        self.records += n
         self.row_mark.append(self.marks)
         self.marks += 1
 
@@ -175,7 +181,7 @@ class Pending:
         for rows in (self.row_rank, self.row_group, self.row_start, self.row_n, self.row_mark):
             rows.clear()
         self.beat_mark.clear()
-        self.marks = 0
+        self.marks = self.records = 0
 
 
 def take_row(state: RunState, pending: Pending, ident: Identity, conn: object, now: float,
