@@ -54,6 +54,10 @@ class ViewClient:
         if self.sock is None:
             self.sock = self.ctx.socket(zmq.REQ)
             self.sock.setsockopt(zmq.LINGER, 0)
+            # A REQ socket with no live pipe to its peer blocks a send: a viewer once sat
+            # in one for minutes. A send that cannot leave within the timeout is a
+            # collector that does not answer.
+            self.sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
             if self.keys is not None:
                 keys.secure_client(self.sock, self.keys)
             self.sock.connect(self.address)
@@ -65,8 +69,12 @@ class ViewClient:
 
     def _request_locked(self, request: ViewOp) -> list[bytes]:
         sock = self._socket()
-        sock.send(encode_view(request))
-        if not sock.poll(self.timeout_ms):
+        try:
+            sock.send(encode_view(request))
+            answered = sock.poll(self.timeout_ms)
+        except zmq.Again:  # the send could not leave (SNDTIMEO)
+            answered = False
+        if not answered:
             sock.close(0)
             self.sock = None
             hint = "" if self.keys else " (if the run has a secret: set TRACEML_SECRET)"
