@@ -98,7 +98,8 @@ class ProtocolError(ValueError):
 
 Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
 Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]  # durations (NaN and inf fail the bound)
-Epoch = Annotated[float, Meta(ge=0.0, le=1e11)]
+MAX_EPOCH_S = 1e11  # a time stamp (epoch seconds) past year 5138 is no clock's
+Epoch = Annotated[float, Meta(ge=0.0, le=MAX_EPOCH_S)]
 Megabytes = Annotated[float, Meta(ge=0.0, le=1e9)]
 Short = Annotated[str, Meta(max_length=64)]
 Line = Annotated[str, Meta(max_length=MAX_STR)]
@@ -468,7 +469,7 @@ def _record_ok(rec: list[int | float | None], n_phases: int) -> bool:
     step, t_end, step_ms = rec[0], rec[1], rec[2]
     if type(step) is not int or not 0 <= step <= MAX_COUNT:
         return False
-    if type(t_end) not in _NUMBER or not 0.0 <= t_end <= 1e11:  # type: ignore[operator]
+    if type(t_end) not in _NUMBER or not 0.0 <= t_end <= MAX_EPOCH_S:  # type: ignore[operator]
         return False
     if type(step_ms) not in _NUMBER or not 0.0 <= step_ms <= MAX_STEP_MS:  # type: ignore[operator]
         return False

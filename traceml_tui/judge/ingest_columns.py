@@ -30,6 +30,7 @@ import numpy as np
 
 from traceml_agent.protocol import (
     MAX_COUNT,
+    MAX_EPOCH_S,
     MAX_STEP_MS,
     PROTOCOL_VERSION,
     Identity,
@@ -44,7 +45,6 @@ from traceml_agent.protocol import (
 
 from .state import COUNTER_MAX, MAX_STEP_JUMP, MAX_STEPS_PER_S, WARMUP_STEPS, RunState
 
-_MAX_T_END = 1e11  # protocol._record's bound on t_end
 # Records waiting at most: the collector flushes early past it. A drain may hold 256 relay
 # frames of ~1 MiB (from as many key holders' connections), and a flush builds a dozen
 # arrays per record: ~8 MiB at this bound, not ~2 GiB. An honest drain holds far fewer.
@@ -113,11 +113,19 @@ def _valid(step: np.ndarray, t_end: np.ndarray, step_ms: np.ndarray, values: np.
            ) -> np.ndarray:
     """protocol._record's bounds, per record: an int step, finite non-negative times
     within their bounds (NaN fails every comparison; a NaN phase value is None)."""
-    ok = ((step >= 0) & (step <= MAX_COUNT) & (t_end >= 0.0) & (t_end <= _MAX_T_END)
-          & (step_ms >= 0.0) & (step_ms <= MAX_STEP_MS))
+    ok = _envelope_ok(step, t_end, step_ms)
     if values.shape[1]:
-        ok &= (np.isnan(values) | ((values >= 0.0) & (values <= MAX_STEP_MS))).all(axis=1)
+        ok &= _values_ok(values)
     return ok
+
+
+def _envelope_ok(step: np.ndarray, t_end: np.ndarray, step_ms: np.ndarray) -> np.ndarray:
+    return ((step >= 0) & (step <= MAX_COUNT) & (t_end >= 0.0) & (t_end <= MAX_EPOCH_S)
+            & (step_ms >= 0.0) & (step_ms <= MAX_STEP_MS))
+
+
+def _values_ok(values: np.ndarray) -> np.ndarray:
+    return (np.isnan(values) | ((values >= 0.0) & (values <= MAX_STEP_MS))).all(axis=1)
 
 
 def message_of(row: StepRow, group: Group, start: int) -> Message:
@@ -200,14 +208,7 @@ def take_row(state: RunState, pending: Pending, ident: Identity, conn: object, n
     counters = state.counters
     counters["messages"] += 1
     rs.last_seen = now
-    if row.dropped > rs.dropped:
-        counters["agent_dropped"] = min(COUNTER_MAX,
-                                        counters["agent_dropped"] + row.dropped - rs.dropped)
-        rs.dropped = row.dropped
-    if row.forced is not None:
-        for name, count in zip(phases, row.forced, strict=False):
-            if count:
-                rs.forced[name] = max(rs.forced.get(name, 0), count)
+    state.take_counts(rs, row.dropped, phases, row.forced)
     if row.n:
         pending.add(ident.rank, group, start, row.n)
     return True
@@ -279,11 +280,9 @@ def _flush(state: RunState, p: Pending) -> list[LogRun]:
             s = src[sel]
             step[sel], t_end[sel], step_ms[sel] = a_step[s], a_end[s], a_ms[s]
             sel_of[phases], vals_of[phases] = sel, a_vals[s]
-    valid = (step >= 0) & (step <= MAX_COUNT) & (t_end >= 0.0) & (t_end <= _MAX_T_END) & (
-        step_ms >= 0.0) & (step_ms <= MAX_STEP_MS)
+    valid = _envelope_ok(step, t_end, step_ms)
     for phases, sel in sel_of.items():
-        vals = vals_of[phases]
-        valid[sel] &= (np.isnan(vals) | ((vals >= 0.0) & (vals <= MAX_STEP_MS))).all(axis=1)
+        valid[sel] &= _values_ok(vals_of[phases])
     rank = np.array(p.row_rank, np.int64)[row_of]
     if not valid.all():
         _count_bad(state, rank[~valid])

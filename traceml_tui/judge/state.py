@@ -396,24 +396,30 @@ class RunState:
 
     def _ingest_steps(self, rs: RankState, msg: Message, body: Steps) -> None:
         self.add_phases(msg.phases)
-        # Saturating: ranks may claim up to 2**62 each (and a restarted rank counts
-        # afresh); the sum must stay an integer every encoder takes.
-        self.counters["agent_dropped"] = min(
-            COUNTER_MAX, self.counters["agent_dropped"] + max(0, body.dropped - rs.dropped))
-        rs.dropped = max(rs.dropped, body.dropped)
+        self.take_counts(rs, body.dropped, msg.phases, msg.forced)
         if msg.bad_records:  # the agent counted them as sent: the gap must show here
             rs.bad_records = min(COUNTER_MAX, rs.bad_records + msg.bad_records)
             self.counters["bad_records"] = min(COUNTER_MAX,
                                                self.counters["bad_records"] + msg.bad_records)
-        for name, count in zip(msg.phases, msg.forced, strict=False):
-            if count:
-                rs.forced[name] = max(rs.forced.get(name, 0), count)
         if body.colls:
             self.collectives.add(rs.ident.rank, body.colls)
         self.take_records(rs, msg.records, msg.phases)
         if rs.stacks and rs.last_step > rs.stacks_after_step:
             rs.stacks = ()
             rs.nccl = None
+
+    def take_counts(self, rs: RankState, dropped: int, phases: tuple[str, ...],
+                    forced: Iterable[int] | None) -> None:
+        """A steps batch's counts: records its agent dropped so far, and phases it closed
+        without their end hook (per phase, so far)."""
+        # Saturating: ranks may claim up to 2**62 each (and a restarted rank counts
+        # afresh); the sum must stay an integer every encoder takes.
+        self.counters["agent_dropped"] = min(
+            COUNTER_MAX, self.counters["agent_dropped"] + max(0, dropped - rs.dropped))
+        rs.dropped = max(rs.dropped, dropped)
+        for name, count in zip(phases, forced or (), strict=False):
+            if count:
+                rs.forced[name] = max(rs.forced.get(name, 0), count)
 
     def take_records(self, rs: RankState, records: Iterable[StepRecord],
                      phases: tuple[str, ...]) -> int:
