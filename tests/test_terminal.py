@@ -156,11 +156,13 @@ def test_a_launcher_killed_outright_leaves_a_record_and_no_process(tmp_path: Pat
     try:
         def stepping() -> bool:
             try:
-                return json.loads((run_dir / LIVE_SNAPSHOT_JSON).read_text())["run"]["steps"] >= 20
-            except (OSError, ValueError, KeyError):
+                # Every rank, not the furthest: the record must hold what each had sent.
+                ranks = json.loads((run_dir / LIVE_SNAPSHOT_JSON).read_text())["ranks"]
+                return len(ranks) == 2 and min(r["steps"] for r in ranks) >= 20
+            except (OSError, ValueError, KeyError, TypeError):
                 return False
 
-        wait_for(stepping, 90, "the job to make 20 steps")
+        wait_for(stepping, 90, "every rank to make 20 steps")
         launcher.kill()
         launcher.wait(10)
         summary = run_dir / "final_summary.json"
