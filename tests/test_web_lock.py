@@ -98,6 +98,11 @@ def base_of(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+def said(server: WebServer, line: str) -> None:
+    """The server's log says `line`: read by a thread, so waited for, not looked at once."""
+    wait_for(lambda: line in server.stderr, 10, repr(line))
+
+
 def test_the_owner_url_opens_the_dashboard_and_its_viewer_ends_with_the_socket(server):
     url = server.url()
 
@@ -147,7 +152,7 @@ def test_without_the_token_nothing_is_served(server):
 
     asyncio.run(probe())
     assert server.viewers() == []
-    assert "refused a request without the right token" in server.stderr
+    said(server, "refused a request without the right token")
 
 
 def test_a_foreign_page_cannot_open_the_websocket_even_with_the_cookie(server):
@@ -166,7 +171,7 @@ def test_a_foreign_page_cannot_open_the_websocket_even_with_the_cookie(server):
 
     asyncio.run(probe())
     assert server.viewers() == []
-    assert "refused a websocket from a foreign page" in server.stderr
+    said(server, "refused a websocket from a foreign page")
 
 
 def test_a_rebound_host_name_is_refused_even_with_the_cookie(server):
@@ -189,7 +194,7 @@ def test_a_rebound_host_name_is_refused_even_with_the_cookie(server):
 
     asyncio.run(probe())
     assert server.viewers() == []
-    assert "refused a request for a foreign host name" in server.stderr
+    said(server, "refused a request for a foreign host name")
 
 
 def test_the_fifth_viewer_is_refused_and_spawns_nothing(server):
@@ -227,7 +232,7 @@ def test_the_fifth_viewer_is_refused_and_spawns_nothing(server):
 
     asyncio.run(probe())
     wait_for(lambda: server.viewers() == [], 30, "every viewer to end with its socket")
-    assert "refused a viewer over the --web-viewers cap" in server.stderr
+    said(server, "refused a viewer over the --web-viewers cap")
 
 
 def test_a_stuck_viewer_is_killed_with_its_socket_and_ctrl_c_ends_them_all(server):
