@@ -65,7 +65,6 @@ class ViewServer:
         self._summary_next = 0.0
         self.eager = False  # build every tick (a /metrics server reads `now` and `snap`)
         self.stale = True  # a tick has passed since the view was built
-        self.builds = 0
         self.spent = 0.0  # seconds of views built on request, not yet charged to a tick
 
     def refresh(self) -> None:
@@ -82,7 +81,6 @@ class ViewServer:
         built one (collector.EVAL_BACKOFF)."""
         start = time.monotonic()
         self.stale = False
-        self.builds += 1
         snap = self.state.snapshot(time.time(), start)
         self.snap = snap
         self.now = replace(view_build.build(snap, self.state.recent_steps),
@@ -116,7 +114,7 @@ class ViewServer:
 
     def _answer(self, request: ViewOp) -> None:
         if isinstance(request, ViewRequest):
-            if self.stale or self.now is None:
+            if self.stale:  # True until the first build
                 self.build()
             pinned = request.rank
             extra = None
@@ -142,7 +140,7 @@ class ViewServer:
     def start_capture(self, request: CaptureStart) -> CaptureReply:
         """A viewer asks for a deep trace: of the ranks it names (the pinned one; the median
         rank is added to compare with), else of the worst and the median rank."""
-        if self.stale or self.now is None:
+        if self.stale:
             self.build()
         roles = deep_trace_roles(self.now, request.ranks)
         roles = {r: role for r, role in roles.items() if r in self.routes}
