@@ -26,9 +26,10 @@ def _beat(state: RunState, ident: Identity, now: float, since: float, **fields) 
                                **fields)), now=now)
 
 
-def _hung_job():
+def _hung_job(stack_at: float = 5.0):
     """Two ranks stepped 20 times; then rank 1 sleeps in forward (its stack says so) while
-    rank 0 waits in all_reduce, until HANG is latched with rank 1 as the culprit."""
+    rank 0 waits in all_reduce, until HANG is latched with rank 1 as the culprit. Its
+    stack comes at `stack_at` (never, if the hang latches first)."""
     state = RunState("latched", world_size=2, started_at=T0, hang_after_s=5.0)
     idents = [Identity(r, r, 0, f"host{r}", 100 + r, 2) for r in range(2)]
     for i in idents:
@@ -38,7 +39,7 @@ def _hung_job():
         _beat(state, idents[0], t, since=t - 1.0, phase="backward",
               collectives=20)
         _beat(state, idents[1], t, since=t - 1.0, phase="forward", collectives=20)
-        if t == 5.0:
+        if t == stack_at:
             state.ingest(decode(encode("stacks", idents[1], 2, T0 + t, stacks=[
                 ["MainThread", "wait_forever (hang_wakes.py:30)"]])), now=t)
         state.evaluate(T0 + t, mono_now=t + 0.5)
@@ -66,6 +67,23 @@ def test_the_summary_keeps_the_latched_hang_after_ctrl_c_woke_the_stuck_rank():
     assert "wait_forever" in doc["hang"]["stacks"]["1"][0]["stack"]
     assert doc["timeline"][-1]["label"] == "HANG"
     assert doc["timeline"][-1]["end_step"] is None
+
+
+def test_a_stack_that_came_after_the_last_evaluation_is_kept_when_the_rank_wakes():
+    """The stuck rank's stack arrives after the tick that latched the hang, and Ctrl-C
+    wakes the rank before the next tick: its closing step clears the rank's own stack
+    before any evaluation copied it into the hang's record. The record still has it
+    (a race a 3-rank Ctrl-C job lost once in ~4 fresh-clone runs)."""
+    state, idents, t = _hung_job(stack_at=-1.0)
+    assert 1 not in state.hang_stacks
+    state.ingest(decode(encode("stacks", idents[1], 2, T0 + t, stacks=[
+        ["MainThread", "wait_forever (hang_wakes.py:30)"]])), now=t)
+    _steps(state, idents[1], 20, 20, now=t)  # woken before the next tick
+    _steps(state, idents[0], 20, 20, now=t)
+    state.evaluate(T0 + t, mono_now=t + 0.5)
+    assert state.hang is None and state.keep_latched_hang()
+    doc = summary.build(state.snapshot(T0 + t + 1, t + 1, full=True), summary.RunMeta())
+    assert "wait_forever" in doc["hang"]["stacks"]["1"][0]["stack"]
 
 
 def test_the_hangs_the_exiting_ranks_stale_heartbeats_make_are_not_the_record():

@@ -407,9 +407,7 @@ def _take(state: RunState, p: Pending, valid: np.ndarray, rank: np.ndarray, step
                 phases, vals = _values(rec, key, names, sel_of, vals_of)
                 state.stall_seen(rs, int(step[rec]), float(step_ms[rec]), phases, vals)
         rs.since_step_at_msg_s = since if beat > last else 0.0
-        if rs.stacks and rs.last_step > rs.stacks_after_step:
-            rs.stacks = ()
-            rs.nccl = None
+        state.stepped_past_stacks(rs)
 
 
 def _values(rec: int, key: np.ndarray, names: list[tuple[str, ...]],

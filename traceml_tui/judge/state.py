@@ -404,7 +404,16 @@ class RunState:
         if body.colls:
             self.collectives.add(rs.ident.rank, body.colls)
         self.take_records(rs, msg.records, msg.phases)
+        self.stepped_past_stacks(rs)
+
+    def stepped_past_stacks(self, rs: RankState) -> None:
+        """A rank that stepped since its stacks were taken is past that stall: they go.
+        During a latched hang they are first kept in its record, as every tick keeps them
+        (_keep_hang_stacks): a stack that came after the last tick, its rank woken before
+        the next (a Ctrl-C), would otherwise never reach the record."""
         if rs.stacks and rs.last_step > rs.stacks_after_step:
+            if self.hang is not None:
+                self._keep_stacks_of(rs)
             rs.stacks = ()
             rs.nccl = None
 
@@ -694,9 +703,12 @@ class RunState:
         thread by thread: one taken from outside stays when the rank's own come later."""
         for rs in self.ranks.values():
             if rs.stacks:
-                threads = dict(self.hang_stacks.get(rs.ident.rank, ()))
-                threads.update(rs.stacks)
-                self.hang_stacks[rs.ident.rank] = tuple(threads.items())
+                self._keep_stacks_of(rs)
+
+    def _keep_stacks_of(self, rs: RankState) -> None:
+        threads = dict(self.hang_stacks.get(rs.ident.rank, ()))
+        threads.update(rs.stacks)
+        self.hang_stacks[rs.ident.rank] = tuple(threads.items())
 
     def _aftermath_of(self, at_steps: int, steps: int) -> bool:
         return steps - at_steps <= AFTERMATH_STEPS * max(1, len(self.ranks))
