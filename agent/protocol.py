@@ -248,6 +248,9 @@ ThrottleReason = Literal["idle", "app clocks", "power cap", "hw slowdown", "sync
 
 class Sys(_Wire, tag="sys", kw_only=True, frozen=True):
     cpu_pct: Annotated[float, Meta(ge=0.0, le=1e5)] | None = None
+    # Percent of the interval the training thread was runnable but waiting for a CPU
+    # (the kernel's run queue, sysmetrics.RunQueueWait): its cores are oversubscribed.
+    cpu_wait_pct: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
     rss_mb: Megabytes | None = None
     gpu_util: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
     gpu_mem_mb: Megabytes | None = None

@@ -1,6 +1,8 @@
-"""System samples for one rank: process CPU % and RSS always; GPU utilisation, memory and
-health (power, SM clock, temperature, clock-throttle reasons) through NVML when the rank
-drives a CUDA device, and this process's own figures from torch's caching allocator.
+"""System samples for one rank: process CPU % and RSS always, and the share of time the
+training thread waited for a CPU where the kernel keeps scheduler statistics; GPU
+utilisation, memory and health (power, SM clock, temperature, clock-throttle reasons)
+through NVML when the rank drives a CUDA device, and this process's own figures from
+torch's caching allocator.
 
 Runs on the agent's sender thread, never on the training thread. Every source is
 optional: a missing psutil or NVML only leaves its fields None, and `gpu_note` says why
@@ -21,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -109,6 +112,56 @@ def _rss_bytes() -> int | None:
         os.close(fd)
 
 
+def _run_delay_ns(tid: int) -> int | None:
+    """Nanoseconds thread `tid` of this process spent runnable but waiting for a CPU
+    (the run queue), from the scheduler's statistics: /proc/self/task/TID/schedstat is
+    "on-CPU ns, run-queue ns, timeslices". None where the kernel has none."""
+    try:
+        fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return int(os.read(fd, 128).split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    finally:
+        os.close(fd)
+
+
+class RunQueueWait:
+    """The share of wall time the training thread waited for a CPU between two samples.
+
+    A rank whose cores are oversubscribed (other processes, too many DataLoader workers
+    or intra-op threads) is slow because its thread waits its turn, not because it has
+    more work: this is the evidence that tells the two apart (diagnosis.cpu_evidence).
+    Only the training thread (the one that opens forward, backward and optimizer) is
+    read: it is the step's critical path on the host."""
+
+    __slots__ = ("_ident", "_tid", "_mark")
+
+    def __init__(self) -> None:
+        self._ident: int | None = None  # the Python thread (threading.get_ident)
+        self._tid: int | None = None  # its kernel id
+        self._mark: tuple[int, float] | None = None
+
+    def share(self, ident: int | None, now: float) -> float | None:
+        """Of thread `ident` since the last call (None: the first, or not readable)."""
+        if ident != self._ident:
+            self._ident, self._mark = ident, None
+            self._tid = next((t.native_id for t in threading.enumerate()
+                              if t.ident == ident), None) if ident is not None else None
+        if self._tid is None:
+            return None
+        waited = _run_delay_ns(self._tid)
+        if waited is None:  # no schedstat here, or the thread ended
+            self._tid = self._mark = None
+            return None
+        mark, self._mark = self._mark, (waited, now)
+        if mark is None or now <= mark[1]:
+            return None
+        return min(1.0, max(0.0, (waited - mark[0]) / 1e9 / (now - mark[1])))
+
+
 class SystemSampler:
     def __init__(self, cuda_index: int | None = None, uuid: str | None = None,
                  clock: Callable[[], float] | None = None) -> None:
@@ -129,6 +182,7 @@ class SystemSampler:
         # system calls, ~10x cheaper than psutil's Process, which parses /proc/PID/stat
         # in Python); psutil elsewhere.
         self._cpu_mark = (_cpu_seconds(), time.monotonic())
+        self._run_queue = RunQueueWait()
         if _rss_bytes() is None:
             try:
                 import psutil
@@ -180,9 +234,12 @@ class SystemSampler:
 
     # --- sampling -------------------------------------------------------------------
 
-    def sample(self) -> dict[str, Any]:
+    def sample(self, training_thread: int | None = None) -> dict[str, Any]:
+        """One sample; `training_thread` (threading.get_ident of the thread that trains,
+        None: not known yet) for the share of time it waited for a CPU."""
         out: dict[str, Any] = {
             "cpu_pct": None,
+            "cpu_wait_pct": None,
             "rss_mb": None,
             **dict.fromkeys(GPU_FIELDS),
             "gpu_alloc_mb": None,
@@ -204,6 +261,9 @@ class SystemSampler:
                 out["rss_mb"] = self._proc.memory_info().rss / 2**20
             except Exception:
                 self._proc = None
+        waited = self._run_queue.share(training_thread, time.monotonic())
+        if waited is not None:
+            out["cpu_wait_pct"] = round(waited * 100, 1)
         now = self._clock()
         if self.cuda_index is not None and self._nvml is None and self._open_retry.due(now):
             self._try_open()

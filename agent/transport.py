@@ -164,7 +164,7 @@ class Sender(threading.Thread):
                     index = getattr(self.rec, "device", None)
                     if index is not None and sampler.cuda_index != index:
                         sampler.open_gpu(index, getattr(self.rec, "device_uuid", None))
-                    self._send("sys", **sampler.sample())
+                    self._send("sys", **sampler.sample(getattr(self.rec, "thread", None)))
                 if now >= next_beat:
                     next_beat = now + HEARTBEAT_INTERVAL_S
                     self._heartbeat()

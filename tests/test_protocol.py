@@ -83,7 +83,7 @@ def record(pos: int, value) -> dict:
 ROUND_TRIPS = [
     ("hello", {"run": "demo", "device": "cuda:1", "backend": "nccl",
                "env": {"MASTER_ADDR": "10.0.0.1", "NCCL_DEBUG": "WARN"}, "auto": False}),
-    ("sys", {"cpu_pct": 312.5, "rss_mb": 2048.0, "gpu_util": 97.0, "gpu_mem_mb": None,
+    ("sys", {"cpu_pct": 312.5, "cpu_wait_pct": 12.5, "rss_mb": 2048.0, "gpu_util": 97.0, "gpu_mem_mb": None,
              "gpu_mem_total_mb": 81920.0, "gpu_alloc_mb": 30_500.0, "gpu_reserved_mb": None,
              "gpu_peak_mb": 41_000.5, "device": "cuda:3", "power_w": 412.5,
              "sm_clock_mhz": 1410.0, "sm_clock_max_mhz": 1980.0, "temp_c": 83.0,
@@ -220,6 +220,7 @@ BAD = {
     "t-neg": pack(raw(t=-1.0)),
     "dropped-neg": pack(raw("steps", dropped=-1)),
     "cpu-neg": pack(raw("sys", cpu_pct=-1.0)),
+    "cpu-wait-over-100": pack(raw("sys", cpu_wait_pct=100.5)),
     # non-finite
     "t-nan": pack(raw(t=math.nan)),
     "t-inf": pack(raw(t=math.inf)),
