@@ -36,6 +36,7 @@ states = {
     "hang": lambda: make_hang_state(),
     "big": lambda: make_state(world_size=1024, nproc_per_node=8, steps=64, straggler=341),
 }
+ADDED = ("cpu_wait_pct",)
 out = {}
 for name, make in states.items():
     state = make()
@@ -51,6 +52,10 @@ for name, make in states.items():
                        ("final", summary.RunMeta(command=["train.py"], exit_code=0,
                                                  ended_at=T0 + 80.0))):
         doc = summary.build(snap, meta)
+        for row in doc["ranks"]:  # fields added since BEFORE (the old code has none)
+            for added in ADDED:
+                row.pop(added, None)
+                row["sys"].pop(added, None)
         out[f"{name} {kind}"] = [summary.to_json(doc), summary.to_json(doc, indent=2),
                                  summary.render_text(doc)]
 json.dump(out, sys.stdout)

@@ -158,6 +158,12 @@ THROTTLE_FAULTS = ("hw thermal", "sw thermal", "power brake", "hw slowdown", "po
 # per cent under load (15 MHz steps), so 10% is beyond its wander, and alone slows the
 # rank's kernels about as much as SKEW_ENTER's gap.
 CLOCK_LOW_SHARE = 0.10
+# A straggler is slowed by its host's CPUs, not by more work, when its training thread
+# waited for a core (the kernel's run queue) at least this share of its gap longer per
+# step than the median other rank's did: other work shares its cores. Half: the wait then
+# accounts for most of what sets the rank apart, and telling the user to look for extra
+# model-side work would send them the wrong way.
+CPU_WAIT_EXPLAINS = 0.5
 
 
 def bus_gbps(nbytes: float, ms: float, world: int) -> float | None:
@@ -729,6 +735,9 @@ def _straggler(label: str, rank: int, phase: str | None, gap: float, share: floa
     if health is not None:  # the GPU first when it sets this rank apart, else beside
         text, distinct = health
         advice = f"{text}; {_GPU_ADVICE}" if distinct else f"{advice}; {text}"
+    cpu = cpu_evidence(ranks, rank, gap)
+    if cpu is not None:  # its cores explain the gap: that advice first, the GPU's beside
+        advice = cpu if health is None else f"{cpu}; {health[0]}"
     return Diagnosis(
         label, rank, phase, severity,
         f"Rank {rank}{on_host} spends {gap:.1f} ms more{where} than the median rank, "
@@ -769,6 +778,31 @@ def node_gpu_evidence(ranks: Table, members: Sequence[int]) -> str | None:
         return f"its GPUs clock low{vs}"
     named = [f for f in THROTTLE_FAULTS if any(f in g.throttle for g in hot)]
     return f"{len(hot)} of its {len(inside)} GPUs are throttled ({', '.join(named)}){vs}"
+
+
+def cpu_evidence(ranks: Table, rank: int, gap_ms: float) -> str | None:
+    """What the culprit's CPU says about a straggler: its training thread's wait for a
+    core, per step, against the median other rank's; None unless that wait explains
+    CPU_WAIT_EXPLAINS of the gap (or where the waits were not read)."""
+    t = Timings.of(ranks)
+    waits = t.cpu_wait
+    if rank not in waits:
+        return None
+    per_step = {r: waits[r] * ms
+                for r, ms in zip(t.ranks.tolist(), t.step_ms.tolist(), strict=True)
+                if r in waits and ms > 0}  # NaN compares False
+    mine = per_step.get(rank)
+    others = [v for r, v in per_step.items() if r != rank]
+    if mine is None or not others:
+        return None
+    extra = mine - median(others)
+    if not extra >= CPU_WAIT_EXPLAINS * gap_ms:
+        return None
+    return (f"its training thread waited {mine:.1f} ms of each step for a CPU core, "
+            f"{extra:.1f} ms more than the median rank's: other work shares its cores "
+            f"(other processes, DataLoader workers, intra-op threads); give each rank "
+            f"cores of its own (taskset or numactl, fewer DataLoader workers, "
+            f"OMP_NUM_THREADS)")
 
 
 def gpu_evidence(ranks: Table, rank: int) -> tuple[str, bool] | None:

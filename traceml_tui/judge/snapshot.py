@@ -85,6 +85,7 @@ class RankSnapshot:
     nccl: NcclState | None = None  # last collectives per its NCCL log (--nccl-debug)
     bad_records: int = 0  # records of its batches the collector refused
     steps_hidden: str | None = None  # why its frozen steps are not a stall (hang.hidden)
+    cpu_wait: float | None = None  # share of its stepping time it waited for a CPU
 
 
 def hours_unit(ranks: tuple[RankSnapshot, ...]) -> str:

@@ -92,6 +92,9 @@ SPARKLINE_STEPS = 60
 # a GPU it is the step timed on the host while the agent learns the device.
 WARMUP_STEPS = 1
 MAX_EPISODES = 500
+# The weight of a new sample in a rank's average wait for a CPU: about the last 8 samples
+# (8 s up to 1,024 ranks), as long as the live window's steps of a typical job.
+CPU_WAIT_WEIGHT = 0.125
 MAX_RELAYS = 1 << 16  # one per node; a key holder cannot make us keep more
 # A hang that ends within this many steps per rank of the end of a run stopped by a
 # signal was ended by the stop itself: the Ctrl-C woke the stuck rank (its sleep raised
@@ -134,6 +137,10 @@ class RankState:
     last_step_at: float = 0.0
     sys: Sys | None = None
     gpu: dx.GpuHealth | None = None  # from the latest sys sample (NVML health)
+    # The share of its time its training thread waited for a CPU, averaged (CPU_WAIT_WEIGHT)
+    # over the sys samples of intervals in which it stepped; and its step count at the last.
+    cpu_wait: float | None = None
+    cpu_wait_steps: int = 0
     heartbeat: Heartbeat = NO_HEARTBEAT
     exit_code: int | None = None
     error: str | None = None
@@ -309,6 +316,7 @@ class RunState:
             self._ingest_steps(rs, msg, body)
         elif isinstance(body, Sys):
             rs.sys = body
+            self._cpu_wait_seen(rs, body.cpu_wait_pct)
             # NVML health, beside a compute straggler's evidence (diagnosis reads its map)
             gpu = (dx.GpuHealth.of(body.sample())
                    if body.sm_clock_mhz is not None or body.throttle else None)
@@ -393,6 +401,20 @@ class RunState:
         if len(self._lists_in) >= MAX_PHASE_LISTS:
             self._lists_in.clear()
         self._lists_in.add(phases)
+
+    @staticmethod
+    def _cpu_wait_seen(rs: RankState, pct: float | None) -> None:
+        """A sample of the training thread's wait for a CPU, counted only if the rank
+        stepped in its interval: a rank blocked in a collective or done waits for
+        nothing, and would dilute what its steps waited."""
+        stepped, rs.cpu_wait_steps = rs.steps > rs.cpu_wait_steps, rs.steps
+        if pct is None or not stepped:
+            return
+        share = pct / 100.0
+        old = rs.cpu_wait
+        rs.cpu_wait = share if old is None else old + CPU_WAIT_WEIGHT * (share - old)
+        if rs.live is not None:  # the next evaluation reads it, steps or not
+            rs.live = replace(rs.live, cpu_wait=rs.cpu_wait)
 
     def _ingest_steps(self, rs: RankState, msg: Message, body: Steps) -> None:
         self.add_phases(msg.phases)
@@ -519,7 +541,8 @@ class RunState:
     def _evaluated(self, rs: RankState) -> dx.RankTiming | None:
         """A rank's live timings as of the last refresh (None before its first)."""
         if rs.live is None and self.live_cols.fresh[rs.ident.rank]:
-            rs.live = self.live_cols.timing(rs.ident.rank, rs.ident.host, rs.gpu)
+            rs.live = self.live_cols.timing(rs.ident.rank, rs.ident.host, rs.gpu,
+                                            rs.cpu_wait)
         return rs.live
 
     def _live_table(self) -> Timings:
@@ -528,7 +551,8 @@ class RunState:
         self._refresh_live(keep=True)
         rows = np.fromiter(self.ranks, np.int64, len(self.ranks))
         return self.live_cols.table(rows, Lookup(self.ranks, lambda rs: rs.ident.host),
-                                    Lookup(self.ranks, lambda rs: rs.gpu))
+                                    Lookup(self.ranks, lambda rs: rs.gpu),
+                                    Lookup(self.ranks, lambda rs: rs.cpu_wait))
 
     def _refresh_live(self, keep: bool = False) -> None:
         """The live timings of every rank that stepped since the last evaluation, over its
@@ -936,7 +960,8 @@ class RunState:
             whole.median[at, 1:], np.array([r.node for r in listed], dtype=np.int64),
             np.array([r.heartbeat.grad_bytes for r in listed], dtype=np.int64),
             {r.rank: r.host for r in listed}, {r.rank: r.untimed for r in listed if r.untimed},
-            {r.rank: gpu for r in listed if (gpu := self.ranks[r.rank].gpu) is not None})
+            {r.rank: gpu for r in listed if (gpu := self.ranks[r.rank].gpu) is not None},
+            {r.rank: w for r in listed if (w := self.ranks[r.rank].cpu_wait) is not None})
         return self._named(dx.diagnose(timings, collectives_in_compute=self.parallel == "fsdp",
                                        framework=self.framework, stalls=self.stall_findings(),
                                        preflight_busbw=self.preflight_busbw))
@@ -1039,4 +1064,5 @@ class RunState:
             error=rs.error, finished=rs.finished, dropped=rs.dropped, device=rs.device,
             heartbeat=rs.heartbeat, stacks=rs.stacks,
             untimed=lives[3].get(rank, ()) if whole is None else untimed or (), nccl=rs.nccl,
-            bad_records=rs.bad_records, steps_hidden=self.hidden.get(rs.ident.rank))
+            bad_records=rs.bad_records, steps_hidden=self.hidden.get(rs.ident.rank),
+            cpu_wait=rs.cpu_wait)

@@ -15,7 +15,7 @@ there), and every sum and median below is the arithmetic the rules did on those 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -73,6 +73,9 @@ class RankTiming:
     untimed: tuple[Untimed, ...] = ()
     comm_bytes: int = 0  # gradient bytes all-reduced per step (DDP), 0 when unknown
     gpu: GpuHealth | None = None  # its GPU's health, where NVML sampled it
+    # Share of its time its training thread waited for a CPU (sysmetrics.RunQueueWait),
+    # averaged over the samples while it stepped; None: not read.
+    cpu_wait: float | None = None
 
 
 def _nan(v: float | None) -> float:
@@ -97,6 +100,8 @@ class Timings:
     hosts: Mapping[int, str]  # rank -> host (may hold more ranks than the table)
     untimed: Mapping[int, tuple[Untimed, ...]]  # only ranks of the table with some
     gpu: Mapping[int, GpuHealth]  # rank -> its GPU's health, where sampled (may hold more)
+    # rank -> the share of its time its training thread waited for a CPU (may hold more)
+    cpu_wait: Mapping[int, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, rows: Sequence[RankTiming] | Timings) -> Timings:
@@ -117,7 +122,8 @@ class Timings:
                    np.array([r.comm_bytes for r in rows], dtype=np.int64),
                    {r.rank: r.host for r in rows},
                    {r.rank: r.untimed for r in rows if r.untimed},
-                   {r.rank: r.gpu for r in rows if r.gpu is not None})
+                   {r.rank: r.gpu for r in rows if r.gpu is not None},
+                   {r.rank: r.cpu_wait for r in rows if r.cpu_wait is not None})
 
     def __len__(self) -> int:
         return len(self.ranks)
@@ -131,7 +137,7 @@ class Timings:
             untimed = {r: u for r, u in untimed.items() if r in kept}
         return Timings(ranks, self.steps[keep], self.step_ms[keep], self.phases,
                        self.medians[keep], self.node[keep], self.comm_bytes[keep],
-                       self.hosts, untimed, self.gpu)
+                       self.hosts, untimed, self.gpu, self.cpu_wait)
 
     def row(self, rank: int) -> int | None:
         """The row of a rank (None: not in the table)."""
@@ -176,7 +182,7 @@ class Timings:
                           {p: _none(values[c]) for p, c in self.phases.items()},
                           self.hosts.get(rank, ""), int(self.node[i]),
                           self.untimed.get(rank, ()), int(self.comm_bytes[i]),
-                          self.gpu.get(rank))
+                          self.gpu.get(rank), self.cpu_wait.get(rank))
 
 
 def median_of(values: np.ndarray, empty: float = 0.0) -> float:
@@ -219,7 +225,8 @@ class Columns:
         self.fresh[rows] = True
 
     def table(self, rows: np.ndarray, hosts: Mapping[int, str],
-              gpu: Mapping[int, GpuHealth]) -> Timings:
+              gpu: Mapping[int, GpuHealth],
+              cpu_wait: Mapping[int, float] | None = None) -> Timings:
         """The rows of some ranks (their order) as a table."""
         untimed = self.untimed
         if untimed:
@@ -227,15 +234,16 @@ class Columns:
             untimed = {r: u for r, u in untimed.items() if r in inside}
         return Timings(rows, self.steps[rows], self.step_ms[rows], dict(self.phases),
                        self.medians[rows], self.node[rows], self.comm_bytes[rows],
-                       hosts, untimed, gpu)
+                       hosts, untimed, gpu, {} if cpu_wait is None else cpu_wait)
 
-    def timing(self, rank: int, host: str, gpu: GpuHealth | None) -> RankTiming:
+    def timing(self, rank: int, host: str, gpu: GpuHealth | None,
+               cpu_wait: float | None = None) -> RankTiming:
         """One rank's row as an object."""
         values = self.medians[rank].tolist()
         return RankTiming(rank, int(self.steps[rank]), _none(float(self.step_ms[rank])),
                           {p: _none(values[c]) for p, c in self.phases.items()}, host,
                           int(self.node[rank]), self.untimed.get(rank, ()),
-                          int(self.comm_bytes[rank]), gpu)
+                          int(self.comm_bytes[rank]), gpu, cpu_wait)
 
 
 class Lookup(Mapping[int, V]):

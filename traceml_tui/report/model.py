@@ -138,6 +138,7 @@ class RankBase(_S, kw_only=True):
     device_rule: str | None = None
     steps_hidden: str | None = None
     agent_busy: str | None = None
+    cpu_wait_pct: float | None = None  # its training thread's wait for a CPU, % of its time
 
 
 def summarized(wire: type[Struct]) -> list[tuple[str, Any, Any]]:

@@ -143,6 +143,7 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
             "agent_off": r.heartbeat.agent_off,
             "bad_records": r.bad_records, "device_rule": r.heartbeat.device_rule,
             "steps_hidden": r.steps_hidden, "agent_busy": r.heartbeat.agent_busy,
+            "cpu_wait_pct": None if r.cpu_wait is None else round(100.0 * r.cpu_wait, 1),
             **{name: getattr(r.heartbeat, name) for name in heartbeat_fields},
         })
     return {
