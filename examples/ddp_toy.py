@@ -12,6 +12,8 @@ Scenarios (each adds --delay-ms of time where a real job would lose it):
   batch       one rank gets 4x larger batches (uneven shapes)
   input-all   every rank's input is slow (an input-bound job)
   stall       every rank stalls after each step (synchronous logging/checkpoint)
+  contended   one rank shares its CPU core with two busy processes (an oversubscribed
+              host: other jobs, too many DataLoader workers); --delay-ms is not used
 
   --from-step A --to-step B            inject it on steps A..B only (both included; a
                                        transient problem), for the scenarios that add
@@ -46,7 +48,9 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 SCENARIOS = ("balanced", "input", "forward", "optimizer", "batch", "input-all", "stall",
-             "compute-all")
+             "compute-all", "contended")
+# The busy processes of the "contended" scenario: each spins until its parent is gone.
+HOG = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    sum(range(10000))\n"
 
 
 def _ranks(text: str) -> tuple[int, ...]:
@@ -121,6 +125,18 @@ def block_in_c_holding_the_gil() -> None:
     ctypes.PyDLL(None).pause()
 
 
+def share_a_core_with_hogs(hogs: int = 2) -> None:
+    """Pin this process to one core and start `hogs` busy processes pinned there too:
+    the rank then gets a third of a core, whatever the other ranks get."""
+    import atexit
+    import subprocess
+
+    core = max(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {core})  # the children inherit it
+    procs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(hogs)]
+    atexit.register(lambda: [p.kill() for p in procs])
+
+
 def slow_startup(seconds: float) -> None:
     time.sleep(seconds)  # e.g. loading a checkpoint or a tokenizer
 
@@ -165,6 +181,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     me = rank in args.rank
+    if args.scenario == "contended" and me:
+        share_a_core_with_hogs()
     if args.startup_stall_s and rank == (args.hang_rank or 0):
         slow_startup(args.startup_stall_s)
     diverges = args.skip_collective_rank is not None or args.extra_collective_rank is not None

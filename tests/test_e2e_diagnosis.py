@@ -18,6 +18,9 @@ CASES = [
     ("batch", "COMPUTE STRAGGLER", 1, None),  # forward or backward: both grow with the batch
     ("input-all", "INPUT-BOUND", None, "dataloader"),
     ("stall", "WAIT-HEAVY", None, "wait"),
+    # Rank 1 shares its core with two busy processes (larger batches: CPU-bound steps):
+    # a straggler, said to be its CPU's (test_a_straggler_on_an_oversubscribed_core...).
+    ("contended", "COMPUTE STRAGGLER", 1, None),
     # The `alone` cases last, then this module's other `alone` tests: one run of them in a
     # row, which drains the other xdist workers once (conftest.py).
     # A tiny model on gloo over loopback: the allreduce is most of the step, and saying
@@ -39,6 +42,8 @@ def scenario_job(tmp_path_factory) -> Callable[[str], Finished]:
             args = ("--scenario", scenario, "--rank", "1", "--steps", "80", "--delay-ms", "25")
             if scenario == "batch":
                 args += ("--dim", "512", "--batch", "64")
+            if scenario == "contended":
+                args += ("--batch", "512")
             done[scenario] = run_job(tmp_path_factory.mktemp(scenario), "ddp_toy.py",
                                      script_args=args, name=scenario)
         return done[scenario]
@@ -63,7 +68,7 @@ def test_injected_problem_is_diagnosed(scenario_job, scenario, label, rank, phas
     assert (d["label"], d["rank"]) == (label, rank), d
     if phase is not None:
         assert d["phase"] == phase, d
-    elif scenario == "batch":
+    elif scenario in ("batch", "contended"):
         assert d["phase"] in ("forward", "backward"), d
     # Every rank reported every step, and every standard phase is in the document.
     assert [r["steps"] for r in doc["ranks"]] == [80, 80, 80]
@@ -71,6 +76,21 @@ def test_injected_problem_is_diagnosed(scenario_job, scenario, label, rank, phas
         doc["phases"])
     # The text summary printed at the end names the same diagnosis.
     assert f"Diagnosis: {label}" in job.stdout
+
+
+def test_a_straggler_on_an_oversubscribed_core_is_said_to_wait_for_it(scenario_job):
+    """Rank 1 gets a third of a core (two busy processes pinned beside it): its compute
+    takes longer, and the evidence says why, from the kernel's run queue, instead of
+    sending the user to look for extra model-side work it does not have. The ranks that
+    have cores of their own waited little for them."""
+    job = scenario_job("contended")
+    assert job.returncode == 0, job.stderr[-3000:]
+    d = job.summary["diagnosis"]
+    assert "waited" in d["summary"] and "for a CPU core" in d["summary"], d
+    assert "model-side work" not in d["summary"], d
+    waits = {r["rank"]: r["cpu_wait_pct"] for r in job.summary["ranks"]}
+    assert waits[1] >= max(waits[0], waits[2]) + 20.0, waits  # percent of their time
+    assert "for a CPU core" in job.stdout
 
 
 @pytest.mark.alone  # milliseconds and seconds, measured
