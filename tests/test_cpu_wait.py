@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from traceml_agent.protocol import PHASES, Identity, decode, encode
@@ -183,3 +184,15 @@ def test_the_sampler_says_nothing_of_a_thread_it_cannot_read():
     assert (second is None) == (not HAS_SCHEDSTAT)
     if second is not None:
         assert 0.0 <= second <= 100.0
+
+
+def test_a_restarted_rank_starts_without_the_old_processs_wait():
+    state, ident = _state()
+    _steps(state, ident, 0, 9)
+    _sys(state, ident, 60.0)
+    assert state._live_table().cpu_wait.tolist() == [pytest.approx(0.6)]
+    again = Identity(0, 0, 0, "host0", 101, 1)  # a new process says hello
+    state.ingest(decode(encode("hello", again, 0, T0, run="cpu")), now=2.0)
+    assert state.ranks[0].cpu_wait is None
+    _steps(state, again, 0, 9)
+    assert np.isnan(state._live_table().cpu_wait).all()  # not read for the new process

@@ -55,7 +55,7 @@ from traceml_agent.vocab import (  # noqa: F401 (re-exported)
 from .bandwidth import bus_factor
 from .stalls import STALL_MIN_COUNT, StallFinding
 from .timings import GpuHealth, RankTiming, Timings, Untimed, median_of  # noqa: F401
-from .windows import median
+from .windows import finite_median, median
 
 # --- thresholds (docs/diagnosis.md gives the reasoning) -------------------------------------
 
@@ -785,23 +785,17 @@ def cpu_evidence(ranks: Table, rank: int, gap_ms: float) -> str | None:
     core, per step, against the median other rank's; None unless that wait explains
     CPU_WAIT_EXPLAINS of the gap (or where the waits were not read)."""
     t = Timings.of(ranks)
-    waits = t.cpu_wait
-    if rank not in waits:
+    i = t.row(rank)
+    if i is None or not t.cpu_wait[i] == t.cpu_wait[i]:  # not in the table, or not read
         return None
-    per_step = {r: waits[r] * ms
-                for r, ms in zip(t.ranks.tolist(), t.step_ms.tolist(), strict=True)
-                if r in waits and ms > 0}  # NaN compares False
-    mine = per_step.get(rank)
-    others = [v for r, v in per_step.items() if r != rank]
-    if mine is None or not others:
-        return None
-    extra = mine - median(others)
-    if not extra >= CPU_WAIT_EXPLAINS * gap_ms:
+    per_step = t.cpu_wait * t.step_ms  # ms a step; NaN where either is not known
+    mine, others = float(per_step[i]), finite_median(np.delete(per_step, i))
+    if others is None or not mine - others >= CPU_WAIT_EXPLAINS * gap_ms:
         return None
     return (f"its training thread waited {mine:.1f} ms of each step for a CPU core, "
-            f"{extra:.1f} ms more than the median rank's: other work shares its cores "
-            f"(other processes, DataLoader workers, intra-op threads); give each rank "
-            f"cores of its own (taskset or numactl, fewer DataLoader workers, "
+            f"{mine - others:.1f} ms more than the median rank's: other work shares its "
+            f"cores (other processes, DataLoader workers, intra-op threads); give each "
+            f"rank cores of its own (taskset or numactl, fewer DataLoader workers, "
             f"OMP_NUM_THREADS)")
 
 

@@ -309,6 +309,7 @@ class RunState:
             self.stall_book.forget(ident.rank)  # a new process numbers its steps afresh
             rs = RankState(ident, self.block.view(ident.rank), conn=conn)
             self.ranks[ident.rank] = rs
+            self.live_cols.cpu_wait[ident.rank] = np.nan  # the old process's, if any
             self.claims.pop(ident.rank, None)
         rs.last_seen = now
         body = msg.body
@@ -402,8 +403,7 @@ class RunState:
             self._lists_in.clear()
         self._lists_in.add(phases)
 
-    @staticmethod
-    def _cpu_wait_seen(rs: RankState, pct: float | None) -> None:
+    def _cpu_wait_seen(self, rs: RankState, pct: float | None) -> None:
         """A sample of the training thread's wait for a CPU, counted only if the rank
         stepped in its interval: a rank blocked in a collective or done waits for
         nothing, and would dilute what its steps waited."""
@@ -413,6 +413,7 @@ class RunState:
         share = pct / 100.0
         old = rs.cpu_wait
         rs.cpu_wait = share if old is None else old + CPU_WAIT_WEIGHT * (share - old)
+        self.live_cols.cpu_wait[rs.ident.rank] = rs.cpu_wait
         if rs.live is not None:  # the next evaluation reads it, steps or not
             rs.live = replace(rs.live, cpu_wait=rs.cpu_wait)
 
@@ -541,8 +542,7 @@ class RunState:
     def _evaluated(self, rs: RankState) -> dx.RankTiming | None:
         """A rank's live timings as of the last refresh (None before its first)."""
         if rs.live is None and self.live_cols.fresh[rs.ident.rank]:
-            rs.live = self.live_cols.timing(rs.ident.rank, rs.ident.host, rs.gpu,
-                                            rs.cpu_wait)
+            rs.live = self.live_cols.timing(rs.ident.rank, rs.ident.host, rs.gpu)
         return rs.live
 
     def _live_table(self) -> Timings:
@@ -551,8 +551,7 @@ class RunState:
         self._refresh_live(keep=True)
         rows = np.fromiter(self.ranks, np.int64, len(self.ranks))
         return self.live_cols.table(rows, Lookup(self.ranks, lambda rs: rs.ident.host),
-                                    Lookup(self.ranks, lambda rs: rs.gpu),
-                                    Lookup(self.ranks, lambda rs: rs.cpu_wait))
+                                    Lookup(self.ranks, lambda rs: rs.gpu))
 
     def _refresh_live(self, keep: bool = False) -> None:
         """The live timings of every rank that stepped since the last evaluation, over its
@@ -953,15 +952,15 @@ class RunState:
         table from the window's columns (no per-rank object)."""
         listed = [r for r in ranks if r.reported]
         at = np.array([whole.rows[r.rank] for r in listed], dtype=np.int64)
+        numbers = np.array([r.rank for r in listed], dtype=np.int64)
         timings: dx.Table = [] if not listed else Timings(
-            np.array([r.rank for r in listed], dtype=np.int64),
-            np.array([r.window_steps for r in listed], dtype=np.int64),
+            numbers, np.array([r.window_steps for r in listed], dtype=np.int64),
             whole.median[at, 0], {p: i for i, p in enumerate(whole.phases)},
             whole.median[at, 1:], np.array([r.node for r in listed], dtype=np.int64),
             np.array([r.heartbeat.grad_bytes for r in listed], dtype=np.int64),
-            {r.rank: r.host for r in listed}, {r.rank: r.untimed for r in listed if r.untimed},
-            {r.rank: gpu for r in listed if (gpu := self.ranks[r.rank].gpu) is not None},
-            {r.rank: w for r in listed if (w := self.ranks[r.rank].cpu_wait) is not None})
+            self.live_cols.cpu_wait[numbers], {r.rank: r.host for r in listed},
+            {r.rank: r.untimed for r in listed if r.untimed},
+            {r.rank: gpu for r in listed if (gpu := self.ranks[r.rank].gpu) is not None})
         return self._named(dx.diagnose(timings, collectives_in_compute=self.parallel == "fsdp",
                                        framework=self.framework, stalls=self.stall_findings(),
                                        preflight_busbw=self.preflight_busbw))

@@ -15,7 +15,7 @@ there), and every sum and median below is the arithmetic the rules did on those 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -97,11 +97,11 @@ class Timings:
     medians: np.ndarray  # (k, phases)
     node: np.ndarray  # (k,)
     comm_bytes: np.ndarray  # (k,) gradient bytes all-reduced per step, 0: unknown
+    # (k,) share of its time each rank's training thread waited for a CPU, NaN: not read
+    cpu_wait: np.ndarray
     hosts: Mapping[int, str]  # rank -> host (may hold more ranks than the table)
     untimed: Mapping[int, tuple[Untimed, ...]]  # only ranks of the table with some
     gpu: Mapping[int, GpuHealth]  # rank -> its GPU's health, where sampled (may hold more)
-    # rank -> the share of its time its training thread waited for a CPU (may hold more)
-    cpu_wait: Mapping[int, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, rows: Sequence[RankTiming] | Timings) -> Timings:
@@ -120,10 +120,10 @@ class Timings:
                    phases, medians,
                    np.array([r.node for r in rows], dtype=np.int64),
                    np.array([r.comm_bytes for r in rows], dtype=np.int64),
+                   np.array([_nan(r.cpu_wait) for r in rows], dtype=np.float64),
                    {r.rank: r.host for r in rows},
                    {r.rank: r.untimed for r in rows if r.untimed},
-                   {r.rank: r.gpu for r in rows if r.gpu is not None},
-                   {r.rank: r.cpu_wait for r in rows if r.cpu_wait is not None})
+                   {r.rank: r.gpu for r in rows if r.gpu is not None})
 
     def __len__(self) -> int:
         return len(self.ranks)
@@ -137,7 +137,7 @@ class Timings:
             untimed = {r: u for r, u in untimed.items() if r in kept}
         return Timings(ranks, self.steps[keep], self.step_ms[keep], self.phases,
                        self.medians[keep], self.node[keep], self.comm_bytes[keep],
-                       self.hosts, untimed, self.gpu, self.cpu_wait)
+                       self.cpu_wait[keep], self.hosts, untimed, self.gpu)
 
     def row(self, rank: int) -> int | None:
         """The row of a rank (None: not in the table)."""
@@ -182,7 +182,7 @@ class Timings:
                           {p: _none(values[c]) for p, c in self.phases.items()},
                           self.hosts.get(rank, ""), int(self.node[i]),
                           self.untimed.get(rank, ()), int(self.comm_bytes[i]),
-                          self.gpu.get(rank), self.cpu_wait.get(rank))
+                          self.gpu.get(rank), _none(float(self.cpu_wait[i])))
 
 
 def median_of(values: np.ndarray, empty: float = 0.0) -> float:
@@ -204,6 +204,7 @@ class Columns:
         self.medians = np.full((world, 0), NAN)
         self.node = np.zeros(world, dtype=np.int64)
         self.comm_bytes = np.zeros(world, dtype=np.int64)
+        self.cpu_wait = np.full(world, NAN)  # written at each sys sample, not by put
         self.untimed: dict[int, tuple[Untimed, ...]] = {}  # only the ranks with some
         self.fresh = np.zeros(world, dtype=bool)  # written since the rank last stepped
 
@@ -225,8 +226,7 @@ class Columns:
         self.fresh[rows] = True
 
     def table(self, rows: np.ndarray, hosts: Mapping[int, str],
-              gpu: Mapping[int, GpuHealth],
-              cpu_wait: Mapping[int, float] | None = None) -> Timings:
+              gpu: Mapping[int, GpuHealth]) -> Timings:
         """The rows of some ranks (their order) as a table."""
         untimed = self.untimed
         if untimed:
@@ -234,16 +234,15 @@ class Columns:
             untimed = {r: u for r, u in untimed.items() if r in inside}
         return Timings(rows, self.steps[rows], self.step_ms[rows], dict(self.phases),
                        self.medians[rows], self.node[rows], self.comm_bytes[rows],
-                       hosts, untimed, gpu, {} if cpu_wait is None else cpu_wait)
+                       self.cpu_wait[rows], hosts, untimed, gpu)
 
-    def timing(self, rank: int, host: str, gpu: GpuHealth | None,
-               cpu_wait: float | None = None) -> RankTiming:
+    def timing(self, rank: int, host: str, gpu: GpuHealth | None) -> RankTiming:
         """One rank's row as an object."""
         values = self.medians[rank].tolist()
         return RankTiming(rank, int(self.steps[rank]), _none(float(self.step_ms[rank])),
                           {p: _none(values[c]) for p, c in self.phases.items()}, host,
                           int(self.node[rank]), self.untimed.get(rank, ()),
-                          int(self.comm_bytes[rank]), gpu, cpu_wait)
+                          int(self.comm_bytes[rank]), gpu, _none(float(self.cpu_wait[rank])))
 
 
 class Lookup(Mapping[int, V]):
