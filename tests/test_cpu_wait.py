@@ -196,3 +196,59 @@ def test_a_restarted_rank_starts_without_the_old_processs_wait():
     assert state.ranks[0].cpu_wait is None
     _steps(state, again, 0, 9)
     assert np.isnan(state._live_table().cpu_wait).all()  # not read for the new process
+
+
+# --- what the user sees: the banner's evidence, the worst-rank panel -----------------------
+
+def _starved_state():
+    """A canned 8-rank job whose rank 2 is behind in backward; each rank's sys samples
+    say how long its training thread waited for a CPU, rank 2's far longer."""
+    from traceml_tui.collect.canned import make_state
+
+    state = make_state(world_size=8, straggler=2, phase="backward")
+    for rank in range(8):
+        ident = state.ranks[rank].ident
+        nxt = state.ranks[rank].last_step + 1  # a step in the sample's interval
+        state.ingest(decode(encode("steps", ident, 4, T0, phases=list(PHASES), records=[
+            [nxt, T0 + nxt, 35.0, *(1.0 for _ in PHASES)]])), 0.0)
+        state.ingest(decode(encode("sys", ident, 5, T0, cpu_pct=35.0,
+                                   cpu_wait_pct=85.0 if rank == 2 else 3.0)), 0.0)
+    for tick in range(3):
+        state.evaluate(T0 + 10 + tick)
+    return state
+
+
+def test_the_panel_shows_a_long_wait_for_a_cpu_and_not_a_short_one():
+    from traceml_tui.collect import view_build
+
+    snap = _starved_state().snapshot(T0 + 13, 14.0, full=True)
+    view = view_build.build(snap)
+    culprit, bystander = (view_build.detail(snap, r, view, ()) for r in (2, 3))
+    assert culprit is not None and bystander is not None
+    assert culprit.cpu == "CPU 35%  its training thread waited 85% of its time for a core"
+    assert bystander.cpu is None  # 3 %: a machine's ordinary scheduling
+
+
+async def test_the_dashboard_says_the_culprit_waited_for_a_cpu_where_the_user_looks():
+    from rich.console import Console
+
+    from traceml_tui.collect.canned import StaticSource
+    from traceml_tui.view.dashboard import DashboardApp
+    from traceml_tui.view.dashboard.banner import Banner
+    from traceml_tui.view.dashboard.rank_panel import RankPanel
+
+    def text_of(widget) -> str:
+        console = Console(width=300, record=True, file=open(os.devnull, "w"))
+        console.print(widget.content)
+        return " ".join(console.export_text().split())
+
+    app = DashboardApp(StaticSource(_starved_state()), refresh_s=0.05)
+    async with app.run_test(size=(160, 50)) as pilot:
+        for _ in range(200):
+            if app.state is not None:
+                break
+            await pilot.pause(0.05)
+        worst = text_of(app.query_one("#worst", RankPanel))
+        assert "rank 2" in worst and "waited 85% of its time for a core" in worst, worst
+        banner = text_of(app.query_one(Banner))
+        assert "COMPUTE STRAGGLER" in banner and "for a CPU core" in banner, banner

@@ -72,6 +72,9 @@ class RankDetail(Struct, frozen=True):
     # What its agent could not show as steps or time, what chose its timing device, and
     # its records the collector refused (view_build.agent_notes), one line each.
     notes: tuple[str, ...] = ()
+    # How long its training thread waited for a CPU, when that is worth a line
+    # (view_build.cpu_line): the host side of a straggler, beside the GPU's.
+    cpu: str | None = None
 
 
 class CostView(Struct, frozen=True):

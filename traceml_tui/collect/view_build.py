@@ -83,7 +83,21 @@ def detail(snap: Snapshot, rank: int, view: RunView, recent: tuple[float, ...]
                       view.median_phase_ms, recent, row.status,
                       r.error or (f"agent off: {off}" if (off := r.heartbeat.agent_off) else None),
                       stack,
-                      gpu_line(r.sys), agent_notes(r))
+                      gpu_line(r.sys), agent_notes(r), cpu_line(r))
+
+
+# A rank's wait for a CPU is shown in its panel from this share of its time: below it,
+# a busy machine's ordinary scheduling; above it, worth a look (docs/diagnosis.md).
+CPU_WAIT_SHOWN = 0.10
+
+
+def cpu_line(r: RankSnapshot) -> str | None:
+    """Its training thread's wait for a CPU, averaged while it stepped, in one line."""
+    if r.cpu_wait is None or r.cpu_wait < CPU_WAIT_SHOWN:
+        return None
+    busy = r.sys.cpu_pct if r.sys is not None else None
+    load = f"CPU {busy:.0f}%  " if busy is not None else "CPU  "
+    return f"{load}its training thread waited {100 * r.cpu_wait:.0f}% of its time for a core"
 
 
 def agent_notes(r: RankSnapshot) -> tuple[str, ...]:

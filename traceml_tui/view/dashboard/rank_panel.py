@@ -54,6 +54,8 @@ class RankPanel(Static):
                            f"faster. {cost.reasoning}", style="bold")
             if cost.weak:
                 caption.append(f"\nweak estimate: {cost.weak}.", style="italic")
+        if detail.cpu:
+            caption.append("\n" + detail.cpu, style="dim")
         if detail.gpu:
             caption.append("\n" + detail.gpu, style="dim")
         for note in detail.notes:
