@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from textual.widgets import Static
@@ -37,13 +38,14 @@ async def started(app, pilot) -> None:
     await until(pilot, lambda: app.state is not None, "no state arrived")
 
 
-async def until(pilot, condition, what: str, timeout_s: float = 10.0) -> None:
-    """Wait for a condition, not for a fixed time (a busy CI machine is slow)."""
-    for _ in range(int(timeout_s / 0.05)):
-        if condition():
-            return
+async def until(pilot, condition, what: str, timeout_s: float = 30.0) -> None:
+    """Wait for a condition, not for a fixed time (a busy CI machine is slow: 10 s was
+    not enough for a table's layout once, with the machine's cores oversubscribed)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(what)
         await pilot.pause(0.05)
-    raise AssertionError(what)
 
 
 async def test_banner_and_worst_panel_show_what_the_state_says():
