@@ -248,8 +248,11 @@ ThrottleReason = Literal["idle", "app clocks", "power cap", "hw slowdown", "sync
 
 class Sys(_Wire, tag="sys", kw_only=True, frozen=True):
     cpu_pct: Annotated[float, Meta(ge=0.0, le=1e5)] | None = None
-    # Percent of the interval the training thread was runnable but waiting for a CPU
-    # (the kernel's run queue, sysmetrics.RunQueueWait): its cores are oversubscribed.
+    # Percent of the interval the training thread ran on a CPU, and was runnable but
+    # waiting for one (the kernel's run queue), over an interval in which it stepped
+    # (sysmetrics.ThreadSchedule): a thread that waits much of its ready time has its
+    # cores shared with other work.
+    thread_cpu_pct: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
     cpu_wait_pct: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
     rss_mb: Megabytes | None = None
     gpu_util: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None

@@ -112,54 +112,66 @@ def _rss_bytes() -> int | None:
         os.close(fd)
 
 
-def _run_delay_ns(tid: int) -> int | None:
-    """Nanoseconds thread `tid` of this process spent runnable but waiting for a CPU
-    (the run queue), from the scheduler's statistics: /proc/self/task/TID/schedstat is
-    "on-CPU ns, run-queue ns, timeslices". None where the kernel has none."""
+def _schedstat(tid: int) -> tuple[int, int] | None:
+    """Nanoseconds thread `tid` of this process ran on a CPU, and spent runnable but
+    waiting for one (the run queue), from the scheduler's statistics:
+    /proc/self/task/TID/schedstat is "on-CPU ns, run-queue ns, timeslices". None where
+    the kernel has none."""
     try:
         fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
     except OSError:
         return None
     try:
-        return int(os.read(fd, 128).split()[1])
+        fields = os.read(fd, 128).split()
+        return int(fields[0]), int(fields[1])
     except (OSError, ValueError, IndexError):
         return None
     finally:
         os.close(fd)
 
 
-class RunQueueWait:
-    """The share of wall time the training thread waited for a CPU between two samples.
+class ThreadSchedule:
+    """The shares of wall time the training thread ran on a CPU and waited for one,
+    between two samples.
 
     A rank whose cores are oversubscribed (other processes, too many DataLoader workers
     or intra-op threads) is slow because its thread waits its turn, not because it has
-    more work: this is the evidence that tells the two apart (diagnosis.cpu_evidence).
-    Only the training thread (the one that opens forward, backward and optimizer) is
-    read: it is the step's critical path on the host."""
+    more work: these are the evidence that tells the two apart (diagnosis.cpu_evidence,
+    which compares the share of its ready time a thread waited, so that a thread with
+    more work on an evenly busy host is not taken for a starved one). Only the training
+    thread (the one that opens forward, backward and optimizer) is read: it is the
+    step's critical path on the host."""
 
     __slots__ = ("_ident", "_tid", "_mark")
 
     def __init__(self) -> None:
         self._ident: int | None = None  # the Python thread (threading.get_ident)
         self._tid: int | None = None  # its kernel id
-        self._mark: tuple[int, float] | None = None
+        self._mark: tuple[int, int, float] | None = None
 
-    def share(self, ident: int | None, now: float) -> float | None:
-        """Of thread `ident` since the last call (None: the first, or not readable)."""
+    def shares(self, ident: int | None, now: float) -> tuple[float, float] | None:
+        """(ran, waited) of thread `ident` since the last call; None: the first call, a
+        thread that cannot be read, or a kernel that keeps no CPU time for it."""
         if ident != self._ident:
             self._ident, self._mark = ident, None
             self._tid = next((t.native_id for t in threading.enumerate()
                               if t.ident == ident), None) if ident is not None else None
         if self._tid is None:
             return None
-        waited = _run_delay_ns(self._tid)
-        if waited is None:  # no schedstat here, or the thread ended
+        times = _schedstat(self._tid)
+        if times is None:  # no schedstat here, or the thread ended
             self._tid = self._mark = None
             return None
-        mark, self._mark = self._mark, (waited, now)
-        if mark is None or now <= mark[1]:
+        ran, waited = times
+        if ran == 0:  # no CPU time kept for it (yet): a kernel without accounting
+            self._mark = None
             return None
-        return min(1.0, max(0.0, (waited - mark[0]) / 1e9 / (now - mark[1])))
+        mark, self._mark = self._mark, (ran, waited, now)
+        if mark is None or now <= mark[2]:
+            return None
+        span = (now - mark[2]) * 1e9
+        return (min(1.0, max(0.0, (ran - mark[0]) / span)),
+                min(1.0, max(0.0, (waited - mark[1]) / span)))
 
 
 class SystemSampler:
@@ -182,7 +194,7 @@ class SystemSampler:
         # system calls, ~10x cheaper than psutil's Process, which parses /proc/PID/stat
         # in Python); psutil elsewhere.
         self._cpu_mark = (_cpu_seconds(), time.monotonic())
-        self._run_queue = RunQueueWait()
+        self._schedule = ThreadSchedule()
         if _rss_bytes() is None:
             try:
                 import psutil
@@ -234,11 +246,15 @@ class SystemSampler:
 
     # --- sampling -------------------------------------------------------------------
 
-    def sample(self, training_thread: int | None = None) -> dict[str, Any]:
+    def sample(self, training_thread: int | None = None, stepped: bool = True
+               ) -> dict[str, Any]:
         """One sample; `training_thread` (threading.get_ident of the thread that trains,
-        None: not known yet) for the share of time it waited for a CPU."""
+        None: not known yet) for the shares of time it ran on a CPU and waited for one,
+        sent only when it `stepped` since the last sample: a thread blocked in a
+        collective, or done, waits for no core, and its start-up is not its steps."""
         out: dict[str, Any] = {
             "cpu_pct": None,
+            "thread_cpu_pct": None,
             "cpu_wait_pct": None,
             "rss_mb": None,
             **dict.fromkeys(GPU_FIELDS),
@@ -261,9 +277,13 @@ class SystemSampler:
                 out["rss_mb"] = self._proc.memory_info().rss / 2**20
             except Exception:
                 self._proc = None
-        waited = self._run_queue.share(training_thread, time.monotonic())
-        if waited is not None:
-            out["cpu_wait_pct"] = round(waited * 100, 1)
+        try:
+            shares = self._schedule.shares(training_thread, time.monotonic())
+        except Exception:  # whatever this platform lacks, the other figures still go
+            shares = None
+        if shares is not None and stepped:
+            out["thread_cpu_pct"] = round(shares[0] * 100, 1)
+            out["cpu_wait_pct"] = round(shares[1] * 100, 1)
         now = self._clock()
         if self.cuda_index is not None and self._nvml is None and self._open_retry.due(now):
             self._try_open()

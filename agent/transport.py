@@ -150,6 +150,7 @@ class Sender(threading.Thread):
         try:
             self._send("hello", **self.hello)
             next_steps = next_sys = next_beat = 0.0
+            sys_step = -1  # the step count at the last sys sample
             while not self._stopped.acquire(timeout=wake):
                 now = time.monotonic()
                 if now >= next_steps:
@@ -164,7 +165,10 @@ class Sender(threading.Thread):
                     index = getattr(self.rec, "device", None)
                     if index is not None and sampler.cuda_index != index:
                         sampler.open_gpu(index, getattr(self.rec, "device_uuid", None))
-                    self._send("sys", **sampler.sample(getattr(self.rec, "thread", None)))
+                    step = getattr(self.rec, "step", 0)
+                    self._send("sys", **sampler.sample(getattr(self.rec, "thread", None),
+                                                       step != sys_step))
+                    sys_step = step
                 if now >= next_beat:
                     next_beat = now + HEARTBEAT_INTERVAL_S
                     self._heartbeat()

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from traceml_agent.protocol import PHASES, Identity, decode, encode
-from traceml_agent.sysmetrics import RunQueueWait, SystemSampler
+from traceml_agent.sysmetrics import SystemSampler, ThreadSchedule
 from traceml_tui.judge import diagnosis as dx
-from traceml_tui.judge.state import CPU_WAIT_WEIGHT, RunState
+from traceml_tui.judge.state import RunState
+from traceml_tui.judge.timings import ThreadCpu
 from traceml_tui.report import summary
 
 T0 = 1_700_000_000.0
@@ -26,67 +27,86 @@ HAS_SCHEDSTAT = os.path.exists(f"/proc/self/task/{threading.get_native_id()}/sch
 
 # --- the rule: table-driven, pure ----------------------------------------------------------
 
-def ranks(waits: dict[int, float | None], slow: int = 3, phase: str = "backward",
-          gap: float = 20.0) -> list[dx.RankTiming]:
-    """Four ranks of 100 ms steps; rank `slow` spends `gap` ms more in `phase`; `waits`:
-    each rank's share of its time waiting for a CPU (absent: 2 %)."""
+BUSY = (0.40, 0.04)  # a training thread's shares of time on a CPU and waiting: 9 % of ready
+
+
+def ranks(cpu: dict[int, tuple[float | None, float | None]], slow: int = 3,
+          phase: str = "backward", gap: float = 20.0) -> list[dx.RankTiming]:
+    """Four ranks of 100 ms steps; rank `slow` spends `gap` ms more in `phase`; `cpu`:
+    each rank's training-thread shares (on a CPU, waiting for one), BUSY where absent."""
     out = []
     for r in range(4):
         phase_ms = {"dataloader": 1.0, "h2d": 1.0, "forward": 20.0, "backward": 40.0,
                     "optimizer": 5.0, "sync": 10.0}
         if r == slow:
             phase_ms[phase] += gap
-        out.append(dx.RankTiming(r, 20, 100.0, phase_ms, cpu_wait=waits.get(r, 0.02)))
+        run, wait = cpu.get(r, BUSY)
+        out.append(dx.RankTiming(r, 20, 100.0, phase_ms, cpu_run=run, cpu_wait=wait))
     return out
 
 
-# (name, waits, the label, whether the CPU evidence is given). The gap is 20 ms of 100 ms
-# steps: the CPU explains it from 10 ms of extra wait per step (CPU_WAIT_EXPLAINS 0.5).
+# (name, the ranks' CPU shares, whether the CPU evidence is given). The gap is 20 ms of
+# 100 ms steps: the CPU explains it from 10 ms of wait per step beyond what the median
+# rank's share of waiting (9 % of ready time: 4 ms for 40 ms on a CPU) gives the culprit.
+NOT_READ = (None, None)
 CASES = [
-    ("culprit waited 15 ms more than the others", {3: 0.17}, dx.COMPUTE_STRAGGLER, True),
-    ("just half the gap", {3: 0.12}, dx.COMPUTE_STRAGGLER, True),
-    ("under half the gap: its own work", {3: 0.11}, dx.COMPUTE_STRAGGLER, False),
-    ("every rank waits as long: no one set apart", {r: 0.3 for r in range(4)},
-     dx.COMPUTE_STRAGGLER, False),
-    ("a bystander waits, not the culprit", {1: 0.5}, dx.COMPUTE_STRAGGLER, False),
-    ("the culprit's wait not read", {3: None}, dx.COMPUTE_STRAGGLER, False),
-    ("no other rank's wait read", {0: None, 1: None, 2: None, 3: 0.5},
-     dx.COMPUTE_STRAGGLER, False),
+    ("its core shared: 30 ms waited, 4 expected", {3: (0.40, 0.30)}, True),
+    ("just over half the gap", {3: (0.40, 0.145)}, True),
+    ("just under half the gap: its own work", {3: (0.40, 0.135)}, False),
+    ("an evenly busy host: more work, the same share of waiting",
+     {0: (0.3, 0.45), 1: (0.3, 0.45), 2: (0.3, 0.45), 3: (0.5, 0.75)}, False),
+    ("every rank starved alike", {r: (0.4, 0.6) for r in range(4)}, False),
+    ("a bystander waits, not the culprit", {1: (0.40, 0.50)}, False),
+    ("the culprit's shares not read", {3: NOT_READ}, False),
+    ("its CPU time not kept", {3: (0.0, 0.30)}, False),
+    ("two of three others read: a median rank", {0: NOT_READ, 3: (0.40, 0.30)}, True),
+    ("one of three others read: no median rank",
+     {0: NOT_READ, 1: NOT_READ, 3: (0.40, 0.30)}, False),
 ]
 
 
-@pytest.mark.parametrize("name, waits, label, cpu", CASES, ids=[c[0] for c in CASES])
-def test_a_stragglers_cpu_wait_is_named_when_it_explains_the_gap(name, waits, label, cpu):
-    d = dx.diagnose(ranks(waits))
-    assert (d.label, d.rank) == (label, 3)
-    assert ("for a CPU core" in d.summary) == cpu, d.summary
-    assert ("model-side work" in d.summary) == (not cpu), d.summary
+@pytest.mark.parametrize("name, cpu, said", CASES, ids=[c[0] for c in CASES])
+def test_a_stragglers_cpu_wait_is_named_when_its_cores_explain_the_gap(name, cpu, said):
+    d = dx.diagnose(ranks(cpu))
+    assert (d.label, d.rank) == (dx.COMPUTE_STRAGGLER, 3)
+    assert ("for a CPU core" in d.summary) == said, d.summary
+    assert ("model-side work" in d.summary) == (not said), d.summary
 
 
-def test_the_evidence_gives_the_wait_per_step_against_the_median_rank():
-    d = dx.diagnose(ranks({3: 0.17}))
-    assert "waited 17.0 ms of each step for a CPU core, 15.0 ms more than the median rank's" \
-        in d.summary, d.summary  # 17 % of its 100 ms step, against 2 % of the others
+def test_the_evidence_gives_the_wait_per_step_and_the_shares_of_ready_time():
+    d = dx.diagnose(ranks({3: (0.40, 0.30)}))
+    assert ("waited 30.0 ms of each step for a CPU core, 43% of the time it was ready to run "
+            "against 9% on the median rank") in d.summary, d.summary
 
 
 def test_an_input_straggler_on_a_starved_core_gets_the_cpu_evidence_too():
-    d = dx.diagnose(ranks({3: 0.2}, phase="dataloader"))
+    d = dx.diagnose(ranks({3: (0.40, 0.30)}, phase="dataloader"))
     assert d.label == dx.INPUT_STRAGGLER and "for a CPU core" in d.summary, d.summary
 
 
-def test_a_throttled_gpu_is_said_beside_the_cpu():
-    rows = ranks({3: 0.2})
-    rows[3] = dx.RankTiming(3, 20, 100.0, rows[3].phase_ms, cpu_wait=0.2,
-                            gpu=dx.GpuHealth(1410.0, ("hw thermal",), 300.0, 90.0))
-    for r in range(3):
-        rows[r] = dx.RankTiming(r, 20, 100.0, rows[r].phase_ms, cpu_wait=0.02,
-                                gpu=dx.GpuHealth(1980.0, (), 300.0, 60.0))
-    d = dx.diagnose(rows)
+def _with_gpus(rows: list[dx.RankTiming], gpus: dict[int, dx.GpuHealth]) -> list[dx.RankTiming]:
+    return [dx.RankTiming(r.rank, r.steps, r.step_ms, r.phase_ms, cpu_run=r.cpu_run,
+                          cpu_wait=r.cpu_wait, gpu=gpus[r.rank]) for r in rows]
+
+
+def test_a_gpu_that_sets_the_rank_apart_comes_first_its_cpu_beside():
+    """A slow GPU's rank syncs longest, and a sync's spin adds to its CPU wait: when the
+    GPU is what sets the rank apart (a throttle no other rank has), it leads."""
+    cool, hot = dx.GpuHealth(1980.0, (), 300.0, 60.0), dx.GpuHealth(1410.0, ("hw thermal",),
+                                                                      300.0, 90.0)
+    d = dx.diagnose(_with_gpus(ranks({3: (0.40, 0.30)}), {0: cool, 1: cool, 2: cool, 3: hot}))
+    gpu, cpu = d.summary.find("GPU is throttled"), d.summary.find("for a CPU core")
+    assert 0 < gpu < cpu and "cooling, power limit" in d.summary, d.summary
+
+
+def test_a_throttle_every_rank_shares_is_said_after_the_cpu():
+    capped = dx.GpuHealth(1980.0, ("power cap",), 300.0, 60.0)
+    d = dx.diagnose(_with_gpus(ranks({3: (0.40, 0.30)}), dict.fromkeys(range(4), capped)))
     cpu, gpu = d.summary.find("for a CPU core"), d.summary.find("GPU is throttled")
     assert 0 < cpu < gpu, d.summary
 
 
-# --- the collector: averaged over the intervals the rank stepped in -----------------------
+# --- the collector: recent and over the run -------------------------------------------------
 
 def _state() -> tuple[RunState, Identity]:
     state = RunState("cpu", world_size=1, started_at=T0)
@@ -99,34 +119,37 @@ def _steps(state: RunState, ident: Identity, first: int, last: int) -> None:
                  now=1.0)
 
 
-def _sys(state: RunState, ident: Identity, pct: float | None) -> None:
-    state.ingest(decode(encode("sys", ident, 1, T0, cpu_wait_pct=pct)), now=1.0)
+def _sys(state: RunState, ident: Identity, run: float | None, wait: float | None) -> None:
+    state.ingest(decode(encode("sys", ident, 1, T0, thread_cpu_pct=run, cpu_wait_pct=wait)),
+                 now=1.0)
 
 
-def test_the_collector_counts_only_samples_of_intervals_the_rank_stepped_in():
-    state, ident = _state()
-    _sys(state, ident, 90.0)  # before any step: the job's start-up, not its steps
-    assert state.ranks[0].cpu_wait is None
-    _steps(state, ident, 0, 9)
-    _sys(state, ident, 40.0)
-    assert state.ranks[0].cpu_wait == pytest.approx(0.4)
-    _sys(state, ident, 0.0)  # no step since: blocked in a collective, or done
-    assert state.ranks[0].cpu_wait == pytest.approx(0.4)
-    _steps(state, ident, 10, 19)
-    _sys(state, ident, 80.0)
-    assert state.ranks[0].cpu_wait == pytest.approx(0.4 + CPU_WAIT_WEIGHT * 0.4)
-    _steps(state, ident, 20, 29)
-    _sys(state, ident, None)  # not read this time (an old agent, no schedstat)
-    assert state.ranks[0].cpu_wait == pytest.approx(0.4 + CPU_WAIT_WEIGHT * 0.4)
-
-
-def test_the_summary_row_carries_the_average_and_the_sample_the_latest():
+def test_the_collector_keeps_a_recent_average_and_one_over_the_run():
     state, ident = _state()
     _steps(state, ident, 0, 9)
-    _sys(state, ident, 33.3)
+    _sys(state, ident, 50.0, 40.0)
+    _sys(state, ident, 50.0, 0.0)
+    _sys(state, ident, None, None)  # not sent: an interval without a step, an old agent
+    table = state._live_table()
+    assert table.cpu_run.tolist() == [pytest.approx(0.5)]
+    assert table.cpu_wait.tolist() == [pytest.approx(0.4 - ThreadCpu.WEIGHT * 0.4)]
     doc = summary.build(state.snapshot(T0 + 2, 2.0, full=True), summary.RunMeta())
     row = doc["ranks"][0]
-    assert row["cpu_wait_pct"] == 33.3 and row["sys"]["cpu_wait_pct"] == 33.3
+    assert (row["thread_cpu_pct"], row["cpu_wait_pct"]) == (50.0, 20.0)  # over the run
+    assert row["sys"]["cpu_wait_pct"] is None  # the latest sample, as sent
+
+
+def test_a_restarted_rank_starts_without_the_old_processs_shares():
+    state, ident = _state()
+    _steps(state, ident, 0, 9)
+    _sys(state, ident, 30.0, 60.0)
+    assert state._live_table().cpu_wait.tolist() == [pytest.approx(0.6)]
+    again = Identity(0, 0, 0, "host0", 101, 1)  # a new process says hello
+    state.ingest(decode(encode("hello", again, 0, T0, run="cpu")), now=2.0)
+    _steps(state, again, 0, 9)
+    assert np.isnan(state._live_table().cpu_wait).all()  # not read for the new process
+    doc = summary.build(state.snapshot(T0 + 3, 3.0, full=True), summary.RunMeta())
+    assert doc["ranks"][0]["cpu_wait_pct"] is None
 
 
 # --- the agent: the kernel's run queue, on a real core ------------------------------------
@@ -136,31 +159,35 @@ HOG = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    sum(
 
 @pytest.mark.skipif(not HAS_SCHEDSTAT, reason="this kernel keeps no scheduler statistics")
 def test_a_thread_sharing_its_core_with_busy_processes_is_seen_waiting():
-    """The training thread pinned to one core beside two busy processes: it gets about a
-    third of it and waits the rest; a sleeping thread waits for nothing."""
+    """The training thread pinned to one core beside two busy processes gets about a
+    third of it and waits the rest; a thread that mostly sleeps waits for nothing."""
     core = max(os.sched_getaffinity(0))
-    result: dict[str, float | None] = {}
+    result: dict[str, tuple[float, float] | None] = {}
 
-    def busy_on_core() -> None:
+    def measured(name: str, work) -> None:
+        schedule = ThreadSchedule()
+        schedule.shares(threading.get_ident(), time.monotonic())
+        work()
+        result[name] = schedule.shares(threading.get_ident(), time.monotonic())
+
+    def spin() -> None:
         os.sched_setaffinity(0, {core})  # this thread only
-        wait = RunQueueWait()
-        wait.share(threading.get_ident(), time.monotonic())
         end = time.monotonic() + 1.5
         while time.monotonic() < end:
             sum(range(1000))
-        result["busy"] = wait.share(threading.get_ident(), time.monotonic())
 
-    def sleeping() -> None:
-        wait = RunQueueWait()
-        wait.share(threading.get_ident(), time.monotonic())
-        time.sleep(1.0)
-        result["sleeping"] = wait.share(threading.get_ident(), time.monotonic())
+    def nap() -> None:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            sum(range(1000))  # a little work, so that it has CPU time to show
+            time.sleep(0.05)
 
     hogs = [subprocess.Popen([sys.executable, "-c", HOG],
                              preexec_fn=lambda: os.sched_setaffinity(0, {core}))
             for _ in range(2)]
     try:
-        threads = [threading.Thread(target=busy_on_core), threading.Thread(target=sleeping)]
+        threads = [threading.Thread(target=measured, args=("busy", spin)),
+                   threading.Thread(target=measured, args=("napping", nap))]
         for t in threads:
             t.start()
         for t in threads:
@@ -169,49 +196,54 @@ def test_a_thread_sharing_its_core_with_busy_processes_is_seen_waiting():
         for h in hogs:
             h.kill()
             h.wait()
-    assert result["busy"] is not None and result["busy"] > 0.4, result
-    assert result["sleeping"] is not None and result["sleeping"] < 0.1, result
+    busy, napping = result["busy"], result["napping"]
+    assert busy is not None and napping is not None, result
+    assert busy[1] > 0.4 and busy[0] + busy[1] <= 1.05, result  # waits most of its time
+    assert napping[1] < 0.1, result
 
 
-def test_the_sampler_says_nothing_of_a_thread_it_cannot_read():
+def test_the_sampler_says_nothing_it_cannot_read_or_should_not_send():
     sampler = SystemSampler()
-    assert sampler.sample(None)["cpu_wait_pct"] is None  # no training thread yet
-    assert sampler.sample(-12345)["cpu_wait_pct"] is None  # no such thread
+    fields = ("thread_cpu_pct", "cpu_wait_pct")
+
+    def shares(**kw) -> tuple:
+        got = sampler.sample(**kw)
+        return tuple(got[f] for f in fields)
+
+    assert shares(training_thread=None) == (None, None)  # no training thread yet
+    assert shares(training_thread=-12345) == (None, None)  # no such thread
     me = threading.get_ident()
-    assert sampler.sample(me)["cpu_wait_pct"] is None  # the first read: no interval yet
-    time.sleep(0.05)
-    second = sampler.sample(me)["cpu_wait_pct"]
-    assert (second is None) == (not HAS_SCHEDSTAT)
-    if second is not None:
-        assert 0.0 <= second <= 100.0
+    assert shares(training_thread=me) == (None, None)  # the first read: no interval yet
+    sum(range(200_000))
+    second = shares(training_thread=me)
+    if HAS_SCHEDSTAT and second != (None, None):  # a kernel that keeps CPU time per thread
+        assert all(0.0 <= v <= 100.0 for v in second), second
+    sum(range(200_000))
+    assert shares(training_thread=me, stepped=False) == (None, None)  # no step: not sent
 
 
-def test_a_restarted_rank_starts_without_the_old_processs_wait():
-    state, ident = _state()
-    _steps(state, ident, 0, 9)
-    _sys(state, ident, 60.0)
-    assert state._live_table().cpu_wait.tolist() == [pytest.approx(0.6)]
-    again = Identity(0, 0, 0, "host0", 101, 1)  # a new process says hello
-    state.ingest(decode(encode("hello", again, 0, T0, run="cpu")), now=2.0)
-    assert state.ranks[0].cpu_wait is None
-    _steps(state, again, 0, 9)
-    assert np.isnan(state._live_table().cpu_wait).all()  # not read for the new process
+def test_a_sampler_failure_leaves_the_other_figures(monkeypatch):
+    """Whatever this platform lacks (a thread without a native id, a procfs that answers
+    oddly), the sender's sample goes on: an exception here would end the rank's reports."""
+    def broken(self, ident, now):
+        raise AttributeError("native_id")
+
+    monkeypatch.setattr(ThreadSchedule, "shares", broken)
+    got = SystemSampler().sample(threading.get_ident())
+    assert got["cpu_wait_pct"] is None and got["rss_mb"] is not None
 
 
 # --- what the user sees: the banner's evidence, the worst-rank panel -----------------------
 
 def _starved_state():
     """A canned 8-rank job whose rank 2 is behind in backward; each rank's sys samples
-    say how long its training thread waited for a CPU, rank 2's far longer."""
+    say how long its training thread ran and waited for a CPU, rank 2 far longer."""
     from traceml_tui.collect.canned import make_state
 
     state = make_state(world_size=8, straggler=2, phase="backward")
     for rank in range(8):
         ident = state.ranks[rank].ident
-        nxt = state.ranks[rank].last_step + 1  # a step in the sample's interval
-        state.ingest(decode(encode("steps", ident, 4, T0, phases=list(PHASES), records=[
-            [nxt, T0 + nxt, 35.0, *(1.0 for _ in PHASES)]])), 0.0)
-        state.ingest(decode(encode("sys", ident, 5, T0, cpu_pct=35.0,
+        state.ingest(decode(encode("sys", ident, 5, T0, cpu_pct=35.0, thread_cpu_pct=10.0,
                                    cpu_wait_pct=85.0 if rank == 2 else 3.0)), 0.0)
     for tick in range(3):
         state.evaluate(T0 + 10 + tick)

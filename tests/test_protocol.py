@@ -83,7 +83,8 @@ def record(pos: int, value) -> dict:
 ROUND_TRIPS = [
     ("hello", {"run": "demo", "device": "cuda:1", "backend": "nccl",
                "env": {"MASTER_ADDR": "10.0.0.1", "NCCL_DEBUG": "WARN"}, "auto": False}),
-    ("sys", {"cpu_pct": 312.5, "cpu_wait_pct": 12.5, "rss_mb": 2048.0, "gpu_util": 97.0,
+    ("sys", {"cpu_pct": 312.5, "thread_cpu_pct": 80.5, "cpu_wait_pct": 12.5, "rss_mb": 2048.0,
+             "gpu_util": 97.0,
              "gpu_mem_mb": None, "gpu_mem_total_mb": 81920.0, "gpu_alloc_mb": 30_500.0,
              "gpu_reserved_mb": None,
              "gpu_peak_mb": 41_000.5, "device": "cuda:3", "power_w": 412.5,

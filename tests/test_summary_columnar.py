@@ -59,8 +59,9 @@ json.dump(out, sys.stdout)
 
 
 # Fields added since BEFORE, whose code has none: a view panel's CPU line, a summary rank
-# row's average CPU wait and its sys sample's latest (RankDetail.cpu, cpu_wait_pct).
-ADDED = ("cpu", "cpu_wait_pct")
+# row's training-thread CPU shares over the run and its sys sample's latest (RankDetail.cpu,
+# cpu_wait_pct, thread_cpu_pct).
+ADDED = ("cpu", "cpu_wait_pct", "thread_cpu_pct")
 
 
 def _strip(value: object) -> object:

@@ -55,7 +55,7 @@ from traceml_agent.vocab import (  # noqa: F401 (re-exported)
 from .bandwidth import bus_factor
 from .stalls import STALL_MIN_COUNT, StallFinding
 from .timings import GpuHealth, RankTiming, Timings, Untimed, median_of  # noqa: F401
-from .windows import finite_median, median
+from .windows import median
 
 # --- thresholds (docs/diagnosis.md gives the reasoning) -------------------------------------
 
@@ -160,9 +160,9 @@ THROTTLE_FAULTS = ("hw thermal", "sw thermal", "power brake", "hw slowdown", "po
 CLOCK_LOW_SHARE = 0.10
 # A straggler is slowed by its host's CPUs, not by more work, when its training thread
 # waited for a core (the kernel's run queue) at least this share of its gap longer per
-# step than the median other rank's did: other work shares its cores. Half: the wait then
-# accounts for most of what sets the rank apart, and telling the user to look for extra
-# model-side work would send them the wrong way.
+# step than the median other rank's share of waiting would make it wait: other work
+# shares its cores. Half: the wait then accounts for most of what sets the rank apart,
+# and telling the user to look for extra model-side work would send them the wrong way.
 CPU_WAIT_EXPLAINS = 0.5
 
 
@@ -736,8 +736,14 @@ def _straggler(label: str, rank: int, phase: str | None, gap: float, share: floa
         text, distinct = health
         advice = f"{text}; {_GPU_ADVICE}" if distinct else f"{advice}; {text}"
     cpu = cpu_evidence(ranks, rank, gap)
-    if cpu is not None:  # its cores explain the gap: that advice first, the GPU's beside
-        advice = cpu if health is None else f"{cpu}; {health[0]}"
+    if cpu is not None:  # its cores explain the gap: said first, unless its GPU sets it
+        # apart (a slow GPU's rank syncs longest, and a sync's spin adds to its CPU wait)
+        if health is None:
+            advice = cpu
+        elif health[1]:
+            advice = f"{advice}; {cpu}"
+        else:
+            advice = f"{cpu}; {health[0]}"
     return Diagnosis(
         label, rank, phase, severity,
         f"Rank {rank}{on_host} spends {gap:.1f} ms more{where} than the median rank, "
@@ -781,22 +787,37 @@ def node_gpu_evidence(ranks: Table, members: Sequence[int]) -> str | None:
 
 
 def cpu_evidence(ranks: Table, rank: int, gap_ms: float) -> str | None:
-    """What the culprit's CPU says about a straggler: its training thread's wait for a
-    core, per step, against the median other rank's; None unless that wait explains
-    CPU_WAIT_EXPLAINS of the gap (or where the waits were not read)."""
+    """What the culprit's CPU says about a straggler; None unless its cores explain
+    CPU_WAIT_EXPLAINS of the gap, or where too few waits were read to say.
+
+    Compared as the share of its ready time (on a CPU or waiting for one) the training
+    thread waited: on an evenly busy host every thread waits that share, so a rank with
+    more work also waits longer, and only the wait beyond what the median rank's share
+    gives its own CPU time is the CPU's doing."""
     t = Timings.of(ranks)
     i = t.row(rank)
-    if i is None or not t.cpu_wait[i] == t.cpu_wait[i]:  # not in the table, or not read
+    run, wait = t.cpu_run, t.cpu_wait
+    if i is None or not (run[i] > 0 and wait[i] >= 0):  # NaN compares False
         return None
-    per_step = t.cpu_wait * t.step_ms  # ms a step; NaN where either is not known
-    mine, others = float(per_step[i]), finite_median(np.delete(per_step, i))
-    if others is None or not mine - others >= CPU_WAIT_EXPLAINS * gap_ms:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        waited = wait / (wait + run)  # of its ready time; NaN where not read
+    others = np.delete(waited, i)
+    known = others[np.isfinite(others)]
+    if not len(known) or 2 * len(known) < len(others):
+        return None  # the median of a few bystanders is no median rank
+    usual = median(known.tolist())
+    if usual >= 1.0:
         return None
-    return (f"its training thread waited {mine:.1f} ms of each step for a CPU core, "
-            f"{mine - others:.1f} ms more than the median rank's: other work shares its "
-            f"cores (other processes, DataLoader workers, intra-op threads); give each "
-            f"rank cores of its own (taskset or numactl, fewer DataLoader workers, "
-            f"OMP_NUM_THREADS)")
+    step = float(t.step_ms[i])
+    run_ms, wait_ms = float(run[i]) * step, float(wait[i]) * step
+    extra = wait_ms - run_ms * usual / (1.0 - usual)
+    if not extra >= CPU_WAIT_EXPLAINS * gap_ms:
+        return None
+    return (f"its training thread waited {wait_ms:.1f} ms of each step for a CPU core, "
+            f"{waited[i]:.0%} of the time it was ready to run against {usual:.0%} on the "
+            f"median rank: other work shares its cores (other processes, DataLoader "
+            f"workers, intra-op threads); give each rank cores of its own (taskset or "
+            f"numactl, fewer DataLoader workers, OMP_NUM_THREADS)")
 
 
 def gpu_evidence(ranks: Table, rank: int) -> tuple[str, bool] | None:

@@ -85,7 +85,10 @@ class RankSnapshot:
     nccl: NcclState | None = None  # last collectives per its NCCL log (--nccl-debug)
     bad_records: int = 0  # records of its batches the collector refused
     steps_hidden: str | None = None  # why its frozen steps are not a stall (hang.hidden)
-    cpu_wait: float | None = None  # share of its stepping time it waited for a CPU
+    # Its training thread's share of time waiting for a CPU, recent (timings.ThreadCpu);
+    # and its shares on a CPU and waiting for one over the run (the summary's row).
+    cpu_wait: float | None = None
+    cpu_over_run: tuple[float, float] | None = None
 
 
 def hours_unit(ranks: tuple[RankSnapshot, ...]) -> str:

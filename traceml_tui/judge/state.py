@@ -92,9 +92,6 @@ SPARKLINE_STEPS = 60
 # a GPU it is the step timed on the host while the agent learns the device.
 WARMUP_STEPS = 1
 MAX_EPISODES = 500
-# The weight of a new sample in a rank's average wait for a CPU: about the last 8 samples
-# (8 s up to 1,024 ranks), as long as the live window's steps of a typical job.
-CPU_WAIT_WEIGHT = 0.125
 MAX_RELAYS = 1 << 16  # one per node; a key holder cannot make us keep more
 # A hang that ends within this many steps per rank of the end of a run stopped by a
 # signal was ended by the stop itself: the Ctrl-C woke the stuck rank (its sleep raised
@@ -137,10 +134,6 @@ class RankState:
     last_step_at: float = 0.0
     sys: Sys | None = None
     gpu: dx.GpuHealth | None = None  # from the latest sys sample (NVML health)
-    # The share of its time its training thread waited for a CPU, averaged (CPU_WAIT_WEIGHT)
-    # over the sys samples of intervals in which it stepped; and its step count at the last.
-    cpu_wait: float | None = None
-    cpu_wait_steps: int = 0
     heartbeat: Heartbeat = NO_HEARTBEAT
     exit_code: int | None = None
     error: str | None = None
@@ -309,7 +302,7 @@ class RunState:
             self.stall_book.forget(ident.rank)  # a new process numbers its steps afresh
             rs = RankState(ident, self.block.view(ident.rank), conn=conn)
             self.ranks[ident.rank] = rs
-            self.live_cols.cpu_wait[ident.rank] = np.nan  # the old process's, if any
+            self.live_cols.cpu.forget(ident.rank)  # the old process's, if any
             self.claims.pop(ident.rank, None)
         rs.last_seen = now
         body = msg.body
@@ -317,7 +310,7 @@ class RunState:
             self._ingest_steps(rs, msg, body)
         elif isinstance(body, Sys):
             rs.sys = body
-            self._cpu_wait_seen(rs, body.cpu_wait_pct)
+            self._cpu_seen(rs, body)
             # NVML health, beside a compute straggler's evidence (diagnosis reads its map)
             gpu = (dx.GpuHealth.of(body.sample())
                    if body.sm_clock_mhz is not None or body.throttle else None)
@@ -403,19 +396,18 @@ class RunState:
             self._lists_in.clear()
         self._lists_in.add(phases)
 
-    def _cpu_wait_seen(self, rs: RankState, pct: float | None) -> None:
-        """A sample of the training thread's wait for a CPU, counted only if the rank
-        stepped in its interval: a rank blocked in a collective or done waits for
-        nothing, and would dilute what its steps waited."""
-        stepped, rs.cpu_wait_steps = rs.steps > rs.cpu_wait_steps, rs.steps
-        if pct is None or not stepped:
+    def _cpu_seen(self, rs: RankState, body: Sys) -> None:
+        """A sample of the training thread's time on a CPU and waiting for one. The agent
+        sends them only for an interval in which the rank stepped (sysmetrics)."""
+        run, wait = body.thread_cpu_pct, body.cpu_wait_pct
+        if run is None or wait is None:
             return
-        share = pct / 100.0
-        old = rs.cpu_wait
-        rs.cpu_wait = share if old is None else old + CPU_WAIT_WEIGHT * (share - old)
-        self.live_cols.cpu_wait[rs.ident.rank] = rs.cpu_wait
+        cpu = self.live_cols.cpu
+        rank = rs.ident.rank
+        cpu.seen(rank, run / 100.0, wait / 100.0)
         if rs.live is not None:  # the next evaluation reads it, steps or not
-            rs.live = replace(rs.live, cpu_wait=rs.cpu_wait)
+            rs.live = replace(rs.live, cpu_run=float(cpu.run[rank]),
+                              cpu_wait=float(cpu.wait[rank]))
 
     def _ingest_steps(self, rs: RankState, msg: Message, body: Steps) -> None:
         self.add_phases(msg.phases)
@@ -958,7 +950,7 @@ class RunState:
             whole.median[at, 0], {p: i for i, p in enumerate(whole.phases)},
             whole.median[at, 1:], np.array([r.node for r in listed], dtype=np.int64),
             np.array([r.heartbeat.grad_bytes for r in listed], dtype=np.int64),
-            self.live_cols.cpu_wait[numbers], {r.rank: r.host for r in listed},
+            *self.live_cols.cpu.over_run(numbers), {r.rank: r.host for r in listed},
             {r.rank: r.untimed for r in listed if r.untimed},
             {r.rank: gpu for r in listed if (gpu := self.ranks[r.rank].gpu) is not None})
         return self._named(dx.diagnose(timings, collectives_in_compute=self.parallel == "fsdp",
@@ -988,7 +980,10 @@ class RunState:
         self._refresh_live()
         live = self.live_cols
         lives = (live.step_ms.tolist(), live.medians.tolist(), list(live.phases), live.untimed)
-        ranks = tuple(self._rank_snapshot(r, mono_now, whole, untimed.get(r), none, cols, lives)
+        everyone = np.arange(self.world_size)
+        cpu = (live.cpu.wait.tolist(), *(a.tolist() for a in live.cpu.over_run(everyone)))
+        ranks = tuple(self._rank_snapshot(r, mono_now, whole, untimed.get(r), none, cols, lives,
+                                          cpu)
                       for r in range(self.world_size))
         final = self._full_diagnosis(ranks, whole) if whole is not None else None
         aligned = (self.block.aligned(list(self.ranks), cost.steps_to_read(
@@ -1031,10 +1026,13 @@ class RunState:
                        untimed: tuple[dx.Untimed, ...] | None,
                        none: Mapping[str, Quantiles | None], cols: dict[str, int],
                        lives: tuple[list[float], list[list[float]], list[str],
-                                    Mapping[int, tuple[dx.Untimed, ...]]]) -> RankSnapshot:
+                                    Mapping[int, tuple[dx.Untimed, ...]]],
+                       cpu: tuple[list[float], list[float], list[float]]) -> RankSnapshot:
         """`whole`, `untimed`: the whole-window statistics, in a full snapshot; `none`:
         every phase unmeasured; `cols`: phase -> its column in `whole`; `lives`: the live
-        columns (timings.Columns: step medians, phase medians, their phases, untimed)."""
+        columns (timings.Columns: step medians, phase medians, their phases, untimed);
+        `cpu`: every rank's training-thread CPU shares (timings.ThreadCpu: recent wait,
+        then run and wait over the run; NaN: not read)."""
         rs = self.ranks.get(rank)
         if rs is None:
             return RankSnapshot(
@@ -1064,4 +1062,5 @@ class RunState:
             heartbeat=rs.heartbeat, stacks=rs.stacks,
             untimed=lives[3].get(rank, ()) if whole is None else untimed or (), nccl=rs.nccl,
             bad_records=rs.bad_records, steps_hidden=self.hidden.get(rs.ident.rank),
-            cpu_wait=rs.cpu_wait)
+            cpu_wait=None if (wait := cpu[0][rank]) != wait else wait,  # NaN: not read
+            cpu_over_run=None if (ran := cpu[1][rank]) != ran else (ran, cpu[2][rank]))

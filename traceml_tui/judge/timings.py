@@ -73,8 +73,9 @@ class RankTiming:
     untimed: tuple[Untimed, ...] = ()
     comm_bytes: int = 0  # gradient bytes all-reduced per step (DDP), 0 when unknown
     gpu: GpuHealth | None = None  # its GPU's health, where NVML sampled it
-    # Share of its time its training thread waited for a CPU (sysmetrics.RunQueueWait),
-    # averaged over the samples while it stepped; None: not read.
+    # Shares of its time its training thread ran on a CPU and waited for one (the run
+    # queue; sysmetrics.ThreadSchedule), over the samples while it stepped; None: not read.
+    cpu_run: float | None = None
     cpu_wait: float | None = None
 
 
@@ -97,7 +98,9 @@ class Timings:
     medians: np.ndarray  # (k, phases)
     node: np.ndarray  # (k,)
     comm_bytes: np.ndarray  # (k,) gradient bytes all-reduced per step, 0: unknown
-    # (k,) share of its time each rank's training thread waited for a CPU, NaN: not read
+    # (k,) shares of its time each rank's training thread ran on a CPU and waited for
+    # one (ThreadCpu), NaN: not read
+    cpu_run: np.ndarray
     cpu_wait: np.ndarray
     hosts: Mapping[int, str]  # rank -> host (may hold more ranks than the table)
     untimed: Mapping[int, tuple[Untimed, ...]]  # only ranks of the table with some
@@ -120,6 +123,7 @@ class Timings:
                    phases, medians,
                    np.array([r.node for r in rows], dtype=np.int64),
                    np.array([r.comm_bytes for r in rows], dtype=np.int64),
+                   np.array([_nan(r.cpu_run) for r in rows], dtype=np.float64),
                    np.array([_nan(r.cpu_wait) for r in rows], dtype=np.float64),
                    {r.rank: r.host for r in rows},
                    {r.rank: r.untimed for r in rows if r.untimed},
@@ -137,7 +141,8 @@ class Timings:
             untimed = {r: u for r, u in untimed.items() if r in kept}
         return Timings(ranks, self.steps[keep], self.step_ms[keep], self.phases,
                        self.medians[keep], self.node[keep], self.comm_bytes[keep],
-                       self.cpu_wait[keep], self.hosts, untimed, self.gpu)
+                       self.cpu_run[keep], self.cpu_wait[keep], self.hosts, untimed,
+                       self.gpu)
 
     def row(self, rank: int) -> int | None:
         """The row of a rank (None: not in the table)."""
@@ -182,13 +187,57 @@ class Timings:
                           {p: _none(values[c]) for p, c in self.phases.items()},
                           self.hosts.get(rank, ""), int(self.node[i]),
                           self.untimed.get(rank, ()), int(self.comm_bytes[i]),
-                          self.gpu.get(rank), _none(float(self.cpu_wait[i])))
+                          self.gpu.get(rank), _none(float(self.cpu_run[i])),
+                          _none(float(self.cpu_wait[i])))
 
 
 def median_of(values: np.ndarray, empty: float = 0.0) -> float:
     """`windows.median` of an array (finite values only), `empty` when there are none."""
     m = finite_median(values)
     return empty if m is None else m
+
+
+class ThreadCpu:
+    """Every rank's training-thread shares of time on a CPU and waiting for one, from the
+    sys samples of the intervals it stepped in (sysmetrics.ThreadSchedule): recent (an
+    average weighted WEIGHT to the newest sample) for the live table, and over the run
+    for the whole-window one, as its medians are. NaN: not read."""
+
+    # About the last 8 samples (8 s up to 1,024 ranks): as long as the live window's
+    # steps of a typical job.
+    WEIGHT = 0.125
+
+    def __init__(self, world: int) -> None:
+        self.run = np.full(world, NAN)
+        self.wait = np.full(world, NAN)
+        self.run_sum = np.zeros(world)
+        self.wait_sum = np.zeros(world)
+        self.samples = np.zeros(world, dtype=np.int64)
+
+    def seen(self, rank: int, run: float, wait: float) -> None:
+        old_run, old_wait = self.run[rank], self.wait[rank]
+        if old_run != old_run:  # the first sample
+            self.run[rank], self.wait[rank] = run, wait
+        else:
+            self.run[rank] = old_run + self.WEIGHT * (run - old_run)
+            self.wait[rank] = old_wait + self.WEIGHT * (wait - old_wait)
+        self.run_sum[rank] += run
+        self.wait_sum[rank] += wait
+        self.samples[rank] += 1
+
+    def forget(self, rank: int) -> None:
+        """A new process for the rank: the old one's samples say nothing of it."""
+        self.run[rank] = self.wait[rank] = NAN
+        self.run_sum[rank] = self.wait_sum[rank] = 0.0
+        self.samples[rank] = 0
+
+    def recent(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.run[rows], self.wait[rows]
+
+    def over_run(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = self.samples[rows].astype(np.float64)
+        n[n == 0] = NAN
+        return self.run_sum[rows] / n, self.wait_sum[rows] / n
 
 
 class Columns:
@@ -204,7 +253,7 @@ class Columns:
         self.medians = np.full((world, 0), NAN)
         self.node = np.zeros(world, dtype=np.int64)
         self.comm_bytes = np.zeros(world, dtype=np.int64)
-        self.cpu_wait = np.full(world, NAN)  # written at each sys sample, not by put
+        self.cpu = ThreadCpu(world)  # written at each sys sample, not by put
         self.untimed: dict[int, tuple[Untimed, ...]] = {}  # only the ranks with some
         self.fresh = np.zeros(world, dtype=bool)  # written since the rank last stepped
 
@@ -234,7 +283,7 @@ class Columns:
             untimed = {r: u for r, u in untimed.items() if r in inside}
         return Timings(rows, self.steps[rows], self.step_ms[rows], dict(self.phases),
                        self.medians[rows], self.node[rows], self.comm_bytes[rows],
-                       self.cpu_wait[rows], hosts, untimed, gpu)
+                       *self.cpu.recent(rows), hosts, untimed, gpu)
 
     def timing(self, rank: int, host: str, gpu: GpuHealth | None) -> RankTiming:
         """One rank's row as an object."""
@@ -242,7 +291,8 @@ class Columns:
         return RankTiming(rank, int(self.steps[rank]), _none(float(self.step_ms[rank])),
                           {p: _none(values[c]) for p, c in self.phases.items()}, host,
                           int(self.node[rank]), self.untimed.get(rank, ()),
-                          int(self.comm_bytes[rank]), gpu, _none(float(self.cpu_wait[rank])))
+                          int(self.comm_bytes[rank]), gpu,
+                          _none(float(self.cpu.run[rank])), _none(float(self.cpu.wait[rank])))
 
 
 class Lookup(Mapping[int, V]):

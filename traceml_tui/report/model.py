@@ -138,7 +138,9 @@ class RankBase(_S, kw_only=True):
     device_rule: str | None = None
     steps_hidden: str | None = None
     agent_busy: str | None = None
-    cpu_wait_pct: float | None = None  # its training thread's wait for a CPU, % of its time
+    # Its training thread on a CPU and waiting for one, % of its stepping time (the run's)
+    thread_cpu_pct: float | None = None
+    cpu_wait_pct: float | None = None
 
 
 def summarized(wire: type[Struct]) -> list[tuple[str, Any, Any]]:

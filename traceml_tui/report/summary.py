@@ -143,7 +143,7 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
             "agent_off": r.heartbeat.agent_off,
             "bad_records": r.bad_records, "device_rule": r.heartbeat.device_rule,
             "steps_hidden": r.steps_hidden, "agent_busy": r.heartbeat.agent_busy,
-            "cpu_wait_pct": None if r.cpu_wait is None else round(100.0 * r.cpu_wait, 1),
+            **_thread_cpu(r.cpu_over_run),
             **{name: getattr(r.heartbeat, name) for name in heartbeat_fields},
         })
     return {
@@ -366,6 +366,14 @@ def _timing(snap: Snapshot) -> dict[str, Any]:
     return {"complete": not where, "framework": snap.framework,
             "untimed": [{"phase": phase, "why": why, "ranks": ranks}
                         for (phase, why), ranks in sorted(where.items())]}
+
+
+def _thread_cpu(over_run: tuple[float, float] | None) -> dict[str, float | None]:
+    """A rank's training thread on a CPU and waiting for one, % of its stepping time."""
+    if over_run is None:
+        return {"thread_cpu_pct": None, "cpu_wait_pct": None}
+    return {"thread_cpu_pct": round(100.0 * over_run[0], 1),
+            "cpu_wait_pct": round(100.0 * over_run[1], 1)}
 
 
 def _hang(snap: Snapshot) -> dict[str, Any] | None:
