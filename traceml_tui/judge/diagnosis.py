@@ -805,7 +805,7 @@ def cpu_evidence(ranks: Table, rank: int, gap_ms: float) -> str | None:
     known = others[np.isfinite(others)]
     if not len(known) or 2 * len(known) < len(others):
         return None  # the median of a few bystanders is no median rank
-    usual = median(known.tolist())
+    usual = median_of(known)
     if usual >= 1.0:
         return None
     step = float(t.step_ms[i])
