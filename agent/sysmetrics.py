@@ -163,7 +163,7 @@ class ThreadSchedule:
             self._tid = self._mark = None
             return None
         ran, waited = times
-        if ran == 0:  # no CPU time kept for it (yet): a kernel without accounting
+        if ran == 0 and waited == 0:  # "0 0 0": a kernel that keeps no times per thread
             self._mark = None
             return None
         mark, self._mark = self._mark, (ran, waited, now)

@@ -106,6 +106,44 @@ def test_a_throttle_every_rank_shares_is_said_after_the_cpu():
     assert 0 < cpu < gpu, d.summary
 
 
+def node_ranks(cpu_of_node_1: tuple[float, float], others: tuple[float, float] = BUSY
+               ) -> list[dx.RankTiming]:
+    """Two nodes of four ranks, 100 ms steps; every rank of node 1 spends 20 ms more in
+    backward; the training threads' CPU shares of node 1's ranks and of node 0's."""
+    out = []
+    for r in range(8):
+        node = r // 4
+        backward = 60.0 if node == 1 else 40.0
+        run, wait = cpu_of_node_1 if node == 1 else others
+        out.append(dx.RankTiming(r, 20, 100.0, {"dataloader": 1.0, "h2d": 1.0,
+                                                "forward": 20.0, "backward": backward,
+                                                "optimizer": 5.0, "sync": 10.0},
+                                 host=f"node{node}", node=node, cpu_run=run, cpu_wait=wait))
+    return out
+
+
+NODE_CASES = [
+    ("the node's cores shared", (0.40, 0.30), BUSY, True),
+    ("the node as busy as the others", BUSY, BUSY, False),
+    ("an evenly busy cluster, more work on the node", (0.5, 0.75), (0.3, 0.45), False),
+    ("the node's shares not read", NOT_READ, BUSY, False),
+    ("the other nodes' not read", (0.40, 0.30), NOT_READ, False),
+]
+
+
+@pytest.mark.parametrize("name, node_1, node_0, said", NODE_CASES,
+                         ids=[c[0] for c in NODE_CASES])
+def test_a_slow_nodes_cpu_wait_is_named_when_its_cores_explain_the_gap(name, node_1, node_0,
+                                                                        said):
+    d = dx.diagnose(node_ranks(node_1, node_0))
+    assert d.label == dx.COMPUTE_STRAGGLER and d.node == 1, d
+    assert ("for a CPU core" in d.summary) == said, d.summary
+    if said:
+        assert ("its ranks' training threads waited 30.0 ms of each step for a CPU core, "
+                "43% of the time they were ready to run against 9% on the other nodes") \
+            in d.summary, d.summary
+
+
 # --- the collector: recent and over the run -------------------------------------------------
 
 def _state() -> tuple[RunState, Identity]:
@@ -220,6 +258,16 @@ def test_the_sampler_says_nothing_it_cannot_read_or_should_not_send():
         assert all(0.0 <= v <= 100.0 for v in second), second
     sum(range(200_000))
     assert shares(training_thread=me, stepped=False) == (None, None)  # no step: not sent
+
+
+def test_a_kernel_that_keeps_no_thread_times_sends_none(monkeypatch):
+    """Some kernels answer "0 0 0" for every thread: no accounting, not a thread that
+    never ran nor waited; a share of 0 % from them would read as a fact."""
+    from traceml_agent import sysmetrics
+
+    monkeypatch.setattr(sysmetrics, "_schedstat", lambda tid: (0, 0))
+    schedule, me = ThreadSchedule(), threading.get_ident()
+    assert [schedule.shares(me, t) for t in (1.0, 2.0, 3.0)] == [None, None, None]
 
 
 def test_a_sampler_failure_leaves_the_other_figures(monkeypatch):

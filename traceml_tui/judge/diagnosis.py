@@ -723,11 +723,13 @@ def _straggler(label: str, rank: int, phase: str | None, gap: float, share: floa
         on_host = f", host {host}" if host else ""
         listed = ", ".join(str(m) for m in members)
         gpus = node_gpu_evidence(ranks, members) if label == COMPUTE_STRAGGLER else None
+        cpus = node_cpu_evidence(ranks, members, gap)
+        found = "".join(f"{e}; " for e in (gpus, cpus) if e)
         return Diagnosis(
             label, rank, phase, severity,
             f"Every rank on node {node} (ranks {listed}{on_host}) spends about {gap:.1f} ms "
             f"more{where} than the median rank, {share:.0%} of the {step_ms:.1f} ms step that "
-            f"every rank waits for: {gpus + '; ' if gpus else ''}{_NODE_ADVICE[label]}.",
+            f"every rank waits for: {found}{_NODE_ADVICE[label]}.",
             gap_ms=gap, gap_share=share, node=node, node_ranks=members, phases=tuple(phases))
     on_host = f" (host {host})" if host else ""
     health = gpu_evidence(ranks, rank) if label == COMPUTE_STRAGGLER else None
@@ -786,6 +788,36 @@ def node_gpu_evidence(ranks: Table, members: Sequence[int]) -> str | None:
     return f"{len(hot)} of its {len(inside)} GPUs are throttled ({', '.join(named)}){vs}"
 
 
+def _ready_waits(t: Timings) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row: the share of its ready time (on a CPU or waiting for one) the training
+    thread waited, and its ms a step on a CPU and waiting; NaN where not read."""
+    run, wait = t.cpu_run, t.cpu_wait
+    with np.errstate(invalid="ignore", divide="ignore"):
+        waited = np.where(run > 0, wait / (wait + run), np.nan)
+    return waited, run * t.step_ms, wait * t.step_ms
+
+
+def _usual_wait(waited: np.ndarray, outside: np.ndarray) -> float | None:
+    """The median share of ready time waited over the rows `outside` the culprit; None
+    unless at least half of them were read (the median of a few is no median rank) or
+    where they never ran."""
+    others = waited[outside]
+    known = others[np.isfinite(others)]
+    if not len(known) or 2 * len(known) < len(others):
+        return None
+    usual = median_of(known)
+    return usual if usual < 1.0 else None
+
+
+def _cpu_explains(extra_ms: float, gap_ms: float) -> bool:
+    return extra_ms >= CPU_WAIT_EXPLAINS * gap_ms  # NaN compares False
+
+
+_CPU_ADVICE = ("other work shares its cores (other processes, DataLoader workers, intra-op "
+               "threads); give each rank cores of its own (taskset or numactl, fewer "
+               "DataLoader workers, OMP_NUM_THREADS)")
+
+
 def cpu_evidence(ranks: Table, rank: int, gap_ms: float) -> str | None:
     """What the culprit's CPU says about a straggler; None unless its cores explain
     CPU_WAIT_EXPLAINS of the gap, or where too few waits were read to say.
@@ -796,28 +828,38 @@ def cpu_evidence(ranks: Table, rank: int, gap_ms: float) -> str | None:
     gives its own CPU time is the CPU's doing."""
     t = Timings.of(ranks)
     i = t.row(rank)
-    run, wait = t.cpu_run, t.cpu_wait
-    if i is None or not (run[i] > 0 and wait[i] >= 0):  # NaN compares False
+    if i is None:
         return None
-    with np.errstate(invalid="ignore", divide="ignore"):
-        waited = wait / (wait + run)  # of its ready time; NaN where not read
-    others = np.delete(waited, i)
-    known = others[np.isfinite(others)]
-    if not len(known) or 2 * len(known) < len(others):
-        return None  # the median of a few bystanders is no median rank
-    usual = median_of(known)
-    if usual >= 1.0:
+    waited, run_ms, wait_ms = _ready_waits(t)
+    usual = _usual_wait(waited, np.arange(len(t)) != i)
+    if usual is None or not waited[i] == waited[i]:
         return None
-    step = float(t.step_ms[i])
-    run_ms, wait_ms = float(run[i]) * step, float(wait[i]) * step
-    extra = wait_ms - run_ms * usual / (1.0 - usual)
-    if not extra >= CPU_WAIT_EXPLAINS * gap_ms:
+    mine = float(wait_ms[i])
+    if not _cpu_explains(mine - float(run_ms[i]) * usual / (1.0 - usual), gap_ms):
         return None
-    return (f"its training thread waited {wait_ms:.1f} ms of each step for a CPU core, "
+    return (f"its training thread waited {mine:.1f} ms of each step for a CPU core, "
             f"{waited[i]:.0%} of the time it was ready to run against {usual:.0%} on the "
-            f"median rank: other work shares its cores (other processes, DataLoader "
-            f"workers, intra-op threads); give each rank cores of its own (taskset or "
-            f"numactl, fewer DataLoader workers, OMP_NUM_THREADS)")
+            f"median rank: {_CPU_ADVICE}")
+
+
+def node_cpu_evidence(ranks: Table, members: Sequence[int], gap_ms: float) -> str | None:
+    """What a slow node's CPUs say: its ranks' training threads waited for a core beyond
+    the other nodes' median share of waiting, by half the gap or more (the median rank of
+    the node); None otherwise, or where too few waits were read."""
+    t = Timings.of(ranks)
+    inside = np.isin(t.ranks, np.asarray(members, dtype=np.int64))
+    waited, run_ms, wait_ms = _ready_waits(t)
+    usual = _usual_wait(waited, ~inside)
+    mine = waited[inside]
+    if usual is None or 2 * int(np.isfinite(mine).sum()) < len(mine):
+        return None
+    extra = wait_ms[inside] - run_ms[inside] * usual / (1.0 - usual)
+    if not _cpu_explains(median_of(extra), gap_ms):
+        return None
+    return (f"its ranks' training threads waited {median_of(wait_ms[inside]):.1f} ms of each "
+            f"step for a CPU core, {median_of(mine):.0%} of the time they were ready to run "
+            f"against {usual:.0%} on the other nodes: other work shares its cores (other "
+            f"jobs or processes on that host, DataLoader workers, intra-op threads)")
 
 
 def gpu_evidence(ranks: Table, rank: int) -> tuple[str, bool] | None:
