@@ -1,5 +1,6 @@
-"""System samples for one rank: process CPU % and RSS always, and the share of time the
-training thread waited for a CPU where the kernel keeps scheduler statistics; GPU
+"""System samples for one rank: process CPU % and RSS always, and the shares of time the
+training thread ran on a CPU and waited for one where the kernel keeps scheduler
+statistics per thread; GPU
 utilisation, memory and health (power, SM clock, temperature, clock-throttle reasons)
 through NVML when the rank drives a CUDA device, and this process's own figures from
 torch's caching allocator.
