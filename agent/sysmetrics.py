@@ -1,9 +1,8 @@
 """System samples for one rank: process CPU % and RSS always, and the shares of time the
 training thread ran on a CPU and waited for one where the kernel keeps scheduler
-statistics per thread; GPU
-utilisation, memory and health (power, SM clock, temperature, clock-throttle reasons)
-through NVML when the rank drives a CUDA device, and this process's own figures from
-torch's caching allocator.
+statistics per thread; GPU utilisation, memory and health (power, SM clock, temperature,
+clock-throttle reasons) through NVML when the rank drives a CUDA device, and this
+process's own figures from torch's caching allocator.
 
 Runs on the agent's sender thread, never on the training thread. Every source is
 optional: a missing psutil or NVML only leaves its fields None, and `gpu_note` says why
