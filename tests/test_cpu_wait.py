@@ -310,25 +310,17 @@ def test_the_panel_shows_a_long_wait_for_a_cpu_and_not_a_short_one():
 
 
 async def test_the_dashboard_says_the_culprit_waited_for_a_cpu_where_the_user_looks():
-    from rich.console import Console
+    from test_dashboard import started, text_of
 
     from traceml_tui.collect.canned import StaticSource
     from traceml_tui.view.dashboard import DashboardApp
     from traceml_tui.view.dashboard.banner import Banner
     from traceml_tui.view.dashboard.rank_panel import RankPanel
 
-    def text_of(widget) -> str:
-        console = Console(width=300, record=True, file=open(os.devnull, "w"))
-        console.print(widget.content)
-        return " ".join(console.export_text().split())
-
     app = DashboardApp(StaticSource(_starved_state()), refresh_s=0.05)
     async with app.run_test(size=(160, 50)) as pilot:
-        for _ in range(200):
-            if app.state is not None:
-                break
-            await pilot.pause(0.05)
-        worst = text_of(app.query_one("#worst", RankPanel))
+        await started(app, pilot)
+        worst = " ".join(text_of(app.query_one("#worst", RankPanel)).split())
         assert "rank 2" in worst and "waited 85% of its time for a core" in worst, worst
-        banner = text_of(app.query_one(Banner))
+        banner = " ".join(text_of(app.query_one(Banner)).split())
         assert "COMPUTE STRAGGLER" in banner and "for a CPU core" in banner, banner
