@@ -980,8 +980,10 @@ class RunState:
         self._refresh_live()
         live = self.live_cols
         lives = (live.step_ms.tolist(), live.medians.tolist(), list(live.phases), live.untimed)
-        everyone = np.arange(self.world_size)
-        cpu = (live.cpu.wait.tolist(), *(a.tolist() for a in live.cpu.over_run(everyone)))
+        # The CPU shares over the run only where the summary reads them (full snapshots).
+        over = (None if whole is None else
+                tuple(a.tolist() for a in live.cpu.over_run(np.arange(self.world_size))))
+        cpu = (live.cpu.wait.tolist(), over)
         ranks = tuple(self._rank_snapshot(r, mono_now, whole, untimed.get(r), none, cols, lives,
                                           cpu)
                       for r in range(self.world_size))
@@ -1027,12 +1029,13 @@ class RunState:
                        none: Mapping[str, Quantiles | None], cols: dict[str, int],
                        lives: tuple[list[float], list[list[float]], list[str],
                                     Mapping[int, tuple[dx.Untimed, ...]]],
-                       cpu: tuple[list[float], list[float], list[float]]) -> RankSnapshot:
+                       cpu: tuple[list[float], tuple[list[float], list[float]] | None]
+                       ) -> RankSnapshot:
         """`whole`, `untimed`: the whole-window statistics, in a full snapshot; `none`:
         every phase unmeasured; `cols`: phase -> its column in `whole`; `lives`: the live
         columns (timings.Columns: step medians, phase medians, their phases, untimed);
         `cpu`: every rank's training-thread CPU shares (timings.ThreadCpu: recent wait,
-        then run and wait over the run; NaN: not read)."""
+        then run and wait over the run, in a full snapshot; NaN: not read)."""
         rs = self.ranks.get(rank)
         if rs is None:
             return RankSnapshot(
@@ -1063,4 +1066,5 @@ class RunState:
             untimed=lives[3].get(rank, ()) if whole is None else untimed or (), nccl=rs.nccl,
             bad_records=rs.bad_records, steps_hidden=self.hidden.get(rs.ident.rank),
             cpu_wait=None if (wait := cpu[0][rank]) != wait else wait,  # NaN: not read
-            cpu_over_run=None if (ran := cpu[1][rank]) != ran else (ran, cpu[2][rank]))
+            cpu_over_run=None if (over := cpu[1]) is None or (ran := over[0][rank]) != ran
+            else (ran, over[1][rank]))
