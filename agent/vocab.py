@@ -110,9 +110,12 @@ TIMING_INCOMPLETE: Final = "TIMING INCOMPLETE"
 PERIODIC_STALL: Final = "PERIODIC STALL"
 # Every rank waits in collectives for most of its step and no rank is behind.
 COMM_BOUND: Final = "COMM-BOUND"
+# The slowest rank changes from step to step (uneven batches drawn afresh each step) and
+# every rank waits for whichever it is: no one rank to blame, the work per step to even.
+LOAD_IMBALANCE: Final = "LOAD IMBALANCE"
 LABELS: Final[tuple[str, ...]] = (
     BALANCED, INPUT_STRAGGLER, COMPUTE_STRAGGLER, STRAGGLER, INPUT_BOUND, WAIT_HEAVY, HANG,
-    WARMUP, TIMING_INCOMPLETE, PERIODIC_STALL, COMM_BOUND)
+    WARMUP, TIMING_INCOMPLETE, LOAD_IMBALANCE, PERIODIC_STALL, COMM_BOUND)
 
 # --- severities, in increasing order --------------------------------------------------------
 

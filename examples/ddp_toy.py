@@ -14,6 +14,12 @@ Scenarios (each adds --delay-ms of time where a real job would lose it):
   stall       every rank stalls after each step (synchronous logging/checkpoint)
   contended   one rank shares its CPU core with two busy processes (an oversubscribed
               host: other jobs, too many DataLoader workers); --delay-ms is not used
+  moving      imbalance that moves: every step the ranks get work spread evenly from 0 to
+              --delay-ms more forward, in an order drawn afresh each step (length-bucketed
+              batches: a different rank gets the long sequences each time); --rank unused
+
+  --jitter-ms J                        every rank's forward takes a random 0..J ms more on
+                                       every step (a noisy job; drawn per rank and step)
 
   --from-step A --to-step B            inject it on steps A..B only (both included; a
                                        transient problem), for the scenarios that add
@@ -36,6 +42,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import random
 import socket
 import sys
 import time
@@ -48,7 +55,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 SCENARIOS = ("balanced", "input", "forward", "optimizer", "batch", "input-all", "stall",
-             "compute-all", "contended")
+             "compute-all", "contended", "moving")
 # The busy processes of the "contended" scenario: each spins until its parent is gone.
 HOG = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    sum(range(10000))\n"
 
@@ -152,6 +159,8 @@ def main() -> None:
                    help="the first step the problem is injected on (a transient problem)")
     p.add_argument("--to-step", type=int, default=None,
                    help="the last step it is injected on (included); default: to the end")
+    p.add_argument("--jitter-ms", type=float, default=0.0,
+                   help="every rank's forward takes a random 0..J ms more each step")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--compute-ms", type=float, default=0.0,
@@ -193,6 +202,17 @@ def main() -> None:
     def faulty(step: int) -> bool:
         return args.from_step <= step <= last
 
+    def moving_s(step: int) -> float:
+        """This rank's share of the step's uneven work: the ranks' order is drawn from the
+        step number, so every rank draws the same one (one gets it all, one none)."""
+        if args.scenario != "moving" or not faulty(step) or world < 2:
+            return 0.0
+        order = list(range(world))
+        random.Random(step).shuffle(order)
+        return delay * order.index(rank) / (world - 1)
+
+    noise = random.Random(1000 + rank)
+
     batch = args.batch * (4 if args.scenario == "batch" and me else 1)
     slow_input = (args.scenario == "input" and me) or args.scenario == "input-all"
     data = RandomData(batch * world * 64, args.dim)
@@ -218,7 +238,8 @@ def main() -> None:
         collate.delay_s = delay if slow_input and faulty(step) else 0.0  # the next batch's
         for x, y in loader:
             net.extra_forward_s = ((delay if extra and faulty(step) else 0.0)
-                                   + args.compute_ms / 1000.0)
+                                   + args.compute_ms / 1000.0 + moving_s(step)
+                                   + noise.uniform(0.0, args.jitter_ms) / 1000.0)
             if args.hang_rank == rank and step == args.hang_at_step:
                 wait_forever()  # e.g. a deadlock in this rank's own code
             if args.gil_hang_rank == rank and step == args.hang_at_step:

@@ -8,6 +8,7 @@ the whole-window verdict of a full snapshot."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,8 @@ from traceml_agent import vocab
 ROOT = Path(__file__).resolve().parent.parent
 OLD = "36da305"  # the last per-rank judgement
 CASES = Path(__file__).resolve().parent / "columnar_cases.py"
+SEEN = (r" (Seen for its last \d+ steps \([\d.]+ s\); b|B)ehind the other ranks on "
+        r"\d+% of the last \d+\.")
 WHERE = ("import traceml_tui.judge.state as s, traceml_agent as a; "
          "print(s.__file__); print(a.__file__)")
 
@@ -59,10 +62,22 @@ def test_the_columnar_judgement_gives_the_per_rank_verdicts_and_figures(world, t
     assert runs[0].returncode == 0, err_old[-3000:]
     assert runs[1].returncode == 0, err_new[-3000:]
     before, after = json.loads(before), json.loads(after)
-    # The cases reach every label: the comparison covers the rules, not one of them.
+    # A straggler's summary says since when it is seen (added after 36da305): removed
+    # before the comparison, which is about the verdicts and their figures.
+    after = json.loads(re.sub(SEEN, "", json.dumps(after)))
+    # The cases reach every label: the comparison covers the rules, not one of them (but
+    # those added since the per-rank judgement, which has no rule for them: LOAD
+    # IMBALANCE reads the steps one by one, tests/test_imbalance.py).
     shown = {t["shown"]["label"] for case in after.values() for t in case["ticks"]}
-    assert shown == set(vocab.LABELS)
+    assert shown == set(vocab.LABELS) - {vocab.LOAD_IMBALANCE}
+    # Changed on purpose since: a straggler's victims still waiting for its old steps in
+    # their window read COMM-BOUND, a symptom; only the wait the ranks' own work does not
+    # explain is the network's now (imbalance.py), and the recovered job reads BALANCED.
+    changed = "/recovered straggler/ticks["
+    for t in after["recovered straggler"]["ticks"][1:]:
+        assert t["shown"]["label"] == vocab.BALANCED, t["shown"]
     compared, diffs = leaves(before, after)
+    diffs = [d for d in diffs if not (d.startswith(changed) and not d.startswith(changed + "0]"))]
     print(f"{world} ranks: {len(after)} cases, {compared} values compared, "
           f"{len(diffs)} differ")
     assert compared > 1000

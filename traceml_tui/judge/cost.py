@@ -317,6 +317,20 @@ def _stalls(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray) -> Sa
                    f"{who} made asynchronous")
 
 
+def _imbalance(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray
+               ) -> Savings | None:
+    """Imbalance that moves: in each step every rank waits for the slowest rank's own
+    work; with the work per step balanced every rank would do the median rank's, so the
+    job would gain the slowest rank's excess over the median in that step."""
+    local = _group(data, INPUT_PHASES + _compute(fsdp))
+    if local is None:
+        return None
+    excess = np.nanmax(local, axis=0) - nan_medians(local)
+    return Savings(data.steps, job, excess, excess, None, "phase", None,
+                   "every rank doing the median rank's own work on each step (balanced "
+                   "batches)")
+
+
 # The models of what a culprit costs, by the name a rule gives (diagnosis.Rule.pricing):
 # its culprit taken away, step by step. A straggler (a rank or a node, its gap in the
 # phases it was compared on), input on every rank, residual wait on every rank, stalls.
@@ -326,6 +340,7 @@ MODELS: Mapping[str, Pricing] = {
     "fleet_input": _input_bound,
     "residual_wait": _wait_heavy,
     "stalls": _stalls,
+    "imbalance": _imbalance,
 }
 # How each costed label is priced; the others (balanced, comm-bound, hang, timing
 # incomplete, warm-up) have no culprit whose work could be taken away, and no what-if.

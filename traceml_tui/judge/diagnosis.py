@@ -19,6 +19,7 @@ wrong ranks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from math import isfinite
@@ -37,6 +38,7 @@ from traceml_agent.vocab import (  # noqa: F401 (re-exported)
     INPUT_BOUND,
     INPUT_PHASES,
     INPUT_STRAGGLER,
+    LOAD_IMBALANCE,
     OPTIMIZER,
     PERIODIC_STALL,
     STALL_HINTS,
@@ -53,9 +55,10 @@ from traceml_agent.vocab import (  # noqa: F401 (re-exported)
 # The labels, severities and phase groups are the product's vocabulary (vocab.py); they
 # are re-exported here because the rules below are where they get their meaning.
 from .bandwidth import bus_factor
+from .imbalance import STREAK_MIN_S, Spreads, StepSpread
 from .stalls import STALL_MIN_COUNT, StallFinding
 from .timings import GpuHealth, RankTiming, Timings, Untimed, median_of  # noqa: F401
-from .windows import median
+from .windows import AlignedSteps, median
 
 # --- thresholds (docs/diagnosis.md gives the reasoning) -------------------------------------
 
@@ -93,6 +96,9 @@ FORCED_SHARE = 0.05
 FORCED_MIN = 3
 # Consecutive evaluations a new live label must win before it replaces the old one.
 CONFIRM_TICKS = 2
+# The steps of a rank's live window (judge/state.py's LIVE_STEPS, the banner's): a clear
+# straggler's streak is looked for only where one can fit in them (_streak_possible).
+LIVE_WINDOW_STEPS = 32
 # A straggler is named from LIVE_STEPS (32) steps, whose median moves only after 17 of
 # them changed: a rank that recovered kept the banner for tens of steps. So the live
 # label also asks the most recent steps (`recent` in diagnose): the straggler must still
@@ -143,6 +149,17 @@ STALL_SHARE_EXIT = 0.03
 # exposes 5-25 % (bigger buckets and overlap are the first advice at 50 %). Exit at 40 %.
 COMM_BOUND_ENTER = 0.50
 COMM_BOUND_EXIT = 0.40
+# LOAD IMBALANCE when on a typical step the slowest ranks' own work (the p95 across ranks,
+# the slowest one up to 20 ranks) exceeds the median rank's by this share of the step, no
+# rank being behind on most steps (imbalance.py). Twice a straggler's 10 %: every job has
+# step-to-step noise, and the slowest of several noisy ranks is always some way above
+# their median; what a user would fix by balancing batches is larger. Exit at 15 %.
+IMBALANCE_ENTER = 0.20
+IMBALANCE_EXIT = 0.15
+# The ranks' training threads waiting for a CPU core this share of their ready time (a
+# third of it and more: 4 ranks on 2 idle cores wait about a fifth) say that part of a
+# moving spread may be the host's scheduling, not the data: said beside it.
+IMBALANCE_CPU_WAIT = 0.35
 # A whole node is the straggler when every rank on the worst rank's node is behind the
 # median rank by at least this share of the worst rank's gap, and no rank on another node
 # is. Half, because with half the ranks slow the median sits halfway between the two
@@ -397,6 +414,29 @@ def _still_behind(recent: Recent, rank: int, phases: Sequence[str]) -> bool:
     return gap >= MIN_GAP_MS and gap >= SKEW_EXIT * step_ms
 
 
+Steps = AlignedSteps | Callable[[], AlignedSteps | None] | None
+
+
+def _named_gap(skew: _Skew, holding: bool, spread: StepSpread | None) -> bool:
+    """Whether a worst-vs-median gap names a straggler: material (MIN_GAP_MS, SKEW_ENTER
+    of the step; SKEW_EXIT while shown) and, where the steps can be compared one by one,
+    a fixed culprit (behind on most steps, not the top of a draw that moves), named from
+    SKEW_EXIT already when the gap is steady against its measured noise."""
+    if skew.gap_ms < MIN_GAP_MS or skew.share < SKEW_EXIT:
+        return False
+    if spread is None:
+        return holding or skew.share >= SKEW_ENTER
+    if not spread.fixed(skew.rank, holding):
+        return False
+    return holding or skew.share >= SKEW_ENTER or spread.steady(skew.rank, skew.gap_ms)
+
+
+def _streak_possible(step_ms: float) -> bool:
+    """Whether a streak can be long enough (STREAK_MIN_S) within a live window's steps:
+    with fast steps the window's medians name a straggler within a second anyway."""
+    return step_ms * LIVE_WINDOW_STEPS >= STREAK_MIN_S * 1000.0
+
+
 @dataclass(frozen=True, slots=True)
 class WindowStats:
     """What every rule reads: one evaluation's ranks and the statistics over them. Built
@@ -413,11 +453,14 @@ class WindowStats:
     framework: str | None
     stalls: Sequence[StallFinding]  # each stalling rank's stall log (stalls.py)
     preflight_busbw: float | None
+    # The ranks' windows lined up step by step, compared when a rule asks (imbalance.py);
+    # without them (table tests, offline use) the rules read the medians alone.
+    spreads: Spreads
 
     @classmethod
     def of(cls, ranks: Table, active: str | None, fsdp: bool,
            framework: str | None, recent: Recent, stalls: Sequence[StallFinding] | None,
-           preflight_busbw: float | None) -> WindowStats:
+           preflight_busbw: float | None, steps: Steps = None) -> WindowStats:
         compute = FSDP_COMPUTE_PHASES if fsdp else COMPUTE_PHASES
         t = Timings.of(ranks)
         ready = t.select((t.steps >= MIN_STEPS) & np.isfinite(t.step_ms) & (t.step_ms > 0))
@@ -425,20 +468,29 @@ class WindowStats:
         # Untimed local phases: their time sits in "wait", so balance, residual wait and
         # any comparison of that group cannot be judged; a group fully timed still can.
         untimed = frozenset(u.phase for us in ready.untimed.values() for u in us)
+        spreads = Spreads(steps)
 
         def gap(phases: Sequence[str], group: Sequence[str], *holding: str) -> _Skew | None:
             if untimed & set(group):  # under FSDP an untimed forward blinds compute too
                 return None
+            holds = active in holding
             skew = _skew(ready, phases, step_ms)
-            hit = (skew is not None and skew.gap_ms >= MIN_GAP_MS
-                   and skew.share >= (SKEW_EXIT if active in holding else SKEW_ENTER)
-                   and _still_behind(recent, skew.rank, phases))
-            return skew if hit else None
+            if skew is not None and _named_gap(skew, holds, spreads.of(phases)
+                                               if skew.share >= SKEW_EXIT else None):
+                if _still_behind(recent, skew.rank, phases):
+                    return skew
+            if recent is None or step_ms <= 0:
+                return None
+            # A clear straggler from its newest steps, before the window's medians move
+            # (the live evaluation only: the summary's verdict is the whole window's).
+            spread = spreads.of(phases) if _streak_possible(step_ms) else None
+            found = None if spread is None else spread.streak()
+            return None if found is None else _Skew(found[0], found[1], found[1] / step_ms)
 
         return cls(t, ready, step_ms, active, compute, untimed,
                    gap(INPUT_PHASES, INPUT_PHASES, INPUT_STRAGGLER, STRAGGLER),
                    gap(compute, COMPUTE_PHASES, COMPUTE_STRAGGLER, STRAGGLER),
-                   framework, stalls or (), preflight_busbw)
+                   framework, stalls or (), preflight_busbw, spreads)
 
     def over(self, share: float, enter: float, leave: float, label: str) -> bool:
         """Whether a share passes a rule's threshold: `leave` while its label is shown
@@ -466,7 +518,7 @@ def _straggler_in_both(w: WindowStats) -> Diagnosis | None:
     phases = INPUT_PHASES + w.compute
     gap = inp.gap_ms + cmp.gap_ms if inp.rank == cmp.rank else worst.gap_ms
     return _straggler(STRAGGLER, worst.rank, _worst_phase(w.ready, worst.rank, phases), gap,
-                      gap / w.step_ms, w.step_ms, w.ready, phases)
+                      gap / w.step_ms, w.step_ms, w.ready, phases, w.spreads)
 
 
 def _input_straggler(w: WindowStats) -> Diagnosis | None:
@@ -474,7 +526,7 @@ def _input_straggler(w: WindowStats) -> Diagnosis | None:
     if s is None:
         return None
     return _straggler(INPUT_STRAGGLER, s.rank, _worst_phase(w.ready, s.rank, INPUT_PHASES),
-                      s.gap_ms, s.share, w.step_ms, w.ready, INPUT_PHASES)
+                      s.gap_ms, s.share, w.step_ms, w.ready, INPUT_PHASES, w.spreads)
 
 
 def _compute_straggler(w: WindowStats) -> Diagnosis | None:
@@ -482,7 +534,7 @@ def _compute_straggler(w: WindowStats) -> Diagnosis | None:
     if s is None:
         return None
     return _straggler(COMPUTE_STRAGGLER, s.rank, _worst_phase(w.ready, s.rank, w.compute),
-                      s.gap_ms, s.share, w.step_ms, w.ready, w.compute)
+                      s.gap_ms, s.share, w.step_ms, w.ready, w.compute, w.spreads)
 
 
 def _input_bound(w: WindowStats) -> Diagnosis | None:
@@ -510,7 +562,35 @@ def _comm_bound(w: WindowStats) -> Diagnosis | None:
     share = _share(w.ready, (SYNC,))
     if not w.over(share, COMM_BOUND_ENTER, COMM_BOUND_EXIT, COMM_BOUND):
         return None
+    # Only the wait the ranks' own work does not explain is the network's: per step, a
+    # rank waits for the slowest rank's own work before any transfer can finish.
+    spread = w.spreads.of(INPUT_PHASES + w.compute)
+    rest = None if spread is None else spread.unexplained_sync()
+    if rest is not None:
+        job = float(np.median(spread.job_ms))
+        own = median_of(rest) / job if job > 0 else share
+        if not w.over(own, COMM_BOUND_ENTER, COMM_BOUND_EXIT, COMM_BOUND):
+            return None
     return comm_bound(w.ready, share, w.step_ms, w.preflight_busbw)
+
+
+def _load_imbalance(w: WindowStats) -> Diagnosis | None:
+    """The slowest rank changes from step to step and every rank waits for it: no rank is
+    behind on most steps (the straggler rules asked that first), yet on a typical step
+    the slowest ranks' own work is IMBALANCE_ENTER of the step above the median rank's."""
+    if w.untimed or _share(w.ready, (SYNC, WAIT)) < SKEW_EXIT:
+        return None  # the ranks wait for no one: nothing to spread
+    phases = INPUT_PHASES + w.compute
+    s = w.spreads.of(phases)
+    if s is None:
+        return None
+    return load_imbalance(s, w.active, _median_cpu_wait(w.ready))
+
+
+def _median_cpu_wait(t: Timings) -> float | None:
+    waited = _ready_waits(t)[0]
+    known = waited[np.isfinite(waited)]
+    return median_of(known) if 2 * len(known) >= len(t) and len(known) else None
 
 
 def _wait_heavy(w: WindowStats) -> Diagnosis | None:
@@ -557,6 +637,7 @@ RULES: tuple[Rule, ...] = (
     Rule(INPUT_BOUND, _input_bound, "fleet_input"),
     Rule(PERIODIC_STALL, _periodic_stall, "stalls"),
     Rule(TIMING_INCOMPLETE, _timing_incomplete),
+    Rule(LOAD_IMBALANCE, _load_imbalance, "imbalance"),
     Rule(COMM_BOUND, _comm_bound),
     Rule(WAIT_HEAVY, _wait_heavy, "residual_wait"),
     Rule(BALANCED, _balanced),
@@ -569,7 +650,7 @@ def diagnose(ranks: Table, active: str | None = None,
              collectives_in_compute: bool = False, framework: str | None = None,
              recent: Recent = None,
              stalls: Sequence[StallFinding] | None = None,
-             preflight_busbw: float | None = None) -> Diagnosis:
+             preflight_busbw: float | None = None, steps: Steps = None) -> Diagnosis:
     """Classify the window: the verdict of the first rule in RULES that gives one.
     `active` is the label currently shown: its own condition is tested with the lower
     exit threshold (hysteresis), every other with the enter one.
@@ -581,9 +662,14 @@ def diagnose(ranks: Table, active: str | None = None,
     `stalls`: what each stalling rank's stall log says, over the whole run
     (stalls.StallBook.finding; periodic_stall).
     `preflight_busbw`: the all-reduce bus bandwidth `traceml netcheck` measured before
-    training (GB/s), which COMM-BOUND's evidence compares against."""
+    training (GB/s), which COMM-BOUND's evidence compares against.
+    `steps`: the ranks' windows lined up step by step (or a function that gives them,
+    asked only when a rule needs them): a straggler must then be behind on most steps,
+    not the top of a draw that moves (LOAD IMBALANCE), a clear one is named from its
+    newest steps, and COMM-BOUND counts only the wait the ranks' own work does not
+    explain (imbalance.py)."""
     w = WindowStats.of(ranks, active, collectives_in_compute, framework, recent, stalls,
-                       preflight_busbw)
+                       preflight_busbw, steps)
     for rule in RULES:
         verdict = rule.judge(w)
         if verdict is not None:
@@ -627,6 +713,47 @@ def comm_bound(ranks: Table, share: float, step_ms: float,
         f"backend uses (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) and the links: traceml "
         f"netcheck (docs/network.md).",
         gap_share=share)
+
+
+def load_imbalance(s: StepSpread, active: str | None, cpu_wait: float | None = None
+                   ) -> Diagnosis | None:
+    """LOAD IMBALANCE from the per-step comparison: the share of the step by which the
+    slowest ranks (the p95 across ranks) exceed the median rank on a typical step, who
+    was slowest how often against a fair share, and what every rank waiting for the
+    slowest costs per step (the job with every rank at the median's own work)."""
+    job = float(np.median(s.job_ms))
+    ordered = np.sort(s.own, axis=0)
+    n = len(s.ranks)
+    top = ordered[max(0, math.ceil(0.95 * n) - 1)]
+    typical = float(np.median(top - s.medians()))
+    share = typical / job if job > 0 else 0.0
+    enter = IMBALANCE_EXIT if active == LOAD_IMBALANCE else IMBALANCE_ENTER
+    if typical < MIN_GAP_MS or share < enter or s.fixed_culprit() is not None:
+        return None  # one rank behind on most steps: a straggler's (or its old steps')
+    loss = float(s.excess_ms().mean())
+    shares = s.slowest_shares()
+    order = np.lexsort((s.ranks, -shares))[:4]
+    most = ", ".join(f"rank {int(s.ranks[i])} on {shares[i]:.0%}" for i in order)
+    slowest = "the slowest rank" if s.top == 1 else f"among the slowest {s.top}"
+    phase = s.widest_phase()
+    where = ("own work (input and compute)" if set(INPUT_PHASES) <= set(s.phases)
+             else "/".join(s.phases))
+    cpu = ""
+    if cpu_wait is not None and cpu_wait >= IMBALANCE_CPU_WAIT:
+        cpu = (f" The ranks' training threads waited for a CPU core {cpu_wait:.0%} of the "
+               f"time they were ready to run: part of the spread may be the host's scheduling "
+               f"({_CPU_ADVICE}).")
+    return Diagnosis(
+        LOAD_IMBALANCE, None, phase, CRITICAL if share >= CRITICAL_SHARE else WARNING,
+        f"The slowest rank changes from step to step: over the last {len(s.steps)} steps "
+        f"{slowest} was {most} (a fair share is {s.fair:.0%}; a straggler would be "
+        f"behind on most steps). On a typical step the slowest ranks do {typical:.1f} ms "
+        f"more {where} than the median rank, {share:.0%} of the {job:.1f} ms step "
+        f"(spread p95/median {s.spread():.2f}x), and every rank waits for them in its "
+        f"collective: {loss:.1f} ms of every step on average. Balance the work per step, "
+        f"not per sample: batches of equal tokens (token-based batching), length bucketing "
+        f"across ranks rather than within each, pipeline stages of equal cost.{cpu}",
+        gap_ms=typical, gap_share=share, phases=tuple(s.phases))
 
 
 def periodic_stall(findings: Sequence[StallFinding], active: str | None, reporting: int
@@ -712,8 +839,22 @@ def slow_node(ranks: Table, worst_rank: int, phases: Sequence[str],
     return int(node), tuple(sorted(members))
 
 
+def _seen(spreads: Spreads | None, rank: int, gap: float, phases: Sequence[str]) -> str:
+    """How long the evidence has been there, where the steps can be compared one by one:
+    the culprit's newest steps in a row behind by half its gap, and its share of steps
+    behind the others over the steps compared."""
+    spread = None if spreads is None else spreads.of(phases)
+    if spread is None:
+        return ""
+    n, secs = spread.seen_for(rank, gap)
+    behind = spread.behind_share(rank) or 0.0
+    seen = f"Seen for its last {n} steps ({secs:.1f} s); b" if n else "B"
+    return f" {seen}ehind the other ranks on {behind:.0%} of the last {len(spread.steps)}."
+
+
 def _straggler(label: str, rank: int, phase: str | None, gap: float, share: float,
-               step_ms: float, ranks: Timings, phases: Sequence[str]) -> Diagnosis:
+               step_ms: float, ranks: Timings, phases: Sequence[str],
+               spreads: Spreads | None = None) -> Diagnosis:
     severity = CRITICAL if share >= CRITICAL_SHARE else WARNING
     where = f" in {phase}" if phase else ""
     host = ranks.hosts.get(rank, "")
@@ -749,7 +890,8 @@ def _straggler(label: str, rank: int, phase: str | None, gap: float, share: floa
     return Diagnosis(
         label, rank, phase, severity,
         f"Rank {rank}{on_host} spends {gap:.1f} ms more{where} than the median rank, "
-        f"{share:.0%} of the {step_ms:.1f} ms step that every rank waits for: {advice}.",
+        f"{share:.0%} of the {step_ms:.1f} ms step that every rank waits for: {advice}."
+        f"{_seen(spreads, rank, gap, phases)}",
         gap_ms=gap, gap_share=share, phases=tuple(phases))
 
 

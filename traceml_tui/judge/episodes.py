@@ -25,7 +25,7 @@ from .diagnosis import (
     Diagnosis,
     compared_phases,
 )
-from .windows import AlignedSteps, nan_medians
+from .windows import AlignedSteps, nan_medians, rolling_median  # noqa: F401 (re-exported)
 
 # A step is evidence of a label's culprit when the culprit cost the job at least this
 # share of that step (and MIN_GAP_MS): the label's own exit threshold, read per step, so
@@ -36,6 +36,7 @@ EVIDENCE_SHARE = {
     "fleet_input": INPUT_BOUND_EXIT,
     "residual_wait": WAIT_HEAVY_EXIT,
     "stalls": 0.0,  # its pricing counts only stalled steps: each one is evidence
+    "imbalance": SKEW_EXIT,  # the slowest rank's excess over the median, per step
 }
 
 # ... and at least this share of the gap the label was named with (the window's median):
@@ -95,18 +96,6 @@ def own_gap(d: Diagnosis, data: AlignedSteps, fsdp: bool = False) -> np.ndarray 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN steps: no value
         return nan_medians(work[mask]) - nan_medians(work[~mask])
-
-
-def rolling_median(values: np.ndarray, width: int) -> np.ndarray:
-    """Each value replaced by the median of the `width` values centred on it (fewer at
-    the ends): a step-shaped change keeps its edge, a few stray steps are ignored."""
-    n = len(values)
-    if n == 0 or width <= 1:
-        return values
-    half = width // 2
-    padded = np.pad(values, half, mode="edge")
-    windows = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1)
-    return np.median(windows, axis=1)[:n]
 
 
 def span(label: str, steps: np.ndarray, hot: np.ndarray, after: int

@@ -54,6 +54,7 @@ from .snapshot import (
 from .stalls import StallBook, StallFinding
 from .timings import Columns, Lookup, Timings
 from .windows import (
+    AlignedSteps,
     BlockStats,
     Gather,
     Quantiles,
@@ -67,7 +68,7 @@ from .windows import (
 
 # Steps of each rank that the live diagnosis looks at: enough for a stable median,
 # few enough that a straggler appearing mid-run flips it within ~LIVE_STEPS/2 steps.
-LIVE_STEPS = 32
+LIVE_STEPS = dx.LIVE_WINDOW_STEPS
 COUNTER_MAX = (1 << 63) - 1
 # How far a rank's steps may run ahead of the time it has been reporting: a rank's step
 # number may be at most MAX_STEP_JUMP past its first, plus MAX_STEPS_PER_S for every
@@ -594,6 +595,14 @@ class RunState:
             if found:
                 untimed[int(rows[i])] = found
 
+    def _live_steps(self) -> AlignedSteps | None:
+        """Every rank's live window lined up step by step (reusing what the refresh
+        gathered), for the rules that compare the ranks one step at a time."""
+        if not self.ranks:
+            return None
+        return self.block.aligned(list(self.ranks), cost.steps_to_read(
+            len(self.ranks), self.window_steps, LIVE_STEPS), self._gather)
+
     def _recent_timings(self) -> Timings:
         """Every rank's newest few steps (dx.recent_steps), to see a straggler recover
         before the window does. A second pass over the block, so only a straggler rule
@@ -701,7 +710,7 @@ class RunState:
             recent = self._recent_timings
             self.live = dx.settle(self.live, self._named(dx.diagnose(
                 timings, active, self.parallel == "fsdp", self.framework, recent,
-                self.stall_findings(), self.preflight_busbw)))
+                self.stall_findings(), self.preflight_busbw, self._live_steps)))
         assert self.live is not None  # set above, or by the hang that latched
         shown = self.live.shown
         self.clock.mark(self._newest_step(), now)
@@ -938,8 +947,8 @@ class RunState:
 
     # --- snapshots ------------------------------------------------------------------
 
-    def _full_diagnosis(self, ranks: tuple[RankSnapshot, ...], whole: WholeWindow
-                        ) -> dx.Diagnosis:
+    def _full_diagnosis(self, ranks: tuple[RankSnapshot, ...], whole: WholeWindow,
+                        aligned: AlignedSteps | None = None) -> dx.Diagnosis:
         """The diagnosis over each rank's whole window (the summary's verdict), read as one
         table from the window's columns (no per-rank object)."""
         listed = [r for r in ranks if r.reported]
@@ -955,7 +964,7 @@ class RunState:
             {r.rank: gpu for r in listed if (gpu := self.ranks[r.rank].gpu) is not None})
         return self._named(dx.diagnose(timings, collectives_in_compute=self.parallel == "fsdp",
                                        framework=self.framework, stalls=self.stall_findings(),
-                                       preflight_busbw=self.preflight_busbw))
+                                       preflight_busbw=self.preflight_busbw, steps=aligned))
 
     def _collective_stats(self) -> tuple[coll.CollectiveStat, ...]:
         reporting = sum(1 for rs in self.ranks.values() if rs.steps)
@@ -987,9 +996,9 @@ class RunState:
         ranks = tuple(self._rank_snapshot(r, mono_now, whole, untimed.get(r), none, cols, lives,
                                           cpu)
                       for r in range(self.world_size))
-        final = self._full_diagnosis(ranks, whole) if whole is not None else None
         aligned = (self.block.aligned(list(self.ranks), cost.steps_to_read(
             len(self.ranks), self.window_steps, self.window_steps)) if full else None)
+        final = self._full_diagnosis(ranks, whole, aligned) if whole is not None else None
         return Snapshot(
             run_name=self.run_name, world_size=self.world_size, nnodes=self.nnodes,
             started_at=self.started_at, now=now, phases=tuple(self.phases), ranks=ranks,

@@ -106,6 +106,18 @@ def nan_medians(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def rolling_median(values: np.ndarray, width: int) -> np.ndarray:
+    """Each value replaced by the median of the `width` values centred on it (fewer at
+    the ends): a step-shaped change keeps its edge, a few stray steps are ignored."""
+    n = len(values)
+    if n == 0 or width <= 1:
+        return values
+    half = width // 2
+    padded = np.pad(values, half, mode="edge")
+    windows = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1)
+    return np.median(windows, axis=1)[:n]
+
+
 @dataclass(frozen=True, slots=True)
 class Gather:
     """Some ranks' newest values as one `WindowBlock.stats` gathered them: the slots read
