@@ -107,6 +107,36 @@ def test_the_hangs_the_exiting_ranks_stale_heartbeats_make_are_not_the_record():
     assert [e["label"] for e in doc["timeline"]].count("HANG") == 1
 
 
+def test_the_latched_hang_survives_the_flush_of_a_gil_stuck_ranks_queued_steps():
+    """A rank stuck in a C call that holds the GIL sends nothing: its agent's queue keeps
+    the steps it took before it stuck, 15 of them here. Ctrl-C wakes it and its agent
+    flushes them all, then every rank exits. Those steps were taken before the hang, not
+    after it: the record still says HANG rank 1 (it used to drop the hang once a flush
+    held more than AFTERMATH_STEPS steps per rank)."""
+    state = RunState("gil", world_size=2, started_at=T0, hang_after_s=5.0)
+    idents = [Identity(r, r, 0, f"host{r}", 100 + r, 2) for r in range(2)]
+    _steps(state, idents[0], 0, 34, now=1.0)
+    _steps(state, idents[1], 0, 19, now=1.0)  # steps 20-34 wait in its agent's queue
+    t = 2.0
+    while state.hang is None:
+        _beat(state, idents[0], t, since=t - 1.0, phase="backward", collectives=35)
+        state.evaluate(T0 + t, mono_now=t + 0.5)
+        t += 1.0
+        assert t < 30, "no hang latched"
+    assert 1 in state.hang.culprits
+    state.set_native_stack(1, 101, "pause (libc.so.6)\nblock_in_c (ddp_toy.py:120)")
+    state.evaluate(T0 + t, mono_now=t + 0.5)
+    _steps(state, idents[1], 20, 35, now=t)  # the flush, and the step Ctrl-C closed
+    _steps(state, idents[0], 35, 35, now=t)
+    for i in idents:
+        state.ingest(decode(encode("goodbye", i, 3, T0 + t, exit_code=1)), now=t)
+    state.evaluate(T0 + t, mono_now=t + 0.5)
+    assert state.keep_latched_hang()
+    doc = summary.build(state.snapshot(T0 + t + 1, t + 1, full=True), summary.RunMeta())
+    assert (doc["diagnosis"]["label"], doc["diagnosis"]["rank"]) == ("HANG", 1), doc["diagnosis"]
+    assert "block_in_c" in doc["hang"]["stacks"]["1"][0]["stack"]
+
+
 def test_a_hang_that_resolved_itself_is_not_brought_back():
     """The job went on for many steps after the stall: the end is not the hang's."""
     state, idents, t = _hung_job()

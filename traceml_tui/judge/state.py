@@ -217,8 +217,14 @@ class RunState:
         self.hang: hang.HangReport | None = None
         self.hang_since: float | None = None
         self.hang_steps = 0  # steps of all ranks together when the hang was detected
+        # The furthest step any rank had reported when it was detected: steps up to it
+        # that arrive later were taken before the hang (a GIL-stuck rank's agent flushes
+        # its queue once woken), not progress after it (_beyond).
+        self.hang_frontier = -1
+        # Whether the latched hang came in the aftermath of the one kept (_hang_ended).
+        self.hang_in_aftermath = False
         self.hang_stacks: dict[int, tuple[tuple[str, str], ...]] = {}  # taken while latched
-        # The last hang that ended: (report, since, stacks, steps when latched), for
+        # The last hang that ended: (report, since, stacks, frontier when latched), for
         # `keep_latched_hang` at the end of a run stopped by a signal.
         self.ended_hang: tuple[hang.HangReport, float | None,
                                dict[int, tuple[tuple[str, str], ...]], int] | None = None
@@ -695,7 +701,10 @@ class RunState:
             # No progress for the whole threshold is its own evidence: shown at once.
             if self.hang is not None:  # it replaces another: keep that one's record
                 self._hang_ended()
+            kept = self.ended_hang
+            self.hang_in_aftermath = kept is not None and self._aftermath_of(kept[3])
             self.hang, self.hang_steps = report, steps
+            self.hang_frontier = self._newest_step()
             self.hang_since = now - report.stalled_s
             self.hang_stacks = {}
             self._keep_hang_stacks()
@@ -734,8 +743,14 @@ class RunState:
         threads.update(rs.stacks)
         self.hang_stacks[rs.ident.rank] = tuple(threads.items())
 
-    def _aftermath_of(self, at_steps: int, steps: int) -> bool:
-        return steps - at_steps <= AFTERMATH_STEPS * max(1, len(self.ranks))
+    def _aftermath_of(self, frontier: int) -> bool:
+        """Whether the ranks made at most AFTERMATH_STEPS steps each (together) beyond the
+        furthest step any rank had reported when a hang was detected: what Ctrl-C lets
+        them close on their way out. Steps up to that frontier were taken before the hang,
+        however late they arrive (a rank stuck holding the GIL sends its queue once
+        woken), and are not the job going on."""
+        beyond = sum(max(0, rs.last_step - frontier) for rs in self.ranks.values())
+        return beyond <= AFTERMATH_STEPS * max(1, len(self.ranks))
 
     def _hang_ended(self) -> None:
         """The latched hang ends (a step, or another hang replaces it): kept for
@@ -743,30 +758,30 @@ class RunState:
         (the exiting ranks' stale heartbeats make hang after hang)."""
         assert self.hang is not None
         kept = self.ended_hang
-        if kept is not None and self._aftermath_of(kept[3], self.hang_steps):
+        if kept is not None and self.hang_in_aftermath:
             # The kept hang may have latched before its culprits' stacks came (late
             # batches re-latched it a few steps on): theirs, taken since, complete it.
-            report, since, stacks, at_steps = kept
+            report, since, stacks, frontier = kept
             late = {r: self.hang_stacks[r] for r in report.culprits
                     if r not in stacks and r in self.hang_stacks}
             if late:
-                self.ended_hang = (report, since, {**stacks, **late}, at_steps)
+                self.ended_hang = (report, since, {**stacks, **late}, frontier)
             return
-        self.ended_hang = (self.hang, self.hang_since, self.hang_stacks, self.hang_steps)
+        self.ended_hang = (self.hang, self.hang_since, self.hang_stacks, self.hang_frontier)
 
     def keep_latched_hang(self) -> bool:
         """At the end of a run stopped by a signal (Ctrl-C, SIGTERM): a hang that ended
-        within AFTERMATH_STEPS steps per rank of the end was ended by the stop, so the
-        record says HANG as it was latched (culprits, kind, stacks), its timeline episode
-        open to the end, not the aftermath: neither the few steps the woken ranks closed
-        on their way out, nor the "hang" their stale heartbeats then make. True when
-        restored."""
+        within AFTERMATH_STEPS steps per rank beyond its frontier (`_aftermath_of`) was
+        ended by the stop, so the record says HANG as it was latched (culprits, kind,
+        stacks), its timeline episode open to the end, not the aftermath: neither the
+        steps a woken rank's agent flushes, nor the few the ranks closed on their way
+        out, nor the "hang" their stale heartbeats then make. True when restored."""
         ended = self.ended_hang
         if ended is None:
             return False
-        report, since, stacks, at_steps = ended
+        report, since, stacks, frontier = ended
         steps = sum(rs.steps for rs in self.ranks.values())
-        if not self._aftermath_of(at_steps, steps):
+        if not self._aftermath_of(frontier):
             return False  # the job went on after it: a hang that resolved itself
         self.hang, self.hang_since, self.hang_stacks = report, since, stacks
         self.hang_steps = steps
