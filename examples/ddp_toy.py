@@ -20,6 +20,9 @@ Scenarios (each adds --delay-ms of time where a real job would lose it):
 
   --jitter-ms J                        every rank's forward takes a random 0..J ms more on
                                        every step (a noisy job; drawn per rank and step)
+  --accumulate N                       N micro-batches per optimizer step, the first N-1
+                                       under DDP's no_sync() (gradient accumulation); the
+                                       injected forward delay applies to each micro-batch
 
   --from-step A --to-step B            inject it on steps A..B only (both included; a
                                        transient problem), for the scenarios that add
@@ -161,6 +164,8 @@ def main() -> None:
                    help="the last step it is injected on (included); default: to the end")
     p.add_argument("--jitter-ms", type=float, default=0.0,
                    help="every rank's forward takes a random 0..J ms more each step")
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="micro-batches per optimizer step (gradient accumulation, no_sync)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--compute-ms", type=float, default=0.0,
@@ -251,8 +256,11 @@ def main() -> None:
                     dist.all_reduce(torch.ones(1), group=side_group)
             if args.extra_collective_rank == rank and step == args.hang_at_step:
                 dist.all_reduce(torch.ones(1), group=side_group)  # only this rank's path
-            loss = loss_fn(model(x), y)
             opt.zero_grad(set_to_none=True)
+            for _ in range(args.accumulate - 1):  # gradients accumulate locally
+                with model.no_sync():
+                    loss_fn(model(x), y).backward()
+            loss = loss_fn(model(x), y)
             loss.backward()
             opt.step()
             if args.scenario == "stall" and faulty(step):
