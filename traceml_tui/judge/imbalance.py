@@ -99,6 +99,9 @@ class StepSpread:
     job_ms: np.ndarray  # (T,) the median rank's step
     per_phase: dict[str, np.ndarray] = field(repr=False)  # phase -> (n, T) ms
     sync: np.ndarray | None = field(repr=False)  # (n, T) exposed collective wait (ms)
+    # What the rules asked already (medians, a rank's gaps, who is behind): each is a
+    # sort of (ranks, steps) values, asked by several rules of one evaluation.
+    _memo: dict[object, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, data: AlignedSteps, phases: Sequence[str]) -> StepSpread | None:
@@ -123,7 +126,9 @@ class StepSpread:
 
     def medians(self) -> np.ndarray:
         """Per step, the median rank's own work."""
-        return nan_medians(self.own)
+        if "medians" not in self._memo:
+            self._memo["medians"] = nan_medians(self.own)
+        return self._memo["medians"]
 
     def excess_ms(self) -> np.ndarray:
         """Per step, what the slowest rank's own work exceeds the median rank's by: what
@@ -132,17 +137,23 @@ class StepSpread:
         return self.own.max(axis=0) - self.medians()
 
     def gaps(self, row: int) -> np.ndarray:
-        """Per step, one rank's own work less the median of the other ranks'."""
-        others = np.delete(self.own, row, axis=0)
-        return self.own[row] - nan_medians(others)
+        """Per step, one rank's own work less the median of the other ranks' (past
+        EXACT_OTHERS ranks, the median of all: one rank moves it by nothing)."""
+        key = ("gaps", row)
+        if key not in self._memo:
+            others = (self.medians() if len(self.ranks) > EXACT_OTHERS
+                      else nan_medians(np.delete(self.own, row, axis=0)))
+            self._memo[key] = self.own[row] - others
+        return self._memo[key]
 
     def behind(self) -> np.ndarray:
         """Per rank and step, whether its own work exceeds the other ranks' median (past
         EXACT_OTHERS ranks, the median of all: one rank moves it by nothing)."""
-        n = len(self.ranks)
-        if n > EXACT_OTHERS:
-            return self.own > self.medians()[None, :]
-        return np.stack([self.gaps(i) > 0 for i in range(n)])
+        if "behind" not in self._memo:
+            n = len(self.ranks)
+            self._memo["behind"] = (self.own > self.medians()[None, :] if n > EXACT_OTHERS
+                                    else np.stack([self.gaps(i) > 0 for i in range(n)]))
+        return self._memo["behind"]
 
     def row(self, rank: int) -> int | None:
         hit = np.flatnonzero(self.ranks == rank)
