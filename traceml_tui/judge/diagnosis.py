@@ -156,10 +156,11 @@ COMM_BOUND_EXIT = 0.40
 # their median; what a user would fix by balancing batches is larger. Exit at 15 %.
 IMBALANCE_ENTER = 0.20
 IMBALANCE_EXIT = 0.15
-# The ranks' training threads waiting for a CPU core this share of their ready time (a
-# third of it and more: 4 ranks on 2 idle cores wait about a fifth) say that part of a
-# moving spread may be the host's scheduling, not the data: said beside it.
-IMBALANCE_CPU_WAIT = 0.35
+# The ranks' training threads waiting for a CPU core this share of their ready time (4
+# ranks on 2 idle cores wait about a fifth) say that part of a moving spread may be the
+# host's scheduling, not the data: each step another rank loses its core for a while.
+# The evidence cannot tell the two apart, so the verdict says so beside the advice.
+IMBALANCE_CPU_WAIT = 0.25
 # A whole node is the straggler when every rank on the worst rank's node is behind the
 # median rank by at least this share of the worst rank's gap, and no rank on another node
 # is. Half, because with half the ranks slow the median sits halfway between the two
