@@ -1,0 +1,179 @@
+"""Memory over time, per rank (judge/memory.py): the growth rule over one series (a leak,
+a plateau after warm-up, the allocator's cache steps, noise, too few samples), the
+imbalance across ranks, the bounded series of a long run, and the collector fed real
+wire messages up to the summary's `memory` section and text lines."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from traceml_agent.protocol import Identity, decode, encode
+from traceml_agent.sysmetrics import MemoryHeadroom
+from traceml_tui.judge import diagnosis as dx
+from traceml_tui.judge import memory as mem
+from traceml_tui.judge.state import RunState
+from traceml_tui.report import summary
+
+T0 = 1_700_000_000.0
+RNG = np.random.default_rng(7)
+T = np.arange(60.0)  # a minute of samples, one a second
+
+
+def noisy(y: np.ndarray, sd: float = 8.0) -> np.ndarray:
+    return y + RNG.normal(0.0, sd, len(y))
+
+
+def staircase(steps_at: tuple[float, ...], height: float) -> np.ndarray:
+    return 400.0 + sum((T >= at) * height for at in steps_at)
+
+
+# (what, series MB over T, growing?)
+GROWTH_CASES = [
+    ("a leak of 10 MB/s", noisy(400.0 + 10.0 * T), True),
+    ("a slow leak, 2 MB/s, from 2 GB", noisy(2000.0 + 2.0 * T), False),  # rise 88 < 10 %
+    ("a slow leak, 2 MB/s, from 400 MB", noisy(400.0 + 2.0 * T), True),
+    ("a leak that starts after warm-up growth", noisy(400 + 30 * np.minimum(T, 5) + 5 * T),
+     True),
+    ("growth during warm-up, then a plateau", noisy(400 + 40.0 * np.minimum(T, 12)), False),
+    ("one step of the allocator's cache", staircase((40.0,), 256.0), False),
+    ("two cache steps, the last third flat", staircase((20.0, 35.0), 128.0), False),
+    ("noise of 40 MB around a level", noisy(np.full(60, 800.0), 40.0), False),
+    ("memory that falls", noisy(1200.0 - 8.0 * T), False),
+    ("a leak that stopped halfway", noisy(400 + 10.0 * np.minimum(T, 35)), False),
+]
+
+
+@pytest.mark.parametrize("what, mb, grows", GROWTH_CASES, ids=[c[0] for c in GROWTH_CASES])
+def test_growth(what, mb, grows):
+    fit = mem.growth(T, mb)
+    assert fit is not None and fit.growing == grows, fit
+
+
+def test_the_rate_is_the_leaks():
+    fit = mem.growth(T, noisy(400.0 + 10.0 * T))
+    assert fit is not None and fit.rate_mb_s == pytest.approx(10.0, rel=0.05)
+    assert fit.rise_mb == pytest.approx(10.0 * fit.span_s, rel=0.05)
+
+
+@pytest.mark.parametrize("t", [np.arange(10.0), np.arange(0.0, 12.0, 0.5), np.array([0.0])],
+                         ids=["ten samples", "twelve seconds", "one sample"])
+def test_too_few_samples_or_seconds_are_not_judged(t):
+    assert mem.growth(t, 400.0 + 50.0 * t) is None
+
+
+def test_samples_not_read_are_left_out():
+    mb = 400.0 + 10.0 * T
+    mb[::3] = np.nan
+    fit = mem.growth(T, mb)
+    assert fit is not None and fit.growing
+
+
+# (what, MB by rank, the rank that stands out or None)
+IMBALANCE_CASES = [
+    ("one rank at 2x", [300.0, 310.0, 620.0, 305.0], 2),
+    ("all equal", [300.0, 310.0, 305.0, 300.0], None),
+    ("twice as big but small", [40.0, 40.0, 100.0], None),
+    ("1.3x is not 1.5x", [1000.0, 1000.0, 1300.0], None),
+    ("one rank read", [300.0, float("nan")], None),
+]
+
+
+@pytest.mark.parametrize("what, mb, rank", IMBALANCE_CASES, ids=[c[0] for c in IMBALANCE_CASES])
+def test_imbalance(what, mb, rank):
+    got = mem.imbalance(np.arange(len(mb)), np.array(mb))
+    assert (None if got is None else got[0]) == rank
+
+
+def test_a_days_run_is_held_in_fixed_arrays_and_its_slope_still_read():
+    s = mem._Series()
+    for i in range(86_400):  # a day at one sample a second, leaking 1 MB a minute
+        s.add(float(i), 1000.0 + i / 60.0, float("nan"))
+    assert s.kept <= mem.WHOLE and s.ring.shape == (mem.RING, 3)
+    whole = s.whole[: s.kept]
+    assert whole[0, 0] == 0.0 and np.all(np.diff(whole[:, 0]) > 0)
+    fit = mem._judged(s, 1)
+    assert fit is not None and fit.growing and fit.rate_mb_s * 60 == pytest.approx(1.0)
+
+
+def test_a_leak_late_in_a_long_run_is_read_from_the_newest_samples():
+    s = mem._Series()
+    for i in range(7200):  # two hours flat, then 3 MB/s for the last 3 minutes
+        s.add(float(i), 1000.0 + max(0, i - 7020) * 3.0, float("nan"))
+    fit = mem._judged(s, 1)
+    assert fit is not None and fit.growing and fit.rate_mb_s == pytest.approx(3.0, rel=0.1)
+
+
+# --- the collector fed wire messages, to the summary -----------------------------------------
+
+def _ingest_sys(state: RunState, rank: int, t: float, **fields: float | None) -> None:
+    ident = Identity(rank, rank, 0, "host0", 100 + rank, state.world_size)
+    state.ingest(decode(encode("sys", ident, 1, t, **fields)), now=t - T0)
+
+
+def _run(leak_mb_s: float, gpu: bool = False) -> RunState:
+    state = RunState("mem", world_size=2, started_at=T0)
+    for i in range(60):
+        for rank in (0, 1):
+            grows = leak_mb_s * i if rank == 1 else 0.0
+            if gpu:
+                _ingest_sys(state, rank, T0 + i, rss_mb=300.0, gpu_alloc_mb=1000.0 + grows,
+                            gpu_mem_mb=2000.0 + grows, gpu_mem_total_mb=80_000.0,
+                            mem_avail_mb=20_000.0)
+            else:
+                _ingest_sys(state, rank, T0 + i, rss_mb=300.0 + grows,
+                            mem_avail_mb=6000.0)
+    return state
+
+
+def test_a_leaking_rank_is_named_with_its_rate_and_the_time_left():
+    doc = summary.build(_run(10.0).snapshot(T0 + 61, 61.0, full=True), summary.RunMeta())
+    m = doc["memory"]
+    assert m["growing"] == [1]
+    top = m["ranks"][0]
+    assert (top["rank"], top["growing"]) == (1, "host")
+    assert top["rss_rate_mb_min"] == pytest.approx(600.0, rel=0.01)
+    assert top["limit_in_s"] == pytest.approx(600.0, rel=0.01)  # 6,000 MB at 10 MB/s
+    assert m["imbalance"]["rank"] == 1 and m["imbalance"]["ratio"] == pytest.approx(2.97)
+    text = summary.render_text(doc)
+    assert ("Memory growing: rank 1's host memory grew 440 MB (+600 MB/min); about 10 min "
+            "left before its limit") in text
+    assert "Memory imbalance: rank 1 holds 890 MB, 3.0x the others' median (300 MB)" in text
+
+
+def test_gpu_growth_is_timed_against_the_gpus_free_memory():
+    doc = summary.build(_run(50.0, gpu=True).snapshot(T0 + 61, 61.0, full=True),
+                        summary.RunMeta())
+    top = doc["memory"]["ranks"][0]
+    assert (top["rank"], top["growing"]) == (1, "gpu")
+    free = 80_000.0 - (2000.0 + 50.0 * 59)
+    assert top["headroom_mb"] == pytest.approx(free) and top["limit_in_s"] == pytest.approx(
+        free / 50.0, rel=0.01)
+    assert doc["memory"]["imbalance"] is None  # host memory equal
+
+
+def test_ranks_that_hold_steady_are_said_to():
+    doc = summary.build(_run(0.0).snapshot(T0 + 61, 61.0, full=True), summary.RunMeta())
+    assert doc["memory"]["growing"] == [] and doc["memory"]["imbalance"] is None
+    assert "Memory: steady on every rank (host RSS 300-300 MB)" in summary.render_text(doc)
+
+
+def test_a_straggler_whose_memory_grows_says_so():
+    d = dx.Diagnosis("STRAGGLER", 1, "backward", "warning", "Rank 1 is slow in backward.")
+    trends = _run(10.0).memory.trends()
+    said = mem.memory_evidence(d, trends).summary
+    assert said.startswith("Rank 1 is slow in backward. Rank 1's host memory grew 440 MB")
+    other = dx.Diagnosis("STRAGGLER", 0, "backward", "warning", "Rank 0 is slow.")
+    assert mem.memory_evidence(other, trends) == other
+
+
+def test_a_restarted_rank_starts_a_new_series():
+    state = _run(10.0)
+    again = Identity(1, 1, 0, "host0", 999, 2)
+    state.ingest(decode(encode("hello", again, 0, T0 + 70, run="mem")), now=70.0)
+    assert 1 not in state.memory.series
+
+
+def test_the_agent_reads_a_headroom_here():
+    room = MemoryHeadroom().bytes()
+    assert room is None or room > 0
