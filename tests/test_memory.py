@@ -177,3 +177,21 @@ def test_a_restarted_rank_starts_a_new_series():
 def test_the_agent_reads_a_headroom_here():
     room = MemoryHeadroom().bytes()
     assert room is None or room > 0
+
+
+def test_prometheus_has_every_ranks_memory_and_the_growing_ranks_rate_and_time_left():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from traceml_tui.collect import metrics, view_build
+
+    state = _run(10.0)
+    snap = state.snapshot(T0 + 61, 61.0)
+    text = metrics.render(view_build.build(snap, state.recent_steps), snap, "demo").decode()
+    fams = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    rss = {s.labels["rank"]: s.value for s in fams["traceml_rank_rss_bytes"]}
+    assert rss == {"0": 300.0 * 2**20, "1": (300.0 + 590.0) * 2**20}
+    (rate,) = fams["traceml_rank_memory_growth_bytes_per_second"]
+    assert (rate.labels["rank"], rate.labels["memory"]) == ("1", "host")
+    assert rate.value == pytest.approx(10.0 * 2**20, rel=0.01)
+    (left,) = fams["traceml_rank_memory_limit_seconds"]
+    assert left.labels["rank"] == "1" and left.value == pytest.approx(600.0, rel=0.01)
