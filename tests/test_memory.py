@@ -195,3 +195,14 @@ def test_prometheus_has_every_ranks_memory_and_the_growing_ranks_rate_and_time_l
     assert rate.value == pytest.approx(10.0 * 2**20, rel=0.01)
     (left,) = fams["traceml_rank_memory_limit_seconds"]
     assert left.labels["rank"] == "1" and left.value == pytest.approx(600.0, rel=0.01)
+
+
+def test_the_worst_rank_panel_names_the_growing_ranks_worst_first():
+    from traceml_tui.collect import view_build
+
+    snap = _run(10.0).snapshot(T0 + 61, 61.0)
+    assert view_build.memory_lines(snap, 0, others=True) == (
+        "memory: host 300 MB, steady",
+        "rank 1 memory grows (host): host 890 MB, +600 MB/min, about 10 min left before "
+        "its limit")
+    assert view_build.memory_lines(snap, 0, others=False) == ("memory: host 300 MB, steady",)

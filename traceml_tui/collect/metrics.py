@@ -268,8 +268,9 @@ MEMORY_GROWING_EXPORTED = 32
 
 def _memory(view: RunView, snap: Snapshot, exported: set[int] | None,
             gauge: Callable[..., Family]) -> list[Family]:
-    """Each rank's memory (past PER_RANK_ALL ranks, the `exported` ones'), and the growing ranks' rate and time left to the limit
-    (judge/memory.py; docs/diagnosis.md, "Memory growth")."""
+    """Each rank's memory (past PER_RANK_ALL ranks, the `exported` ones'), and the
+    growing ranks' rate and time left to the limit (judge/memory.py; docs/diagnosis.md,
+    "Memory growth")."""
     rss = gauge("traceml_rank_rss_bytes", "A rank's host resident memory, latest sample.",
                 ["rank", "node"])
     gpu = gauge("traceml_rank_gpu_memory_bytes", "A rank's GPU memory, latest sample: "

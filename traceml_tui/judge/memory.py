@@ -263,6 +263,33 @@ def growth_sentence(t: MemoryTrend, whose: str = "its") -> str:
             f"(+{rate or 0:.0f} MB/min){left}")
 
 
+def worst_first(t: MemoryTrend) -> tuple[bool, float, int]:
+    """Sort key: the growing ranks, fastest first, then the others by their host rate."""
+    rate = t.gpu_rate_mb_min if t.growing == MEMORY_GPU else t.rss_rate_mb_min
+    return (t.growing is None, -(rate or 0.0), t.rank)
+
+
+def _mb(v: float) -> str:
+    return f"{v / 1024:.1f} GB" if v >= 10_240 else f"{v:.0f} MB"
+
+
+def panel_line(t: MemoryTrend) -> str:
+    """One rank's memory in one line (the rank panel): 'memory grows: host 611 MB,
+    +600 MB/min, about 37 min left before its limit', 'memory: host 310 MB, steady'."""
+    parts = []
+    if t.rss_mb is not None:
+        parts.append(f"host {_mb(t.rss_mb)}")
+    if t.gpu_mb is not None:
+        parts.append(f"gpu {_mb(t.gpu_mb)}")
+    rate = t.gpu_rate_mb_min if t.growing == MEMORY_GPU else t.rss_rate_mb_min
+    if t.growing:
+        left = ("" if t.limit_in_s is None
+                else f", about {format_duration(t.limit_in_s)} left before its limit")
+        return f"memory grows ({t.growing}): {', '.join(parts)}, +{rate or 0:.0f} MB/min{left}"
+    trend = "" if rate is None else ", steady"
+    return f"memory: {', '.join(parts)}{trend}"
+
+
 def format_duration(s: float) -> str:
     if s < 120:
         return f"{s:.0f} s"

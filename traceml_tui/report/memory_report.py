@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from traceml_agent.vocab import format_ranks
-from traceml_tui.judge.memory import MemoryTrend, growth_sentence, imbalance_of
+from traceml_tui.judge.memory import MemoryTrend, growth_sentence, imbalance_of, worst_first
 
 MEMORY_LISTED = 32
 TEXT_GROWING = 4  # growing ranks named in the text summary
@@ -22,14 +22,9 @@ def _r(v: float | None, nd: int = 1) -> float | None:
     return None if v is None else round(v, nd)
 
 
-def _worst_first(t: MemoryTrend) -> tuple[bool, float, int]:
-    rate = t.rss_rate_mb_min if t.growing != "gpu" else t.gpu_rate_mb_min
-    return (t.growing is None, -(rate or 0.0), t.rank)
-
-
 def memory_json(trends: Sequence[MemoryTrend]) -> dict[str, Any]:
     """{"growing": [ranks], "imbalance": {...} | null, "ranks": [rows, worst first]}."""
-    rows = sorted(trends, key=_worst_first)[:MEMORY_LISTED]
+    rows = sorted(trends, key=worst_first)[:MEMORY_LISTED]
     over = imbalance_of(tuple(trends))
     return {
         "growing": sorted(t.rank for t in trends if t.growing),
