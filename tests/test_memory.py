@@ -107,7 +107,7 @@ def test_a_leak_late_in_a_long_run_is_read_from_the_newest_samples():
 # --- the collector fed wire messages, to the summary -----------------------------------------
 
 def _ingest_sys(state: RunState, rank: int, t: float, **fields: float | None) -> None:
-    ident = Identity(rank, rank, 0, "host0", 100 + rank, state.world_size)
+    ident = Identity(rank, rank, 0, f"host{rank}", 1000 + rank, state.world_size)  # test_state's
     state.ingest(decode(encode("sys", ident, 1, t, **fields)), now=t - T0)
 
 
@@ -169,7 +169,7 @@ def test_a_straggler_whose_memory_grows_says_so():
 
 def test_a_restarted_rank_starts_a_new_series():
     state = _run(10.0)
-    again = Identity(1, 1, 0, "host0", 999, 2)
+    again = Identity(1, 1, 0, "host1", 999, 2)
     state.ingest(decode(encode("hello", again, 0, T0 + 70, run="mem")), now=70.0)
     assert 1 not in state.memory.series
 
@@ -206,3 +206,23 @@ def test_the_worst_rank_panel_names_the_growing_ranks_worst_first():
         "rank 1 memory grows (host): host 890 MB, +600 MB/min, about 10 min left before "
         "its limit")
     assert view_build.memory_lines(snap, 0, others=False) == ("memory: host 300 MB, steady",)
+
+
+def test_the_final_verdict_on_a_slow_rank_whose_memory_grows_says_so():
+    """The issue's run: the leaking rank swaps late and reads as a backward straggler; the
+    verdict on it says its memory grew (the summary's diagnosis, built by the state)."""
+    from test_state import BALANCED_MS, steps
+
+    state = RunState("mem", world_size=4, started_at=T0)
+    slow = list(BALANCED_MS)
+    slow[3] *= 3  # backward
+    for rank in range(4):
+        state.ingest(steps(rank, range(40), slow if rank == 1 else BALANCED_MS, world=4),
+                     now=1.0)
+        for i in range(60):
+            _ingest_sys(state, rank, T0 + i, rss_mb=300.0 + (10.0 * i if rank == 1 else 0),
+                        mem_avail_mb=6000.0)
+    doc = summary.build(state.snapshot(T0 + 61, 61.0, full=True), summary.RunMeta())
+    d = doc["diagnosis"]
+    assert d["rank"] == 1 and d["phase"] == "backward", d
+    assert "Rank 1's host memory grew 440 MB (+600 MB/min)" in d["summary"], d["summary"]
