@@ -32,6 +32,7 @@ import msgspec
 import numpy as np
 
 from traceml_agent.vocab import MEMORY_HOST
+from traceml_tui.judge.memory import worst_first
 from traceml_tui.judge.snapshot import Snapshot
 from traceml_tui.viewmodel import OWN_COLUMNS, VIEW_PHASES, RankRow, RunView, own_work
 
@@ -290,15 +291,13 @@ def _memory(view: RunView, snap: Snapshot, exported: set[int] | None,
     left = gauge("traceml_rank_memory_limit_seconds", "Time left before a growing rank's "
                  "memory reaches its limit at its rate (cgroup, host or GPU).",
                  ["rank", "node", "memory"])
-    growing = sorted((t for t in snap.memory if t.growing),
-                     key=lambda t: -((t.rss_rate_mb_min if t.growing == MEMORY_HOST
-                                      else t.gpu_rate_mb_min) or 0.0))
+    growing = sorted((t for t in snap.memory if t.growing), key=worst_first)
     for t in growing[:MEMORY_GROWING_EXPORTED]:
-        labels = (str(t.rank), str(nodes.get(t.rank, "")), t.growing or "")
+        which = (str(t.rank), str(nodes.get(t.rank, "")), t.growing or "")
         per_min = t.rss_rate_mb_min if t.growing == MEMORY_HOST else t.gpu_rate_mb_min
-        rate.add(labels, (per_min or 0.0) * 2**20 / 60.0)
+        rate.add(which, (per_min or 0.0) * 2**20 / 60.0)
         if t.limit_in_s is not None:
-            left.add(labels, t.limit_in_s)
+            left.add(which, t.limit_in_s)
     return [rss, gpu, rate, left]
 
 
