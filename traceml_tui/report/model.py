@@ -272,10 +272,10 @@ class Summary(_S, kw_only=True):
     comm: dict[str, Any] | None = None
     collectives: list[Collective] = []
     stalls: list[StallRecord] = []
+    memory: Memory | None = None  # in the builder's order: after stalls
     preflight: dict[str, Any] | None = None
     collector: dict[str, int] = {}
     relays: dict[str, Any] | None = None
-    memory: Memory | None = None
 
 
 _ENCODER = msgspec.json.Encoder()
