@@ -226,3 +226,19 @@ def test_the_final_verdict_on_a_slow_rank_whose_memory_grows_says_so():
     d = doc["diagnosis"]
     assert d["rank"] == 1 and d["phase"] == "backward", d
     assert "Rank 1's host memory grew 440 MB (+600 MB/min)" in d["summary"], d["summary"]
+
+
+def test_a_read_judges_a_bounded_number_of_ranks_the_longest_waiting_first():
+    from traceml_agent.protocol import Sys
+
+    book = mem.MemoryBook()
+    n = mem.TRENDS_PER_READ + 100
+    for i in range(20):
+        for rank in range(n):
+            book.seen(rank, T0 + i, Sys(v=1, id=Identity(rank, 0, 0, "h", 1, n), seq=i,
+                                        t=T0 + i, rss_mb=300.0))
+    assert len(book.trends()) == mem.TRENDS_PER_READ  # the first read: as many as it may
+    assert len(book.trends()) == n  # the next: the rest
+    book.seen(5, T0 + 30, Sys(v=1, id=Identity(5, 0, 0, "h", 1, n), seq=30, t=T0 + 30,
+                              rss_mb=900.0))
+    assert book.trends()[5].rss_mb == 900.0 and not book._dirty

@@ -6,7 +6,7 @@ multi-hour job; on the way it swaps and turns into a straggler whose step time a
 does not say why. The agent samples memory about once a second (agent/sysmetrics.py);
 the collector keeps, per rank, the newest RING samples and a whole-run series thinned
 by halves (every stride-th sample, the stride doubling each time WHOLE fill), so the
-slope of a multi-hour run is still read over the whole run in a fixed 8 KB per rank.
+slope of a multi-hour run is still read over the whole run in a fixed 5 KB per rank.
 
 The rule (`growth`) is a pure function of one series: least squares over the samples
 after the warm-up (the first WARMUP_SHARE of the time: weights, optimizer state and the
@@ -21,6 +21,7 @@ usage, else the host's available memory) or the GPU's free memory (NVML), over t
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import islice
 from typing import NamedTuple
 
 import numpy as np
@@ -30,7 +31,7 @@ from traceml_agent.vocab import MEMORY_GPU, MEMORY_HOST
 
 from . import diagnosis as dx
 
-RING = 240  # newest samples per rank (4 minutes at one a second)
+RING = 120  # newest samples per rank (2 minutes at one a second, 10 at one in 5 s)
 WHOLE = 256  # the whole-run series: every stride-th sample, halved when full
 # The first share of a series' time span is warm-up: not judged.
 WARMUP_SHARE = 0.25
@@ -49,10 +50,12 @@ THIRD_SHARE = 0.25
 # IMBALANCE_MB more (a small process twice as big as another is not worth a line).
 IMBALANCE_RATIO = 1.5
 IMBALANCE_MB = 128.0
-# The live view reads the trends at most this often, per LIVE_RANKS ranks (about 70 us
-# a rank: 16,384 ranks every 80 s); a full snapshot always reads them.
+# A live view reads the trends at most every LIVE_EVERY_S; any read judges again at most
+# TRENDS_PER_READ ranks with new samples, those waiting longest first (about 70 us a
+# rank: 70 ms a read; up to 1,024 ranks every read is fresh, at 16,384 a rank's trend is
+# at most 16 reads old).
 LIVE_EVERY_S = 5.0
-LIVE_RANKS = 1024
+TRENDS_PER_READ = 1024
 
 
 class Growth(NamedTuple):
@@ -74,6 +77,7 @@ def _slope(t: np.ndarray, y: np.ndarray) -> float:
 def growth(t: np.ndarray, mb: np.ndarray) -> Growth | None:
     """The trend of one series (`t` seconds ascending, `mb` megabytes; NaN: not read);
     None when too few samples over too short a span to judge."""
+    t, mb = np.asarray(t, dtype=np.float64), np.asarray(mb, dtype=np.float64)
     ok = ~np.isnan(mb)
     t, mb = t[ok], mb[ok]
     if len(t) < 2:
@@ -131,21 +135,28 @@ class MemoryTrend:
 
 class _Series:
     """One rank's samples: the newest RING, and the whole run thinned (module docstring).
-    Columns: time, host RSS, GPU MB (NaN: not read)."""
+    Columns: seconds since its first sample, host RSS, GPU MB (NaN: not read); float32
+    (a day's seconds to a hundredth, megabytes to a few hundredths over a terabyte)."""
 
-    __slots__ = ("ring", "whole", "n", "kept", "stride", "peak", "host_room", "gpu_room")
+    __slots__ = ("ring", "whole", "t0", "n", "kept", "stride", "peak", "last", "host_room",
+                 "gpu_room")
 
     def __init__(self) -> None:
-        self.ring = np.full((RING, 3), np.nan)
-        self.whole = np.full((WHOLE, 3), np.nan)
+        self.ring = np.full((RING, 3), np.nan, dtype=np.float32)
+        self.whole = np.full((WHOLE, 3), np.nan, dtype=np.float32)
+        self.t0: float | None = None
         self.n = 0  # samples seen
         self.kept = 0  # rows of `whole` in use
         self.stride = 1
         self.peak = float("nan")
+        self.last = (float("nan"), float("nan"))  # host, GPU: the newest sample's, exact
         self.host_room: float | None = None
         self.gpu_room: float | None = None
 
     def add(self, t: float, host: float, gpu: float) -> None:
+        if self.t0 is None:
+            self.t0 = t
+        t -= self.t0
         if self.n and t <= self.ring[(self.n - 1) % RING, 0]:
             return  # a clock step back, or a duplicate: the slope needs ascending times
         row = (t, host, gpu)
@@ -160,6 +171,7 @@ class _Series:
                 self.whole[self.kept] = row
                 self.kept += 1
         self.n += 1
+        self.last = (host, gpu)
         if host == host:
             self.peak = host if self.peak != self.peak else max(self.peak, host)
 
@@ -168,9 +180,6 @@ class _Series:
             return self.ring[: self.n]
         at = self.n % RING
         return np.concatenate([self.ring[at:], self.ring[:at]])
-
-    def latest(self) -> np.ndarray:
-        return self.ring[(self.n - 1) % RING]
 
 
 def _judged(series: _Series, col: int) -> Growth | None:
@@ -191,11 +200,15 @@ def _nan_none(v: float) -> float | None:
 
 
 class MemoryBook:
-    """Every rank's memory series (bounded: about 8 KB per rank)."""
+    """Every rank's memory series and trend (bounded: about 5 KB per rank, measured with
+    tracemalloc; 85 MB at 16,384 ranks)."""
 
     def __init__(self) -> None:
         self.series: dict[int, _Series] = {}
-        self._cached: tuple[float, tuple[MemoryTrend, ...]] | None = None
+        self._trends: dict[int, MemoryTrend] = {}  # each rank's, as last judged
+        self._dirty: dict[int, None] = {}  # ranks with samples since, oldest first
+        self._read_at: float | None = None  # a live view's last read
+        self._out: tuple[MemoryTrend, ...] = ()
 
     def seen(self, rank: int, t: float, body: Sys) -> None:
         """One system sample of `rank`, sent at `t` (the agent's clock, seconds)."""
@@ -211,35 +224,43 @@ class MemoryBook:
         s.gpu_room = (body.gpu_mem_total_mb - body.gpu_mem_mb
                       if body.gpu_mem_total_mb is not None and body.gpu_mem_mb is not None
                       else None)
+        self._dirty.setdefault(rank)
 
     def forget(self, rank: int) -> None:
         """A restarted rank's memory is a new process's."""
         self.series.pop(rank, None)
+        self._dirty.pop(rank, None)
+        if self._trends.pop(rank, None) is not None:
+            self._out = tuple(self._trends[r] for r in sorted(self._trends))
 
     def trends(self, now: float | None = None) -> tuple[MemoryTrend, ...]:
-        """Every rank's trend, by rank; with `now` (a live view's clock), the last ones
-        read within LIVE_EVERY_S."""
-        every = LIVE_EVERY_S * max(1.0, len(self.series) / LIVE_RANKS)
-        if now is not None and self._cached is not None and 0 <= now - self._cached[0] < every:
-            return self._cached[1]
-        out = tuple(self._trend(rank, s) for rank, s in sorted(self.series.items()))
+        """Every rank's trend, by rank; with `now` (a live view's clock), as read within
+        LIVE_EVERY_S. At most TRENDS_PER_READ ranks are judged again per read."""
         if now is not None:
-            self._cached = (now, out)
-        return out
+            if self._read_at is not None and 0 <= now - self._read_at < LIVE_EVERY_S:
+                return self._out
+            self._read_at = now
+        if self._dirty:
+            todo = list(islice(self._dirty, TRENDS_PER_READ))
+            for rank in todo:
+                del self._dirty[rank]
+                self._trends[rank] = self._trend(rank, self.series[rank])
+            self._out = tuple(self._trends[r] for r in sorted(self._trends))
+        return self._out
 
     @staticmethod
     def _trend(rank: int, s: _Series) -> MemoryTrend:
         host, gpu = _judged(s, 1), _judged(s, 2)
-        last = s.latest()
+        last = s.last
         grows, room = None, s.host_room
         if host is not None and host.growing:
             grows = (MEMORY_HOST, host)
         elif gpu is not None and gpu.growing:
             grows, room = (MEMORY_GPU, gpu), s.gpu_room
         return MemoryTrend(
-            rank=rank, rss_mb=_nan_none(last[1]), rss_peak_mb=_nan_none(s.peak),
+            rank=rank, rss_mb=_nan_none(last[0]), rss_peak_mb=_nan_none(s.peak),
             rss_rate_mb_min=None if host is None else host.rate_mb_s * 60,
-            gpu_mb=_nan_none(last[2]),
+            gpu_mb=_nan_none(last[1]),
             gpu_rate_mb_min=None if gpu is None else gpu.rate_mb_s * 60,
             growing=None if grows is None else grows[0],
             rise_mb=None if grows is None else grows[1].rise_mb,
