@@ -154,14 +154,14 @@ def _read_int(path: str) -> int | None:
         os.close(fd)
 
 
-def _cgroup_files() -> tuple[str, str] | None:
+def _cgroup_files(root: str = "/") -> tuple[str, str] | None:
     """(limit file, usage file) of this process's memory cgroup: v2 `memory.max` and
     `memory.current`, else v1's; the path /proc/self/cgroup names under the mount, or the
     mount's root (a container's cgroup namespace shows its own cgroup there). None
-    without a memory cgroup."""
+    without a memory cgroup. `root`: "/" but in tests."""
     v2 = v1 = None
     try:
-        with open("/proc/self/cgroup") as f:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:
             for line in f.read(4096).splitlines():
                 parts = line.split(":", 2)
                 if len(parts) != 3:
@@ -175,20 +175,20 @@ def _cgroup_files() -> tuple[str, str] | None:
     candidates = []
     if v1 is not None:
         for path in (v1, "/"):
-            base = "/sys/fs/cgroup/memory" + path.rstrip("/")
+            base = os.path.join(root, "sys/fs/cgroup/memory") + path.rstrip("/")
             candidates.append((base + "/memory.limit_in_bytes", base + "/memory.usage_in_bytes"))
     if v2 is not None:
         for path in (v2, "/"):
-            base = "/sys/fs/cgroup" + path.rstrip("/")
+            base = os.path.join(root, "sys/fs/cgroup") + path.rstrip("/")
             candidates.append((base + "/memory.max", base + "/memory.current"))
     return next((c for c in candidates if os.path.exists(c[1])), None)
 
 
-def _host_available_bytes() -> int | None:
+def _host_available_bytes(root: str = "/") -> int | None:
     """MemAvailable from /proc/meminfo (the kernel's estimate of what can still be
     allocated without swapping); None without procfs."""
     try:
-        fd = os.open("/proc/meminfo", os.O_RDONLY)
+        fd = os.open(os.path.join(root, "proc/meminfo"), os.O_RDONLY)
     except OSError:
         return None
     try:
@@ -208,15 +208,16 @@ class MemoryHeadroom:
     smaller of the two when both apply. Files found once, read each sample (two or three
     small reads, on the sender thread)."""
 
-    __slots__ = ("_files",)
+    __slots__ = ("_files", "_root")
 
-    def __init__(self) -> None:
+    def __init__(self, root: str = "/") -> None:
+        self._root = root
         self._files: tuple[str, str] | None | bool = False  # False: not looked for yet
 
     def bytes(self) -> int | None:
         if self._files is False:
-            self._files = _cgroup_files()
-        host = _host_available_bytes()
+            self._files = _cgroup_files(self._root)
+        host = _host_available_bytes(self._root)
         if isinstance(self._files, tuple):
             limit = _read_int(self._files[0])  # "max" (v2, no limit) reads as None
             usage = _read_int(self._files[1])

@@ -179,6 +179,51 @@ def test_the_agent_reads_a_headroom_here():
     assert room is None or room > 0
 
 
+GB = 2**30
+MEMINFO = "MemTotal:       65536000 kB\nMemAvailable:   20971520 kB\n"  # 20 GB available
+
+# (what, /proc/self/cgroup, {file under sys/fs/cgroup: text}, meminfo, headroom bytes)
+HEADROOM_CASES = [
+    ("v2 limit", "0::/job.slice/rank\n",
+     {"job.slice/rank/memory.max": f"{8 * GB}\n", "job.slice/rank/memory.current": f"{3 * GB}"},
+     MEMINFO, 5 * GB),
+    ("v2 without a limit: the host's", "0::/job.slice/rank\n",
+     {"job.slice/rank/memory.max": "max\n", "job.slice/rank/memory.current": f"{3 * GB}"},
+     MEMINFO, 20 * GB),
+    ("v2 limit above what the host has", "0::/job\n",
+     {"job/memory.max": f"{64 * GB}", "job/memory.current": f"{1 * GB}"}, MEMINFO, 20 * GB),
+    ("v2 in a namespace: the mount's root", "0::/\n",
+     {"memory.max": f"{4 * GB}", "memory.current": f"{1 * GB}"}, MEMINFO, 3 * GB),
+    ("v1 limit", "4:memory:/slurm/job1\n0::/\n",
+     {"memory/slurm/job1/memory.limit_in_bytes": f"{6 * GB}",
+      "memory/slurm/job1/memory.usage_in_bytes": f"{2 * GB}"}, MEMINFO, 4 * GB),
+    ("v1 unlimited: the host's", "4:memory:/\n",
+     {"memory/memory.limit_in_bytes": "9223372036854771712",
+      "memory/memory.usage_in_bytes": f"{2 * GB}"}, MEMINFO, 20 * GB),
+    ("v1 over its limit: none left", "4:memory:/x\n",
+     {"memory/x/memory.limit_in_bytes": f"{2 * GB}", "memory/x/memory.usage_in_bytes":
+      f"{3 * GB}"}, MEMINFO, 0),
+    ("no cgroup files", "0::/gone\n", {}, MEMINFO, 20 * GB),
+    ("no procfs", None, {}, None, None),
+]
+
+
+@pytest.mark.parametrize("what, cgroup, files, meminfo, room", HEADROOM_CASES,
+                         ids=[c[0] for c in HEADROOM_CASES])
+def test_headroom(tmp_path, what, cgroup, files, meminfo, room):
+    if cgroup is not None:
+        (tmp_path / "proc/self").mkdir(parents=True)
+        (tmp_path / "proc/self/cgroup").write_text(cgroup)
+    if meminfo is not None:
+        (tmp_path / "proc").mkdir(exist_ok=True)
+        (tmp_path / "proc/meminfo").write_text(meminfo)
+    for name, text in files.items():
+        path = tmp_path / "sys/fs/cgroup" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert MemoryHeadroom(str(tmp_path)).bytes() == room
+
+
 def test_prometheus_has_every_ranks_memory_and_the_growing_ranks_rate_and_time_left():
     from prometheus_client.parser import text_string_to_metric_families
 
