@@ -271,6 +271,9 @@ def test_the_final_verdict_on_a_slow_rank_whose_memory_grows_says_so():
     d = doc["diagnosis"]
     assert d["rank"] == 1 and d["phase"] == "backward", d
     assert "Rank 1's host memory grew 440 MB (+600 MB/min)" in d["summary"], d["summary"]
+    state.evaluate(T0 + 62, 62.0)  # the live label, as the dashboard's banner shows it
+    live = state.snapshot(T0 + 62, 62.0).live
+    assert live.rank == 1 and "Rank 1's host memory grew" in live.summary, live
 
 
 def test_a_read_judges_a_bounded_number_of_ranks_the_longest_waiting_first():

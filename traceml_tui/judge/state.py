@@ -1000,7 +1000,7 @@ class RunState:
         return Snapshot(
             run_name=self.run_name, world_size=self.world_size, nnodes=self.nnodes,
             started_at=self.started_at, now=now, phases=tuple(self.phases), ranks=ranks,
-            live=shown, live_since=self.live_since,
+            live=memory_evidence(shown, trends), live_since=self.live_since,
             final=final,
             timeline=tuple(self.timeline), counters=dict(self.counters), hang=self.hang,
             hang_since=self.hang_since, hang_stacks=dict(self.hang_stacks),
