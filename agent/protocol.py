@@ -273,6 +273,9 @@ class Sys(_Wire, tag="sys", kw_only=True, frozen=True):
     throttle: Annotated[tuple[ThrottleReason, ...], Meta(max_length=16)] | None = None
     gpu_uuid: Short | None = None  # the NVML device sampled (a GPU- or MIG- UUID)
     gpu_note: Line | None = None  # why GPU figures are missing, when some are
+    # Memory this rank may still take before its limit: its cgroup's limit less the
+    # cgroup's usage, or the host's available memory (sysmetrics.MemoryHeadroom).
+    mem_avail_mb: Megabytes | None = None
 
     def __post_init__(self) -> None:
         _clean_fields(self, lines=("device", "gpu_uuid", "gpu_note"))

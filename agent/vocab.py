@@ -141,6 +141,10 @@ LOGS_DIR: Final = "logs"                    # the ranks' stdout/stderr (and nccl
 STEP_LOG_DIR: Final = "steps"               # the per-step record of every rank
 TRACES_DIR: Final = "traces"                # deep traces (agent/capture.py)
 
+# The memory a growth finding is about (judge/memory.py): the host's RSS or the GPU's.
+MEMORY_HOST: Final = "host"
+MEMORY_GPU: Final = "gpu"
+
 
 def format_ranks(ranks: Iterable[int]) -> str:
     """Sorted ranks as compact ranges: 0-3,5,7-9."""

@@ -60,8 +60,9 @@ json.dump(out, sys.stdout)
 
 # Fields added since BEFORE, whose code has none: a view panel's CPU line, a summary rank
 # row's training-thread CPU shares over the run and its sys sample's latest (RankDetail.cpu,
-# cpu_wait_pct, thread_cpu_pct).
-ADDED = ("cpu", "cpu_wait_pct", "thread_cpu_pct")
+# cpu_wait_pct, thread_cpu_pct); the memory a rank may still take (Sys.mem_avail_mb) and
+# the summary's memory section (judge/memory.py).
+ADDED = ("cpu", "cpu_wait_pct", "thread_cpu_pct", "mem_avail_mb", "memory")
 
 
 def _strip(value: object) -> object:
@@ -79,7 +80,8 @@ def _without_added(key: str, part: str) -> object:
         return _strip(msgspec.msgpack.decode(bytes.fromhex(part)))
     if part.startswith("{"):  # written again: key order, ints and floats as they were
         return json.dumps(_strip(json.loads(part)))
-    return part
+    # the text less its memory lines (report/memory_report.py)
+    return "\n".join(line for line in part.split("\n") if not line.startswith("  Memory"))
 
 
 def test_summary_bytes_match_the_per_rank_code(tmp_path: Path) -> None:

@@ -75,6 +75,9 @@ class RankDetail(Struct, frozen=True):
     # How long its training thread waited for a CPU, when that is worth a line
     # (view_build.cpu_line): the host side of a straggler, beside the GPU's.
     cpu: str | None = None
+    # Its memory in one line, then (the worst-rank panel) the other ranks whose memory
+    # grows, fastest first (view_build.memory_lines; docs/diagnosis.md, "Memory growth").
+    memory: tuple[str, ...] = ()
 
 
 class CostView(Struct, frozen=True):

@@ -31,6 +31,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from traceml_agent.vocab import MEMORY_HOST
+from traceml_tui.judge.memory import worst_first
 from traceml_tui.judge.snapshot import Snapshot
 from traceml_tui.viewmodel import OWN_COLUMNS, VIEW_PHASES, RankRow, RunView, own_work
 
@@ -185,7 +187,8 @@ def render(view: RunView | None, snap: Snapshot | None, run_name: str) -> bytes:
     step_ms: list[float] = []
     phase_lines: list[str] = []
     phase_ms: list[float | None] = []
-    for r in ranks_to_export(view):
+    exported = ranks_to_export(view)
+    for r in exported:
         pre = known.get((r.rank, r.node, r.host))
         if pre is None:
             rank, node = str(r.rank), str(r.node)
@@ -249,6 +252,8 @@ def render(view: RunView | None, snap: Snapshot | None, run_name: str) -> bytes:
     out.append(checks)
 
     if snap is not None:
+        out += _memory(view, snap, None if len(view.rows) <= PER_RANK_ALL
+                       else {r.rank for r in exported}, gauge)
         counters = Family("traceml_collector_messages", "The collector's ingest counters "
                           "(dropped: agent_dropped, malformed, ...).", base, ["kind"],
                           kind="counter")
@@ -256,6 +261,44 @@ def render(view: RunView | None, snap: Snapshot | None, run_name: str) -> bytes:
             counters.add((name,), float(n))
         out.append(counters)
     return "".join(f.text() for f in out).encode()
+
+
+# Growing ranks with a growth series, fastest first (report/memory_report.py lists as many).
+MEMORY_GROWING_EXPORTED = 32
+
+
+def _memory(view: RunView, snap: Snapshot, exported: set[int] | None,
+            gauge: Callable[..., Family]) -> list[Family]:
+    """Each rank's memory (past PER_RANK_ALL ranks, the `exported` ones'), and the
+    growing ranks' rate and time left to the limit (judge/memory.py; docs/diagnosis.md,
+    "Memory growth")."""
+    rss = gauge("traceml_rank_rss_bytes", "A rank's host resident memory, latest sample.",
+                ["rank", "node"])
+    gpu = gauge("traceml_rank_gpu_memory_bytes", "A rank's GPU memory, latest sample: "
+                "torch's allocated, else NVML's used.", ["rank", "node"])
+    nodes = {r.rank: r.node for r in view.rows}
+    for t in snap.memory:
+        if exported is not None and t.rank not in exported:
+            continue
+        labels = (str(t.rank), str(nodes.get(t.rank, "")))
+        if t.rss_mb is not None:
+            rss.add(labels, t.rss_mb * 2**20)
+        if t.gpu_mb is not None:
+            gpu.add(labels, t.gpu_mb * 2**20)
+    rate = gauge("traceml_rank_memory_growth_bytes_per_second", "A rank's memory growth "
+                 "rate, for ranks whose memory rises steadily after warm-up.",
+                 ["rank", "node", "memory"])
+    left = gauge("traceml_rank_memory_limit_seconds", "Time left before a growing rank's "
+                 "memory reaches its limit at its rate (cgroup, host or GPU).",
+                 ["rank", "node", "memory"])
+    growing = sorted((t for t in snap.memory if t.growing), key=worst_first)
+    for t in growing[:MEMORY_GROWING_EXPORTED]:
+        which = (str(t.rank), str(nodes.get(t.rank, "")), t.growing or "")
+        per_min = t.rss_rate_mb_min if t.growing == MEMORY_HOST else t.gpu_rate_mb_min
+        rate.add(which, (per_min or 0.0) * 2**20 / 60.0)
+        if t.limit_in_s is not None:
+            left.add(which, t.limit_in_s)
+    return [rss, gpu, rate, left]
 
 
 def _cost(view: RunView, gauge: Callable[..., Family]) -> list[Family]:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from msgspec.structs import replace
 
 from traceml_agent.protocol import Sys
+from traceml_tui.judge import memory as mem
 from traceml_tui.judge.snapshot import RankSnapshot, Snapshot, hours_unit
 from traceml_tui.judge.windows import median
 from traceml_tui.report.summary import failure_of
@@ -83,7 +84,8 @@ def detail(snap: Snapshot, rank: int, view: RunView, recent: tuple[float, ...]
                       view.median_phase_ms, recent, row.status,
                       r.error or (f"agent off: {off}" if (off := r.heartbeat.agent_off) else None),
                       stack,
-                      gpu_line(r.sys), agent_notes(r), cpu_line(r))
+                      gpu_line(r.sys), agent_notes(r), cpu_line(r),
+                      memory_lines(snap, rank, others=rank == view.rank))
 
 
 # A rank's wait for a CPU is shown in its panel from this share of its time: below it,
@@ -98,6 +100,22 @@ def cpu_line(r: RankSnapshot) -> str | None:
     busy = r.sys.cpu_pct if r.sys is not None else None
     load = f"CPU {busy:.0f}%  " if busy is not None else "CPU  "
     return f"{load}its training thread waited {100 * r.cpu_wait:.0f}% of its time for a core"
+
+
+# Other growing ranks the worst-rank panel names, fastest first.
+MEMORY_PANEL_OTHERS = 3
+
+
+def memory_lines(snap: Snapshot, rank: int, others: bool) -> tuple[str, ...]:
+    """The rank's memory in one line and, with `others`, the other ranks whose memory
+    grows (a leak on a rank that is not the slowest is still the job's end)."""
+    own = next((t for t in snap.memory if t.rank == rank), None)
+    out = [] if own is None else [mem.panel_line(own)]
+    if others:
+        grow = sorted((t for t in snap.memory if t.growing and t.rank != rank),
+                      key=mem.worst_first)
+        out += [f"rank {t.rank} {mem.panel_line(t)}" for t in grow[:MEMORY_PANEL_OTHERS]]
+    return tuple(out)
 
 
 def agent_notes(r: RankSnapshot) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from . import collectives as coll
 from . import cost, hang
 from . import diagnosis as dx
 from .history import Point
+from .memory import MemoryTrend
 from .stalls import StallFinding
 from .windows import BlockStats, Quantiles
 
@@ -192,6 +193,9 @@ class Snapshot:
     collectives: tuple[coll.CollectiveStat, ...] = ()
     # Each stalling rank's stall log over the run (stalls.py; full snapshots only)
     stalls: tuple[StallFinding, ...] = ()
+    # Every rank's memory over the run, by rank (memory.py; a live view's may be seconds
+    # old, memory.LIVE_EVERY_S)
+    memory: tuple[MemoryTrend, ...] = ()
     whole: WholeWindow | None = None  # full snapshots: every rank's whole-window statistics
 
     @property

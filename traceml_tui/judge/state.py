@@ -41,6 +41,7 @@ from . import collectives as coll
 from . import cost, episodes, hang
 from . import diagnosis as dx
 from .history import History, StepClock, point
+from .memory import MemoryBook, memory_evidence
 from .setup_checks import ChecksBoard
 from .snapshot import (
     RELAY_SILENT_S,
@@ -235,6 +236,8 @@ class RunState:
         self.hidden: dict[int, str] = {}
         # Every rank's stalled steps over the whole run, whatever the window (stalls.py).
         self.stall_book = StallBook()
+        # Every rank's memory over the run, whatever its length (memory.py).
+        self.memory = MemoryBook()
 
     # --- ingest ---------------------------------------------------------------------
 
@@ -307,6 +310,7 @@ class RunState:
         if rs is None:
             self.block.reset(ident.rank)
             self.stall_book.forget(ident.rank)  # a new process numbers its steps afresh
+            self.memory.forget(ident.rank)
             rs = RankState(ident, self.block.view(ident.rank), conn=conn)
             self.ranks[ident.rank] = rs
             self.live_cols.cpu.forget(ident.rank)  # the old process's, if any
@@ -318,6 +322,7 @@ class RunState:
         elif isinstance(body, Sys):
             rs.sys = body
             self._cpu_seen(rs, body)
+            self.memory.seen(ident.rank, msg.t, body)
             # NVML health, beside a compute straggler's evidence (diagnosis reads its map)
             gpu = (dx.GpuHealth.of(body.sample())
                    if body.sm_clock_mhz is not None or body.throttle else None)
@@ -1014,10 +1019,12 @@ class RunState:
         aligned = (self.block.aligned(list(self.ranks), cost.steps_to_read(
             len(self.ranks), self.window_steps, self.window_steps)) if full else None)
         final = self._full_diagnosis(ranks, whole, aligned) if whole is not None else None
+        trends = self.memory.trends(None if full else mono_now)
+        final = None if final is None else memory_evidence(final, trends)
         return Snapshot(
             run_name=self.run_name, world_size=self.world_size, nnodes=self.nnodes,
             started_at=self.started_at, now=now, phases=tuple(self.phases), ranks=ranks,
-            live=shown, live_since=self.live_since,
+            live=memory_evidence(shown, trends), live_since=self.live_since,
             final=final,
             timeline=tuple(self.timeline), counters=dict(self.counters), hang=self.hang,
             hang_since=self.hang_since, hang_stacks=dict(self.hang_stacks),
@@ -1028,6 +1035,7 @@ class RunState:
             history=self.history.view(),
             collectives=self._collective_stats(),
             stalls=tuple(self.stall_findings()) if full else (),
+            memory=trends,
             final_what_if=(None if final is None or aligned is None
                            or final.label not in cost.COSTED_LABELS
                            else cost.what_if(final, aligned, self.parallel == "fsdp")),

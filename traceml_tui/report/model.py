@@ -225,6 +225,34 @@ class StallRecord(_S, kw_only=True):
     recurring: bool = False
 
 
+class MemoryRank(_S, kw_only=True):
+    """One rank's memory over the run (judge/memory.py, report/memory_report.py)."""
+
+    rank: int
+    rss_mb: float | None = None
+    rss_peak_mb: float | None = None
+    rss_rate_mb_min: float | None = None
+    gpu_mb: float | None = None
+    gpu_rate_mb_min: float | None = None
+    growing: str | None = None
+    rise_mb: float | None = None
+    headroom_mb: float | None = None
+    limit_in_s: float | None = None
+
+
+class MemoryImbalance(_S, kw_only=True):
+    rank: int
+    rss_mb: float
+    others_median_mb: float
+    ratio: float | None = None
+
+
+class Memory(_S, kw_only=True):
+    growing: list[int] = []
+    imbalance: MemoryImbalance | None = None
+    ranks: list[MemoryRank] = []
+
+
 class Summary(_S, kw_only=True):
     schema_version: str = "1"
     complete: bool = True
@@ -244,6 +272,7 @@ class Summary(_S, kw_only=True):
     comm: dict[str, Any] | None = None
     collectives: list[Collective] = []
     stalls: list[StallRecord] = []
+    memory: Memory | None = None  # in the builder's order: after stalls
     preflight: dict[str, Any] | None = None
     collector: dict[str, int] = {}
     relays: dict[str, Any] | None = None

@@ -26,6 +26,7 @@ from traceml_tui.judge import diagnosis as dx
 from traceml_tui.judge.snapshot import Episode, Snapshot, WholeWindow, hours_unit
 from traceml_tui.judge.stalls import StallFinding
 from traceml_tui.judge.windows import median
+from traceml_tui.report.memory_report import memory_json, memory_lines
 from traceml_tui.runfolder.folders import write_atomic
 from traceml_tui.runfolder.layout import RunFolder
 
@@ -174,6 +175,7 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
         "comm": _comm(snap),
         "collectives": [c.to_json() for c in snap.collectives],
         "stalls": stalls_json(snap.stalls),
+        "memory": memory_json(snap.memory),
         "preflight": snap.preflight,
         "collector": dict(snap.counters),
         "relays": _relays(snap),
@@ -470,6 +472,7 @@ def render_text(doc: dict[str, Any]) -> str:
                          f"relay-node<N>.log in that node's run folder).")
     lines[-1:-1] = collective_lines(doc.get("collectives") or [])
     lines[-1:-1] = stall_lines(doc.get("stalls") or [])
+    lines[-1:-1] = memory_lines(doc.get("memory"))
     phases = doc["phases"]
     node = d.get("node")
     blamed = set(node["ranks"]) if node else {d["rank"]}

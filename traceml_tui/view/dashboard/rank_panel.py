@@ -58,6 +58,9 @@ class RankPanel(Static):
             caption.append("\n" + detail.cpu, style="dim")
         if detail.gpu:
             caption.append("\n" + detail.gpu, style="dim")
+        for line in detail.memory:
+            grows = "memory grows" in line
+            caption.append("\n" + line, style="bold" if grows else "dim")
         for note in detail.notes:
             caption.append("\n" + note, style="italic")
         if detail.error:
