@@ -65,6 +65,29 @@ def process_tree(pid: int) -> str:
                           capture_output=True, text=True).stdout
 
 
+def kill_all(procs) -> None:
+    """SIGKILL each psutil process listed: one that ended since it was listed is what
+    this wanted already, never an error of the test (psutil.NoSuchProcess: a teardown
+    once failed a green run on a process that exited between the listing and the kill)."""
+    import psutil
+
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+
+
+def alive(proc) -> bool:
+    """Whether a psutil process listed earlier still runs (gone or a zombie: not)."""
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def kill_session(proc: subprocess.Popen) -> None:
     """SIGKILL the job: its process group (start_new_session=True) and every descendant,
     the collector included (it runs in a session of its own)."""

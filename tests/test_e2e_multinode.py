@@ -136,9 +136,16 @@ def test_a_lost_relay_stops_the_figures_not_the_training(tmp_path):
     run_dir = out / "lost"
 
     def relay() -> psutil.Process | None:
-        for child in psutil.Process(p1.pid).children(recursive=True):
-            if "traceml_tui.collect.relay" in child.cmdline():
-                return child
+        try:
+            children = psutil.Process(p1.pid).children(recursive=True)
+        except psutil.Error:
+            return None
+        for child in children:
+            try:
+                if "traceml_tui.collect.relay" in child.cmdline():
+                    return child
+            except psutil.Error:  # ended since it was listed
+                continue
         return None
 
     wait_for(lambda: min(live_ranks_steps(run_dir) or [0]) >= 30, 120, "steps from all ranks")

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jobs import ROOT, traceml, wait_for
+from jobs import ROOT, alive, kill_all, traceml, wait_for
 from traceml_agent.vocab import LIVE_SNAPSHOT_JSON
 
 FAULTY = Path(__file__).resolve().parent / "faulty_ddp.py"
@@ -66,9 +66,8 @@ def run_processes(run_dir: Path) -> list[psutil.Process]:
             environ = proc.info["environ"] or {}
         except psutil.Error:
             continue
-        if key in cmd or environ.get("TRACEML_RUN_DIR", "").startswith(key):
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
+        if (key in cmd or environ.get("TRACEML_RUN_DIR", "").startswith(key)) and alive(proc):
+            found.append(proc)
     return found
 
 
@@ -77,8 +76,7 @@ def term(tmp_path: Path):
     t = Tmux(tmp_path)
     yield t
     t.kill()
-    for proc in run_processes(tmp_path):
-        proc.kill()
+    kill_all(run_processes(tmp_path))
 
 
 def traceml_cmd(out: Path, name: str, *script_args: str) -> str:
@@ -172,8 +170,7 @@ def test_a_launcher_killed_outright_leaves_a_record_and_no_process(tmp_path: Pat
         assert all(r["steps"] >= 20 for r in doc["ranks"])
         wait_for(lambda: not run_processes(run_dir), 30, "every process of the run to end")
     finally:
-        for proc in run_processes(run_dir):
-            proc.kill()
+        kill_all(run_processes(run_dir))
 
 
 def test_an_agent_that_turned_itself_off_is_said_so_and_not_taken_for_a_hang(
