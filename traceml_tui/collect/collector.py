@@ -592,6 +592,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow a non-loopback --bind without a secret (anyone who can reach "
                         "the port can then send data)")
     p.add_argument("--started-at", type=float, default=None)
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="torchrun restarts the group up to N times: no HANG while it does")
     p.add_argument("--hang-after", type=float, default=None, metavar="SECONDS",
                    help="declare a hang after this long without a step (default: derived "
                         "from step times, at least 10 s)")
@@ -652,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     state = RunState(args.run_name or args.run_dir.name, args.world_size, args.nnodes,
                      args.nproc_per_node, args.started_at or time.time(),
-                     hang_after_s=args.hang_after)
+                     hang_after_s=args.hang_after, max_restarts=max(0, args.max_restarts))
     if args.preflight is not None:
         state.set_preflight(_read_preflight(args.preflight))
     try:

@@ -170,6 +170,8 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
                 "--advertise", opts.collector_addr or opts.master_addr]
     if opts.hang_after is not None:
         cmd += ["--hang-after", repr(opts.hang_after)]
+    if opts.max_restarts:
+        cmd += ["--max-restarts", str(opts.max_restarts)]
     if opts.preflight:
         cmd += ["--preflight", str(folder.netcheck)]
     if opts.metrics_port is not None:
