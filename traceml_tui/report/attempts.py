@@ -26,8 +26,9 @@ def how_it_ended(failure: dict[str, Any]) -> str:
         sig = failure.get("signal")
         return f"was killed by signal {-code}" + (f" ({sig})" if sig else "")
     found = _EXCEPTION.match(failure.get("error") or "")
-    if found and found.group(1)[-1:].isalpha() and found.group(1)[0].isupper():
-        return f"raised {found.group(1)}"
+    name = found.group(1) if found else ""
+    if name and name.rsplit(".", 1)[-1][:1].isupper():  # a class, not "error: ..."
+        return f"raised {name}"
     return f"exited with code {code}"
 
 

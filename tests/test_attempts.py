@@ -1,0 +1,166 @@
+"""Attempts of a job torchrun restarts (judge/attempts.py), offline: RunState fed with real
+wire messages (encoded, then decoded) as a restart sends them, and the summary built from
+its snapshot. tests/test_e2e_restarts.py runs the same with torchrun."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs import validate_schema
+from traceml_agent.protocol import PHASES, Identity, decode, encode
+from traceml_tui.judge import attempts as att
+from traceml_tui.judge import diagnosis as dx
+from traceml_tui.judge.state import RunState
+from traceml_tui.report import attempts as words
+from traceml_tui.report import summary
+from traceml_tui.report.model import from_doc
+
+T0 = 1_700_000_000.0
+BALANCED_MS = [5.0, 1.0, 30.0, 50.0, 4.0, 8.0, 2.0]  # PHASES order, 100 ms
+SLOW_MS = [5.0, 1.0, 90.0, 50.0, 4.0, 8.0, 2.0]  # 60 ms more forward: a straggler
+
+
+def ident(rank: int, pid: int, world: int = 2) -> Identity:
+    return Identity(rank, rank, 0, f"host{rank}", pid, world)
+
+
+def hello(rank: int, pid: int, attempt: int | None, t: float):
+    return decode(encode("hello", ident(rank, pid), 0, t, run="run", device="cpu", env={},
+                         auto=True, attempt=attempt))
+
+
+def steps(rank: int, pid: int, ids, ms=BALANCED_MS):
+    records = [[s, T0 + s, sum(ms), *ms] for s in ids]
+    return decode(encode("steps", ident(rank, pid), 1, T0, phases=list(PHASES),
+                         records=records, dropped=0))
+
+
+def goodbye(rank: int, pid: int, code: int, error: str, t: float):
+    return decode(encode("goodbye", ident(rank, pid), 2, t, exit_code=code, error=error,
+                         steps=0))
+
+
+def run_attempt(state: RunState, pids: tuple[int, int], attempt: int, n: int, t: float,
+                mono: float, slow_rank: int | None = None) -> float:
+    """Hellos of a new group, then `n` steps of both ranks in batches of 5, evaluated
+    after each batch; returns the monotonic time after it."""
+    for rank, pid in enumerate(pids):
+        state.ingest(hello(rank, pid, attempt, t), now=mono)
+    for start in range(0, n, 5):
+        mono += 0.5
+        for rank, pid in enumerate(pids):
+            state.ingest(steps(rank, pid, range(start, start + 5),
+                               SLOW_MS if rank == slow_rank else BALANCED_MS), now=mono)
+        state.evaluate(t + mono, mono)
+    return mono
+
+
+def restarted(max_restarts: int = 1) -> tuple[RunState, float]:
+    """Attempt 1: rank 1 (a straggler) raises at step 40, rank 0 fails after it; attempt 2
+    runs 60 steps to the end."""
+    state = RunState("run", world_size=2, started_at=T0, max_restarts=max_restarts)
+    mono = run_attempt(state, (100, 101), 0, 40, T0, 0.0, slow_rank=1)
+    state.ingest(goodbye(1, 101, 1, "Traceback ...\nValueError: bad batch", T0 + 30.0), mono)
+    state.ingest(goodbye(0, 100, 1, "RuntimeError: Connection closed by peer", T0 + 30.1),
+                 mono)
+    mono = run_attempt(state, (200, 201), 1, 60, T0 + 36.0, mono + 6.0)
+    return state, mono
+
+
+def test_each_attempt_keeps_its_steps_failure_and_episodes():
+    state, mono = restarted()
+    snap = state.snapshot(T0 + 100.0, mono, full=True)
+    first, second = snap.attempts
+    assert (first.number, second.number) == (1, 2)
+    assert first.rank_steps == ((0, 40), (1, 40)) and second.rank_steps == ((0, 60), (1, 60))
+    assert [(f.rank, f.step) for f in first.failures] == [(1, 40), (0, 40)]
+    assert first.verdict is not None and first.verdict.label == dx.COMPUTE_STRAGGLER
+    assert second.failures == () and second.ended_at is None
+    # No episode spans two attempts: each one's steps are its own attempt's.
+    assert {e.attempt for e in snap.timeline} == {1, 2}
+    for e in snap.timeline:
+        assert e.end_step is None or e.end_step >= e.start_step, e
+        assert e.end_step is None or e.end_step < (40 if e.attempt == 1 else 60), e
+    assert any(e.label == dx.COMPUTE_STRAGGLER and e.attempt == 1 for e in snap.timeline)
+
+
+def test_the_summary_leads_with_the_failed_attempt():
+    state, mono = restarted()
+    doc = summary.build(state.snapshot(T0 + 100.0, mono, full=True),
+                        summary.RunMeta(exit_code=0, ended_at=T0 + 100.0))
+    validate_schema(doc)
+    from_doc(doc)  # the typed model reads it
+    first = doc["attempts"][0]
+    assert first["failure"]["rank"] == 1 and first["failure"]["step"] == 40
+    assert first["failure"]["error"] == "ValueError: bad batch"
+    assert doc["restarts"]["count"] == 1 and doc["restarts"]["restart_s"] > 0
+    assert doc["failure"] is None and doc["run"]["exit_code"] == 0
+    text = summary.render_text(doc)
+    lead = text.splitlines()[0]
+    assert lead.startswith("attempt 1: rank 1 raised ValueError at step 40 (then rank(s) 0); "
+                           "restarted after "), lead
+    assert lead.endswith("; attempt 2 ran to the end; the job exited with code 0"), lead
+    assert "attempt 1, steps" in text and "attempt 2, steps" in text
+
+
+def test_no_hang_while_torchrun_restarts_the_group():
+    """Rank 1 raised; rank 0 was killed without a word; the new group is not up yet."""
+    for max_restarts, expected in ((1, False), (0, True)):
+        state = RunState("run", world_size=2, started_at=T0, hang_after_s=5.0,
+                         max_restarts=max_restarts)
+        mono = run_attempt(state, (100, 101), 0, 40, T0, 0.0)
+        state.ingest(goodbye(1, 101, 1, "ValueError: bad batch", T0 + 30.0), mono)
+        shown = state.evaluate(T0 + 60.0, mono + 30.0)
+        assert (shown.label == dx.HANG) is expected, (max_restarts, shown)
+        # ... nor while the restarted group starts, before its first step
+        if max_restarts:
+            state.ingest(hello(0, 200, 1, T0 + 61.0), mono + 31.0)
+            assert state.evaluate(T0 + 90.0, mono + 60.0).label != dx.HANG
+
+
+def test_a_run_with_restarts_allowed_and_no_failure_has_one_attempt():
+    state = RunState("run", world_size=2, started_at=T0, max_restarts=1)
+    mono = run_attempt(state, (100, 101), 0, 40, T0, 0.0)
+    doc = summary.build(state.snapshot(T0 + 50.0, mono, full=True),
+                        summary.RunMeta(exit_code=0, ended_at=T0 + 50.0))
+    validate_schema(doc)
+    assert [a["attempt"] for a in doc["attempts"]] == [1] and doc["restarts"] is None
+    assert "attempt" not in summary.render_text(doc) and "restart" not in summary.render_text(doc)
+
+
+def test_outside_torchrun_there_are_no_attempts():
+    state = RunState("run", world_size=2, started_at=T0)
+    mono = run_attempt(state, (100, 101), None, 20, T0, 0.0)  # type: ignore[arg-type]
+    assert state.snapshot(T0 + 50.0, mono).attempts == ()
+
+
+def test_attempts_kept_are_bounded():
+    state = RunState("run", world_size=2, started_at=T0, max_restarts=100)
+    mono = 0.0
+    for attempt in range(40):
+        mono = run_attempt(state, (1000 + 2 * attempt, 1001 + 2 * attempt), attempt, 10,
+                           T0 + attempt * 10, mono + 1.0)
+        state.ingest(goodbye(0, 1000 + 2 * attempt, 1, "ValueError: x", T0 + attempt * 10 + 5),
+                     mono)
+    snap = state.snapshot(T0 + 500.0, mono)
+    assert len(snap.attempts) == att.MAX_ATTEMPTS_KEPT + 1  # the kept, and the current
+    assert snap.attempts[0].number == 1 and snap.attempts[-1].number == 40
+    assert state.attempts.dropped == 40 - 1 - att.MAX_ATTEMPTS_KEPT
+
+
+def test_an_old_attempts_goodbye_does_not_count_in_the_new_one():
+    state, mono = restarted()
+    state.ingest(goodbye(1, 101, 1, "ValueError: late", T0 + 90.0), mono)  # the old pid
+    assert state.attempts.failures == {}
+
+
+@pytest.mark.parametrize(("failure", "words_"), [
+    ({"exit_code": 1, "error": "ValueError: bad batch"}, "raised ValueError"),
+    ({"exit_code": 1, "error": "torch.OutOfMemoryError: CUDA out of memory"},
+     "raised torch.OutOfMemoryError"),
+    ({"exit_code": 3, "error": None}, "exited with code 3"),
+    ({"exit_code": 1, "error": "something odd happened"}, "exited with code 1"),
+    ({"exit_code": -9, "signal": "SIGKILL", "error": None}, "was killed by signal 9 (SIGKILL)"),
+])
+def test_how_an_attempt_ended(failure, words_):
+    assert words.how_it_ended(failure) == words_
