@@ -60,8 +60,9 @@ json.dump(out, sys.stdout)
 
 # Fields added since BEFORE, whose code has none: a view panel's CPU line, a summary rank
 # row's training-thread CPU shares over the run and its sys sample's latest (RankDetail.cpu,
-# cpu_wait_pct, thread_cpu_pct).
-ADDED = ("cpu", "cpu_wait_pct", "thread_cpu_pct")
+# cpu_wait_pct, thread_cpu_pct); the attempts of a restarted job (attempts, restarts, each
+# episode's attempt).
+ADDED = ("cpu", "cpu_wait_pct", "thread_cpu_pct", "attempts", "restarts", "attempt")
 
 
 def _strip(value: object) -> object:

@@ -253,8 +253,8 @@ def _node_flags(args: argparse.Namespace, script: Path) -> dict[str, Any]:
                  "run_name": f"{script.stem}-slurm{step.job_id}"}
         given = {k: found[k] if v is None else v for k, v in given.items()}
     defaults = {"nproc_per_node": 1, "nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1"}
-    found = {k: defaults.get(k) if v is None else v for k, v in given.items()}
-    return {**found, "min_nodes": low if low != high else None}
+    chosen: dict[str, Any] = {k: defaults.get(k) if v is None else v for k, v in given.items()}
+    return {**chosen, "min_nodes": low if low != high else None}
 
 
 def _cmd_netcheck(args: argparse.Namespace) -> int:

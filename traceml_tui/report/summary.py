@@ -186,7 +186,7 @@ def _attempts(snap: Snapshot) -> dict[str, Any]:
     """`attempts`: each attempt torchrun ran (judge/attempts.py; empty outside torchrun's
     elastic agent), its steps, last verdict and failure; `restarts`: how many and what
     they cost (None: the job ran in one attempt)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for a in snap.attempts:
         first = a.failures[0].rank if a.failures else None
         rows.append({
