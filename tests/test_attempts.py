@@ -164,3 +164,47 @@ def test_an_old_attempts_goodbye_does_not_count_in_the_new_one():
 ])
 def test_how_an_attempt_ended(failure, words_):
     assert words.how_it_ended(failure) == words_
+
+
+# --- traceml run's elastic options, as torchrun gets them ---------------------------------
+
+
+def _torchrun_args(*flags: str) -> list[str]:
+    from pathlib import Path
+
+    from traceml_tui import cli
+    from traceml_tui.launch.options import RunOptions, torchrun_command
+
+    args = cli.build_parser().parse_args(["run", "train.py", *flags])
+    nodes = cli._node_flags(args, Path("train.py"))
+    opts = RunOptions(script=Path("train.py"), max_restarts=args.max_restarts,
+                      min_nodes=nodes.pop("min_nodes"), rdzv_backend=args.rdzv_backend,
+                      rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, **nodes)
+    return torchrun_command(opts, 29500, ["-m", "x"])
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ((), ["--nnodes", "1"]),
+    (("--max-restarts", "2"), ["--max-restarts", "2"]),
+    (("--nnodes", "1:4", "--run-name", "r"), ["--nnodes", "1:4"]),
+    (("--nnodes", "2:2", "--run-name", "r"), ["--nnodes", "2"]),
+    (("--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "--rdzv-id", "job7"),
+     ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "--rdzv-id", "job7"]),
+])
+def test_torchrun_gets_the_elastic_options(monkeypatch, flags, expected):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    cmd = _torchrun_args(*flags)
+    at = cmd.index(expected[0])
+    assert cmd[at:at + len(expected)] == expected, cmd
+    if "--max-restarts" not in flags:
+        assert "--max-restarts" not in cmd  # torchrun's own default: none
+
+
+@pytest.mark.parametrize("bad", ["3:1", "0:2", "a:b", "1:"])
+def test_a_bad_node_range_is_refused(bad, capsys):
+    from traceml_tui import cli
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["run", "train.py", "--nnodes", bad])
+    assert "--nnodes" in capsys.readouterr().err
