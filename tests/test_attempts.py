@@ -208,3 +208,19 @@ def test_a_bad_node_range_is_refused(bad, capsys):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["run", "train.py", "--nnodes", bad])
     assert "--nnodes" in capsys.readouterr().err
+
+
+def test_elastic_membership_takes_the_ranks_of_a_smaller_world():
+    """--nnodes MIN:MAX: an attempt with fewer nodes reports a smaller world, which belongs
+    to the run (between MIN and MAX nodes' ranks); any other world is foreign, as before."""
+    def of_world(world: int, rank: int = 0):
+        return decode(encode("steps", Identity(rank, rank, 0, "h", 100 + rank, world), 1, T0,
+                             phases=list(PHASES), records=[[0, T0, 100.0, *BALANCED_MS]],
+                             dropped=0))
+
+    elastic = RunState("run", world_size=4, nnodes=2, nproc_per_node=2, min_world_size=2)
+    fixed = RunState("run", world_size=4, nnodes=2, nproc_per_node=2)
+    for world, taken in ((2, True), (4, True), (1, False), (3 + 2, False)):
+        assert elastic.ingest(of_world(world), now=1.0) is taken, world
+    assert fixed.ingest(of_world(2), now=1.0) is False
+    assert (elastic.counters["foreign"], fixed.counters["foreign"]) == (2, 1)

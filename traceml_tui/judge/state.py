@@ -171,7 +171,7 @@ class RunState:
     def __init__(self, run_name: str, world_size: int, nnodes: int = 1,
                  nproc_per_node: int | None = None, started_at: float = 0.0,
                  window_steps: int | None = None, hang_after_s: float | None = None,
-                 max_restarts: int = 0) -> None:
+                 max_restarts: int = 0, min_world_size: int | None = None) -> None:
         self.run_name = run_name
         self.world_size = world_size
         self.nnodes = nnodes
@@ -233,6 +233,9 @@ class RunState:
         self.stall_book = StallBook()
         # The attempts of a job torchrun restarts, each one's record (attempts.py).
         self.attempts = AttemptBook(max_restarts)
+        # torchrun's elastic membership (--nnodes MIN:MAX): an attempt may run with fewer
+        # nodes, its ranks then report a smaller world; the record is sized for MAX.
+        self.min_world_size = min(world_size, min_world_size or world_size)
 
     # --- ingest ---------------------------------------------------------------------
 
@@ -274,7 +277,7 @@ class RunState:
         """Apply one validated message. Returns False for a message from outside this run.
         `conn`: the connection it came on (None in-process: no ownership check)."""
         ident = msg.ident
-        if ident.world_size != self.world_size:
+        if not self.min_world_size <= ident.world_size <= self.world_size:
             self.counters["foreign"] += 1
             return False
         if msg.kind == "steps" and not self._phases_fit(msg.phases):

@@ -172,6 +172,8 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
         cmd += ["--hang-after", repr(opts.hang_after)]
     if opts.max_restarts:
         cmd += ["--max-restarts", str(opts.max_restarts)]
+    if opts.min_nodes is not None:  # --nnodes MIN:MAX
+        cmd += ["--min-world-size", str(opts.min_nodes * opts.nproc_per_node)]
     if opts.preflight:
         cmd += ["--preflight", str(folder.netcheck)]
     if opts.metrics_port is not None:
