@@ -224,3 +224,17 @@ def test_elastic_membership_takes_the_ranks_of_a_smaller_world():
         assert elastic.ingest(of_world(world), now=1.0) is taken, world
     assert fixed.ingest(of_world(2), now=1.0) is False
     assert (elastic.counters["foreign"], fixed.counters["foreign"]) == (2, 1)
+
+
+def test_hang_detection_waits_for_a_restart_for_a_bounded_time():
+    book = att.AttemptBook(max_restarts=1)
+    book.hello(0, T0)
+    assert not book.restarting(10.0)  # nothing failed
+    book.goodbye(1, 1, "ValueError: x", 40, T0 + 5.0, mono=10.0)
+    assert book.restarting(10.0 + att.RESTART_WAIT_S - 1)
+    assert not book.restarting(10.0 + att.RESTART_WAIT_S)
+    book.close(1, T0 + 20.0, 20.0, {0: 40}, None, ())
+    assert book.restarting(20.0 + att.RESTART_WAIT_S - 1)  # the new group not yet stepping
+    assert not book.restarting(20.0 + att.RESTART_WAIT_S)  # a forged hello cannot hide more
+    book.goodbye(0, 1, "ValueError: x", 3, T0 + 25.0, mono=25.0)
+    assert not book.restarting(26.0)  # no restart left: a hang is a hang

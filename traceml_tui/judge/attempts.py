@@ -75,6 +75,7 @@ class AttemptBook:
         self.kept: list[Attempt] = []  # closed attempts: the first and the newest
         self.dropped = 0  # closed attempts not kept
         self.waiting = False  # a new attempt started and has not stepped yet
+        self.opened_mono = 0.0  # when it started (collector's clock)
 
     # --- what the ranks say -----------------------------------------------------------
 
@@ -101,10 +102,10 @@ class AttemptBook:
 
     # --- attempts ---------------------------------------------------------------------
 
-    def close(self, attempt: int, t: float, rank_steps: dict[int, int],
+    def close(self, attempt: int, t: float, mono: float, rank_steps: dict[int, int],
               verdict: Diagnosis | None, episodes: tuple[Episode, ...]) -> None:
-        """The current attempt ends (a hello named `attempt`, 0-based, at `t`): kept, and
-        the next one opens."""
+        """The current attempt ends (a hello named `attempt`, 0-based, at `t`; `mono`: the
+        collector's clock): kept, and the next one opens."""
         done = self._attempt(rank_steps, verdict, episodes, ended_at=t)
         done = replace(done, episodes=done.episodes[-MAX_ATTEMPT_EPISODES:])
         self.kept.append(done)
@@ -113,7 +114,7 @@ class AttemptBook:
             self.dropped += 1
         self.number, self.started_at = attempt + 1, t
         self.failures, self.failed_mono = {}, None
-        self.waiting = True
+        self.waiting, self.opened_mono = True, mono
 
     def resumed(self, now: float) -> None:
         """The new attempt took its first step (at wall time `now`): the restart's cost,
@@ -132,7 +133,7 @@ class AttemptBook:
         if self.failed_mono is not None:
             return (self.number - 1 < self.max_restarts
                     and mono_now - self.failed_mono < RESTART_WAIT_S)
-        return self.waiting
+        return self.waiting and mono_now - self.opened_mono < RESTART_WAIT_S
 
     def attempts(self, rank_steps: dict[int, int], verdict: Diagnosis | None,
                  episodes: tuple[Episode, ...]) -> tuple[Attempt, ...]:

@@ -384,7 +384,7 @@ class RunState:
         if last is not None and last.end is None:
             self.timeline[-1] = last.closed(min(self.clock.time_of(newest, t), t),
                                             max(last.start_step, newest))
-        self.attempts.close(attempt, t, {r: rs.steps for r, rs in self.ranks.items()
+        self.attempts.close(attempt, t, now, {r: rs.steps for r, rs in self.ranks.items()
                                          if rs.attempt == number},
                             self.live.shown if self.live else None, tuple(self.timeline))
         for rank, rs in list(self.ranks.items()):
