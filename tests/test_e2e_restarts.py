@@ -86,3 +86,21 @@ def test_torchrun_gets_the_elastic_options(restarted: Finished) -> None:
     log = (restarted.run_dir / "logs")
     # torchrun's per-attempt log folders: it restarted the workers once.
     assert sorted(p.name for p in log.rglob("attempt_*")) == ["attempt_0", "attempt_1"]
+
+
+def test_a_job_that_fails_in_every_attempt_exits_with_its_failure(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Restarts run out: both attempts are kept, the last one's failure is the job's."""
+    job = run_job(tmp_path_factory.mktemp("exhausted"), "faults/restart_job.py",
+                  "--max-restarts", "1", nproc=3, name="exhausted",
+                  script_args=("--fail-rank", "2", "--fail-at-step", "20", "--fail-attempts",
+                               "2", "--steps", "40"))
+    assert job.returncode == 1, job.stderr[-3000:]
+    doc = job.summary
+    validate_schema(doc)
+    assert [(a["attempt"], a["failure"]["rank"]) for a in doc["attempts"]] == [(1, 2), (2, 2)]
+    assert doc["run"]["exit_code"] == 1 and doc["failure"]["rank"] == 2
+    lead = (job.run_dir / "final_summary.txt").read_text().splitlines()[0]
+    assert lead.startswith("attempt 1: rank 2 raised ValueError at step 20"), lead
+    assert "; attempt 2: rank 2 raised ValueError at step 20" in lead, lead
+    assert lead.endswith("; no restart left; the job exited with code 1"), lead

@@ -28,8 +28,11 @@ def main() -> None:
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--fail-rank", type=int, default=None,
-                   help="this rank raises ValueError at --fail-at-step, in attempt 0 only")
+                   help="this rank raises ValueError at --fail-at-step (in the first attempt)")
     p.add_argument("--fail-at-step", type=int, default=40)
+    p.add_argument("--fail-attempts", type=int, default=1,
+                   help="it raises in this many attempts (from the first; default 1): more "
+                        "than --max-restarts allows, and the job fails as a whole")
     p.add_argument("--dim", type=int, default=128)
     args = p.parse_args()
 
@@ -49,7 +52,7 @@ def main() -> None:
     x = torch.randn(32, args.dim)
     y = torch.randint(0, 10, (32,))
     for step in range(args.steps):
-        if attempt == 0 and rank == args.fail_rank and step == args.fail_at_step:
+        if attempt < args.fail_attempts and rank == args.fail_rank and step == args.fail_at_step:
             raise ValueError(f"bad batch at step {step} (attempt {attempt})")
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
