@@ -238,3 +238,21 @@ def test_hang_detection_waits_for_a_restart_for_a_bounded_time():
     assert not book.restarting(20.0 + att.RESTART_WAIT_S)  # a forged hello cannot hide more
     book.goodbye(0, 1, "ValueError: x", 3, T0 + 25.0, mono=25.0)
     assert not book.restarting(26.0)  # no restart left: a hang is a hang
+
+
+def test_ranks_that_ended_without_a_word_are_named_not_blamed():
+    """Rank 1 was SIGKILLed (no goodbye); rank 0 raised when its peer vanished: the lead
+    names both and does not say which came first."""
+    state = RunState("run", world_size=2, started_at=T0, max_restarts=1)
+    mono = run_attempt(state, (100, 101), 0, 40, T0, 0.0)
+    state.ingest(goodbye(0, 100, 1, "RuntimeError: Connection reset by peer", T0 + 30.0),
+                 mono)
+    mono = run_attempt(state, (200, 201), 1, 20, T0 + 36.0, mono + 6.0)
+    doc = summary.build(state.snapshot(T0 + 100.0, mono, full=True),
+                        summary.RunMeta(exit_code=0, ended_at=T0 + 100.0))
+    validate_schema(doc)
+    assert doc["attempts"][0]["silent"] == [{"rank": 1, "step": 40}]
+    lead = summary.render_text(doc).splitlines()[0]
+    assert lead.startswith("attempt 1: rank 0 raised RuntimeError at step 40; rank(s) 1 ended "
+                           "without a word (killed by a signal, or stopped by torchrun); "
+                           "restarted after "), lead

@@ -104,3 +104,23 @@ def test_a_job_that_fails_in_every_attempt_exits_with_its_failure(
     assert lead.startswith("attempt 1: rank 2 raised ValueError at step 20"), lead
     assert "; attempt 2: rank 2 raised ValueError at step 20" in lead, lead
     assert lead.endswith("; no restart left; the job exited with code 1"), lead
+
+
+def test_a_rank_killed_without_a_word_is_named(tmp_path_factory: pytest.TempPathFactory
+                                               ) -> None:
+    """Rank 2 SIGKILLs itself (no goodbye); its peers raise when it vanishes. The record
+    names it beside them, without claiming which came first; the gap is no HANG."""
+    job = run_job(tmp_path_factory.mktemp("killed"), "faults/restart_job.py",
+                  "--max-restarts", "1", "--hang-after", "2", nproc=3, name="killed",
+                  script_args=("--fail-rank", "2", "--fail-at-step", "30", "--kill",
+                               "--steps", "50"))
+    assert job.returncode == 0, job.stderr[-3000:]
+    doc = job.summary
+    validate_schema(doc)
+    first = doc["attempts"][0]
+    # Its step is the last it reported: a killed rank's last batch of steps is lost.
+    assert [s["rank"] for s in first["silent"]] == [2] and first["silent"][0]["step"] <= 30
+    assert doc["hang"] is None and all(e["label"] != "HANG" for e in doc["timeline"])
+    lead = (job.run_dir / "final_summary.txt").read_text().splitlines()[0]
+    assert "ended without a word (killed by a signal, or stopped by torchrun)" in lead, lead
+    assert lead.endswith("; attempt 2 ran to the end; the job exited with code 0"), lead

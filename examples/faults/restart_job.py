@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from datetime import timedelta
 
 import torch
@@ -33,6 +34,8 @@ def main() -> None:
     p.add_argument("--fail-attempts", type=int, default=1,
                    help="it raises in this many attempts (from the first; default 1): more "
                         "than --max-restarts allows, and the job fails as a whole")
+    p.add_argument("--kill", action="store_true",
+                   help="the failing rank SIGKILLs itself instead of raising (no goodbye)")
     p.add_argument("--dim", type=int, default=128)
     args = p.parse_args()
 
@@ -53,6 +56,8 @@ def main() -> None:
     y = torch.randint(0, 10, (32,))
     for step in range(args.steps):
         if attempt < args.fail_attempts and rank == args.fail_rank and step == args.fail_at_step:
+            if args.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
             raise ValueError(f"bad batch at step {step} (attempt {attempt})")
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)

@@ -58,6 +58,10 @@ class Attempt:
     # From its first failure to the next attempt's first step: what the restart cost
     # (None: not restarted, or the next attempt never stepped).
     restart_s: float | None = None
+    # (rank, step) of its ranks that ended without a goodbye: killed by a signal (SIGKILL,
+    # the OOM killer), or stopped by torchrun after another rank failed (its SIGTERM ends
+    # a Python process without a word). Which of them came first cannot be told.
+    silent: tuple[tuple[int, int], ...] = ()
 
     @property
     def steps(self) -> int:
@@ -103,11 +107,12 @@ class AttemptBook:
     # --- attempts ---------------------------------------------------------------------
 
     def close(self, attempt: int, t: float, mono: float, rank_steps: dict[int, int],
-              verdict: Diagnosis | None, episodes: tuple[Episode, ...]) -> None:
+              verdict: Diagnosis | None, episodes: tuple[Episode, ...],
+              silent: tuple[tuple[int, int], ...] = ()) -> None:
         """The current attempt ends (a hello named `attempt`, 0-based, at `t`; `mono`: the
         collector's clock): kept, and the next one opens."""
         done = self._attempt(rank_steps, verdict, episodes, ended_at=t)
-        done = replace(done, episodes=done.episodes[-MAX_ATTEMPT_EPISODES:])
+        done = replace(done, episodes=done.episodes[-MAX_ATTEMPT_EPISODES:], silent=silent)
         self.kept.append(done)
         if len(self.kept) > MAX_ATTEMPTS_KEPT:  # the first stays: what failed first
             del self.kept[1]

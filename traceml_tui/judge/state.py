@@ -384,9 +384,11 @@ class RunState:
         if last is not None and last.end is None:
             self.timeline[-1] = last.closed(min(self.clock.time_of(newest, t), t),
                                             max(last.start_step, newest))
-        self.attempts.close(attempt, t, now, {r: rs.steps for r, rs in self.ranks.items()
-                                         if rs.attempt == number},
-                            self.live.shown if self.live else None, tuple(self.timeline))
+        ours = [rs for rs in self.ranks.values() if rs.attempt == number]
+        self.attempts.close(attempt, t, now, {rs.ident.rank: rs.steps for rs in ours},
+                            self.live.shown if self.live else None, tuple(self.timeline),
+                            tuple(sorted((rs.ident.rank, rs.last_step + 1) for rs in ours
+                                         if not rs.finished)))
         for rank, rs in list(self.ranks.items()):
             if rs.finished or now - rs.last_seen >= RANK_QUIET_S:
                 del self.ranks[rank]

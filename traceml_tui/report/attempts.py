@@ -34,11 +34,18 @@ def how_it_ended(failure: dict[str, Any]) -> str:
 
 def _attempt_words(a: dict[str, Any]) -> str:
     failure = a.get("failure")
+    silent = [s["rank"] for s in a.get("silent") or []]
+    # Ranks with no goodbye: killed (perhaps first: the cause) or stopped by torchrun
+    # after the failure; the record cannot tell which, so it says both.
+    quiet = (f"rank(s) {format_ranks(silent)} ended without a word (killed by a signal, "
+             f"or stopped by torchrun)") if silent else ""
     if failure is None:
-        return f"attempt {a['attempt']} ended without a failure (a membership change)"
+        return f"attempt {a['attempt']}: " + (quiet or "ended without a failure "
+                                               "(a membership change)")
     others = failure.get("others") or []
     return (f"attempt {a['attempt']}: rank {failure['rank']} {how_it_ended(failure)} at step "
-            f"{failure['step']}" + (f" (then rank(s) {format_ranks(others)})" if others else ""))
+            f"{failure['step']}" + (f" (then rank(s) {format_ranks(others)})" if others else "")
+            + (f"; {quiet}" if quiet else ""))
 
 
 def lead(doc: dict[str, Any]) -> list[str]:

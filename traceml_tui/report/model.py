@@ -192,6 +192,11 @@ class RankSteps(_S, kw_only=True):
     steps: int = 0
 
 
+class SilentRank(_S, kw_only=True):
+    rank: int
+    step: int = 0  # the step after its last one reported (its last batch may be lost)
+
+
 class Attempt(_S, kw_only=True):
     """One attempt of a job torchrun restarted (judge/attempts.py), 1-based."""
 
@@ -203,6 +208,7 @@ class Attempt(_S, kw_only=True):
     verdict: Diagnosis | None = None  # the live verdict when it ended
     failure: Failure | None = None  # its first failure (its step: the attempt's own)
     restart_s: float | None = None  # from its failure to the next attempt's first step
+    silent: list[SilentRank] = []  # its ranks that ended without a goodbye
 
 
 class Restarts(_S, kw_only=True):

@@ -195,7 +195,8 @@ def _attempts(snap: Snapshot) -> dict[str, Any]:
             "verdict": None if a.verdict is None else a.verdict.to_json(),
             "failure": failure_of([(f.rank, f.exit_code, f.error, f.step) for f in a.failures],
                                   first),
-            "restart_s": _round(a.restart_s, 3)})
+            "restart_s": _round(a.restart_s, 3),
+            "silent": [{"rank": r, "step": n} for r, n in a.silent]})
     if len(rows) < 2:
         return {"attempts": rows, "restarts": None}
     costs = [r["restart_s"] for r in rows if r["restart_s"] is not None]
