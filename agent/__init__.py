@@ -134,6 +134,7 @@ def _start(endpoint: str, run_name: str, auto: bool, secret: str | None) -> None
         "device": "cpu",  # until the rank's CUDA device is learned ("sys" then says it)
         "env": _distributed_env(),
         "auto": auto,
+        "attempt": _attempt(),
     }
     observer = StepObserver(ident.rank, ident.world_size) if auto else None
     capturer = Capturer(ident.rank, os.environ.get(env.RUN_DIR), torch, rec)
@@ -145,6 +146,15 @@ def _start(endpoint: str, run_name: str, auto: bool, secret: str | None) -> None
     sender.start()
     if os.environ.get(env.DEBUG) == "1":
         print(f"[traceml] agent rank {ident.rank} reporting to {endpoint}", file=sys.stderr)
+
+
+def _attempt() -> int | None:
+    """torchrun's restart count in this worker's environment (None outside its agent)."""
+    try:
+        value = int(os.environ.get(env.RESTART_COUNT, ""))
+    except ValueError:
+        return None
+    return value if 0 <= value <= protocol.MAX_ATTEMPT else None
 
 
 def _distributed_env() -> dict[str, str]:

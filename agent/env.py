@@ -13,3 +13,6 @@ SECRET = "TRACEML_SECRET"  # the run's 64-hex-character secret, from which its C
 # host:port of torchrun's store holding the run's secret (agent/handover.py), for nodes
 # that have neither $TRACEML_SECRET nor a shared run folder.
 SECRET_STORE = "TRACEML_SECRET_STORE"
+# torchrun's own: which attempt this worker is (0 first; it rises on every restart of the
+# group under --max-restarts). The agent sends it in its hello (judge/attempts.py).
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"

@@ -97,6 +97,7 @@ class ProtocolError(ValueError):
 
 
 Count = Annotated[int, Meta(ge=0, le=MAX_COUNT)]
+MAX_ATTEMPT = 1 << 20  # torchrun's --max-restarts is an int; no job restarts this often
 Seconds = Annotated[float, Meta(ge=0.0, le=1e9)]  # durations (NaN and inf fail the bound)
 MAX_EPOCH_S = 1e11  # a time stamp (epoch seconds) past year 5138 is no clock's
 Epoch = Annotated[float, Meta(ge=0.0, le=MAX_EPOCH_S)]
@@ -205,6 +206,9 @@ class Hello(_Wire, tag="hello", kw_only=True, frozen=True):
     backend: Short = ""
     auto: bool = True
     env: Annotated[dict[Line, EnvValue], Meta(max_length=MAX_ENV_ENTRIES)] = {}
+    # torchrun's restart count (TORCHELASTIC_RESTART_COUNT: 0 in the first attempt); None
+    # outside torchrun's elastic agent. The collector keeps each attempt (judge/attempts.py).
+    attempt: Annotated[int, Meta(ge=0, le=MAX_ATTEMPT)] | None = None
 
     def __post_init__(self) -> None:
         _clean_fields(self, lines=("run", "device", "backend"))

@@ -82,7 +82,8 @@ def record(pos: int, value) -> dict:
 
 ROUND_TRIPS = [
     ("hello", {"run": "demo", "device": "cuda:1", "backend": "nccl",
-               "env": {"MASTER_ADDR": "10.0.0.1", "NCCL_DEBUG": "WARN"}, "auto": False}),
+               "env": {"MASTER_ADDR": "10.0.0.1", "NCCL_DEBUG": "WARN"}, "auto": False,
+               "attempt": 2}),
     ("sys", {"cpu_pct": 312.5, "thread_cpu_pct": 80.5, "cpu_wait_pct": 12.5, "rss_mb": 2048.0,
              "gpu_util": 97.0,
              "gpu_mem_mb": None, "gpu_mem_total_mb": 81920.0, "gpu_alloc_mb": 30_500.0,
@@ -146,7 +147,7 @@ def test_round_trip_steps():
 
 def test_defaults_for_optional_body_fields():
     assert payload(decode(encode("hello", IDENT, 0, T))) == {
-        "run": "", "device": "cpu", "backend": "", "env": {}, "auto": True}
+        "run": "", "device": "cpu", "backend": "", "env": {}, "auto": True, "attempt": None}
     assert payload(decode(encode("goodbye", IDENT, 0, T))) == {
         "exit_code": None, "error": None, "steps": 0}
     assert decode(encode("steps", IDENT, 0, T, phases=["x"], records=[])).records == ()
@@ -268,6 +269,8 @@ BAD = {
     "env-value-long": pack(raw("hello", env={"k": "v" * 1025})),
     "env-too-many": pack(raw("hello", env={f"k{i}": "v" for i in range(MAX_ENV_ENTRIES + 1)})),
     "env-not-map": pack(raw("hello", env=["k", "v"])),
+    "attempt-negative": pack(raw("hello", attempt=-1)),
+    "attempt-huge": pack(raw("hello", attempt=1 << 40)),
     "error-long": pack(raw("goodbye", error="e" * (MAX_ERROR_CHARS + 1))),
     "phase-name-long": pack(raw("steps", phases=["p" * 65], records=[])),
     "heartbeat-phase-long": pack(raw(phase="p" * 65)),

@@ -61,8 +61,10 @@ json.dump(out, sys.stdout)
 # Fields added since BEFORE, whose code has none: a view panel's CPU line, a summary rank
 # row's training-thread CPU shares over the run and its sys sample's latest (RankDetail.cpu,
 # cpu_wait_pct, thread_cpu_pct); the memory a rank may still take (Sys.mem_avail_mb) and
-# the summary's memory section (judge/memory.py).
-ADDED = ("cpu", "cpu_wait_pct", "thread_cpu_pct", "mem_avail_mb", "memory")
+# the summary's memory section (judge/memory.py); the attempts of a restarted job
+# (attempts, restarts, each episode's attempt).
+ADDED = ("cpu", "cpu_wait_pct", "thread_cpu_pct", "mem_avail_mb", "memory", "attempts",
+         "restarts", "attempt")
 
 
 def _strip(value: object) -> object:

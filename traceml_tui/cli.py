@@ -40,6 +40,16 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _nnodes(text: str) -> tuple[int, int]:
+    """torchrun's --nnodes: N, or MIN:MAX (elastic membership); (min, max)."""
+    low, sep, high = text.partition(":")
+    first = _positive(low)
+    last = _positive(high) if sep else first
+    if last < first:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX with MIN <= MAX, got {text!r}")
+    return first, last
+
+
 def _port(text: str) -> int:
     value = _non_negative(text)
     if not 1 <= value <= 65535:
@@ -80,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                      help="address the metrics bind (default 127.0.0.1; 0.0.0.0 for a "
                           "Prometheus on another host)")
+    # torchrun's elastic options, passed on as given (docs/restarts.md).
+    run.add_argument("--max-restarts", "--max_restarts", type=_non_negative, default=0,
+                     metavar="N", help="torchrun restarts the whole group up to N times after "
+                                       "a rank fails; the record keeps every attempt")
+    run.add_argument("--rdzv-backend", "--rdzv_backend", default=None, metavar="NAME",
+                     help="torchrun's rendezvous backend (e.g. c10d; default: torchrun's)")
+    run.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST:PORT",
+                     help="torchrun's rendezvous endpoint (with --rdzv-backend c10d)")
+    run.add_argument("--rdzv-id", "--rdzv_id", default=None, metavar="ID",
+                     help="torchrun's rendezvous id (the same on every node)")
     run.add_argument("--headless", action="store_true",
                      help="no dashboard: print progress and a text summary at the end")
     run.add_argument("--preflight", action="store_true",
@@ -153,8 +173,9 @@ def _node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=_positive, default=None,
                    metavar="N", help="processes on this node (default 1; under srun, the "
                                      "node's GPUs)")
-    p.add_argument("--nnodes", type=_positive, default=None, metavar="N",
-                   help="nodes in the job (default 1; under srun, the step's nodes)")
+    p.add_argument("--nnodes", type=_nnodes, default=None, metavar="N|MIN:MAX",
+                   help="nodes in the job (default 1; under srun, the step's nodes); "
+                        "traceml run takes MIN:MAX (torchrun's elastic membership)")
     p.add_argument("--node-rank", "--node_rank", type=_non_negative, default=None,
                    metavar="K", help="this node's index (default 0; under srun, SLURM_NODEID)")
     p.add_argument("--master-addr", "--master_addr", default=None, metavar="HOST",
@@ -198,8 +219,11 @@ def _cmd_run(parser: argparse.ArgumentParser, argv: list[str], full_argv: list[s
     if nodes["node_rank"] >= nodes["nnodes"]:
         run_parser.error(f"--node-rank {nodes['node_rank']} must be below --nnodes "
                          f"{nodes['nnodes']}")
+    min_nodes = nodes.pop("min_nodes")
     opts = RunOptions(
         script=Path(args.script), script_args=script_args, out=args.out, headless=headless,
+        max_restarts=args.max_restarts, min_nodes=min_nodes, rdzv_backend=args.rdzv_backend,
+        rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
         command=["traceml", *full_argv], hang_after=args.hang_after,
         nccl_debug=args.nccl_debug, preflight=args.preflight,
         collector_addr=args.collector_addr, collector_port=args.collector_port,
@@ -218,7 +242,8 @@ def _cmd_run(parser: argparse.ArgumentParser, argv: list[str], full_argv: list[s
 def _node_flags(args: argparse.Namespace, script: Path) -> dict[str, Any]:
     """The node layout: flags the user gave, else Slurm's step (under srun), else one node."""
     step = slurm.from_env(os.environ)
-    given = {"nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes,
+    low, high = args.nnodes if args.nnodes is not None else (None, None)
+    given = {"nproc_per_node": args.nproc_per_node, "nnodes": high,
              "node_rank": args.node_rank, "master_addr": args.master_addr,
              "master_port": args.master_port, "run_name": args.run_name}
     if step is not None:
@@ -228,7 +253,8 @@ def _node_flags(args: argparse.Namespace, script: Path) -> dict[str, Any]:
                  "run_name": f"{script.stem}-slurm{step.job_id}"}
         given = {k: found[k] if v is None else v for k, v in given.items()}
     defaults = {"nproc_per_node": 1, "nnodes": 1, "node_rank": 0, "master_addr": "127.0.0.1"}
-    return {k: defaults.get(k) if v is None else v for k, v in given.items()}
+    chosen: dict[str, Any] = {k: defaults.get(k) if v is None else v for k, v in given.items()}
+    return {**chosen, "min_nodes": low if low != high else None}
 
 
 def _cmd_netcheck(args: argparse.Namespace) -> int:
@@ -247,6 +273,10 @@ def _cmd_netcheck(args: argparse.Namespace) -> int:
     if nodes["node_rank"] >= nodes["nnodes"]:
         print(f"traceml netcheck: error: --node-rank {nodes['node_rank']} must be below "
               f"--nnodes {nodes['nnodes']}", file=sys.stderr)
+        return 2
+    if nodes.pop("min_nodes") is not None:
+        print("traceml netcheck: error: --nnodes MIN:MAX is for traceml run (netcheck needs "
+              "every node)", file=sys.stderr)
         return 2
     opts = RunOptions(script=Path("netcheck"), out=args.out, headless=True,
                       command=["traceml", "netcheck"], **nodes)

@@ -507,7 +507,9 @@ class Collector:
         if self.state.nnodes <= 1:
             return []
         seen = {rs.ident.node for rs in self.state.ranks.values()}
-        return [n for n in range(self.state.nnodes) if n not in seen]
+        # Elastic membership (--nnodes MIN:MAX): only the first MIN nodes must report.
+        needed = self.state.min_world_size // max(1, self.state.nproc_per_node)
+        return [n for n in range(max(1, needed)) if n not in seen]
 
     def write_record(self, request: Finish) -> dict[str, Any]:
         """Write the final summary; the reply the launcher prints."""
@@ -592,6 +594,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow a non-loopback --bind without a secret (anyone who can reach "
                         "the port can then send data)")
     p.add_argument("--started-at", type=float, default=None)
+    p.add_argument("--min-world-size", type=int, default=None, metavar="N",
+                   help="torchrun's --nnodes MIN:MAX: ranks of a world this small or larger "
+                        "belong to the run")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="torchrun restarts the group up to N times: no HANG while it does")
     p.add_argument("--hang-after", type=float, default=None, metavar="SECONDS",
                    help="declare a hang after this long without a step (default: derived "
                         "from step times, at least 10 s)")
@@ -652,7 +659,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     state = RunState(args.run_name or args.run_dir.name, args.world_size, args.nnodes,
                      args.nproc_per_node, args.started_at or time.time(),
-                     hang_after_s=args.hang_after)
+                     hang_after_s=args.hang_after, max_restarts=max(0, args.max_restarts),
+                     min_world_size=args.min_world_size)
     if args.preflight is not None:
         state.set_preflight(_read_preflight(args.preflight))
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from traceml_agent.protocol import NO_HEARTBEAT, Heartbeat, NcclState, Sys
 from . import collectives as coll
 from . import cost, hang
 from . import diagnosis as dx
+
+if TYPE_CHECKING:
+    from .attempts import Attempt
 from .history import Point
 from .memory import MemoryTrend
 from .stalls import StallFinding
@@ -49,6 +52,9 @@ class Episode:
     dated: bool = False
     named_step: int | None = None
     cleared_step: int | None = None
+    # The attempt it belongs to (attempts.py; 1 unless torchrun restarted the job): its
+    # steps are that attempt's, which start again at 0, so no episode spans two.
+    attempt: int = 1
 
     def closed(self, end: float, end_step: int) -> Episode:
         return replace(self, end=end, end_step=end_step)
@@ -197,6 +203,8 @@ class Snapshot:
     # old, memory.LIVE_EVERY_S)
     memory: tuple[MemoryTrend, ...] = ()
     whole: WholeWindow | None = None  # full snapshots: every rank's whole-window statistics
+    # Under torchrun's elastic agent: every kept attempt, the current one last (attempts.py)
+    attempts: tuple[Attempt, ...] = ()
 
     @property
     def reporting(self) -> int:

@@ -40,6 +40,7 @@ from traceml_agent.vocab import LOCAL_PHASES
 from . import collectives as coll
 from . import cost, episodes, hang
 from . import diagnosis as dx
+from .attempts import AttemptBook
 from .history import History, StepClock, point
 from .memory import MemoryBook, memory_evidence
 from .setup_checks import ChecksBoard
@@ -165,12 +166,14 @@ class RankState:
     conn: object = None  # the connection it reports on (RunState.ingest's `conn`)
     first_step: int = -1  # its first step recorded, and when (the step-rate bound)
     first_step_at: float = 0.0
+    attempt: int = 1  # the attempt its process belongs to (attempts.py)
 
 
 class RunState:
     def __init__(self, run_name: str, world_size: int, nnodes: int = 1,
                  nproc_per_node: int | None = None, started_at: float = 0.0,
-                 window_steps: int | None = None, hang_after_s: float | None = None) -> None:
+                 window_steps: int | None = None, hang_after_s: float | None = None,
+                 max_restarts: int = 0, min_world_size: int | None = None) -> None:
         self.run_name = run_name
         self.world_size = world_size
         self.nnodes = nnodes
@@ -238,6 +241,11 @@ class RunState:
         self.stall_book = StallBook()
         # Every rank's memory over the run, whatever its length (memory.py).
         self.memory = MemoryBook()
+        # The attempts of a job torchrun restarts, each one's record (attempts.py).
+        self.attempts = AttemptBook(max_restarts)
+        # torchrun's elastic membership (--nnodes MIN:MAX): an attempt may run with fewer
+        # nodes, its ranks then report a smaller world; the record is sized for MAX.
+        self.min_world_size = min(world_size, min_world_size or world_size)
 
     # --- ingest ---------------------------------------------------------------------
 
@@ -279,7 +287,7 @@ class RunState:
         """Apply one validated message. Returns False for a message from outside this run.
         `conn`: the connection it came on (None in-process: no ownership check)."""
         ident = msg.ident
-        if ident.world_size != self.world_size:
+        if not self.min_world_size <= ident.world_size <= self.world_size:
             self.counters["foreign"] += 1
             return False
         if msg.kind == "steps" and not self._phases_fit(msg.phases):
@@ -308,10 +316,13 @@ class RunState:
             rs = None
         self.counters["messages"] += 1
         if rs is None:
+            if isinstance(msg.body, Hello):  # a new process: perhaps of a new attempt
+                self._attempt_seen(msg.body.attempt, msg.t, now)
             self.block.reset(ident.rank)
             self.stall_book.forget(ident.rank)  # a new process numbers its steps afresh
             self.memory.forget(ident.rank)
-            rs = RankState(ident, self.block.view(ident.rank), conn=conn)
+            rs = RankState(ident, self.block.view(ident.rank), conn=conn,
+                           attempt=self.attempts.number)
             self.ranks[ident.rank] = rs
             self.live_cols.cpu.forget(ident.rank)  # the old process's, if any
             self.claims.pop(ident.rank, None)
@@ -361,7 +372,43 @@ class RunState:
             rs.finished_at = now
             rs.exit_code = body.exit_code
             rs.error = body.error
+            if rs.attempt == self.attempts.number:
+                self.attempts.goodbye(ident.rank, body.exit_code, body.error,
+                                      rs.last_step + 1, msg.t, now)
         return True
+
+    def _attempt_seen(self, attempt: int | None, t: float, now: float) -> None:
+        """A new process's hello names its attempt: one newer than the current closes it."""
+        if self.attempts.rises(attempt):
+            assert attempt is not None
+            self._next_attempt(attempt, t, now)
+        self.attempts.hello(attempt, t)
+
+    def _next_attempt(self, attempt: int, t: float, now: float) -> None:
+        """torchrun restarted the group: the current attempt's record is kept (attempts.py)
+        with its open episode closed at its last step. The new attempt numbers its steps
+        from 0 again: its timeline, live label and step clock start afresh, and the old
+        attempt's ranks that have ended or gone quiet (RANK_QUIET_S) leave the live record
+        (their steps are the attempt's); a rank still speaking stays until its own hello."""
+        number = self.attempts.number
+        newest = self._newest_step()
+        last = self.timeline[-1] if self.timeline else None
+        if last is not None and last.end is None:
+            self.timeline[-1] = last.closed(min(self.clock.time_of(newest, t), t),
+                                            max(last.start_step, newest))
+        ours = [rs for rs in self.ranks.values() if rs.attempt == number]
+        self.attempts.close(attempt, t, now, {rs.ident.rank: rs.steps for rs in ours},
+                            self.live.shown if self.live else None, tuple(self.timeline),
+                            tuple(sorted((rs.ident.rank, rs.last_step + 1) for rs in ours
+                                         if not rs.finished)))
+        for rank, rs in list(self.ranks.items()):
+            if rs.finished or now - rs.last_seen >= RANK_QUIET_S:
+                del self.ranks[rank]
+                self.block.reset(rank)
+        self.timeline.clear()
+        self.live, self._episode_dx, self.what_if, self._lost_mark = None, None, None, -1
+        self.clock = StepClock()
+        self.hang, self.hang_since, self.hang_stacks, self.ended_hang = None, None, {}, None
 
     def _may_take_over(self, rs: RankState, msg: Message, now: float, conn: object) -> bool:
         """A message for a rank that reports on another connection: taken only once that
@@ -655,6 +702,8 @@ class RunState:
         """The hang report (None: no hang) and the ranks whose steps are not visible. While
         every running rank stepped recently (hang.stepping) neither can name anything,
         and no rank's progress is built."""
+        if self.attempts.restarting(mono_now):  # torchrun restarts the group: no hang
+            return None, {}
         stalled = [rs.since_step_at_msg_s + max(0.0, mono_now - rs.last_seen)
                    for rs in self.ranks.values()
                    if not rs.finished and rs.heartbeat.agent_off is None]
@@ -687,6 +736,9 @@ class RunState:
     def evaluate(self, now: float, mono_now: float | None = None) -> dx.Diagnosis:
         """One live evaluation: hang check, then the diagnosis of the recent window, and
         the timeline. Without `mono_now` (offline use) there is no hang check."""
+        if self.attempts.waiting and any(rs.steps and rs.attempt == self.attempts.number
+                                         for rs in self.ranks.values()):
+            self.attempts.resumed(now)  # the restarted group stepped: what it cost
         timings = self._live_table()
         before = self.live.shown if self.live else None
         report = None
@@ -907,7 +959,8 @@ class RunState:
         at = self.clock.time_of(start, now) if start != step else now
         self.timeline.append(Episode(d.label, d.rank, d.phase, d.severity, min(at, now), None,
                                      start, None, d.summary, d.node, lost_s=lost or None,
-                                     dated=dated, named_step=newest))
+                                     dated=dated, named_step=newest,
+                                     attempt=self.attempts.number))
 
     def _close_dated(self, e: Episode, d: dx.Diagnosis, step: int) -> int:
         """Where the open dated episode `e` ends: its last step of evidence (the newest
@@ -1026,7 +1079,8 @@ class RunState:
             started_at=self.started_at, now=now, phases=tuple(self.phases), ranks=ranks,
             live=memory_evidence(shown, trends), live_since=self.live_since,
             final=final,
-            timeline=tuple(self.timeline), counters=dict(self.counters), hang=self.hang,
+            timeline=(*(e for a in self.attempts.kept for e in a.episodes), *self.timeline),
+            counters=dict(self.counters), hang=self.hang,
             hang_since=self.hang_since, hang_stacks=dict(self.hang_stacks),
             parallel=self.parallel, checks=self.checks.merged(),
             batch_sizes=self.checks.batch_sizes(), framework=self.framework,
@@ -1040,7 +1094,9 @@ class RunState:
                            or final.label not in cost.COSTED_LABELS
                            else cost.what_if(final, aligned, self.parallel == "fsdp")),
             mean_step_ms=None if aligned is None else cost.job_step_ms(aligned),
-            whole=whole)
+            whole=whole, attempts=self.attempts.attempts(
+                {r: rs.steps for r, rs in self.ranks.items() if rs.attempt == self.attempts.number},
+                shown, tuple(self.timeline)))
 
     def _whole_window(self) -> tuple[WholeWindow, dict[int, tuple[dx.Untimed, ...]]]:
         """Every reporting rank's whole window in one pass per series, and the phases each

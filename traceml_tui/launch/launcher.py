@@ -170,6 +170,10 @@ def start_collector(run_dir: Path, name: str, opts: RunOptions, started_at: floa
                 "--advertise", opts.collector_addr or opts.master_addr]
     if opts.hang_after is not None:
         cmd += ["--hang-after", repr(opts.hang_after)]
+    if opts.max_restarts:
+        cmd += ["--max-restarts", str(opts.max_restarts)]
+    if opts.min_nodes is not None:  # --nnodes MIN:MAX
+        cmd += ["--min-world-size", str(opts.min_nodes * opts.nproc_per_node)]
     if opts.preflight:
         cmd += ["--preflight", str(folder.netcheck)]
     if opts.metrics_port is not None:

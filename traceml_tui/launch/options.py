@@ -47,6 +47,14 @@ class RunOptions:
     # Prometheus metrics on node 0 (metrics.py): the port, and the address it binds.
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    # torchrun's elastic options (docs/restarts.md): restarts of the whole group after a
+    # failure, elastic membership (--nnodes MIN:MAX) and the rendezvous. None: torchrun's
+    # default (no restart, a fixed number of nodes, its static rendezvous).
+    max_restarts: int = 0
+    min_nodes: int | None = None  # --nnodes MIN:MAX (nnodes is MAX)
+    rdzv_backend: str | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -133,6 +141,26 @@ def torchrun_command(opts: RunOptions, port: int, then: list[str]) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc-per-node", str(opts.nproc_per_node),
-        "--nnodes", str(opts.nnodes), "--node-rank", str(opts.node_rank),
-        "--master-addr", opts.master_addr, "--master-port", str(port), *then,
+        "--nnodes", nnodes_arg(opts), "--node-rank", str(opts.node_rank),
+        "--master-addr", opts.master_addr, "--master-port", str(port),
+        *elastic_args(opts), *then,
     ]
+
+
+def nnodes_arg(opts: RunOptions) -> str:
+    """torchrun's --nnodes: N, or MIN:MAX for elastic membership."""
+    if opts.min_nodes is None or opts.min_nodes == opts.nnodes:
+        return str(opts.nnodes)
+    return f"{opts.min_nodes}:{opts.nnodes}"
+
+
+def elastic_args(opts: RunOptions) -> list[str]:
+    """torchrun's elastic flags the user gave (none by default: torchrun's own defaults)."""
+    out = []
+    if opts.max_restarts:
+        out += ["--max-restarts", str(opts.max_restarts)]
+    for flag, value in (("--rdzv-backend", opts.rdzv_backend),
+                        ("--rdzv-endpoint", opts.rdzv_endpoint), ("--rdzv-id", opts.rdzv_id)):
+        if value:
+            out += [flag, value]
+    return out

@@ -184,6 +184,37 @@ class Episode(_S, kw_only=True):
     lost_s: float | None = None
     lost_share: float | None = None
     gpu_hours_lost: float | None = None
+    attempt: int = 1  # the attempt its steps belong to (they start again at 0 in each)
+
+
+class RankSteps(_S, kw_only=True):
+    rank: int
+    steps: int = 0
+
+
+class SilentRank(_S, kw_only=True):
+    rank: int
+    step: int = 0  # the step after its last one reported (its last batch may be lost)
+
+
+class Attempt(_S, kw_only=True):
+    """One attempt of a job torchrun restarted (judge/attempts.py), 1-based."""
+
+    attempt: int
+    started_at: str | None = None
+    ended_at: str | None = None  # None: the last attempt (it ended with the run)
+    steps: int = 0
+    rank_steps: list[RankSteps] = []
+    verdict: Diagnosis | None = None  # the live verdict when it ended
+    failure: Failure | None = None  # its first failure (its step: the attempt's own)
+    restart_s: float | None = None  # from its failure to the next attempt's first step
+    silent: list[SilentRank] = []  # its ranks that ended without a goodbye
+
+
+class Restarts(_S, kw_only=True):
+    count: int = 0
+    restart_s: float | None = None  # all restarts together
+    dropped: int = 0  # attempts between the first and the newest kept not in `attempts`
 
 
 class Cost(_S, kw_only=True):
@@ -276,6 +307,8 @@ class Summary(_S, kw_only=True):
     preflight: dict[str, Any] | None = None
     collector: dict[str, int] = {}
     relays: dict[str, Any] | None = None
+    attempts: list[Attempt] = []
+    restarts: Restarts | None = None
 
 
 _ENCODER = msgspec.json.Encoder()

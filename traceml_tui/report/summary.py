@@ -30,6 +30,7 @@ from traceml_tui.report.memory_report import memory_json, memory_lines
 from traceml_tui.runfolder.folders import write_atomic
 from traceml_tui.runfolder.layout import RunFolder
 
+from . import attempts as attempt_text
 from . import model
 
 SCHEMA_VERSION = "1"
@@ -90,7 +91,7 @@ def _episode(e: Episode, duration_s: float, world: int) -> dict[str, Any]:
             "start": iso(e.start), "end": iso(e.end), "start_step": e.start_step,
             "end_step": e.end_step, "named_step": e.named_step,
             "cleared_step": e.cleared_step, "summary": e.summary, "node": e.node,
-            **_lost(e.lost_s, duration_s, world)}
+            **_lost(e.lost_s, duration_s, world), "attempt": e.attempt}
 
 
 def _lost(lost_s: float | None, duration_s: float, world: int) -> dict[str, Any]:
@@ -179,7 +180,32 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
         "preflight": snap.preflight,
         "collector": dict(snap.counters),
         "relays": _relays(snap),
+        **_attempts(snap),
     }
+
+
+def _attempts(snap: Snapshot) -> dict[str, Any]:
+    """`attempts`: each attempt torchrun ran (judge/attempts.py; empty outside torchrun's
+    elastic agent), its steps, last verdict and failure; `restarts`: how many and what
+    they cost (None: the job ran in one attempt)."""
+    rows: list[dict[str, Any]] = []
+    for a in snap.attempts:
+        first = a.failures[0].rank if a.failures else None
+        rows.append({
+            "attempt": a.number, "started_at": iso(a.started_at), "ended_at": iso(a.ended_at),
+            "steps": a.steps, "rank_steps": [{"rank": r, "steps": n} for r, n in a.rank_steps],
+            "verdict": None if a.verdict is None else a.verdict.to_json(),
+            "failure": failure_of([(f.rank, f.exit_code, f.error, f.step) for f in a.failures],
+                                  first),
+            "restart_s": _round(a.restart_s, 3),
+            "silent": [{"rank": r, "step": n} for r, n in a.silent]})
+    if len(rows) < 2:
+        return {"attempts": rows, "restarts": None}
+    costs = [r["restart_s"] for r in rows if r["restart_s"] is not None]
+    return {"attempts": rows, "restarts": {
+        "count": rows[-1]["attempt"] - rows[0]["attempt"],
+        "restart_s": round(sum(costs), 3) if costs else None,
+        "dropped": rows[-1]["attempt"] - rows[0]["attempt"] + 1 - len(rows)}}
 
 
 QuantilesDoc = dict[str, float | None]  # {"median": ..., "p95": ...}
@@ -431,6 +457,7 @@ def render_text(doc: dict[str, Any]) -> str:
     run, d = doc["run"], doc["diagnosis"]
     failed = doc.get("failure")
     lines = [
+        *attempt_text.lead(doc),  # a restart's failure first: the record holds both
         *([failed["summary"]] if failed else []),  # failures first (issue 32)
         f"traceml run {run['name']}: {run['world_size']} rank(s), {run['steps']} steps in "
         f"{run.get('duration_s', 0):.1f} s, exit code {run['exit_code']}"
@@ -519,15 +546,15 @@ def render_text(doc: dict[str, Any]) -> str:
             lines += [f"  [{c['severity']}] {c['id']} (rank {named}): {c['evidence']}",
                       f"      fix: {c['fix']}"]
     episodes = [e for e in doc["timeline"] if e["label"] not in (dx.WARMUP,)]
+    several = bool(doc.get("restarts"))
     if len(episodes) > 1:
         lines += ["", "Timeline:"]
         for e in episodes[-10:]:
             who = f" rank {e['rank']}" if e["rank"] is not None else ""
             if e.get("node") is not None:
                 who = f" node {e['node']}"
-            until = f"-{e['end_step']}" if e.get("end_step") is not None else "-"
             lost = (f"  (cost the job {e['lost_s']:.1f} s)" if e.get("lost_s") else "")
-            lines.append(f"  steps {e['start_step']:>6}{until:<7}  {e['label']}{who}{lost}")
+            lines.append(f"  {attempt_text.step_range(e, several)}  {e['label']}{who}{lost}")
     return "\n".join(lines) + "\n"
 
 
