@@ -8,22 +8,19 @@ the whole-window verdict of a full snapshot."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from old_code import env, old_tree
+from old_code import env, old_tree, without_new_sentences
 
 from traceml_agent import vocab
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD = "36da305"  # the last per-rank judgement
 CASES = Path(__file__).resolve().parent / "columnar_cases.py"
-SEEN = (r" (Seen for its last \d+ steps \([\d.]+ s\); b|B)ehind the other ranks on "
-        r"\d+% of the last \d+\.")
 WHERE = ("import traceml_tui.judge.state as s, traceml_agent as a; "
          "print(s.__file__); print(a.__file__)")
 
@@ -64,7 +61,7 @@ def test_the_columnar_judgement_gives_the_per_rank_verdicts_and_figures(world, t
     before, after = json.loads(before), json.loads(after)
     # A straggler's summary says since when it is seen (added after 36da305): removed
     # before the comparison, which is about the verdicts and their figures.
-    after = json.loads(re.sub(SEEN, "", json.dumps(after)))
+    after = json.loads(without_new_sentences(json.dumps(after)))
     # The cases reach every label: the comparison covers the rules, not one of them (but
     # those added since the per-rank judgement, which has no rule for them: LOAD
     # IMBALANCE reads the steps one by one, tests/test_imbalance.py).

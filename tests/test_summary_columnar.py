@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
-from old_code import old_tree, run_json
+from old_code import old_tree, run_json, without_new_sentences
 
 from traceml_tui.judge.windows import WindowBlock, whole_window_stats
 from traceml_tui.report import summary
@@ -72,6 +72,8 @@ def _strip(value: object) -> object:
         return {k: _strip(v) for k, v in value.items() if k not in ADDED}
     if isinstance(value, list):
         return [_strip(v) for v in value]
+    if isinstance(value, str):
+        return without_new_sentences(value)
     return value
 
 
@@ -82,8 +84,9 @@ def _without_added(key: str, part: str) -> object:
         return _strip(msgspec.msgpack.decode(bytes.fromhex(part)))
     if part.startswith("{"):  # written again: key order, ints and floats as they were
         return json.dumps(_strip(json.loads(part)))
-    # the text less its memory lines (report/memory_report.py)
-    return "\n".join(line for line in part.split("\n") if not line.startswith("  Memory"))
+    # the text less its memory lines (report/memory_report.py) and new sentences
+    return without_new_sentences(
+        "\n".join(line for line in part.split("\n") if not line.startswith("  Memory")))
 
 
 def test_summary_bytes_match_the_per_rank_code(tmp_path: Path) -> None:

@@ -567,7 +567,7 @@ def _comm_bound(w: WindowStats) -> Diagnosis | None:
     # rank waits for the slowest rank's own work before any transfer can finish.
     spread = w.spreads.of(INPUT_PHASES + w.compute)
     rest = None if spread is None else spread.unexplained_sync()
-    if rest is not None:
+    if spread is not None and rest is not None:
         job = float(np.median(spread.job_ms))
         own = median_of(rest) / job if job > 0 else share
         if not w.over(own, COMM_BOUND_ENTER, COMM_BOUND_EXIT, COMM_BOUND):

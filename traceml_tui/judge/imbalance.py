@@ -32,9 +32,10 @@ from .windows import AlignedSteps, nan_medians, rolling_median
 # Steps the comparison needs: fewer, and a share of steps says little (the rules' own
 # MIN_STEPS; a fixed culprit's streak needs as many).
 MIN_STEPS = 8
-# A fixed culprit is behind the other ranks' median on more steps than the median other
-# rank is, by at least BEHIND_LEAD of the steps, and by BEHIND_Z standard deviations of
-# that difference over the steps read (a binomial's, sqrt(0.5 / steps)). In an imbalance
+# A fixed culprit is behind the other ranks' median on more steps than the average rank
+# is, by at least BEHIND_LEAD of the steps, and by BEHIND_Z standard deviations of
+# the rank's share over the steps read (a binomial's at most, 0.5 / sqrt(steps); the
+# median of the other ranks' shares moves far less). In an imbalance
 # that moves every rank is behind about as often as the others (about half the steps),
 # a fixed culprit on almost all of them: a lead of 0.3 is met by a rank whose gap equals
 # the gaps' step-to-step noise (behind on 84 %, the others on about 45 %).
@@ -191,7 +192,7 @@ class StepSpread:
 
     def fixed(self, rank: int, holding: bool = False) -> bool:
         """Whether the rank is a fixed culprit: behind the others' median on a share of
-        the steps that exceeds the median other rank's share by BEHIND_LEAD (BEHIND_HOLD
+        the steps that exceeds the average rank's share by BEHIND_LEAD (BEHIND_HOLD
         while its label is shown) and by chance's margin over that many steps; over all
         the steps compared or over their newer half (a straggler that began mid-window
         moves the window's median once it holds half of it). In an imbalance that moves,
@@ -204,8 +205,7 @@ class StepSpread:
         n = len(self.steps)
         for last in (n, max(MIN_STEPS, n // 2)):
             shares = behind[:, -last:].mean(axis=1)
-            others = float(np.median(np.delete(shares, i)))
-            if shares[i] - others >= max(lead, z * math.sqrt(0.5 / last)):
+            if shares[i] - float(shares.mean()) >= max(lead, z * 0.5 / math.sqrt(last)):
                 return True
         return False
 
