@@ -24,7 +24,7 @@ def _exit_code(exc: SystemExit) -> int:
     if code is None:
         return 0
     if isinstance(code, int):
-        return code
+        return code % 256  # what the process exits with: sys.exit(256) exits 0
     return 1  # sys.exit("message") prints the message and exits 1
 
 

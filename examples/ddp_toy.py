@@ -172,8 +172,11 @@ def main() -> None:
                    help="every rank's forward first waits this long: accelerator compute, "
                         "which (unlike this script's CPU math) does not compete for the "
                         "cores the ranks of a CPU demo share")
-    p.add_argument("--fail-rank", type=int, default=None, help="this rank exits with code 3")
+    p.add_argument("--fail-rank", type=int, default=None,
+                   help="this rank exits with --fail-code (3) at --fail-at-step")
     p.add_argument("--fail-at-step", type=int, default=10)
+    p.add_argument("--fail-code", type=int, default=3,
+                   help="the code --fail-rank exits with (256 exits 0: the shell's byte)")
     p.add_argument("--hang-rank", type=int, default=None)
     p.add_argument("--skip-collective-rank", type=int, default=None)
     p.add_argument("--gil-hang-rank", type=int, default=None,
@@ -273,7 +276,7 @@ def main() -> None:
             collate.delay_s = delay if slow_input and faulty(step) else 0.0
             if args.fail_rank == rank and step == args.fail_at_step:
                 print(f"rank {rank}: simulated failure at step {step}", file=sys.stderr)
-                sys.exit(3)
+                sys.exit(args.fail_code)
             if step >= args.steps:
                 break
         epoch += 1

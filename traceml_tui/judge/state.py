@@ -127,6 +127,12 @@ def _rarely_seen(stats: BlockStats) -> np.ndarray:
     return (n >= dx.MIN_STEPS) & (seen * 2 < n[:, None]).any(axis=1)
 
 
+def wire_exit_code(code: int | None) -> int | None:
+    """A rank's exit code as its goodbye says, clamped to what a process can exit with
+    (-255..255, a signal's negative): the wire may say anything."""
+    return None if code is None else max(-255, min(255, code))
+
+
 @dataclass
 class RankState:
     ident: Identity
@@ -368,9 +374,12 @@ class RunState:
         elif isinstance(body, CheckReport):
             self.checks.add(ident.rank, ident.host, body.findings, body.facts)
         elif isinstance(body, Goodbye):
+            if rs.finished:  # one goodbye per process: a second is not its own
+                self.counters["foreign"] += 1
+                return False
             rs.finished = True
             rs.finished_at = now
-            rs.exit_code = body.exit_code
+            rs.exit_code = wire_exit_code(body.exit_code)
             rs.error = body.error
             if rs.attempt == self.attempts.number:
                 self.attempts.goodbye(ident.rank, body.exit_code, body.error,

@@ -636,8 +636,11 @@ def run(opts: RunOptions) -> int:
                                                stop_watching, proc.pid)
             node.node_stacks.start()
 
+        torchrun_rc: list[int] = []
+
         def finish() -> EndReply:
             rc = _wait(proc, signals, progress if opts.headless else None)
+            torchrun_rc.append(rc)
             if stderr_tail is not None:
                 stderr_tail.join(5)
                 report = "".join(stderr_tail.lines)
@@ -677,7 +680,18 @@ def run(opts: RunOptions) -> int:
     if reply.incomplete:
         print(f"[traceml] {reply.incomplete}", file=sys.stderr, flush=True)
     let_handover_end(node.handover)
-    return 1 if reply.exit_code is None else int(reply.exit_code)
+    return process_exit_code(reply.exit_code, torchrun_rc[0] if torchrun_rc else None)
+
+
+def process_exit_code(code: int | None, torchrun_rc: int | None) -> int:
+    """What `traceml run` exits with: the record's code, as a shell reads it; a job that
+    torchrun saw fail never exits 0, whatever code the record holds (a wire value that
+    is a multiple of 256, say)."""
+    if code is None:
+        return 1
+    if torchrun_rc not in (None, 0) and not 1 <= code <= 255:
+        return summary.shell_exit_code(code, torchrun_rc)
+    return code if 0 <= code <= 255 else summary.shell_exit_code(code)
 
 
 # The longest a store call of the handover thread takes against a store that is gone.

@@ -433,16 +433,33 @@ def job_exit_code(torchrun_exit: int | None, interrupted: bool,
     """The training job's exit code and the rank that failed first.
 
     torchrun itself exits 1 whatever a rank's code was; the agents report each rank's
-    own code, so a script that exits 3 on one rank makes `traceml run` exit 3.
+    own code, so a script that exits 3 on one rank makes `traceml run` exit 3. Whether
+    the job failed is torchrun's word, never a wire value's: a rank's code that a shell
+    would read as success or cannot exit with (0, 256, beyond a byte) is 1 when torchrun
+    failed (shell_exit_code).
     """
     failed_rank = failures[0][0] if failures else None
     if interrupted:
         return 130, failed_rank
     if torchrun_exit == 0:
         return 0, None
+    if torchrun_exit is None:
+        return (None, None) if not failures else (shell_exit_code(failures[0][1]),
+                                                   failed_rank)
     if failures:
-        return failures[0][1], failed_rank
-    return torchrun_exit, None
+        return shell_exit_code(failures[0][1], torchrun_exit), failed_rank
+    return shell_exit_code(torchrun_exit), None
+
+
+def shell_exit_code(code: int, fallback: int = 1) -> int:
+    """A failed job's code as a shell reads it: 1-255 as it is, a signal's negative code
+    as 128 + the signal; anything else a failure must not be read as (0, a multiple of
+    256, a value beyond a byte) is `fallback` (torchrun's own code), or 1."""
+    if 1 <= code <= 255:
+        return code
+    if -127 <= code < 0:
+        return 128 - code
+    return fallback if 1 <= fallback <= 255 else 1
 
 
 # --- text ------------------------------------------------------------------------------

@@ -1,0 +1,65 @@
+"""Exit codes never lie (issue 42, item 6): whether a job failed is torchrun's word, never
+a wire value's; a rank's code is what its process exits with; a second goodbye for a
+finished rank is refused; `traceml run` never exits 0 for a job torchrun saw fail."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs import run_job
+from traceml_agent.bootstrap import _exit_code
+from traceml_agent.protocol import Identity, decode, encode
+from traceml_tui.judge.state import RunState
+from traceml_tui.launch.launcher import process_exit_code
+from traceml_tui.report.summary import job_exit_code
+
+
+@pytest.mark.parametrize(("torchrun", "interrupted", "failures", "code", "rank"), [
+    (0, False, [], 0, None),
+    (0, False, [(1, 3)], 0, None),  # a failed attempt, then a restart that ran to the end
+    (1, False, [(1, 3)], 3, 1),  # the rank's own code, not torchrun's 1
+    (1, False, [(1, 256)], 1, 1),  # a shell reads 256 as success: the job failed
+    (1, False, [(1, 0)], 1, 1),
+    (1, False, [(2, -9)], 137, 2),  # killed by SIGKILL
+    (1, False, [(2, 1 << 20)], 1, 2),
+    (-15, False, [], 143, None),  # torchrun itself killed by SIGTERM
+    (1, False, [], 1, None),
+    (1, True, [(0, 3)], 130, 0),
+])
+def test_the_jobs_code_is_torchruns_verdict_with_the_ranks_own_code(
+        torchrun, interrupted, failures, code, rank):
+    assert job_exit_code(torchrun, interrupted, failures) == (code, rank)
+
+
+@pytest.mark.parametrize(("code", "torchrun", "out"), [
+    (0, 0, 0), (3, 1, 3), (256, 1, 1), (512, 2, 2), (-9, 1, 137), (None, 1, 1), (300, None, 1),
+])
+def test_traceml_run_never_exits_0_for_a_job_torchrun_saw_fail(code, torchrun, out):
+    assert process_exit_code(code, torchrun) == out
+
+
+@pytest.mark.parametrize(("raised", "code"), [(None, 0), (3, 3), (256, 0), (-1, 255),
+                                              ("message", 1)])
+def test_the_agent_reports_the_code_its_process_exits_with(raised, code):
+    assert _exit_code(SystemExit(raised)) == code
+
+
+def test_a_second_goodbye_for_a_finished_rank_is_refused_and_codes_are_clamped():
+    state = RunState("codes", world_size=2)
+    ident = Identity(1, 1, 0, "h", 101, 2)
+    assert state.ingest(decode(encode("goodbye", ident, 1, 0.0, exit_code=70000)), now=1.0)
+    assert state.ranks[1].exit_code == 255
+    assert not state.ingest(decode(encode("goodbye", ident, 2, 0.0, exit_code=0)), now=2.0)
+    assert state.ranks[1].exit_code == 255  # the first word stands
+
+
+@pytest.mark.e2e
+def test_a_rank_exiting_256_fails_the_job_with_a_nonzero_code(tmp_path):
+    """sys.exit(256) exits 0 (the shell's byte): rank 1 leaves at step 10 as if it were
+    done, the others' next collective fails, and torchrun fails the job. `traceml run`
+    used to exit with the rank's 256, which the shell reads as 0."""
+    job = run_job(tmp_path, "ddp_toy.py", nproc=2, name="code256", script_args=(
+        "--fail-rank", "1", "--fail-at-step", "10", "--fail-code", "256", "--steps", "40"))
+    assert job.returncode != 0, job.stdout[-2000:]
+    doc = job.summary
+    assert doc["run"]["exit_code"] == job.returncode
