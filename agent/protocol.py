@@ -200,6 +200,10 @@ class _Wire(Struct, tag_field="kind", forbid_unknown_fields=True, kw_only=True, 
     t: Epoch
 
 
+# A process key: 32 hex digits (secrets.token_hex(16)).
+ProcessKey = Annotated[str, Meta(min_length=32, max_length=32, pattern="^[0-9a-f]+$")]
+
+
 class Hello(_Wire, tag="hello", kw_only=True, frozen=True):
     run: Line = ""
     device: Short = "cpu"
@@ -209,6 +213,10 @@ class Hello(_Wire, tag="hello", kw_only=True, frozen=True):
     # torchrun's restart count (TORCHELASTIC_RESTART_COUNT: 0 in the first attempt); None
     # outside torchrun's elastic agent. The collector keeps each attempt (judge/attempts.py).
     attempt: Annotated[int, Meta(ge=0, le=MAX_ATTEMPT)] | None = None
+    # The agent process's own key (random, per process; never shown in a view, summary,
+    # metric or log): presented again, in a hello or heartbeat, to continue its rank's
+    # record from another connection. A pid is public; this is not (state.py).
+    key: ProcessKey | None = None
 
     def __post_init__(self) -> None:
         _clean_fields(self, lines=("run", "device", "backend"))
@@ -318,6 +326,7 @@ class Heartbeat(_Wire, tag="heartbeat", kw_only=True, frozen=True):
     capture_skips: Annotated[Count, SUMMARIZED] = 0
     agent_busy: Line | None = None
     device_rule: Line | None = None
+    key: ProcessKey | None = None  # the hello's, again: the process proves itself with it
 
     def __post_init__(self) -> None:
         _clean_fields(self, lines=("phase", "in_collective", "in_group", "parallel",

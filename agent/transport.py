@@ -13,6 +13,7 @@ send requests back to a rank over the same connection.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -90,6 +91,9 @@ class Sender(threading.Thread):
         self._stopped.acquire()
         self.exit_code: int | None = None
         self.error: str | None = None
+        # This process's key: its rank's record is continued from another connection only
+        # by a message that carries it (a reconnect); never printed or written.
+        self.key = secrets.token_hex(16)
         self.seq = 0
         self.dropped = 0  # records lost: deque overflow, device backlog, full socket
         self.sent_records = 0
@@ -148,7 +152,7 @@ class Sender(threading.Thread):
         # are spaced out; send steps only when their interval is due.
         wake = min(interval, HEARTBEAT_INTERVAL_S / 4)
         try:
-            self._send("hello", **self.hello)
+            self._send("hello", **self.hello, key=self.key)
             next_steps = next_sys = next_beat = 0.0
             sys_step = -1  # the step count at the last sys sample
             while not self._stopped.acquire(timeout=wake):
@@ -229,7 +233,8 @@ class Sender(threading.Thread):
                    agent_off=self.agent_off, replays=moved[0], batches=moved[1],
                    timing_faults=_count(getattr(rec, "timing_faults", 0)),
                    capture_skips=_count(getattr(rec, "capture_skips", 0)),
-                   agent_busy=busy, device_rule=_line(getattr(rec, "device_rule", None)))
+                   agent_busy=busy, device_rule=_line(getattr(rec, "device_rule", None)),
+                   key=self.key)
         if self.agent_off is not None:
             return  # no steps will come: no stall, no stacks
         progressed, self._moved = moved != self._moved, moved

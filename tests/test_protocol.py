@@ -83,7 +83,7 @@ def record(pos: int, value) -> dict:
 ROUND_TRIPS = [
     ("hello", {"run": "demo", "device": "cuda:1", "backend": "nccl",
                "env": {"MASTER_ADDR": "10.0.0.1", "NCCL_DEBUG": "WARN"}, "auto": False,
-               "attempt": 2}),
+               "attempt": 2, "key": "0123456789abcdef0123456789abcdef"}),
     ("sys", {"cpu_pct": 312.5, "thread_cpu_pct": 80.5, "cpu_wait_pct": 12.5, "rss_mb": 2048.0,
              "gpu_util": 97.0,
              "gpu_mem_mb": None, "gpu_mem_total_mb": 81920.0, "gpu_alloc_mb": 30_500.0,
@@ -101,7 +101,8 @@ ROUND_TRIPS = [
                    "agent_off": "internal error: RuntimeError('boom')",
                    "replays": 1200, "batches": 31, "timing_faults": 4, "capture_skips": 9,
                    "agent_busy": "deep trace stopping",
-                   "device_rule": "current device (parameters on CPU: offload)"}),
+                   "device_rule": "current device (parameters on CPU: offload)",
+                   "key": "fedcba9876543210fedcba9876543210"}),
     ("stacks", {"stacks": (("MainThread", "  File \"train.py\", line 9, in <module>\n"),
                            ("traceml-sender", "  ...\n"))}),
     ("goodbye", {"exit_code": -11, "error": "Traceback ...\nRuntimeError: boom", "steps": 99}),
@@ -147,7 +148,8 @@ def test_round_trip_steps():
 
 def test_defaults_for_optional_body_fields():
     assert payload(decode(encode("hello", IDENT, 0, T))) == {
-        "run": "", "device": "cpu", "backend": "", "env": {}, "auto": True, "attempt": None}
+        "run": "", "device": "cpu", "backend": "", "env": {}, "auto": True, "attempt": None,
+        "key": None}
     assert payload(decode(encode("goodbye", IDENT, 0, T))) == {
         "exit_code": None, "error": None, "steps": 0}
     assert decode(encode("steps", IDENT, 0, T, phases=["x"], records=[])).records == ()

@@ -82,6 +82,7 @@ def _stream() -> list[list[tuple[int, int, bytes]]]:
             if r == ENDED and t > 40:
                 continue
             if r == RESTARTED and t == 20:  # a new process, on a new connection
+                send(tick, r, "goodbye", exit_code=1)  # the old one ended first
                 ids[r] = Identity(r, r % PER_NODE, r // PER_NODE, "node1", 7000 + r, WORLD)
                 route[r], step[r] = 100 + r, 0
                 send(tick, r, "hello", run="cols", device="cpu")

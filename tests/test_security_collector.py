@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 
@@ -188,25 +189,86 @@ def _beat(rank: int, pid: int) -> Any:
 OWN, OTHER = (b"rank0", None), (b"someone", None)
 
 
-def test_a_restart_is_adopted_only_once_the_old_connection_is_quiet():
+KEY, OTHER_KEY = "0123456789abcdef" * 2, "fedcba9876543210" * 2
+
+
+def _hello_of(rank: int, pid: int, key: str | None = None, attempt: int | None = None) -> Any:
+    return decode(encode("hello", ident(rank, pid), 0, 0.0, run="r", device="cpu", env={},
+                         key=key, attempt=attempt))
+
+
+def _beat_of(rank: int, pid: int, key: str | None) -> Any:
+    return decode(encode("heartbeat", ident(rank, pid), 2, 0.0, step=0, since_step_s=0.0,
+                         key=key))
+
+
+def test_a_quiet_rank_is_never_continued_by_another_process():
+    """Issue 42 finding 1: a rank stuck in a C call goes quiet and its pid is public. A
+    key holder sending steps "as" that pid once it was quiet 3 s used to continue its
+    record (no HANG ever, the frozen rank "made" 2,647 steps); a new process's hello of
+    the same attempt too. Its own process, reconnected, shows its key."""
+    state = RunState("r", WORLD)
+    assert state.ingest(_hello_of(0, 1000, KEY, attempt=0), 0.0, OWN)
+    assert state.ingest(_steps(0, range(10), 1000), 0.5, OWN)
+    late = 0.5 + RANK_QUIET_S + 5.0  # the rank is stuck: quiet for long
+    # The same pid from another connection, with no key or another one: refused.
+    assert not state.ingest(_steps(0, range(10, 500), 1000), late, OTHER)
+    assert not state.ingest(_beat_of(0, 1000, OTHER_KEY), late, OTHER)
+    # Another process of the same attempt: refused too, however long the rank is quiet.
+    assert not state.ingest(_hello_of(0, 2000, OTHER_KEY, attempt=0), late, OTHER)
+    assert not state.ingest(_beat_of(0, 2000, OTHER_KEY), late + 10.0, OTHER)
+    assert state.ranks[0].ident.pid == 1000 and state.ranks[0].steps == 10
+    assert state.counters["not_owner"] == 4 and state.counters["restarts"] == 0
+    # Its own process, reconnected (a new routing id), shows its key: continued.
+    again = (b"reconnected", None)
+    assert not state.ingest(_steps(0, range(10, 15), 1000), late + 11.0, again)
+    assert state.ingest(_beat_of(0, 1000, KEY), late + 11.0, again)
+    assert state.ingest(_steps(0, range(10, 15), 1000), late + 11.5, again)
+    assert state.ranks[0].conn == again and state.ranks[0].steps == 15
+
+
+def test_torchrun_restarting_the_group_replaces_a_quiet_rank():
+    """A newer attempt's hello (TORCHELASTIC_RESTART_COUNT) takes a quiet rank over: the
+    old process was killed by torchrun, without a goodbye. While the old connection still
+    speaks it is a claim only."""
+    state = RunState("r", WORLD, max_restarts=1)
+    assert state.ingest(_hello_of(0, 1000, KEY, attempt=0), 0.0, OWN)
+    assert state.ingest(_steps(0, range(10), 1000), 0.5, OWN)
+    assert not state.ingest(_hello_of(0, 2000, OTHER_KEY, attempt=1), 1.0, OTHER)
+    assert state.ranks[0].ident.pid == 1000
+    assert state.ingest(_beat_of(0, 2000, OTHER_KEY), 0.5 + RANK_QUIET_S + 0.1, OTHER)
+    assert state.ranks[0].ident.pid == 2000 and state.counters["restarts"] == 1
+    assert not state.ingest(_steps(0, range(10, 20), 1000), 5.0, OWN)  # now the stranger
+
+
+def test_an_agent_without_a_key_is_taken_back_by_pid_once_quiet():
+    """An agent of before keys (no key in its hello or heartbeats) reconnects by pid, as
+    it did: nothing better is known of it."""
     state = RunState("r", WORLD)
     assert state.ingest(_hello(0, 1000), 0.0, OWN)
     assert state.ingest(_steps(0, range(10), 1000), 0.5, OWN)
-    # A new process's hello while the rank still reports: refused, kept as a claim.
-    assert not state.ingest(_hello(0, 2000), 1.0, OTHER)
-    assert not state.ingest(_beat(0, 2000), 1.0 + RANK_QUIET_S - 0.6, OTHER)
-    assert state.counters["not_owner"] == 2 and state.ranks[0].ident.pid == 1000
-    # The old connection goes quiet (the process died): the claimant's next message
-    # adopts the rank, as a restart.
-    assert state.ingest(_beat(0, 2000), 0.5 + RANK_QUIET_S + 0.1, OTHER)
-    assert state.ranks[0].ident.pid == 2000 and state.counters["restarts"] == 1
-    # ... and from then on the old connection is the stranger.
-    assert not state.ingest(_steps(0, range(10, 20), 1000), 5.0, OWN)
-    # A connection that never said hello cannot take a quiet rank with another pid ...
-    assert not state.ingest(_steps(0, range(5), 3000), 60.0, (b"third", None))
-    # ... but the rank's own process, reconnected (a new routing id), can.
-    assert state.ingest(_steps(0, range(5), 2000), 60.0, (b"reconnected", None))
-    assert state.ranks[0].conn == (b"reconnected", None) and state.ranks[0].steps == 5
+    assert not state.ingest(_steps(0, range(10, 12), 1000), 1.0, (b"early", None))
+    assert state.ingest(_steps(0, range(10, 12), 1000), 0.5 + RANK_QUIET_S + 0.1,
+                        (b"reconnected", None))
+
+
+def test_a_process_key_is_never_shown():
+    """The key is the process's proof: no summary (nor the live file, written from it),
+    view or metric carries it."""
+    from traceml_tui.collect import metrics, view_build
+    from traceml_tui.report import summary
+
+    state = RunState("r", WORLD)
+    for r in range(WORLD):
+        state.ingest(_hello_of(r, 1000 + r, KEY), 0.0, (f"rank{r}".encode(), None))
+        state.ingest(_steps(r, range(12), 1000 + r), 0.5, (f"rank{r}".encode(), None))
+        state.ingest(_beat_of(r, 1000 + r, KEY), 0.6, (f"rank{r}".encode(), None))
+    state.evaluate(1.0, 1.0)
+    snap = state.snapshot(2.0, 2.0, full=True)
+    view = view_build.build(snap, state.recent_steps)
+    shown = [summary.to_json(summary.build(snap, summary.RunMeta())).encode(),
+             msgspec.msgpack.encode(view), metrics.render(view, snap, "job")]
+    assert not [s for s in shown if KEY.encode() in s]
 
 
 def test_a_rank_that_said_goodbye_is_taken_over_at_once():

@@ -10,6 +10,7 @@ collector passes the time in, so the whole state machine is testable offline.
 
 from __future__ import annotations
 
+import hmac
 import warnings
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -170,6 +171,9 @@ class RankState:
     batches_at: float | None = None
     busy_since: float | None = None
     conn: object = None  # the connection it reports on (RunState.ingest's `conn`)
+    # Its process's key (protocol.Hello.key), from its first hello or heartbeat that had
+    # one: what its process shows to continue the record from another connection.
+    key: str | None = None
     first_step: int = -1  # its first step recorded, and when (the step-rate bound)
     first_step_at: float = 0.0
     attempt: int = 1  # the attempt its process belongs to (attempts.py)
@@ -197,7 +201,8 @@ class RunState:
                          "not_owner": 0, "bad_records": 0}
         # A hello for a live rank from another connection: that connection may take the
         # rank over once the rank's own has gone quiet (one claim per rank, the newest).
-        self.claims: dict[int, tuple[object, int]] = {}
+        # (its connection, pid, whether its hello named a newer attempt).
+        self.claims: dict[int, tuple[object, int, bool]] = {}
         self.live: dx.LiveLabel | None = None
         # Every rank's live timings (LIVE_STEPS) and newest few steps' (dx.recent_steps),
         # as columns by rank: what an evaluation reads, with no object per rank.
@@ -350,6 +355,8 @@ class RunState:
             if body.device:
                 rs.device = body.device
         elif isinstance(body, Heartbeat):
+            if rs.key is None and body.key is not None:
+                rs.key = body.key  # an agent whose hello this collector missed
             self._progress_seen(rs, body, now)
             rs.heartbeat = body
             if body.parallel in ("ddp", "fsdp") and self.parallel != "fsdp":
@@ -368,6 +375,8 @@ class RunState:
             rs.nccl = body.nccl if isinstance(body.nccl, NcclState) else None
             rs.stacks_after_step = rs.last_step
         elif isinstance(body, Hello):
+            if rs.key is None:
+                rs.key = body.key
             rs.device = body.device
             rs.auto = body.auto
             rs.dirty = True
@@ -420,16 +429,29 @@ class RunState:
         self.hang, self.hang_since, self.hang_stacks, self.ended_hang = None, None, {}, None
 
     def _may_take_over(self, rs: RankState, msg: Message, now: float, conn: object) -> bool:
-        """A message for a rank that reports on another connection: taken only once that
-        connection has gone quiet (RANK_QUIET_S) or said goodbye, and only from a new
-        process that said hello on this connection, or from the same process. While the
-        rank is alive every such message is refused: a key holder cannot replace it."""
+        """A message for a rank that reports on another connection. The rank's own
+        process, reconnected, proves itself with its key (a hello or heartbeat carrying
+        the key its first hello gave; a pid is public); an agent that never sent one is
+        taken back by pid once its connection has gone quiet (RANK_QUIET_S). Another
+        process takes the rank over once it said goodbye, or when its hello names a newer
+        attempt (torchrun restarted the group) and the old connection is quiet: a quiet
+        rank is never continued by another process, for a rank stuck in a C call goes
+        quiet too, and its record must keep its hang. While the rank is alive every such
+        message is refused: a key holder cannot replace it."""
         rank, pid = msg.ident.rank, msg.ident.pid
-        if msg.kind == "hello" and rs.ident.pid != pid:
-            self.claims[rank] = (conn, pid)
-        if not (rs.finished or now - rs.last_seen >= RANK_QUIET_S):
+        quiet = rs.finished or now - rs.last_seen >= RANK_QUIET_S
+        if rs.ident.pid == pid:
+            if rs.key is not None:
+                key = getattr(msg.body, "key", None)
+                return key is not None and hmac.compare_digest(key, rs.key)
+            return quiet
+        body = msg.body
+        if isinstance(body, Hello):
+            self.claims[rank] = (conn, pid, self.attempts.rises(body.attempt))
+        claim = self.claims.get(rank)
+        if claim is None or claim[:2] != (conn, pid):
             return False
-        return rs.ident.pid == pid or self.claims.get(rank) == (conn, pid)
+        return rs.finished or (claim[2] and quiet)
 
     @staticmethod
     def _progress_seen(rs: RankState, body: Heartbeat, now: float) -> None:
