@@ -105,10 +105,10 @@ def records(steps: range | list[int], step_ms: float = 10.0) -> list[list]:
 class Rank(threading.Thread):
     """A rank that says hello, then steps and beats every 50 ms on its own connection."""
 
-    def __init__(self, collector: Secured, rank: int) -> None:
+    def __init__(self, collector: Secured, rank: int, pid: int | None = None) -> None:
         super().__init__(daemon=True)
         self.sock = collector.dealer()
-        self.who = ident(rank)
+        self.who = ident(rank, pid)
         self.steps = 0
         self.seq = 0
         self.halt = threading.Event()
@@ -169,6 +169,43 @@ def test_a_key_holder_cannot_rewrite_or_replace_a_live_rank(secured):
     finally:
         for r in ranks:
             r.stop()
+
+
+def test_a_key_holder_speaking_first_does_not_own_a_rank(tmp_path):
+    """Issue 42 finding 2: right after collector.json appears, a key holder says hello for
+    ranks 0 and 1 with pids of its own, then keeps beating; the real agents, seconds
+    later, were refused as not_owner for as long as it talked. Started by the launcher
+    (--parent-pid), the collector takes a new process for a rank of its own host only
+    where /proc shows it below the launcher: the impostor's pids are not."""
+    job = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+           for _ in range(WORLD)]  # the ranks' processes: children of the "launcher"
+    collector = Secured(tmp_path / "run", "--parent-pid", str(os.getpid()))
+    ranks: list[Rank] = []
+    try:
+        attacker = collector.dealer()
+        for r in range(WORLD):  # os.getppid(): a real process, not one of the job's
+            attacker.send(encode("hello", ident(r, pid=os.getppid()), 1, time.time(),
+                                 run="secured", device="cpu", env={}, auto=True))
+        for seq in range(2, 12):
+            for r in range(WORLD):
+                attacker.send(encode("heartbeat", ident(r, pid=os.getppid()), seq,
+                                     time.time(), step=0, since_step_s=0.0))
+        ranks = [Rank(collector, r, pid=p.pid) for r, p in enumerate(job)]
+        for rank in ranks:
+            rank.start()
+        wait_for(lambda: min(r["steps"] for r in collector.summary()["ranks"]) >= 40, 30,
+                 "the real ranks' steps")
+        doc = collector.summary()
+        assert [r["pid"] for r in doc["ranks"]] == [p.pid for p in job]
+        assert doc["collector"]["not_owner"] >= 2 * WORLD
+        attacker.close()
+    finally:
+        for rank in ranks:
+            rank.stop()
+        collector.stop()
+        for p in job:
+            p.kill()
+            p.wait()
 
 
 def _hello(rank: int, pid: int) -> Any:

@@ -74,6 +74,7 @@ from . import descriptors
 from .auth import start_authenticator
 from .deep_traces import DeepTraceBoard
 from .ingest_pump import IngestPump, Route
+from .lineage import JobLineage
 from .view_server import ViewServer
 
 EVAL_INTERVAL_S = 0.5  # live diagnosis cadence: a change shows within ~1-2 s
@@ -661,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
                      args.nproc_per_node, args.started_at or time.time(),
                      hang_after_s=args.hang_after, max_restarts=max(0, args.max_restarts),
                      min_world_size=args.min_world_size)
+    if args.parent_pid:  # started by the launcher: the job's processes are below it
+        state.of_the_job = JobLineage(args.parent_pid)
     if args.preflight is not None:
         state.set_preflight(_read_preflight(args.preflight))
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hmac
 import warnings
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
@@ -201,6 +201,10 @@ class RunState:
                          "not_owner": 0, "bad_records": 0}
         # A hello for a live rank from another connection: that connection may take the
         # rank over once the rank's own has gone quiet (one claim per rank, the newest).
+        # Whether a pid is one of the job's processes (collect/lineage.py), set by the
+        # collector where it can tell: a key holder's hello with a pid of its own then
+        # cannot take a rank before the real one says hello (_of_the_job).
+        self.of_the_job: Callable[[int], bool] | None = None
         # (its connection, pid, whether its hello named a newer attempt).
         self.claims: dict[int, tuple[object, int, bool]] = {}
         self.live: dx.LiveLabel | None = None
@@ -325,6 +329,9 @@ class RunState:
             self.counters["restarts"] += 1
             self.checks.forget(ident.rank)
             rs = None
+        if rs is None and not self._of_the_job(ident, conn):
+            self.counters["not_owner"] += 1  # a process the launcher did not start
+            return False
         self.counters["messages"] += 1
         if rs is None:
             if isinstance(msg.body, Hello):  # a new process: perhaps of a new attempt
@@ -428,6 +435,20 @@ class RunState:
         self.clock = StepClock()
         self.hang, self.hang_since, self.hang_stacks, self.ended_hang = None, None, {}, None
 
+    def _of_the_job(self, ident: Identity, conn: object) -> bool:
+        """Whether a new process for a rank may have a record: where the collector can
+        see the process (`of_the_job`, set by the collector: /proc's lineage), it must be
+        one the launcher started. Only for ranks of this host, on a connection of their
+        own (not through another node's relay); elsewhere the kernel that knows is
+        another host's. Without the check (tests, offline use) every process may."""
+        check = self.of_the_job
+        if check is None or conn is None:
+            return True
+        relayed = isinstance(conn, tuple) and len(conn) == 2 and conn[1] is not None
+        if relayed or (ident.node != 0 and self.nnodes > 1):
+            return True
+        return check(ident.pid)
+
     def _may_take_over(self, rs: RankState, msg: Message, now: float, conn: object) -> bool:
         """A message for a rank that reports on another connection. The rank's own
         process, reconnected, proves itself with its key (a hello or heartbeat carrying
@@ -446,7 +467,7 @@ class RunState:
                 return key is not None and hmac.compare_digest(key, rs.key)
             return quiet
         body = msg.body
-        if isinstance(body, Hello):
+        if isinstance(body, Hello) and self._of_the_job(msg.ident, conn):
             self.claims[rank] = (conn, pid, self.attempts.rises(body.attempt))
         claim = self.claims.get(rank)
         if claim is None or claim[:2] != (conn, pid):

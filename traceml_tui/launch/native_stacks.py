@@ -47,10 +47,10 @@ from traceml_agent.requests import (
     decode_control_reply,
     encode_control,
 )
+from traceml_tui.collect.lineage import descends_from, parent_pid  # noqa: F401 (re-exported)
 from traceml_tui.runfolder.layout import RunFolder
 
 DUMP_TIMEOUT_S = 20.0
-MAX_DEPTH = 64  # ancestors walked from a pid towards torchrun (ranks are 1-3 levels below)
 POLL_S = 1.0
 
 
@@ -68,27 +68,6 @@ def dump(pid: int, py_spy: str | None = None) -> str | None:
     if done.returncode != 0 or not done.stdout.strip():
         return None
     return done.stdout[:NATIVE_STACK_MAX]  # the collector refuses more
-
-
-def parent_pid(pid: int, proc: Path = Path("/proc")) -> int | None:
-    """The parent of `pid` as the kernel says (/proc/PID/stat), None if it is gone."""
-    try:
-        stat = (proc / str(pid) / "stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[1])  # the name may hold spaces or ')'
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def descends_from(pid: int, ancestor: int, proc: Path = Path("/proc")) -> bool:
-    """True only when /proc shows `pid` below `ancestor` (its child, grandchild...)."""
-    for _ in range(MAX_DEPTH):
-        parent = parent_pid(pid, proc)
-        if parent is None or parent <= 1:
-            return False
-        if parent == ancestor:
-            return True
-        pid = parent
-    return False
 
 
 def stuck_ranks(doc: dict[str, Any], node: int) -> list[tuple[int, int]]:
