@@ -94,6 +94,9 @@ FINISH_GRACE_MULTINODE_S = 10.0
 QUIET_S, QUIET_MULTINODE_S = 0.5, 2.5
 DRAIN_BATCH = 5_000  # messages taken per loop turn before looking at the clock
 DRAIN_SLICE_S = 0.05  # ... or this long, so ticks and control requests are never starved
+# ... taken from the queue at most this many bytes at a time, so the slice is looked at
+# again after at most that much decoding (about 10 ms of 1 MiB steps messages).
+DRAIN_TAKE_BYTES = 1 << 20
 # A snapshot write may take a while with thousands of ranks: the next one waits at least
 # this many times as long as the last took, so writing never takes more than a tenth of
 # the core from ingest (16,384 ranks: ~1.4 s a write, one every ~15 s; 1,024: every 2 s).
@@ -251,6 +254,7 @@ class Collector:
                 self._count_refusals()
                 self.state.counters["rejected_peers"] = self.rejected_peers
                 self.state.counters["backlog_refused"] = self.pump.refused
+                self.state.waiting_routes = self.pump.waiting_routes()
                 self.state.evaluate(time.time(), time.monotonic())
                 self.ask_relays_for_stacks()
                 self.views.refresh()
@@ -296,7 +300,9 @@ class Collector:
         mono = time.monotonic()
         deadline = mono + DRAIN_SLICE_S
         while n < limit and mono <= deadline:
-            batch = self.pump.take(min(256, limit - n))
+            # A batch of at most DRAIN_TAKE_BYTES: a key holder's 1 MiB messages, 256 at a
+            # time, held the drain (and every viewer) for seconds past its slice.
+            batch = self.pump.take(min(256, limit - n), DRAIN_TAKE_BYTES)
             if not batch:
                 break
             n += len(batch)

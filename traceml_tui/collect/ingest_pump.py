@@ -148,8 +148,15 @@ class IngestPump(threading.Thread):
     def pending(self) -> bool:
         return bool(self._ready)
 
-    def take(self, limit: int) -> list[list[bytes]]:
-        """Up to `limit` messages, one per peer per turn. Clears the wake-ups."""
+    def waiting_routes(self) -> frozenset[bytes]:
+        """The connections (routing ids; a relay's for all its node's ranks) whose
+        messages wait here now, not yet taken."""
+        with self._lock:
+            return frozenset(self._queues)
+
+    def take(self, limit: int, max_bytes: int = 1 << 62) -> list[list[bytes]]:
+        """Up to `limit` messages (and `max_bytes`, at least one message), one per peer
+        per turn. Clears the wake-ups."""
         while True:
             try:
                 self.wake.recv(zmq.NOBLOCK)
@@ -158,11 +165,13 @@ class IngestPump(threading.Thread):
         taken: list[list[bytes]] = []
         with self._lock:
             ready, queues, sizes = self._ready, self._queues, self._bytes
-            while ready and len(taken) < limit:
+            held = 0
+            while ready and len(taken) < limit and held < max_bytes:
                 route = ready.popleft()
                 queue = queues[route]
                 frames = queue.popleft()
                 size = sum(map(len, frames))
+                held += size
                 self.queued_bytes -= size
                 if queue:
                     sizes[route] -= size

@@ -205,6 +205,9 @@ class RunState:
         # collector where it can tell: a key holder's hello with a pid of its own then
         # cannot take a rank before the real one says hello (_of_the_job).
         self.of_the_job: Callable[[int], bool] | None = None
+        # The connections whose messages wait in the collector's queue at this
+        # evaluation (collect/ingest_pump.py): their ranks are not silent (_waiting).
+        self.waiting_routes: frozenset[object] = frozenset()
         # (its connection, pid, whether its hello named a newer attempt).
         self.claims: dict[int, tuple[object, int, bool]] = {}
         self.live: dx.LiveLabel | None = None
@@ -756,7 +759,8 @@ class RunState:
         and no rank's progress is built."""
         if self.attempts.restarting(mono_now):  # torchrun restarts the group: no hang
             return None, {}
-        stalled = [rs.since_step_at_msg_s + max(0.0, mono_now - rs.last_seen)
+        stalled = [0.0 if self._waiting(rs) else
+                   rs.since_step_at_msg_s + max(0.0, mono_now - rs.last_seen)
                    for rs in self.ranks.values()
                    if not rs.finished and rs.heartbeat.agent_off is None]
         if hang.stepping(stalled, med, self.hang_after_s):
@@ -764,6 +768,14 @@ class RunState:
         progress = self.progress(mono_now)
         return (hang.detect(progress, med, self.hang_after_s),
                 hang.hidden_ranks(progress, med, self.hang_after_s))
+
+    def _waiting(self, rs: RankState) -> bool:
+        """Whether messages of the rank's connection wait in the collector's queue, not
+        yet read (`waiting_routes`, set by the collector before each evaluation): a
+        flood of other peers' messages delays its own, and it is not silent then."""
+        conn = rs.conn
+        return (bool(self.waiting_routes) and isinstance(conn, tuple) and len(conn) == 2
+                and conn[0] in self.waiting_routes)
 
     def progress(self, mono_now: float) -> list[hang.RankProgress]:
         out = []
@@ -773,10 +785,12 @@ class RunState:
             hb = rs.heartbeat
             # Relayed (its route at a node relay is set) through a relay now silent.
             relayed = isinstance(rs.conn, tuple) and len(rs.conn) == 2 and rs.conn[1] is not None
+            waiting = self._waiting(rs)  # its messages not yet read: not silent
             out.append(hang.RankProgress(
                 rs.ident.rank, rs.ident.host, max(rs.steps, hb.step),
                 hb.collectives, hb.phase, hb.in_collective,
-                rs.since_step_at_msg_s, max(0.0, mono_now - rs.last_seen), rs.finished,
+                0.0 if waiting else rs.since_step_at_msg_s,
+                0.0 if waiting else max(0.0, mono_now - rs.last_seen), rs.finished,
                 hb.agent_off is not None, tuple(sorted(hb.groups.items())), hb.in_group,
                 None if rs.replays_at is None else max(0.0, mono_now - rs.replays_at),
                 None if rs.batches_at is None else max(0.0, mono_now - rs.batches_at),
