@@ -271,6 +271,8 @@ def _patch_dataloader(torch: Any) -> None:
         obs = _obs
         if obs is not None:  # obs.on_loader_batch(self), written out (once per batch)
             obs.last_iter = self
+            if obs.digest.left:  # the first batches' digest (datadigest.py), a few times
+                obs.digest.add(batch)
         return batch
 
     _setattr(cls, "__next__", __next__)
@@ -296,6 +298,8 @@ def _background_next(rec: Recorder, it: Any, original: Callable[[Any], Any]) -> 
     obs = _obs
     if obs is not None:  # obs.on_loader_batch(it)
         obs.last_iter = it
+        if obs.digest.left:
+            obs.digest.add(batch)
     return batch
 
 
