@@ -480,7 +480,8 @@ class StepObserver:
                  "_ddp", "sync_src", "last_iter", "_train_pass", "_samplers", "_batch",
                  "_bn_checked", "synced", "_accum_strikes", "_accum_max", "_unused_steps",
                  "_checksums", "_in_flight", "_device", "_stepped", "_facts_sent",
-                 "digest", "_data", "_facts", "_digest_sent")
+                 "digest", "_data", "_facts", "_digest_sent", "loader_len", "loader_epochs",
+                 "loader_workers", "loader_persistent")
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -519,6 +520,12 @@ class StepObserver:
         self._data: dict[str, Any] = {"dataset_digest": None, "sampler": None}
         self._facts: dict[str, Any] | None = None
         self._digest_sent = False
+        # The loader feeding the steps, for a stall's advice (heartbeat): its length in
+        # batches, the passes over it (epochs), its workers and whether they persist.
+        self.loader_len: int | None = None
+        self.loader_epochs = 0
+        self.loader_workers: int | None = None
+        self.loader_persistent: bool | None = None
 
     # --- hooks' calls ----------------------------------------------------------------
 
@@ -655,8 +662,11 @@ class StepObserver:
                 self._check_batchnorm()
         if entry[1]() is current:
             return  # back to a pass already counted (another loader fed the last step)
+        self._count_pass(it)
         if not isinstance(sampler, DistributedSampler) or not sampler.shuffle:
-            return  # without shuffling every epoch has the same order anyway
+            # without shuffling every epoch has the same order anyway
+            self._samplers[id(sampler)] = (entry[0], _ref(current), entry[2], entry[3])
+            return
         passes = entry[3] + 1
         if passes > 1 and sampler.epoch == entry[2]:
             self._emit(finding(SET_EPOCH_NOT_CALLED, (self.rank,),
@@ -664,6 +674,18 @@ class StepObserver:
                                f"epoch={sampler.epoch}, as did pass {passes - 1}: the same "
                                "sample order again"))
         self._samplers[id(sampler)] = (entry[0], _ref(current), sampler.epoch, passes)
+
+    def _count_pass(self, it: Any) -> None:
+        """A new pass over a loader (an epoch): its length and workers, for the advice."""
+        self.loader_epochs += 1
+        try:
+            self.loader_len = len(it)
+        except TypeError:  # an iterable dataset without a length
+            self.loader_len = None
+        workers = getattr(it, "_num_workers", None)
+        self.loader_workers = workers if type(workers) is int and workers >= 0 else None
+        persistent = getattr(it, "_persistent_workers", None)
+        self.loader_persistent = persistent if type(persistent) is bool else None
 
     def _check_batchnorm(self) -> None:
         if self._bn_checked or self._batch is None or not self._models:

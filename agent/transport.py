@@ -21,7 +21,7 @@ from collections import deque
 from time import perf_counter_ns
 from typing import Any
 
-from . import handover, keys, nccl_log, protocol
+from . import gcwatch, handover, keys, nccl_log, protocol
 from .capture import Capturer
 from .checks import StepObserver
 from .recorder import BACKWARD, MEASURED, SYNC, Recorder
@@ -229,7 +229,8 @@ class Sender(threading.Thread):
                    agent_off=self.agent_off, replays=moved[0], batches=moved[1],
                    timing_faults=_count(getattr(rec, "timing_faults", 0)),
                    capture_skips=_count(getattr(rec, "capture_skips", 0)),
-                   agent_busy=busy, device_rule=_line(getattr(rec, "device_rule", None)))
+                   agent_busy=busy, device_rule=_line(getattr(rec, "device_rule", None)),
+                   **_advice_evidence(self.observer))
         if self.agent_off is not None:
             return  # no steps will come: no stall, no stacks
         progressed, self._moved = moved != self._moved, moved
@@ -416,3 +417,22 @@ def thread_stacks() -> list[list[str]]:
         out.append([names.get(ident, f"thread {ident}")[:128], text])
     out.sort(key=lambda item: item[0] != "MainThread")  # the training thread first
     return out[: protocol.MAX_THREADS]
+
+
+def _advice_evidence(observer: StepObserver | None) -> dict[str, Any]:
+    """The heartbeat's evidence for a stall's advice: this process's garbage-collection
+    pauses (gcwatch.py) and the training DataLoader the observer saw; empty on a failure
+    (evidence only: never worth the heartbeat)."""
+    try:
+        out: dict[str, Any] = {}
+        watch = gcwatch.current()
+        if watch is not None:
+            out.update(gc_slow=watch.slow, gc_slow_ms=watch.slow_ms, gc_max_ms=watch.max_ms,
+                       gc_full=watch.full)
+        if observer is not None and observer.loader_epochs:
+            out.update(loader_len=observer.loader_len, loader_epochs=observer.loader_epochs,
+                       loader_workers=observer.loader_workers,
+                       loader_persistent=observer.loader_persistent)
+        return out
+    except Exception:
+        return {}
