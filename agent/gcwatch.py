@@ -5,9 +5,10 @@ full collection now and then: tens or hundreds of ms in which the whole process 
 and every other rank waits for it in its next collective. The stall log sees a periodic
 stall in whatever phase was allocating; only the interpreter knows it was the collector.
 `gc.callbacks` calls us at each collection's start and stop with its generation, so the
-agent counts the pauses at least SLOW_GC_MS long (those are what stall a step), their
-total and the longest, and sends them in the heartbeat; judge/advice.py compares them
-with the rank's stalls (docs/diagnosis.md, "Advice from evidence").
+agent counts, from the first step on, the pauses at least SLOW_GC_MS long (those are
+what stall a step), their total and the longest, and sends them in the heartbeat;
+judge/advice.py compares them with the rank's stalls (docs/diagnosis.md, "Advice from
+evidence").
 
 Cost: two perf_counter calls and a few additions per collection (collections happen at
 most every few hundred allocations; a young one takes microseconds itself). The callback
@@ -29,9 +30,13 @@ class GcWatch:
     """Counters of this process's collections (read by the sender thread: plain floats
     and ints, each written whole)."""
 
-    __slots__ = ("collections", "slow", "slow_ms", "max_ms", "full", "_t0")
+    __slots__ = ("collections", "slow", "slow_ms", "max_ms", "full", "_t0", "armed")
 
     def __init__(self) -> None:
+        # Counting starts with training (arm(): the sender, at its first heartbeat after
+        # a step): a gc.collect() in the set-up is no step's stall, and counted it would
+        # pass for the cause of a checkpoint's stalls.
+        self.armed = False
         self.collections = 0  # every collection, any generation
         self.full = 0  # generation-2 collections
         self.slow = 0  # pauses of at least SLOW_GC_MS
@@ -40,10 +45,14 @@ class GcWatch:
         self._t0 = 0.0
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if not self.armed:
+            return
         try:
             if phase == "start":
                 self._t0 = perf_counter()
                 return
+            if not self._t0:
+                return  # armed during this collection
             ms = (perf_counter() - self._t0) * 1000.0
             self.collections += 1
             if info.get("generation") == 2:

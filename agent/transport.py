@@ -230,7 +230,7 @@ class Sender(threading.Thread):
                    timing_faults=_count(getattr(rec, "timing_faults", 0)),
                    capture_skips=_count(getattr(rec, "capture_skips", 0)),
                    agent_busy=busy, device_rule=_line(getattr(rec, "device_rule", None)),
-                   **_advice_evidence(self.observer))
+                   **_advice_evidence(self.observer, rec.step))
         if self.agent_off is not None:
             return  # no steps will come: no stall, no stacks
         progressed, self._moved = moved != self._moved, moved
@@ -419,13 +419,16 @@ def thread_stacks() -> list[list[str]]:
     return out[: protocol.MAX_THREADS]
 
 
-def _advice_evidence(observer: StepObserver | None) -> dict[str, Any]:
+def _advice_evidence(observer: StepObserver | None, step: int) -> dict[str, Any]:
     """The heartbeat's evidence for a stall's advice: this process's garbage-collection
-    pauses (gcwatch.py) and the training DataLoader the observer saw; empty on a failure
-    (evidence only: never worth the heartbeat)."""
+    pauses since training began (gcwatch.py: armed at the first heartbeat after a step)
+    and the training DataLoader the observer saw; empty on a failure (evidence only:
+    never worth the heartbeat)."""
     try:
         out: dict[str, Any] = {}
         watch = gcwatch.current()
+        if watch is not None and not watch.armed and step > 0:
+            watch.armed = True
         if watch is not None:
             out.update(gc_slow=watch.slow, gc_slow_ms=watch.slow_ms, gc_max_ms=watch.max_ms,
                        gc_full=watch.full)

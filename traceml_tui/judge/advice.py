@@ -24,8 +24,9 @@ from traceml_agent.vocab import DATALOADER, FORWARD, OPTIMIZER, WAIT
 
 from .stalls import PERIOD_TOLERANCE, StallFinding
 
-# The garbage collector explains a rank's stalls when its slow pauses (gcwatch.SLOW_GC_MS)
-# add up to at least GC_SHARE of the rank's own stall excess over the run, and its
+# The garbage collector explains a rank's stalls when its slow pauses (gcwatch.SLOW_GC_MS,
+# counted from the first step) number at least GC_SHARE of its periodic stalls and add up
+# to at least GC_SHARE of the rank's own stall excess over the run, and its
 # longest pause is at least GC_PAUSE_SHARE of a typical stall: a collector that only
 # nibbles a few ms while 400 ms checkpoints stall the rank is not the cause.
 GC_SHARE = 0.5
@@ -66,6 +67,7 @@ def _who(s: Scope) -> str:
 def _gc(s: Scope) -> bool:
     hb, f = s.hb, s.stall
     return (hb is not None and hb.gc_slow > 0 and f.lost_ms > 0
+            and hb.gc_slow >= GC_SHARE * f.periodic_count
             and hb.gc_slow_ms >= GC_SHARE * f.lost_ms
             and hb.gc_max_ms >= GC_PAUSE_SHARE * f.periodic_ms)
 
