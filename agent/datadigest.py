@@ -27,6 +27,8 @@ DIGEST_BATCHES = 3
 # flattened rows): different data changes nearly every element, so a thousand suffice,
 # and the cost stays a small copy per tensor whatever its size.
 DIGEST_ELEMENTS = 1024
+# Rows of a non-contiguous tensor read (flattening it copies what it reads).
+DIGEST_ROWS = 4
 # Tensors read per batch or dataset, and how deep a batch's nesting is followed.
 MAX_TENSORS = 16
 MAX_DEPTH = 4
@@ -61,7 +63,7 @@ def _update(h: Any, t: Any) -> bool:
     if not n:
         return True
     if t.dim() > 1 and not t.is_contiguous():
-        t = t[:: max(1, t.shape[0] // DIGEST_ELEMENTS)]  # rows first: no copy of it all
+        t = t[:DIGEST_ROWS]  # reshape copies: a few rows, never a whole batch
     flat = t.reshape(-1)
     sample = flat[:: max(1, flat.numel() // DIGEST_ELEMENTS)][:DIGEST_ELEMENTS]
     kind = torch.float64 if sample.is_floating_point() else torch.int64
@@ -98,8 +100,7 @@ def dataset_digest(dataset: Any) -> str | None:
                             if isinstance(fields[k], torch.Tensor))
         if not tensors:
             return None
-        body = digest_of(tensors)
-        return None if body is None else f"{body}"
+        return digest_of(tensors)
     except Exception:
         return None
 

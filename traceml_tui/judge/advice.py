@@ -75,7 +75,7 @@ def _gc(s: Scope) -> bool:
 def _gc_advice(s: Scope) -> str:
     hb, f = s.hb, s.stall
     assert hb is not None
-    return (f"The garbage collector paused {_who(s)} {hb.gc_slow} times for up to "
+    return (f"The garbage collector paused rank {f.rank} {hb.gc_slow} times for up to "
             f"{hb.gc_max_ms:.0f} ms ({hb.gc_slow_ms / 1000:.1f} s in all, against "
             f"{f.lost_ms / 1000:.1f} s of stalls; {hb.gc_full} full collections): call "
             f"gc.freeze() after set-up (model, data, caches), raise the thresholds "
