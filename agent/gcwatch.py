@@ -33,9 +33,9 @@ class GcWatch:
     __slots__ = ("collections", "slow", "slow_ms", "max_ms", "full", "_t0", "armed")
 
     def __init__(self) -> None:
-        # Counting starts with training (arm(): the sender, at its first heartbeat after
-        # a step): a gc.collect() in the set-up is no step's stall, and counted it would
-        # pass for the cause of a checkpoint's stalls.
+        # Counting starts with training (arm(): at the first optimizer step): a
+        # gc.collect() in the set-up is no step's stall, and counted it would pass for
+        # the cause of a checkpoint's stalls.
         self.armed = False
         self.collections = 0  # every collection, any generation
         self.full = 0  # generation-2 collections
@@ -76,6 +76,13 @@ def install() -> GcWatch:
         _watch = GcWatch()
         gc.callbacks.append(_watch)
     return _watch
+
+
+def arm() -> None:
+    """Training has begun: count from now on (the hooks at the first optimizer step, the
+    sender at its first heartbeat after a step for loops the hooks do not see)."""
+    if _watch is not None:
+        _watch.armed = True
 
 
 def uninstall() -> None:
