@@ -26,7 +26,7 @@ from .stalls import PERIOD_TOLERANCE, StallFinding
 
 # The garbage collector explains a rank's stalls when its slow pauses (gcwatch.SLOW_GC_MS,
 # counted from the first step) number at least GC_SHARE of its periodic stalls and add up
-# to at least GC_SHARE of the rank's own stall excess over the run, and its
+# to at least GC_SHARE of its periodic stalls' excess over the run, and its
 # longest pause is at least GC_PAUSE_SHARE of a typical stall: a collector that only
 # nibbles a few ms while 400 ms checkpoints stall the rank is not the cause.
 GC_SHARE = 0.5
@@ -66,10 +66,15 @@ def _who(s: Scope) -> str:
 
 def _gc(s: Scope) -> bool:
     hb, f = s.hb, s.stall
-    return (hb is not None and hb.gc_slow > 0 and f.lost_ms > 0
+    return (hb is not None and hb.gc_slow > 0 and _periodic_ms(f) > 0
             and hb.gc_slow >= GC_SHARE * f.periodic_count
-            and hb.gc_slow_ms >= GC_SHARE * f.lost_ms
+            and hb.gc_slow_ms >= GC_SHARE * _periodic_ms(f)
             and hb.gc_max_ms >= GC_PAUSE_SHARE * f.periodic_ms)
+
+
+def _periodic_ms(f: StallFinding) -> float:
+    """The periodic stalls' excess over the run (not the rank's hiccups between them)."""
+    return f.periodic_count * f.periodic_ms
 
 
 def _gc_advice(s: Scope) -> str:
@@ -77,7 +82,7 @@ def _gc_advice(s: Scope) -> str:
     assert hb is not None
     return (f"The garbage collector paused rank {f.rank} {hb.gc_slow} times for up to "
             f"{hb.gc_max_ms:.0f} ms ({hb.gc_slow_ms / 1000:.1f} s in all, against "
-            f"{f.lost_ms / 1000:.1f} s of stalls; {hb.gc_full} full collections): call "
+            f"{_periodic_ms(f) / 1000:.1f} s of stalls; {hb.gc_full} full collections): call "
             f"gc.freeze() after set-up (model, data, caches), raise the thresholds "
             f"(gc.set_threshold), or gc.disable() and gc.collect() at the same step on "
             f"every rank.")
