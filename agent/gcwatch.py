@@ -70,11 +70,11 @@ _watch: GcWatch | None = None
 
 
 def install() -> GcWatch:
-    """Start counting (once per process); the watch to read."""
+    """Start counting (a fresh watch, once per agent start); the watch to read."""
     global _watch
-    if _watch is None:
-        _watch = GcWatch()
-        gc.callbacks.append(_watch)
+    uninstall()
+    _watch = GcWatch()
+    gc.callbacks.append(_watch)
     return _watch
 
 
@@ -86,13 +86,13 @@ def arm() -> None:
 
 
 def uninstall() -> None:
-    global _watch
+    """Stop counting. The counters stay readable (current()): the sender's last heartbeat,
+    after the agent's teardown, still carries them."""
     if _watch is not None:
         try:
             gc.callbacks.remove(_watch)
         except ValueError:
             pass
-        _watch = None
 
 
 def current() -> GcWatch | None:

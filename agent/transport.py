@@ -174,6 +174,9 @@ class Sender(threading.Thread):
                     self._heartbeat()
             self._send_steps()
             self._send_checks()
+            # The last counters (the advice's GC and loader evidence grew since the last
+            # beat: up to a second of a short run), without the stuck-rank stacks.
+            self._heartbeat(final=True)
             self._send(
                 "goodbye", exit_code=self.exit_code, error=self.error, steps=self.rec.step
             )
@@ -213,7 +216,7 @@ class Sender(threading.Thread):
         except Exception:  # evidence only: never worth the stacks themselves
             return {}
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, final: bool = False) -> None:
         rec = self.rec
         phase, in_phase = rec.in_phase()
         since_step = max(0.0, (perf_counter_ns() - rec.last_step_t) / 1e9)
@@ -231,7 +234,7 @@ class Sender(threading.Thread):
                    capture_skips=_count(getattr(rec, "capture_skips", 0)),
                    agent_busy=busy, device_rule=_line(getattr(rec, "device_rule", None)),
                    **_advice_evidence(self.observer, rec.step))
-        if self.agent_off is not None:
+        if self.agent_off is not None or final:
             return  # no steps will come: no stall, no stacks
         progressed, self._moved = moved != self._moved, moved
         if progressed or busy is not None:
