@@ -28,7 +28,7 @@ import threading
 from collections import deque
 from typing import Any, Literal
 
-from . import device, env, keys, protocol
+from . import device, env, gcwatch, keys, protocol
 from .protocol import PHASES
 from .recorder import NO_PHASE
 from .vocab import WAIT
@@ -143,6 +143,7 @@ def _start(endpoint: str, run_name: str, auto: bool, secret: str | None) -> None
     _state["rec"], _state["sender"] = rec, sender
     if auto:
         hooks.install(rec, torch, _on_internal_error, observer)
+    gcwatch.install()  # garbage-collection pauses, the evidence of a stall's advice
     sender.start()
     if os.environ.get(env.DEBUG) == "1":
         print(f"[traceml] agent rank {ident.rank} reporting to {endpoint}", file=sys.stderr)
@@ -178,6 +179,7 @@ def _teardown() -> None:
     from . import hooks
 
     hooks.uninstall()
+    gcwatch.uninstall()
     _state["rec"] = None
     _state["sender"] = None
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from . import visible_devices
+from .datadigest import BatchDigest, dataset_digest
 from .sanitize import clean_line, clean_text
 from .vocab import CRITICAL, INFO, SEVERITIES, WARNING
 
@@ -320,9 +321,13 @@ def inspect_loader(loader: Any, world_size: int, rank: int = 0) -> list[Finding]
                                else INFO))
         per_rank = sampler.num_samples
     elif type(sampler) in (RandomSampler, SequentialSampler) and world_size > 1:
+        # Only a hint from here: ranks that each built their own shard need no sampler.
+        # The collector makes it critical when the data digests prove every rank reads
+        # the same data, and drops it when they prove the opposite (judge/same_data.py).
         out.append(finding(NO_DISTRIBUTED_SAMPLER, (rank,),
                            f"{type(sampler).__name__} over all {n} samples on each of "
-                           f"{world_size} ranks: every rank trains on the same data"))
+                           f"{world_size} ranks, no DistributedSampler",
+                           severity=INFO))
         per_rank = n
     else:
         return out  # a custom sampler: its sharding is unknown, so say nothing
@@ -474,7 +479,9 @@ class StepObserver:
     __slots__ = ("rank", "world_size", "error", "_off", "_findings", "_fired", "_models",
                  "_ddp", "sync_src", "last_iter", "_train_pass", "_samplers", "_batch",
                  "_bn_checked", "synced", "_accum_strikes", "_accum_max", "_unused_steps",
-                 "_checksums", "_in_flight", "_device", "_stepped", "_facts_sent")
+                 "_checksums", "_in_flight", "_device", "_stepped", "_facts_sent",
+                 "digest", "_data", "_facts", "_digest_sent", "loader_len", "loader_epochs",
+                 "loader_workers", "loader_persistent")
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -503,6 +510,22 @@ class StepObserver:
         self._device: str | None = None
         self._stepped = False  # a step has ended: every root module has been seen
         self._facts_sent = False
+        # The first batches' digest (datadigest.py; the DataLoader hook feeds it while
+        # `digest.left`), and the unsharded loader's dataset digest and sampler kind: the
+        # collector's proof for no-distributed-sampler. Facts go again once the digest
+        # is complete, if it was not at their first sending.
+        self.digest = BatchDigest()
+        if world_size <= 1:
+            self.digest.left = 0
+        self._data: dict[str, Any] = {"dataset_digest": None, "sampler": None}
+        self._facts: dict[str, Any] | None = None
+        self._digest_sent = False
+        # The loader feeding the steps, for a stall's advice (heartbeat): its length in
+        # batches, the passes over it (epochs), its workers and whether they persist.
+        self.loader_len: int | None = None
+        self.loader_epochs = 0
+        self.loader_workers: int | None = None
+        self.loader_persistent: bool | None = None
 
     # --- hooks' calls ----------------------------------------------------------------
 
@@ -532,9 +555,12 @@ class StepObserver:
         except Exception as exc:
             self._fail(exc)
 
-    def on_loader_batch(self, iterator: Any) -> None:
-        """After each DataLoader __next__: remember which iterator fed the step."""
+    def on_loader_batch(self, iterator: Any, batch: Any = None) -> None:
+        """After each DataLoader __next__: remember which iterator fed the step, and
+        digest the batch while the first ones are still to be read."""
         self.last_iter = iterator
+        if self.digest.left:
+            self.digest.add(batch)
 
     def on_backward(self) -> None:
         """Each backward pass. DDP decides at *forward* time whether the next backward
@@ -587,7 +613,13 @@ class StepObserver:
         None}, the DataLoader's batch size, for samples/s); None before and
         after. Ready after the first optimizer step (the hooks have seen every root module
         by then) once every checksum has been read, which never waits on the GPU."""
-        if self._facts_sent or not self._stepped or not self._models:
+        digested = self.digest.left <= 0
+        if self._facts_sent:
+            if self._digest_sent or not digested or self._facts is None:
+                return None
+            self._digest_sent = True  # the batches' digest, complete after the first facts
+            return {**self._facts, "batch_digest": self.digest.value}
+        if not self._stepped or not self._models:
             return None
         try:
             values = []
@@ -597,8 +629,10 @@ class StepObserver:
                     return None  # a GPU copy still in flight: ask again later
                 values.append(value)
             self._facts_sent = True
-            return {"param_checksum": math.fsum(values) if values else None,
-                    "device": self._device, "batch_size": self._batch}
+            self._digest_sent = digested
+            self._facts = {"param_checksum": math.fsum(values) if values else None,
+                           "device": self._device, "batch_size": self._batch, **self._data}
+            return {**self._facts, "batch_digest": self.digest.value if digested else None}
         except Exception as exc:
             self._fail(exc)
             return None
@@ -619,14 +653,20 @@ class StepObserver:
             entry = (_ref(sampler), _dead, -1, 0)
             self._samplers[id(sampler)] = entry
             for f in inspect_loader(it, self.world_size, self.rank):
+                if f.id == NO_DISTRIBUTED_SAMPLER and self._data["sampler"] is None:
+                    self._data = {"dataset_digest": dataset_digest(it._dataset),
+                                  "sampler": type(sampler).__name__}
                 self._emit(f)
             if self._batch is None and batch:
                 self._batch = batch
                 self._check_batchnorm()
         if entry[1]() is current:
             return  # back to a pass already counted (another loader fed the last step)
+        self._count_pass(it)
         if not isinstance(sampler, DistributedSampler) or not sampler.shuffle:
-            return  # without shuffling every epoch has the same order anyway
+            # without shuffling every epoch has the same order anyway
+            self._samplers[id(sampler)] = (entry[0], _ref(current), entry[2], entry[3])
+            return
         passes = entry[3] + 1
         if passes > 1 and sampler.epoch == entry[2]:
             self._emit(finding(SET_EPOCH_NOT_CALLED, (self.rank,),
@@ -634,6 +674,18 @@ class StepObserver:
                                f"epoch={sampler.epoch}, as did pass {passes - 1}: the same "
                                "sample order again"))
         self._samplers[id(sampler)] = (entry[0], _ref(current), sampler.epoch, passes)
+
+    def _count_pass(self, it: Any) -> None:
+        """A new pass over a loader (an epoch): its length and workers, for the advice."""
+        self.loader_epochs += 1
+        try:
+            self.loader_len = len(it)
+        except TypeError:  # an iterable dataset without a length
+            self.loader_len = None
+        workers = getattr(it, "_num_workers", None)
+        self.loader_workers = workers if type(workers) is int and workers >= 0 else None
+        persistent = getattr(it, "_persistent_workers", None)
+        self.loader_persistent = persistent if type(persistent) is bool else None
 
     def _check_batchnorm(self) -> None:
         if self._bn_checked or self._batch is None or not self._models:
@@ -691,12 +743,23 @@ class StepObserver:
         self._unused_steps = -1
 
 
+# The facts' optional keys: the batch size, and the data digests and sampler kind.
+_DATA_FACTS = ("batch_digest", "dataset_digest", "sampler")
+MAX_DIGEST = 64
+
+
 def facts_from_wire(raw: Any) -> dict[str, Any]:
     """Validate the facts an agent sent (see StepObserver.take_facts). Raises ValueError."""
     if not isinstance(raw, dict) or not (
-            {"param_checksum", "device"} <= set(raw) <= {"param_checksum", "device",
-                                                         "batch_size"}):
-        raise ValueError("facts are a map of param_checksum, device and batch_size")
+            {"param_checksum", "device"} <= set(raw)
+            <= {"param_checksum", "device", "batch_size", *_DATA_FACTS}):
+        raise ValueError("facts are a map of param_checksum, device, batch_size, "
+                         "batch_digest, dataset_digest and sampler")
+    data = {k: raw.get(k) for k in _DATA_FACTS}
+    for name, value in data.items():
+        if value is not None and (not isinstance(value, str) or len(value) > MAX_DIGEST):
+            raise ValueError(f"{name} must be a string of at most {MAX_DIGEST} chars or null")
+    data = {k: None if v is None else clean_line(v) for k, v in data.items()}
     checksum, device = raw["param_checksum"], raw["device"]
     batch = raw.get("batch_size")
     if batch is not None and (type(batch) is not int or not 1 <= batch <= 1 << 24):
@@ -708,4 +771,4 @@ def facts_from_wire(raw: Any) -> dict[str, Any]:
     if device is not None:
         device = clean_line(device)
     return {"param_checksum": None if checksum is None else float(checksum), "device": device,
-            "batch_size": batch}
+            "batch_size": batch, **data}

@@ -59,7 +59,7 @@ from threading import get_ident as _get_ident
 from time import perf_counter_ns
 from typing import Any
 
-from . import device, recorder
+from . import device, gcwatch, recorder
 from .checks import StepObserver
 from .recorder import BACKWARD, DATALOADER, FORWARD, H2D, NO_PHASE, OPTIMIZER, SYNC, Recorder
 
@@ -271,6 +271,8 @@ def _patch_dataloader(torch: Any) -> None:
         obs = _obs
         if obs is not None:  # obs.on_loader_batch(self), written out (once per batch)
             obs.last_iter = self
+            if obs.digest.left:  # the first batches' digest (datadigest.py), a few times
+                obs.digest.add(batch)
         return batch
 
     _setattr(cls, "__next__", __next__)
@@ -296,6 +298,8 @@ def _background_next(rec: Recorder, it: Any, original: Callable[[Any], Any]) -> 
     obs = _obs
     if obs is not None:  # obs.on_loader_batch(it)
         obs.last_iter = it
+        if obs.digest.left:
+            obs.digest.add(batch)
     return batch
 
 
@@ -595,6 +599,7 @@ def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
         if _step_optimizer is None:
             _step_optimizer = optimizer
             _add_device_source(optimizer)  # before the close: a lazy recorder reads it there
+            gcwatch.arm()  # GC pauses count from the first step (gcwatch.py), once
         if optimizer is _step_optimizer and not rec.explicit_steps:
             rec.end_step(optimizer)  # end(optimizer), then close_step(), in one call
             if _learning:

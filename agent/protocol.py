@@ -327,6 +327,19 @@ class Heartbeat(_Wire, tag="heartbeat", kw_only=True, frozen=True):
     agent_busy: Line | None = None
     device_rule: Line | None = None
     key: ProcessKey | None = None  # the hello's, again: the process proves itself with it
+    # Evidence for a stall's advice (judge/advice.py), all optional. Garbage collection
+    # (gcwatch.py): pauses of at least SLOW_GC_MS, their total ms, the longest pause, and
+    # the full (generation-2) collections. The training DataLoader (checks.StepObserver):
+    # its length in batches, the passes over it (epochs) seen so far, its worker count and
+    # whether its workers persist across epochs.
+    gc_slow: Count = 0
+    gc_slow_ms: Annotated[float, Meta(ge=0.0, le=1e12)] = 0.0
+    gc_max_ms: Annotated[float, Meta(ge=0.0, le=1e12)] = 0.0
+    gc_full: Count = 0
+    loader_len: Count | None = None
+    loader_epochs: Count = 0
+    loader_workers: Annotated[int, Meta(ge=0, le=1 << 16)] | None = None
+    loader_persistent: bool | None = None
 
     def __post_init__(self) -> None:
         _clean_fields(self, lines=("phase", "in_collective", "in_group", "parallel",

@@ -22,7 +22,7 @@ from collections import deque
 from time import perf_counter_ns
 from typing import Any
 
-from . import handover, keys, nccl_log, protocol
+from . import gcwatch, handover, keys, nccl_log, protocol
 from .capture import Capturer
 from .checks import StepObserver
 from .recorder import BACKWARD, MEASURED, SYNC, Recorder
@@ -178,6 +178,9 @@ class Sender(threading.Thread):
                     self._heartbeat()
             self._send_steps()
             self._send_checks()
+            # The last counters (the advice's GC and loader evidence grew since the last
+            # beat: up to a second of a short run), without the stuck-rank stacks.
+            self._heartbeat(final=True)
             self._send(
                 "goodbye", exit_code=self.exit_code, error=self.error, steps=self.rec.step
             )
@@ -217,7 +220,7 @@ class Sender(threading.Thread):
         except Exception:  # evidence only: never worth the stacks themselves
             return {}
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, final: bool = False) -> None:
         rec = self.rec
         phase, in_phase = rec.in_phase()
         since_step = max(0.0, (perf_counter_ns() - rec.last_step_t) / 1e9)
@@ -234,8 +237,8 @@ class Sender(threading.Thread):
                    timing_faults=_count(getattr(rec, "timing_faults", 0)),
                    capture_skips=_count(getattr(rec, "capture_skips", 0)),
                    agent_busy=busy, device_rule=_line(getattr(rec, "device_rule", None)),
-                   key=self.key)
-        if self.agent_off is not None:
+                   key=self.key, **_advice_evidence(self.observer, rec.step))
+        if self.agent_off is not None or final:
             return  # no steps will come: no stall, no stacks
         progressed, self._moved = moved != self._moved, moved
         if progressed or busy is not None:
@@ -421,3 +424,25 @@ def thread_stacks() -> list[list[str]]:
         out.append([names.get(ident, f"thread {ident}")[:128], text])
     out.sort(key=lambda item: item[0] != "MainThread")  # the training thread first
     return out[: protocol.MAX_THREADS]
+
+
+def _advice_evidence(observer: StepObserver | None, step: int) -> dict[str, Any]:
+    """The heartbeat's evidence for a stall's advice: this process's garbage-collection
+    pauses since training began (gcwatch.py: armed at the first heartbeat after a step)
+    and the training DataLoader the observer saw; empty on a failure (evidence only:
+    never worth the heartbeat)."""
+    try:
+        out: dict[str, Any] = {}
+        watch = gcwatch.current()
+        if watch is not None and not watch.armed and step > 0:
+            watch.armed = True
+        if watch is not None:
+            out.update(gc_slow=watch.slow, gc_slow_ms=watch.slow_ms, gc_max_ms=watch.max_ms,
+                       gc_full=watch.full)
+        if observer is not None and observer.loader_epochs:
+            out.update(loader_len=observer.loader_len, loader_epochs=observer.loader_epochs,
+                       loader_workers=observer.loader_workers,
+                       loader_persistent=observer.loader_persistent)
+        return out
+    except Exception:
+        return {}

@@ -81,7 +81,7 @@ def drive(obs: StepObserver, model: nn.Module, loader: DataLoader, *, epochs: in
         while max_steps is None or steps < max_steps:
             micro = []
             for batch in it:
-                obs.on_loader_batch(it)
+                obs.on_loader_batch(it, batch)
                 micro.append(batch)
                 if len(micro) == accumulate:
                     break
@@ -121,7 +121,10 @@ def test_clean_configuration_produces_no_findings():
     assert obs.error is None
     facts = obs.take_facts()
     # taken before any update; the batch size is for samples/s
-    assert facts == {"param_checksum": before, "device": None, "batch_size": loader.batch_size}
+    assert facts == {"param_checksum": before, "device": None, "batch_size": loader.batch_size,
+                     "batch_digest": facts["batch_digest"], "dataset_digest": None,
+                     "sampler": None}
+    assert len(facts["batch_digest"]) == 16
     assert obs.take_facts() is None  # sent once
 
 
@@ -175,9 +178,10 @@ def test_observer_checks_batchnorm_with_the_training_loaders_batch_size():
 def test_no_distributed_sampler_fires_only_with_several_ranks():
     loader = DataLoader(data(128), batch_size=16, shuffle=True)
     [f] = inspect_loader(loader, WORLD, 0)
-    assert (f.id, f.severity) == ("no-distributed-sampler", "critical")
-    assert f.evidence == "RandomSampler over all 128 samples on each of 2 ranks: every rank " \
-                         "trains on the same data"
+    # A hint from one rank: only the ranks' data digests can prove it (test_same_data).
+    assert (f.id, f.severity) == ("no-distributed-sampler", "info")
+    assert f.evidence == "RandomSampler over all 128 samples on each of 2 ranks, no " \
+                         "DistributedSampler"
     assert inspect_loader(loader, 1, 0) == []
     sequential = DataLoader(data(128), batch_size=16)
     assert ids(inspect_loader(sequential, WORLD, 0)) == ["no-distributed-sampler"]
@@ -500,15 +504,21 @@ def test_wire_round_trip_and_validation():
                 {**wire, "ranks": [-1]}, {**wire, "ranks": "0"}, {**wire, "fix": "y" * 201}):
         with pytest.raises(ValueError):
             Finding.from_wire(bad)
+    none = {"batch_digest": None, "dataset_digest": None, "sampler": None}
     assert facts_from_wire({"param_checksum": 3, "device": None}) == {
-        "param_checksum": 3.0, "device": None, "batch_size": None}
+        "param_checksum": 3.0, "device": None, "batch_size": None, **none}
     assert facts_from_wire({"param_checksum": None, "device": None, "batch_size": 32}) == {
-        "param_checksum": None, "device": None, "batch_size": 32}
+        "param_checksum": None, "device": None, "batch_size": 32, **none}
+    data = {"batch_digest": "ab" * 8, "dataset_digest": None, "sampler": "RandomSampler"}
+    assert facts_from_wire({"param_checksum": None, "device": None, **data}) == {
+        "param_checksum": None, "device": None, "batch_size": None, **data}
     for bad in ({"param_checksum": "3", "device": None}, {"param_checksum": 1.0},
                 {"param_checksum": 1.0, "device": "d" * 129},
                 {"param_checksum": 1.0, "device": None, "batch_size": 0},
                 {"param_checksum": 1.0, "device": None, "batch_size": True},
-                {"param_checksum": 1.0, "device": None, "batch_size": 2.5}):
+                {"param_checksum": 1.0, "device": None, "batch_size": 2.5},
+                {"param_checksum": 1.0, "device": None, "batch_digest": 3},
+                {"param_checksum": 1.0, "device": None, "sampler": "s" * 65}):
         with pytest.raises(ValueError):
             facts_from_wire(bad)
 

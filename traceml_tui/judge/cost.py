@@ -314,7 +314,7 @@ def _stalls(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray) -> Sa
     if d.period and d.gap_ms is not None:
         who += f" (about {d.gap_ms:.0f} ms every {d.period} steps)"
     return Savings(data.steps, job, excess, excess, None, "stalls", None,
-                   f"{who} made asynchronous")
+                   f"{who} gone")
 
 
 def _imbalance(d: Diagnosis, data: AlignedSteps, fsdp: bool, job: np.ndarray

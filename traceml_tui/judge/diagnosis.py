@@ -54,6 +54,7 @@ from traceml_agent.vocab import (  # noqa: F401 (re-exported)
 
 # The labels, severities and phase groups are the product's vocabulary (vocab.py); they
 # are re-exported here because the rules below are where they get their meaning.
+from .advice import advise
 from .bandwidth import bus_factor
 from .imbalance import STREAK_MIN_S, Spreads, StepSpread
 from .stalls import STALL_MIN_COUNT, StallFinding
@@ -775,7 +776,11 @@ def periodic_stall(findings: Sequence[StallFinding], active: str | None, reporti
     who = "Every rank" if everyone else f"Rank {f.rank}"
     waits = ("" if everyone else
              "; the other ranks wait for it in their next collective (their sync)")
-    where = STALL_HINTS.get(f.phase, f"in {f.phase}")  # the phase table's hints
+    # The advice from the evidence (advice.py); the phase table's hint of where such a
+    # stall usually comes from only when the evidence picks no cause.
+    advice = advise(f, everyone, f.heartbeat)
+    where = (f"in {f.phase}" if advice.cause is not None
+             else STALL_HINTS.get(f.phase, f"in {f.phase}"))
     n = f.periodic_count
     lost_ms = n * f.periodic_ms
     return Diagnosis(
@@ -783,8 +788,7 @@ def periodic_stall(findings: Sequence[StallFinding], active: str | None, reporti
         f"{who} stalls every {f.period} steps ({n} times in the run, the last at step "
         f"{f.last_step}), about {f.periodic_ms:.0f} ms each, {where}{waits}: the job lost "
         f"{lost_ms / 1000:.1f} s, {f.span_share:.0%} of its time since step {f.first_step}. "
-        f"Make it asynchronous (torch.distributed.checkpoint.async_save), run evaluation on "
-        f"every rank or off the critical path, log from a background thread.",
+        f"{advice.text}",
         gap_ms=f.periodic_ms, gap_share=f.span_share, period=f.period)
 
 

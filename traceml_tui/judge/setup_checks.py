@@ -22,6 +22,8 @@ from traceml_agent.checks import (
 )
 from traceml_agent.vocab import SEVERITIES, format_ranks
 
+from .same_data import judge_same_data
+
 # Identical parameters give identical checksums on identical hardware; the tolerance only
 # absorbs float64 summation-order noise (~1e-16 relative) across unlike nodes. Different
 # weights move the sum by about sigma * sqrt(samples), far above it.
@@ -77,7 +79,10 @@ class ChecksBoard:
                                  for r, (host, facts) in self.facts.items()}),
             )
             found += [c for c in cross if c is not None]
-            self._merged = tuple(merge_findings(found, world_size=self.world_size))
+            data = {r: facts for r, (_, facts) in self.facts.items()}
+            judged = (judge_same_data(f, data)
+                      for f in merge_findings(found, world_size=self.world_size))
+            self._merged = tuple(sort_findings([f for f in judged if f is not None]))
             self._dirty = False
 
 
@@ -152,5 +157,10 @@ def merge_findings(findings: Iterable[Finding], world_size: int | None = None) -
             evidence = f"{where}{evidence} (other ranks: other numbers)"
         severity = max((f.severity for f in group), key=lambda s: order.get(s, 0))
         out.append(Finding(fid, severity, ranks, evidence[:MAX_TEXT], group[0].fix))
-    out.sort(key=lambda f: (-order.get(f.severity, 0), f.id))
-    return out
+    return sort_findings(out)
+
+
+def sort_findings(findings: list[Finding]) -> list[Finding]:
+    """Most severe first, then by id."""
+    order = {s: i for i, s in enumerate(SEVERITIES)}
+    return sorted(findings, key=lambda f: (-order.get(f.severity, 0), f.id))

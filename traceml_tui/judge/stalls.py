@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from traceml_agent.protocol import Heartbeat
 from traceml_agent.vocab import SYNC
 
 # Own stalls kept per rank, newest: enough for a period to be measured from many gaps,
@@ -112,6 +113,9 @@ class StallFinding:
     recent: bool  # the rhythm still goes on (RECENT_PERIODS)
     victim_count: int  # steps it waited in sync for another rank's stall
     victim_ms: float
+    # The rank's newest heartbeat, the agent's evidence for the advice (advice.py): its
+    # garbage-collection pauses and its DataLoader. None where not attached.
+    heartbeat: Heartbeat | None = None
 
     @property
     def mean_ms(self) -> float:

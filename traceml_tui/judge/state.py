@@ -740,8 +740,9 @@ class RunState:
             found = (None if rs is None else
                      self.stall_book.finding(rank, None if typical != typical else typical,
                                              rs.last_step))
-            if found is not None:
-                out.append(found)
+            if found is not None and rs is not None:
+                hb = None if rs.heartbeat is NO_HEARTBEAT else rs.heartbeat
+                out.append(replace(found, heartbeat=hb))  # the advice's evidence
         return out
 
     @staticmethod
