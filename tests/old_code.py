@@ -26,9 +26,16 @@ _SEEN = re.compile(r"\s(?:Seen\s+for\s+its\s+last\s+\d+\s+steps\s+\([\d.]+\s+s\)
                    r"ehind\s+the\s+other\s+ranks\s+on\s+\d+%\s+of\s+the\s+last\s+\d+\.")
 
 
+# A periodic stall's advice is chosen from its evidence since (judge/advice.py): the text
+# after its loss is cut on both sides before comparing.
+_STALL_ADVICE = re.compile(r"(stalls\s+every\s+\d+\s+steps\s.*?of\s+its\s+time\s+since\s+step"
+                           r"\s+\d+\.)(?:[^\"\\\n]|\\.|\n(?=   ))*", re.S)
+
+
 def without_new_sentences(text: str) -> str:
-    """`text` less the sentences verdicts gained since the old code (_SEEN)."""
-    return _SEEN.sub("", text)
+    """`text` less the sentences verdicts gained or changed since the old code (_SEEN,
+    _STALL_ADVICE): apply it to both sides of a comparison."""
+    return _STALL_ADVICE.sub(r"\1", _SEEN.sub("", text))
 
 
 def old_tree(commit: str, into: Path) -> Path:

@@ -84,7 +84,9 @@ def collector(tmp_path):
 def test_a_key_holders_finish_is_refused_and_counted_while_the_rank_trains(collector):
     run_dir, proc, info, key, ctx = collector
     rank = _rank_socket(ctx, info["ingest"])
-    for m in _rank_messages(0, 4242, range(5), 1):
+    # The rank's process: below the launcher (this test), as the collector checks.
+    rank_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    for m in _rank_messages(0, rank_proc.pid, range(5), 1):
         rank.send(m)
     # A key holder (the secret is in every rank's environment) asks to end the record.
     for forged in ({"op": "finish", "grace_s": 0, "exit_code": 0},
@@ -92,7 +94,7 @@ def test_a_key_holders_finish_is_refused_and_counted_while_the_rank_trains(colle
                    {"op": "native_stack", "rank": 0, "pid": 4242, "text": "fake"}):
         reply = _request(ctx, info["control"], forged)
         assert reply["ok"] is False and "not the launcher" in reply["error"], reply
-    for m in _rank_messages(0, 4242, range(5, 10), 2)[1:]:  # it trains on
+    for m in _rank_messages(0, rank_proc.pid, range(5, 10), 2)[1:]:  # it trains on
         rank.send(m)
     assert proc.poll() is None and not (run_dir / "final_summary.json").exists()
     # The launcher's finish, with the key it gave the collector on stdin, is accepted.
@@ -103,6 +105,8 @@ def test_a_key_holders_finish_is_refused_and_counted_while_the_rank_trains(colle
     assert doc["complete"] is True and doc["ranks"][0]["steps"] == 10
     assert doc["collector"]["control_refused"] == 3
     rank.close()
+    rank_proc.kill()
+    rank_proc.wait()
 
 
 def test_the_control_key_is_nowhere_a_rank_can_read(collector):
