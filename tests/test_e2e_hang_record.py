@@ -73,6 +73,34 @@ def test_ctrl_c_waking_the_stuck_rank_leaves_the_latched_hang_in_the_summary(tmp
 
 @pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy is not installed")
 @pytest.mark.skipif(not ptrace_allowed(), reason="ptrace is forbidden here (Yama scope)")
+def test_a_gil_stuck_ranks_flushed_steps_do_not_erase_the_hang(tmp_path):
+    """Issue 39 item 8: rank 1 blocks in a C call holding the GIL, so its agent's sender
+    cannot run: the steps it took since the last send wait in its queue (fast steps: tens
+    of them). Ctrl-C wakes it and the queue is flushed; those steps were taken before the
+    hang. The record used to drop HANG once more than 3 steps per rank came after it."""
+    out = tmp_path / "runs"
+    job = spawn_traceml("run", str(EXAMPLES / "ddp_toy.py"), "--nproc-per-node", "2",
+                        "--headless", "--out", str(out), "--run-name", "gilflush",
+                        "--hang-after", "3", "--", "--gil-hang-rank", "1", "--hang-at-step",
+                        "300", "--batch", "4", "--dim", "8", "--steps", "100000")
+    run_dir = out / "gilflush"
+    try:
+        wait_for(lambda: (hang := _live(run_dir).get("hang") or {}).get("ranks") == [1]
+                 and "1" in (hang.get("stacks") or {}), 150, "HANG rank 1, with its stack")
+    finally:
+        output = _stop(job)[0]
+    doc = json.loads((run_dir / "final_summary.json").read_text())
+    validate_schema(doc)
+    # Before: "HANG, every rank at step 300 in backward" (same collective), no rank named
+    # and no stack of rank 1's, once its 10-20 queued steps had arrived.
+    assert (doc["diagnosis"]["label"], doc["diagnosis"]["rank"]) == ("HANG", 1), output
+    assert doc["hang"]["ranks"] == [1] and doc["hang"]["kind"] == "behind", doc["hang"]
+    assert "block_in_c_holding_the_gil" in doc["hang"]["stacks"]["1"][-1]["stack"]
+    assert doc["timeline"][-1]["label"] == "HANG"
+
+
+@pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy is not installed")
+@pytest.mark.skipif(not ptrace_allowed(), reason="ptrace is forbidden here (Yama scope)")
 @pytest.mark.parametrize("hosts", ["loopback", "netns"])
 def test_a_rank_of_node_1_stuck_in_native_code_has_its_stacks_in_the_summary(tmp_path, hosts):
     """Two nodes of 2 ranks (on loopback, or each in its own network namespace with its
