@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -165,3 +166,64 @@ def test_a_relay_whose_handshakes_with_node_0_all_fail_says_so(collector, tmp_pa
         assert collector["ingest"] in said[0]
     finally:
         relay.stop()
+
+
+def _as_nobody_works() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to act as another user (runuser)"
+    runuser = shutil.which("runuser")
+    if runuser is None or not Path("/usr/bin/python3").exists():
+        return "no runuser or /usr/bin/python3"
+    probe = subprocess.run([runuser, "-u", "nobody", "--", "/usr/bin/python3", "-c", "1"],
+                           capture_output=True)
+    return None if probe.returncode == 0 else f"runuser failed: {probe.stderr[-200:]!r}"
+
+
+# Runs as `nobody`: connects to the relay's Unix socket, says what it got.
+KNOCK = r"""
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    s.connect(sys.argv[1])
+    print("connected")
+except OSError as exc:
+    print(type(exc).__name__)
+"""
+
+
+def test_a_relay_on_its_unix_socket_is_out_of_other_users_reach(collector, tmp_path):
+    """Issue 42, item 3: ranks and their node's relay share the host, so the relay listens
+    on a Unix socket in the 0700 run folder (the launcher's choice): no loopback port for
+    another user to flood at all. The ranks get through; another user cannot connect."""
+    from traceml_tui.runfolder.layout import RunFolder
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir(mode=0o700)
+    path = RunFolder(run_dir, 1).relay_socket
+    relay = RelayProcess(collector["ingest"], 1, SECRET, None, tmp_path / "relay.log",
+                         unix_path=path)
+    ctx = zmq.Context()
+    viewer = ViewClient(collector["view"], timeout_s=10, secret=SECRET)
+    try:
+        assert relay.address == f"ipc://{path}" and relay.port is None, relay.address
+        assert path.is_socket() and path.stat().st_mode & 0o777 == 0o600
+        rank = _rank_socket(ctx, relay.address)
+        for frame in _messages(1, 1, range(25)):
+            rank.send(frame)
+        wait_for(lambda: [r["steps"] for r in viewer.summary()["ranks"]][1:] == [25], 20,
+                 "node 1's rank through the relay's Unix socket")
+        listening = [c for c in psutil.Process(relay.proc.pid).net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN]
+        assert listening == [], listening  # no port at all
+        reason = _as_nobody_works()
+        if reason is None:
+            # The 0700 folders on the way, and the socket's own 0600, keep them out.
+            out = subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-c",
+                                  KNOCK, str(path)], capture_output=True, text=True,
+                                 timeout=60, cwd="/")
+            assert out.stdout.strip() == "PermissionError", (out.stdout, out.stderr)
+    finally:
+        ctx.destroy(linger=0)
+        viewer.close()
+        assert relay.stop() == 0
+    assert not path.exists()  # its file goes with it

@@ -531,7 +531,8 @@ def _connect(opts: RunOptions, run_dir: Path, name: str, started_at: float, port
                                   None if secret else _secret_store(opts, port),
                                   opts.folder(run_dir).relay_log,
                                   None if secret else RunFolder(run_dir).secret,
-                                  say=_relay_sayer(opts.node_rank))
+                                  say=_relay_sayer(opts.node_rank),
+                                  unix_path=opts.folder(run_dir).relay_socket)
         _say_relay_failure(node.relay, opts.node_rank)
     return node
 
