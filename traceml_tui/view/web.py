@@ -184,6 +184,7 @@ class LockedServer(Server):
         runner = web.AppRunner(await self._make_app(), handle_signals=True,
                                shutdown_timeout=STOP_GRACE_S + 2)
         await runner.setup()
+        assert runner.server is not None  # made by setup()
         host = None if self.host in ("", "0.0.0.0", "::", "[::]") else self.host
         try:
             server = await asyncio.get_running_loop().create_server(
