@@ -50,7 +50,8 @@ REFUSED_LOG = {
     "origin": "a websocket from a foreign page (cross-site websocket)",
     "viewers": "a viewer over the --web-viewers cap",
     # Connections, not requests (web_guard.py): closed before the lock could see one.
-    "stalled": "a connection that sent no request in time (closed)",
+    "stalled": "a connection that sent no request within 5 s (a browser's spare one, or a "
+               "stalled client; closed)",
     "crowded": "the oldest of too many connections without a request yet (closed)",
     "accept": "a connection: out of descriptors",
 }
