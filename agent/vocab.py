@@ -133,6 +133,7 @@ COLLECTOR_JSON: Final = "collector.json"    # where viewers find the collector
 COLLECTOR_LOG: Final = "collector.log"
 LAUNCHER_LOG: Final = "launcher.log"
 RELAY_LOG: Final = "relay.log"              # a node relay's (per node: relay-node1.log)
+RELAY_SOCKET: Final = "relay.sock"          # its ranks' Unix socket (relay-node1.sock)
 LIVE_SNAPSHOT_JSON: Final = "live_snapshot.json"
 SUMMARY_JSON: Final = "final_summary.json"
 SUMMARY_TXT: Final = "final_summary.txt"

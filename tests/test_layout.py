@@ -49,6 +49,7 @@ def test_paths_are_the_documented_ones():
     assert str(node.rank_logs) == "run/logs/node1"
     assert (str(node.torchrun_log), str(node.launcher_log), str(node.relay_log)) == (
         "run/torchrun-node1.log", "run/launcher-node1.log", "run/relay-node1.log")
+    assert str(node.relay_socket) == "run/relay-node1.sock"  # in the 0700 folder
     assert node.summary_json == one.summary_json and node.nccl_logs == one.nccl_logs
 
 

@@ -61,8 +61,10 @@ from traceml_agent.sanitize import clean_line
 from traceml_agent.transport import send_interval_s
 from traceml_tui.runfolder import folders
 
+from . import descriptors
 from . import relay_columns as columns
 from .auth import start_authenticator
+from .relay_watch import RANKS_WAIT_S, RelayWatch
 
 TICK_S = 0.2  # one batch per tick: ~5 messages a second per node reach node 0 (at least)
 MAX_TICK_S = 0.5
@@ -97,11 +99,17 @@ class Relay:
 
     def __init__(self, ctx: zmq.Context, upstream: str, node: int,
                  run_keys: keys.CurveKeys | None, local_port: int = 0,
-                 local_fd: int | None = None, stacks: socket.socket | None = None) -> None:
+                 local_fd: int | None = None, stacks: socket.socket | None = None,
+                 say: Callable[[str], None] | None = None,
+                 ranks_wait_s: float = RANKS_WAIT_S, local_ipc: str | None = None) -> None:
         """`local_fd`: a loopback socket already bound and listening on `local_port`
         (the launcher's, inherited): used as it is, so the port is never free between
-        its reservation and its use. `stacks`: the launcher's end of a SOCK_SEQPACKET
-        pair, where stack requests go and dumps come from (none: no stacks here)."""
+        its reservation and its use. `local_ipc`: a Unix socket's path instead of the
+        port (`local_fd` then that socket's, bound and listening). `stacks`: the
+        launcher's end of a SOCK_SEQPACKET pair, where stack requests go and dumps come
+        from (none: no stacks here).
+        `say`: where the relay's news goes (relay_watch.py: its node's terminal); none,
+        no monitors (benchmarks/soak.py runs thousands of relays)."""
         self.node = node
         self.stacks = stacks
         if stacks is not None:
@@ -114,16 +122,27 @@ class Relay:
         self.up.setsockopt(zmq.SNDHWM, UPSTREAM_HWM)
         self.up.setsockopt(zmq.LINGER, LINGER_MS)
         self.up.setsockopt(zmq.MAXMSGSIZE, 1024)  # node 0 sends it only small requests
+        # An idle or stalled connection gives its descriptor back after 5 s, not libzmq's
+        # 30 s: ~1,000 of them once blinded a relay (issue 42, item 4; descriptors.py).
+        descriptors.limit_handshake(self.local)
+        descriptors.limit_handshake(self.up)
         if run_keys is not None:
             keys.secure_server(self.local, run_keys)
             keys.secure_client(self.up, run_keys)
         if local_fd is not None:
             self.local.setsockopt(zmq.USE_FD, local_fd)
-        if local_port:
-            self.local.bind(f"tcp://127.0.0.1:{local_port}")
+        if local_ipc:
+            self.address = f"ipc://{local_ipc}"
+            self.local.bind(self.address)
         else:
-            local_port = self.local.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{local_port}"
+            if local_port:
+                self.local.bind(f"tcp://127.0.0.1:{local_port}")
+            else:
+                local_port = self.local.bind_to_random_port("tcp://127.0.0.1")
+            self.address = f"tcp://127.0.0.1:{local_port}"
+        self.watch = (None if say is None else  # before the connect: its first handshake
+                      RelayWatch(self.local, self.up, self.address, upstream, say,
+                                 time.monotonic(), ranks_wait_s))
         self.up.connect(upstream)
         self._route_of: dict[bytes, int] = {}
         self._conn_of: dict[int, bytes] = {}
@@ -292,10 +311,14 @@ class Relay:
             if now >= next_tick:
                 self.tick(now)
                 next_tick = now + self.tick_s
+                if self.watch is not None:
+                    self.watch.check(now, bool(self._route_of))
         self.on_local()  # the ranks' last words (goodbyes) go out with the last batch
         self.tick(float("inf"))
 
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
         self.local.close()
         self.up.close()  # lingers up to LINGER_MS for the last batch
         if self.stacks is not None:
@@ -322,24 +345,61 @@ def reserve_loopback() -> socket.socket:
     return sock
 
 
+# A Unix socket's path must fit in sockaddr_un (108 bytes with its NUL on Linux).
+MAX_UNIX_PATH = 100
+
+
+def reserve_unix(path: Path) -> socket.socket | None:
+    """A Unix socket bound at `path` (in the run folder, 0700: nobody but its owner can
+    reach it) and listening; None where that cannot be (a path too long, a filesystem
+    without sockets): the relay then listens on a loopback port instead."""
+    if len(os.fsencode(path)) > MAX_UNIX_PATH:
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if path.is_socket():  # an earlier attempt's, in our own folder
+            path.unlink()
+        sock.bind(str(path))
+        os.chmod(path, 0o600)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
 class RelayProcess:
     """The launcher's handle on its node's relay (`traceml run` on a node other than 0)."""
 
     def __init__(self, upstream: str, node: int, secret: str | None,
-                 secret_store: str | None, log_path: Any, secret_file: Any = None) -> None:
+                 secret_store: str | None, log_path: Any, secret_file: Any = None,
+                 say: Callable[[str], None] | None = None,
+                 ranks_wait_s: float = RANKS_WAIT_S, unix_path: Path | None = None) -> None:
         """The port is reserved here, bound and listening, and the relay inherits that
         socket (ZeroMQ's USE_FD): the ranks are told the port at once, before the relay
-        has the run's secret, and nobody else can take it meanwhile."""
-        reserved = reserve_loopback()
+        has the run's secret, and nobody else can take it meanwhile. `unix_path`: listen
+        there instead (a Unix socket in the 0700 run folder: no other local user reaches
+        it at all), where it can be (reserve_unix). `say` gets each line the relay has for
+        its node's terminal (relay_watch.py), cleaned; all are also kept in `said`."""
+        unix = None if unix_path is None else reserve_unix(unix_path)
+        self.unix_path = None if unix is None else unix_path
+        reserved = unix or reserve_loopback()
+        news, news_w = os.pipe()  # the relay's lines for this node's terminal
+        self.said: list[str] = []
+        self._say = say
         # Stack requests to us and dumps back (ours: stacks_sock; the relay's: inherited).
         self.stacks_sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.port = reserved.getsockname()[1]
-        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.port: int | None = None if unix else reserved.getsockname()[1]
+        self.address = (f"ipc://{unix_path}" if unix else f"tcp://127.0.0.1:{self.port}")
         self.log_path = log_path
         self.stopping = False
         cmd = [sys.executable, "-m", "traceml_tui.collect.relay", "--upstream", upstream,
-               "--node", str(node), "--port", str(self.port), "--fd", str(reserved.fileno()),
-               "--parent-pid", str(os.getpid()), "--stacks-fd", str(theirs.fileno())]
+               "--node", str(node), "--port", str(self.port or 0),
+               "--fd", str(reserved.fileno()),
+               "--parent-pid", str(os.getpid()), "--stacks-fd", str(theirs.fileno()),
+               "--say-fd", str(news_w), "--ranks-wait-s", str(ranks_wait_s)]
+        if unix:
+            cmd += ["--ipc", str(unix_path)]
         if secret_file is not None:
             cmd += ["--secret-file", str(secret_file)]
         if secret_store:
@@ -352,7 +412,22 @@ class RelayProcess:
             # the relay only after the ranks' last messages went through it.
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                                          env=child_env, start_new_session=True,
-                                         pass_fds=(reserved.fileno(), theirs.fileno()))
+                                         pass_fds=(reserved.fileno(), theirs.fileno(),
+                                                   news_w))
+        os.close(news_w)  # the relay's now: the pipe ends when the relay does
+        threading.Thread(target=self._read_news, args=(news,), name="traceml-relay-news",
+                         daemon=True).start()
+
+    def _read_news(self, fd: int) -> None:
+        with open(fd, "rb") as pipe:
+            for raw in pipe:
+                line = clean_line(raw.decode(errors="replace").strip())[:500]
+                if not line:
+                    continue
+                if len(self.said) < 1_000:
+                    self.said.append(line)
+                if self._say is not None:
+                    self._say(line)
 
     def failure(self) -> str | None:
         """One line when the relay ended on its own with an error (it could not start or
@@ -371,17 +446,25 @@ class RelayProcess:
                 f"the job goes on (log: {self.log_path})")
 
     def stop(self, timeout: float = 5.0) -> int | None:
-        """Flush and stop; the exit code (None if it had to be killed)."""
+        """Flush and stop; the exit code (None if it had to be killed). The Unix
+        socket's file goes with it."""
         self.stopping = True
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                return self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                return None
-        return self.proc.returncode
+        try:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    return self.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+                    return None
+            return self.proc.returncode
+        finally:
+            if self.unix_path is not None:
+                try:
+                    self.unix_path.unlink()
+                except OSError:
+                    pass
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -390,6 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--upstream", required=True, help="the collector's ingest address")
     p.add_argument("--node", type=int, required=True)
     p.add_argument("--port", type=int, required=True, help="the loopback port to listen on")
+    p.add_argument("--ipc", default=None, metavar="PATH",
+                   help="a Unix socket to listen on instead of --port (--fd: it, bound)")
     p.add_argument("--fd", type=int, default=None,
                    help="an inherited socket already bound to --port and listening")
     p.add_argument("--secret-file", default=None, metavar="PATH",
@@ -400,11 +485,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an inherited SOCK_SEQPACKET socket to the launcher, for stacks")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="the launcher's pid: when it is gone, flush and exit")
+    p.add_argument("--say-fd", type=int, default=None,
+                   help="an inherited pipe for lines meant for the node's terminal")
+    p.add_argument("--ranks-wait-s", type=float, default=RANKS_WAIT_S,
+                   help="say so when no rank has reached the relay after this long")
     return p
+
+
+def _sayer(fd: int | None) -> Callable[[str], None]:
+    """A line to the log and to the launcher's pipe, never blocking: a line that does
+    not fit in the pipe is in the log only."""
+    if fd is not None:
+        os.set_blocking(fd, False)
+
+    def say(line: str) -> None:
+        print(f"[traceml] relay: {line}", file=sys.stderr, flush=True)
+        if fd is not None:
+            try:
+                os.write(fd, (line + "\n").encode())
+            except OSError:  # full, or the launcher is gone
+                pass
+
+    return say
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    descriptors.raise_limit()  # every connection to its port costs a descriptor
     halt = threading.Event()
 
     def stopping() -> bool:
@@ -431,9 +538,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stacks = (None if args.stacks_fd is None
                   else socket.socket(fileno=args.stacks_fd))
-        relay = Relay(ctx, args.upstream, args.node, run_keys, args.port, args.fd, stacks)
+        relay = Relay(ctx, args.upstream, args.node, run_keys, args.port, args.fd, stacks,
+                      _sayer(args.say_fd), args.ranks_wait_s, args.ipc)
     except zmq.ZMQError as exc:
-        print(f"[traceml] relay: cannot start (listening on 127.0.0.1:{args.port}, sending "
+        where = args.ipc or f"127.0.0.1:{args.port}"
+        print(f"[traceml] relay: cannot start (listening on {where}, sending "
               f"to {args.upstream}): {exc}",
               file=sys.stderr, flush=True)
         return 2

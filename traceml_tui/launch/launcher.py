@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -529,9 +530,21 @@ def _connect(opts: RunOptions, run_dir: Path, name: str, started_at: float, port
         node.relay = RelayProcess(node.ingest, opts.node_rank, secret,
                                   None if secret else _secret_store(opts, port),
                                   opts.folder(run_dir).relay_log,
-                                  None if secret else RunFolder(run_dir).secret)
+                                  None if secret else RunFolder(run_dir).secret,
+                                  say=_relay_sayer(opts.node_rank),
+                                  unix_path=opts.folder(run_dir).relay_socket)
         _say_relay_failure(node.relay, opts.node_rank)
     return node
+
+
+def _relay_sayer(node_rank: int) -> Callable[[str], None]:
+    """The relay's news (strangers at its port, no rank in sight, node 0 unreachable:
+    relay_watch.py) on this node's terminal, as its failure is."""
+
+    def say(line: str) -> None:
+        print(f"[traceml] node {node_rank}: {line}", file=sys.stderr, flush=True)
+
+    return say
 
 
 def _say_relay_failure(relay: RelayProcess, node_rank: int) -> None:

@@ -73,6 +73,11 @@ class RunFolder:
         return self._own(vocab.RELAY_LOG)
 
     @property
+    def relay_socket(self) -> Path:
+        """Where a node relay listens for its ranks (a Unix socket; relay.py)."""
+        return self._own(vocab.RELAY_SOCKET)
+
+    @property
     def netcheck(self) -> Path:
         """`traceml netcheck`'s (or --preflight's) result."""
         return self.root / vocab.NETCHECK_JSON

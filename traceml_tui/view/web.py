@@ -25,6 +25,7 @@ from aiohttp import web
 from textual_serve.app_service import AppService
 from textual_serve.server import Server
 
+from .web_guard import ConnectionGuard, raise_limit
 from .web_lock import WebLock, is_loopback, new_token, served_names, url_host
 
 DEFAULT_VIEWERS = 4
@@ -71,7 +72,8 @@ class LockedServer(Server):
                  banner: str) -> None:
         super().__init__(command, host=host, port=port, title=title)
         self.token = new_token()
-        self.lock = WebLock(self.token, served_names(host), say)
+        self.guard = ConnectionGuard(lambda kind: self.lock.count(kind))
+        self.lock = WebLock(self.token, served_names(host), say, self.guard.admit)
         self.max_viewers = max_viewers
         self.banner = banner
         self.viewers = 0
@@ -154,21 +156,52 @@ class LockedServer(Server):
         return websocket
 
     def serve(self, debug: bool = False) -> None:
-        """Serve until Ctrl-C or SIGTERM; the URL is printed once the port is bound."""
+        """Serve until Ctrl-C or SIGTERM; the URL is printed once the port is bound.
+        aiohttp's run_app, but with every connection through the guard (web_guard.py),
+        the descriptor limit raised and failed accepts counted, not logged each."""
         self.initialize_logging()
-
-        def ready(*_: object) -> None:
-            if not is_loopback(self.host):
-                say(f"warning: --web-host {self.host}: anyone who can reach this address "
-                    f"and has the URL can open the dashboard and act as you in it")
-            say(f"{self.banner} {self.url()} (Ctrl-C stops)")
-
+        raise_limit()
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        loop.set_exception_handler(self.guard.on_loop_error)
+        main = loop.create_task(self._serve())
         try:
-            web.run_app(self._make_app(), host=self.host, port=self.port,
-                        shutdown_timeout=STOP_GRACE_S + 2, print=ready)
+            loop.run_until_complete(main)
+        except (web.GracefulExit, KeyboardInterrupt):
+            pass
         finally:
+            main.cancel()
+            try:
+                loop.run_until_complete(main)  # its cleanup: viewers ended, sockets closed
+            except (asyncio.CancelledError, web.GracefulExit, KeyboardInterrupt):
+                pass
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
             if (line := self.lock.summary()) is not None:
                 say(line)
+
+    async def _serve(self) -> None:
+        runner = web.AppRunner(await self._make_app(), handle_signals=True,
+                               shutdown_timeout=STOP_GRACE_S + 2)
+        await runner.setup()
+        assert runner.server is not None  # made by setup()
+        host = None if self.host in ("", "0.0.0.0", "::", "[::]") else self.host
+        try:
+            server = await asyncio.get_running_loop().create_server(
+                self.guard.watch(runner.server), host, self.port, reuse_address=True,
+                backlog=128)
+        except BaseException:
+            await runner.cleanup()
+            raise
+        if not is_loopback(self.host):
+            say(f"warning: --web-host {self.host}: anyone who can reach this address "
+                f"and has the URL can open the dashboard and act as you in it")
+        say(f"{self.banner} {self.url()} (Ctrl-C stops)")
+        try:
+            await asyncio.Event().wait()  # until Ctrl-C or SIGTERM (GracefulExit)
+        finally:
+            server.close()
+            await runner.cleanup()
 
 
 def _int(value: str | None, default: int) -> int:

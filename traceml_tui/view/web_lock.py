@@ -49,6 +49,11 @@ REFUSED_LOG = {
     "host": "a request for a foreign host name (DNS rebinding?)",
     "origin": "a websocket from a foreign page (cross-site websocket)",
     "viewers": "a viewer over the --web-viewers cap",
+    # Connections, not requests (web_guard.py): closed before the lock could see one.
+    "stalled": "a connection that sent no request within 5 s (a browser's spare one, or a "
+               "stalled client; closed)",
+    "crowded": "the oldest of too many connections without a request yet (closed)",
+    "accept": "a connection: out of descriptors",
 }
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -108,10 +113,14 @@ def split_host(header: str) -> str:
 class WebLock:
     """The checks every request passes before textual-serve sees it (an aiohttp middleware)."""
 
-    def __init__(self, token: str, names: frozenset[str], say: Callable[[str], None]) -> None:
+    def __init__(self, token: str, names: frozenset[str], say: Callable[[str], None],
+                 admit: Callable[[web.Request], None] | None = None) -> None:
+        """`admit`: told of each request the lock lets through (its connection is the
+        owner's from then on: web_guard.py stops its deadline)."""
         self._token = token.encode()
         self.names = names
         self.say = say
+        self.admit = admit
         self.refusals: Counter[str] = Counter()
         # A name of its own per server, so two servers tunnelled to one browser coexist;
         # it carries no part of the token (a hash of it).
@@ -127,21 +136,29 @@ class WebLock:
     def origin_ok(origin: str | None, host: str) -> bool:
         return origin is not None and origin.lower() == f"http://{host.strip().lower()}"
 
-    def refuse(self, kind: str, status: int = 403) -> web.Response:
-        """Count a refusal, say it (at powers of two), answer one line."""
+    def count(self, kind: str) -> None:
+        """Count a refusal and say it (at powers of two)."""
         self.refusals[kind] += 1
         count = self.refusals[kind]
         if count & (count - 1) == 0:
             self.say(f"refused {REFUSED_LOG[kind]} ({count} so far)")
-        return web.Response(status=status, text=REFUSED_TEXT[kind],
-                            headers={"Cache-Control": "no-store"})
+
+    def refuse(self, kind: str, status: int = 403) -> web.Response:
+        """Count a refusal, say it (at powers of two), answer one line and close the
+        connection (a refused peer keeps no kept-alive descriptor)."""
+        self.count(kind)
+        response = web.Response(status=status, text=REFUSED_TEXT[kind],
+                                headers={"Cache-Control": "no-store"})
+        if kind != "viewers":  # the owner's own tab over the cap keeps its connection
+            response.force_close()
+        return response
 
     def summary(self) -> str | None:
         if not self.refusals:
             return None
         parts = ", ".join(f"{kind} {n}" for kind, n in sorted(self.refusals.items()))
         total = sum(self.refusals.values())
-        return f"refused {total} request{'s' if total != 1 else ''} in all ({parts})"
+        return f"refused {total} in all, requests and connections ({parts})"
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -151,17 +168,23 @@ class WebLock:
         if TOKEN_PARAM in request.query and request.path != WS_PATH:
             if not self.token_ok(request.query.get(TOKEN_PARAM)):
                 return self.refuse("token")
+            self._admit(request)
             return self._exchange(request)
         if not self.token_ok(request.cookies.get(self.cookie)):
             return self.refuse("token")
         if request.path == WS_PATH and not self.origin_ok(request.headers.get("Origin"),
                                                           host or ""):
             return self.refuse("origin")
+        self._admit(request)
         response = await handler(request)
         if not isinstance(response, web.WebSocketResponse) and not response.prepared:
             response.headers.setdefault("X-Frame-Options", "DENY")
             response.headers.setdefault("Referrer-Policy", "no-referrer")
         return response
+
+    def _admit(self, request: web.Request) -> None:
+        if self.admit is not None:
+            self.admit(request)
 
     def _exchange(self, request: web.Request) -> web.Response:
         """The tokened URL: set the cookie, send the browser to the same URL without it."""
