@@ -314,6 +314,9 @@ class Heartbeat(_Wire, tag="heartbeat", kw_only=True, frozen=True):
     capture_skips: Annotated[Count, SUMMARIZED] = 0
     agent_busy: Line | None = None
     device_rule: Line | None = None
+    # Steps sent on the host clock because the device was more than the recorder's
+    # pending bound behind (their device phases went out as not measured; issue 40).
+    late_steps: Annotated[Count, SUMMARIZED] = 0
 
     def __post_init__(self) -> None:
         _clean_fields(self, lines=("phase", "in_collective", "in_group", "parallel",

@@ -229,7 +229,8 @@ class Sender(threading.Thread):
                    agent_off=self.agent_off, replays=moved[0], batches=moved[1],
                    timing_faults=_count(getattr(rec, "timing_faults", 0)),
                    capture_skips=_count(getattr(rec, "capture_skips", 0)),
-                   agent_busy=busy, device_rule=_line(getattr(rec, "device_rule", None)))
+                   agent_busy=busy, device_rule=_line(getattr(rec, "device_rule", None)),
+                   late_steps=_count(getattr(rec, "late_steps", 0)))
         if self.agent_off is not None:
             return  # no steps will come: no stall, no stacks
         progressed, self._moved = moved != self._moved, moved
