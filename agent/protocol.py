@@ -340,6 +340,9 @@ class Heartbeat(_Wire, tag="heartbeat", kw_only=True, frozen=True):
     loader_epochs: Count = 0
     loader_workers: Annotated[int, Meta(ge=0, le=1 << 16)] | None = None
     loader_persistent: bool | None = None
+    # Steps sent on the host clock because the device was more than the recorder's
+    # pending bound behind (their device phases went out as not measured; issue 40).
+    late_steps: Annotated[Count, SUMMARIZED] = 0
 
     def __post_init__(self) -> None:
         _clean_fields(self, lines=("phase", "in_collective", "in_group", "parallel",

@@ -70,6 +70,11 @@ MAX_COLL_KEYS = 8
 COLL_OTHER = ("other", "other", NO_PHASE)
 # Steps' collective tables waiting for the sender (it drains them ~10 times a second).
 MAX_COLL_STEPS = 4096
+# Steps waiting for their device times: graph replays let the host run hundreds of steps
+# ahead of the device (CUDA's launch queue holds ~1024 entries per stream). Past this many
+# the oldest is sent on the host clock (device phases not measured) and counted in
+# `late_steps`: memory stays bounded, and no step is lost.
+MAX_PENDING_STEPS = 1024
 # Idle timing events kept for reuse: a few steps' worth. An evaluation pass can take
 # thousands; they go back to CUDA instead of staying pooled for the rest of the run.
 MAX_POOL = 64
@@ -603,17 +608,27 @@ class CudaRecorder(Recorder):
     """Times device phases with CUDA events, resolved later with `query()`.
 
     The dataloader is host work, timed on the host clock. h2d, forward, backward,
-    sync and optimizer are timed between events recorded on the current stream:
+    sync and optimizer are timed between events recorded on the rank's step stream:
     each time the innermost phase changes to or from a device phase one event is
     recorded, and the device time between two consecutive events belongs to the
     phase that was innermost between them (exclusive time, as on the host). The step
     time is the device time between consecutive step-end events, so an idle GPU
     waiting for input shows up as step time the phases do not cover.
+
+    The step stream (issue 40; docs/agent-api.md, "The step stream"): the device's
+    default stream, unless the rank's whole step runs on another one (its first device
+    phase and its end on the same non-default stream, as in PyTorch's CUDA-graph
+    warm-up recipe). It is re-learned at every step end. Every event, phase or step
+    end, goes on it, never on the current stream: a collective FSDP issues on its own
+    stream then times as the compute stream's exposed wait for it (not the collective
+    kernel's duration), and no pair spans two streams. The step on which the stream
+    changes is sent as not measured (its events were on the old stream) and counted
+    as a timing fault.
     """
 
     __slots__ = ("torch", "pool", "pairs", "pending", "prev_end", "ev_mark", "ev_ready",
                  "max_pending", "dropped_pairs", "_capturing", "device", "device_uuid",
-                 "stream")
+                 "stream", "begin_stream", "late_steps", "stream_changes")
     DEVICE_PHASES = frozenset(MEASURED.index(p) for p in vocab.DEVICE_PHASES)
     DEFERRED = True
     HOST_READY = False
@@ -621,7 +636,7 @@ class CudaRecorder(Recorder):
     end = Recorder._end_composed
     end_step = Recorder._end_step_composed
 
-    def __init__(self, out: deque, torch_module: Any, max_pending: int = 64,
+    def __init__(self, out: deque, torch_module: Any, max_pending: int = MAX_PENDING_STEPS,
                  device: int | None = None) -> None:
         super().__init__(out)
         self.torch = torch_module
@@ -630,7 +645,10 @@ class CudaRecorder(Recorder):
         self.pool: list[Any] = []
         self.pairs: list[tuple[int, Any, Any]] = []
         self.dropped_pairs = 0  # times the pairs of one step were cut to stay bounded
-        self.stream: Any = None  # the stream of the step-end events, fixed at the first
+        self.stream: Any = None  # the step stream: every event is recorded on it
+        self.begin_stream: Any = None  # the current stream at this step's first device phase
+        self.late_steps = 0  # steps sent on the host clock: the device was too far behind
+        self.stream_changes = 0  # times the step stream changed (that step not measured)
         self._capturing = getattr(torch_module.cuda, "is_current_stream_capturing", None)
         self.pending: deque = deque()
         self.prev_end: Any = None
@@ -650,18 +668,21 @@ class CudaRecorder(Recorder):
         return (capturing is not None and self.torch.cuda.current_device() == self.device
                 and capturing())
 
-    def _event(self, stream: Any = None) -> Any:
-        """A timing event recorded on the current stream of the rank's own device (not
-        the current device, which stays 0 in scripts that never call set_device), or on
-        `stream`; None during a capture: recording then would raise into the user's
-        step (or be baked into the graph). The segments it would have bounded stay
-        untimed (None), which the collector reports as a phase it could not see."""
+    def _event(self) -> Any:
+        """A timing event recorded on the step stream of the rank's own device (not the
+        current device, which stays 0 in scripts that never call set_device); None during
+        a capture: recording then would raise into the user's step (or be baked into the
+        graph). The segments it would have bounded stay untimed (None), which the
+        collector reports as a phase it could not see."""
         if self._in_capture():
             self.capture_skips += 1
             return None
         cuda = self.torch.cuda
+        stream = self.stream
+        if stream is None:  # until a step's end says otherwise: the default stream
+            stream = self.stream = cuda.default_stream(self.device)
         ev = self.pool.pop() if self.pool else cuda.Event(enable_timing=True)
-        ev.record(stream if stream is not None else cuda.current_stream(self.device))
+        ev.record(stream)
         return ev
 
     def _pair(self, idx: int, a: Any, b: Any) -> None:
@@ -692,6 +713,8 @@ class CudaRecorder(Recorder):
     def _mark(self, idx: int) -> None:
         """The device segment of the (new) innermost phase starts now."""
         if idx in self.DEVICE_PHASES:
+            if self.begin_stream is None and not self._in_capture():
+                self.begin_stream = self.torch.cuda.current_stream(self.device)
             if self.prev_end is None:
                 # No step-end event before this step (the first, or the first after a
                 # capture): its wall runs from here, on the device clock like its phases.
@@ -730,12 +753,31 @@ class CudaRecorder(Recorder):
         self._pop(perf_counter_ns())
 
     def _step_event(self) -> Any:
-        """The step-end event: always on one stream of the rank's device (the training
-        thread's current stream when device timing began), so consecutive step ends are
-        on one clock whatever stream the loop ends on."""
-        if self.stream is None and not self._in_capture():
-            self.stream = self.torch.cuda.current_stream(self.device)
-        return self._event(self.stream)
+        """The step-end event, on the step stream like every other."""
+        return self._event()
+
+    def _learn_stream(self) -> bool:
+        """At a step's end, the step stream for the next step: the stream the step ended
+        on if its first device phase ran there too (the whole step ran on it; a step of
+        no phase, a graph replay, runs on the stream it is replayed on), else the
+        device's default stream. False when that changes it: this step's events were on
+        the old stream, which may sit idle (a warm-up stream), so its wall is not to be
+        trusted."""
+        began, self.begin_stream = self.begin_stream, None
+        if self._in_capture():
+            return True
+        cuda = self.torch.cuda
+        ended = cuda.current_stream(self.device)
+        want = ended if began is None or began == ended else cuda.default_stream(self.device)
+        old = self.stream
+        if old is not None and want == old:
+            return True
+        self.stream = want
+        if old is None:
+            return True
+        self.stream_changes += 1
+        self.timing_faults += 1
+        return False
 
     def _step_began(self) -> None:
         """The first step's wall runs from its first phase, on the device clock."""
@@ -744,9 +786,12 @@ class CudaRecorder(Recorder):
 
     def _emit(self, step: int, t: int, wall: int, acc: list[int | None]) -> None:
         """The step's device times are not known yet: park it until its events complete.
-        During a capture nothing is resolved (an event query would break it)."""
+        During a capture nothing is resolved (an event query would break it). When the
+        step stream changes, the step goes out on the host clock (no prev_end)."""
+        same = self._learn_stream()
         end_ev = self._step_event()
-        self.pending.append((step, t, wall, acc, self.pairs, self.prev_end, end_ev))
+        self.pending.append((step, t, wall, acc, self.pairs, self.prev_end if same else None,
+                             end_ev))
         self.prev_end = end_ev
         self.pairs = []
         if end_ev is not None:
@@ -783,8 +828,10 @@ class CudaRecorder(Recorder):
                 continue
             _expose_input(acc, wall)
             self.out.append((step, t, wall, acc))
-        while len(pending) > self.max_pending:  # device far behind: drop, never block
-            pending.popleft()
+        while len(pending) > self.max_pending:  # device far behind: never block, never drop
+            step, t, host_wall, acc, _, _, _ = pending.popleft()
+            self.late_steps += 1
+            self.out.append((step, t, host_wall, _host_only(acc)))
 
     def _recycle(self, pairs: list, prev_end: Any) -> None:
         """Events of a resolved step go back to the pool, except those a later segment

@@ -286,6 +286,7 @@ class SystemSampler:
         self._rested: dict[str, _Backoff] = {}
         self._errors: dict[str, str] = {}
         self._max_clock: float | None = None
+        self._old_driver = False  # the driver lacks ...ClocksEventReasons (before 535)
         self._sampled_uuid: str | None = None
         # CPU % and RSS from os.times() and /proc/self/statm where there is one (three
         # system calls, ~10x cheaper than psutil's Process, which parses /proc/PID/stat
@@ -431,14 +432,30 @@ class SystemSampler:
             out["temp_c"] = float(nvml.nvmlDeviceGetTemperature(gpu, TEMPERATURE_GPU))
 
         def throttle() -> None:
-            get = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-            if get is None:
-                get = nvml.nvmlDeviceGetCurrentClocksThrottleReasons
-            out["throttle"] = throttle_names(int(get(gpu)))
+            out["throttle"] = throttle_names(int(self._throttle_reasons(gpu)))
 
         for name, read in (("util", util), ("mem", mem), ("power", power), ("clock", clock),
                            ("temp", temp), ("throttle", throttle)):
             self._metric(out, now, name, read)
+
+    def _throttle_reasons(self, gpu: Any) -> int:
+        """NVML's clock-event (throttle) reason bits. A binding may know the 535+ name
+        (nvmlDeviceGetCurrentClocksEventReasons) while the driver is older and lacks the
+        function (NVMLError_FunctionNotFound): then the older name, which every driver
+        exports, from that sample on."""
+        nvml = self._nvml
+        new = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        old = getattr(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+        if new is not None and (not self._old_driver or old is None):
+            try:
+                return int(new(gpu))
+            except Exception:
+                if old is None:
+                    raise
+                self._old_driver = True
+        if old is None:
+            raise LookupError("this pynvml has no clock-event reasons call")
+        return int(old(gpu))
 
     def _metric(self, out: dict[str, Any], now: float, name: str,
                 read: Callable[[], None]) -> None:

@@ -237,6 +237,7 @@ class Sender(threading.Thread):
                    timing_faults=_count(getattr(rec, "timing_faults", 0)),
                    capture_skips=_count(getattr(rec, "capture_skips", 0)),
                    agent_busy=busy, device_rule=_line(getattr(rec, "device_rule", None)),
+                   late_steps=_count(getattr(rec, "late_steps", 0)),
                    key=self.key, **_advice_evidence(self.observer, rec.step))
         if self.agent_off is not None or final:
             return  # no steps will come: no stall, no stacks

@@ -10,8 +10,15 @@ training thread): NVML finds a device by UUID whatever the numbering. Indices ar
 weaker key: CUDA numbers devices fastest-first unless CUDA_DEVICE_ORDER=PCI_BUS_ID,
 NVML always in PCI order, so on a node with mixed GPU models an index (torch's, or one
 in CUDA_VISIBLE_DEVICES, which CUDA reads in its own order) names a different NVML
-device. A MIG instance is looked up before its GPU: memory belongs to the instance,
-while clocks, power and temperature belong to the GPU under it.
+device. A MIG instance is found with its GPU: memory belongs to the instance, while
+clocks, power and temperature belong to the GPU under it.
+
+Lookup by UUID is one NVML call and comes first (issue 40). The per-index walks (MIG on
+drivers whose lookup by UUID does not know MIG UUIDs, a UUID prefix, the index fallback)
+guard every per-index call: on a node where Slurm's ConstrainDevices denies this job the
+other GPUs, nvmlDeviceGetCount counts them all and nvmlDeviceGetHandleByIndex raises
+NO_PERMISSION on the denied ones; they are skipped, never the end of the lookup. CUDA does
+not see a denied GPU, so its indices then differ from NVML's: the index fallback refuses.
 """
 
 from __future__ import annotations
@@ -112,11 +119,35 @@ def _by_uuid(nvml: Any, uuid: str) -> Any:
         return None
 
 
+def _handles(nvml: Any) -> list[Any]:
+    """Every NVML device's handle by index, None for one this process may not open
+    (NO_PERMISSION under a cgroup device constraint) or that fails otherwise."""
+    try:
+        count = int(nvml.nvmlDeviceGetCount())
+    except Exception:
+        return []
+    out = []
+    for i in range(count):
+        try:
+            out.append(nvml.nvmlDeviceGetHandleByIndex(i))
+        except Exception:
+            out.append(None)
+    return out
+
+
+def _uuid_of(nvml: Any, handle: Any) -> str | None:
+    try:
+        return _text(nvml.nvmlDeviceGetUUID(handle))
+    except Exception:
+        return None
+
+
 def _mig_by_walk(nvml: Any, uuid: str) -> Any:
     """A MIG instance's handle found through its GPU (drivers whose lookup by UUID does not
     know MIG UUIDs)."""
-    for i in range(nvml.nvmlDeviceGetCount()):
-        gpu = nvml.nvmlDeviceGetHandleByIndex(i)
+    for gpu in _handles(nvml):
+        if gpu is None:
+            continue
         try:
             if not nvml.nvmlDeviceGetMigMode(gpu)[0]:
                 continue
@@ -128,7 +159,7 @@ def _mig_by_walk(nvml: Any, uuid: str) -> Any:
                 mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, j)
             except Exception:
                 continue  # an empty slot
-            if _text(nvml.nvmlDeviceGetUUID(mig)) == uuid:
+            if _uuid_of(nvml, mig) == uuid:
                 return mig
     return None
 
@@ -144,9 +175,9 @@ def _mig_target(nvml: Any, uuid: str, how: str) -> NvmlTarget | None:
 def _gpu_by_prefix(nvml: Any, prefix: str) -> Any:
     """The one GPU whose UUID starts with `prefix`, as CUDA accepts a unique prefix."""
     matches = []
-    for i in range(nvml.nvmlDeviceGetCount()):
-        handle = nvml.nvmlDeviceGetHandleByIndex(i)
-        if _text(nvml.nvmlDeviceGetUUID(handle)).startswith(prefix):
+    for handle in _handles(nvml):
+        text = None if handle is None else _uuid_of(nvml, handle)
+        if text is not None and text.startswith(prefix):
             matches.append(handle)
     if len(matches) != 1:
         raise LookupError(f"{prefix} names {len(matches)} devices")
@@ -156,10 +187,13 @@ def _gpu_by_prefix(nvml: Any, prefix: str) -> Any:
 def _by_index(nvml: Any, index: int, order: str | None) -> Any:
     """NVML's device `index` when CUDA numbers as NVML does: in PCI order, or fastest-first
     on a node whose GPUs are all one model (no device is faster, so the order is PCI's)."""
+    handles = _handles(nvml)
+    if any(h is None for h in handles):
+        denied = [i for i, h in enumerate(handles) if h is None]
+        raise LookupError(f"NVML device(s) {denied} are off-limits to this job (a cgroup "
+                          "device constraint): CUDA's indices differ from NVML's")
     if order != PCI_ORDER:
-        count = nvml.nvmlDeviceGetCount()
-        names = {_text(nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(i)))
-                 for i in range(count)}
+        names = {_text(nvml.nvmlDeviceGetName(h)) for h in handles}
         if len(names) > 1:
             raise LookupError(f"cuda:{index} is numbered fastest-first among {len(names)} GPU "
                               f"models, NVML by PCI bus (set CUDA_DEVICE_ORDER={PCI_ORDER})")
@@ -183,7 +217,10 @@ def nvml_target(nvml: Any, cuda_index: int, visible: list[VisibleDevice] | None,
         if not 0 <= cuda_index < len(visible):
             raise LookupError(f"cuda:{cuda_index} is not in CUDA_VISIBLE_DEVICES")
         dev = visible[cuda_index]
-    if uuid:
+    if uuid:  # one call: a GPU by torch's UUID (no walk; a MIG instance's is MIG-...)
+        gpu = _by_uuid(nvml, GPU_PREFIX + uuid)
+        if gpu is not None:
+            return NvmlTarget(gpu, None, "torch's UUID", memory_ok=not _mig_enabled(nvml, gpu))
         found = _mig_target(nvml, MIG_PREFIX + uuid, "torch's MIG UUID")
         if found is not None:
             return found
@@ -193,9 +230,7 @@ def nvml_target(nvml: Any, cuda_index: int, visible: list[VisibleDevice] | None,
             raise LookupError(f"NVML knows no MIG instance {dev.value[:48]}")
         return found
     gpu, how = None, ""
-    if uuid:
-        gpu, how = _by_uuid(nvml, GPU_PREFIX + uuid), "torch's UUID"
-    if gpu is None and dev is not None and dev.kind == "uuid":
+    if dev is not None and dev.kind == "uuid":
         gpu = _by_uuid(nvml, dev.value) or _gpu_by_prefix(nvml, dev.value)
         how = "CUDA_VISIBLE_DEVICES UUID"
     if gpu is None:

@@ -47,6 +47,29 @@ def unmarked_env(env: dict[str, str] | None = None) -> dict[str, str]:
             if k not in (SESSION_VAR, TEST_VAR)}
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """The GPU suite's time budget (tests/gpu/conftest.py reads it; declared here, where
+    pytest reads options, whichever folder it is given)."""
+    parser.addoption("--gpu-budget-s", type=float, default=None, metavar="S",
+                     help="GPU suite: run the most telling GPU tests first and only as "
+                          "many as fit S seconds by their estimates (docs/gpu-validation.md)")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under `-m gpu`, only tests/gpu is collected: every GPU test lives there
+    (test_gpu_suite.py checks it), and a GPU box holding only the product's runtime wheels
+    and pytest lacks the test extra (hypothesis, prometheus_client) that 8 other modules
+    import at module level, which stopped the collection before any GPU test ran."""
+    if config.option.markexpr.strip() != "gpu" or collection_path.is_dir():
+        return None
+    if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return GPU_DIR not in collection_path.parents
+    return None
+
+
+GPU_DIR = Path(__file__).resolve().parent / "gpu"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     os.environ[SESSION_VAR] = SESSION
     # pytest-xdist's loadfile hands out files in the order of the collection (see

@@ -17,6 +17,11 @@ It is no kinder than CUDA (issue 29):
     ends, as on a real GPU), and elapsed_time on an incomplete event raises;
   * streams: `Stream()` makes a side stream whose clock is skewed by `skew_ns`, so an
     elapsed time between events on two streams can be negative;
+  * streams hold queued work (issue 40): `launch(ns)` queues a kernel of `ns` device time
+    on the current stream (a graph's `work_ns` on replay), an event completes when the
+    work queued before it on ITS stream has run, and `wait_stream` orders two streams.
+    An event on an idle stream completes at once, however busy another stream is, as on
+    a GPU: a step clock on the wrong stream measures the host's launch interval;
   * `backward_on_device_thread` runs the real backward on a thread named like autograd's
     device thread while the caller blocks (on a GPU, hooks and final callbacks run
     there); `background_batches` iterates a DataLoader on a prefetch thread.
@@ -61,10 +66,21 @@ class StreamDouble:
     """The default stream of a device (id 0), or a side stream whose events' device times
     are offset by `skew_ns` (another stream's work runs at other times)."""
 
-    def __init__(self, device: int, ident: int = 0, skew_ns: int = 0) -> None:
+    def __init__(self, device: int, ident: int = 0, skew_ns: int = 0,
+                 cuda: CudaDouble | None = None) -> None:
         self.device = device
         self.ident = ident
         self.skew_ns = skew_ns
+        self.cuda = cuda
+
+    def wait_stream(self, other: StreamDouble) -> None:
+        """Work queued here after this call starts after what `other` has queued now."""
+        cuda = self.cuda
+        assert cuda is not None, "a stream from the double's current_stream/Stream"
+        cuda._api("Stream.wait_stream", self.device)
+        busy = cuda.busy
+        key, okey = (self.device, self.ident), (other.device, other.ident)
+        busy[key] = max(busy.get(key, 0), busy.get(okey, 0))
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, StreamDouble) and other.device == self.device
@@ -92,7 +108,7 @@ class EventDouble:
             cuda._invalidate()
             raise RuntimeError(CAPTURE_ERROR)
         self.device = device
-        self.t_ns = cuda.device_clock() + stream.skew_ns
+        self.t_ns = cuda.queued_until(stream) + stream.skew_ns
 
     def _done(self) -> bool:
         cuda = self.cuda
@@ -127,6 +143,7 @@ class GraphDouble:
     def __init__(self) -> None:
         self.replays = 0
         self.captured = False
+        self.work_ns = 0  # device time one replay queues on the current stream
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         cuda = self.cuda
@@ -154,6 +171,8 @@ class GraphDouble:
         if not self.captured:
             raise RuntimeError("replay() of a graph that was not captured")
         self.replays += 1
+        if self.work_ns:
+            cuda.launch(self.work_ns)
 
 
 class GraphContextDouble:
@@ -189,6 +208,8 @@ class CudaDouble:
         self.lag_ns = 0  # device time from an event's record to its completion
         self.sticky_error: str | None = None  # a device error every later call reports
         self._streams = 0
+        # Device time until which each stream, (device, ident), has work queued.
+        self.busy: dict[tuple[int, int], int] = {}
         # The graph types, bound to this double (torch.cuda.CUDAGraph, torch.cuda.graph).
         self.CUDAGraph = type("CUDAGraph", (GraphDouble,), {"cuda": self})
         self.graph = type("graph", (GraphContextDouble,), {"cuda": self})
@@ -248,18 +269,18 @@ class CudaDouble:
     def current_stream(self, device: Any = None) -> StreamDouble:
         index = self._current() if device is None else _index(device)
         self._api("current_stream", index)
-        return self._streams_of_thread().get(index) or StreamDouble(index)
+        return self._streams_of_thread().get(index) or StreamDouble(index, cuda=self)
 
     def default_stream(self, device: Any = None) -> StreamDouble:
         index = self._current() if device is None else _index(device)
         self._api("default_stream", index)
-        return StreamDouble(index)
+        return StreamDouble(index, cuda=self)
 
     def Stream(self, device: Any = None, skew_ns: int = 0) -> StreamDouble:  # noqa: N802
         index = self._current() if device is None else _index(device)
         self._api("Stream", index, opens_context=True)
         self._streams += 1
-        return StreamDouble(index, self._streams, skew_ns)
+        return StreamDouble(index, self._streams, skew_ns, cuda=self)
 
     @contextlib.contextmanager
     def stream(self, stream: StreamDouble) -> Iterator[None]:
@@ -319,6 +340,19 @@ class CudaDouble:
 
     # --- what the test's "script" does --------------------------------------------------
 
+    def launch(self, ns: int, stream: StreamDouble | None = None) -> None:
+        """The script queues a kernel of `ns` device time on `stream` (the current one):
+        it starts when the stream's earlier work is done, or now if the stream is idle."""
+        if stream is None:
+            stream = self.current_stream_quiet(self._current())
+        self._api("launch", stream.device, opens_context=True, caller="script")
+        key = (stream.device, stream.ident)
+        self.busy[key] = max(self.device_clock(), self.busy.get(key, 0)) + ns
+
+    def queued_until(self, stream: StreamDouble) -> int:
+        """When the work queued on `stream` so far is done (device time): now if idle."""
+        return max(self.device_clock(), self.busy.get((stream.device, stream.ident), 0))
+
     def script_uses(self, device: int) -> None:
         """The script's own first CUDA work (e.g. `model.to(f"cuda:{i}")`)."""
         self._api("script", device, opens_context=True, caller="script")
@@ -347,7 +381,7 @@ class CudaDouble:
             stream is None or stream == self.current_stream_quiet(stream.device))
 
     def current_stream_quiet(self, device: int) -> StreamDouble:
-        return self._streams_of_thread().get(device) or StreamDouble(device)
+        return self._streams_of_thread().get(device) or StreamDouble(device, cuda=self)
 
     def _invalidate(self, why: str = "a prohibited call") -> None:
         if self.capturing is not None and self.capture_invalid is None:

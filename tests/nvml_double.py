@@ -1,7 +1,10 @@
 """A stand-in for pynvml (put in sys.modules) with the behaviours that map a rank to the
 wrong GPU when ignored: boards listed in PCI order (NVML's) whatever CUDA's order is, MIG
 instances under a MIG-enabled GPU, an nvmlInit that fails a few times before the driver
-answers, metrics a board does not support, and clock-throttle reasons as NVML's bits.
+answers, metrics a board does not support, and clock-throttle reasons as NVML's bits;
+boards a cgroup device constraint denies (Slurm's ConstrainDevices: counted, but any call
+naming them raises NO_PERMISSION), and a driver older than the binding (the 535+ name
+present, the function missing: FUNCTION_NOT_FOUND).
 
 Handles are tuples: ("gpu", i) for the board at PCI position i, ("mig", i, j) for MIG
 slot j of board i. Every call is logged in `calls` (name, first argument)."""
@@ -30,6 +33,16 @@ class NVMLError_NotFound(NVMLError):  # noqa: N801
 class NVMLError_DriverNotLoaded(NVMLError):  # noqa: N801
     def __str__(self) -> str:
         return "Driver Not Loaded"
+
+
+class NVMLError_NoPermission(NVMLError):  # noqa: N801
+    def __str__(self) -> str:
+        return "Insufficient Permissions"
+
+
+class NVMLError_FunctionNotFound(NVMLError):  # noqa: N801
+    def __str__(self) -> str:
+        return "Function Not Found"
 
 
 def uuid(n: int, kind: str = "GPU") -> str:
@@ -65,6 +78,8 @@ class NvmlDouble:
     mig_lookup: bool = True  # nvmlDeviceGetHandleByUUID knows MIG UUIDs (R470 and later)
     event_api: bool = True  # driver 535+ names: ...ClocksEventReasons
     failing: set[str] = field(default_factory=set)  # metrics that raise NotSupported
+    denied: set[int] = field(default_factory=set)  # PCI positions off-limits (cgroup)
+    driver_events: bool = True  # the driver has ...ClocksEventReasons (535+)
     calls: list[tuple[str, Any]] = field(default_factory=list)
 
     def module(self) -> types.ModuleType:
@@ -75,8 +90,9 @@ class NvmlDouble:
                 setattr(m, name, self._logged(name, getattr(self, name)))
         if not self.event_api:
             del m.nvmlDeviceGetCurrentClocksEventReasons
-        else:
+        elif self.driver_events:
             del m.nvmlDeviceGetCurrentClocksThrottleReasons
+        # else: a new binding on an old driver has both names; the new one fails
         return m
 
     def _logged(self, name: str, fn: Any) -> Any:
@@ -104,10 +120,14 @@ class NvmlDouble:
     def nvmlDeviceGetHandleByIndex(self, i: int) -> tuple:  # noqa: N802
         if not 0 <= i < len(self.boards):
             raise NVMLError("Invalid Argument")
+        if i in self.denied:
+            raise NVMLError_NoPermission()
         return ("gpu", i)
 
     def nvmlDeviceGetHandleByUUID(self, text: str) -> tuple:  # noqa: N802
         for i, b in enumerate(self.boards):
+            if i in self.denied and (b.uuid == text or text in b.migs):
+                raise NVMLError_NoPermission()
             if b.uuid == text:
                 return ("gpu", i)
             if self.mig_lookup and text in b.migs:
@@ -167,6 +187,8 @@ class NvmlDouble:
         return int(self._board(h, "temp").temp_c)
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, h: tuple) -> int:  # noqa: N802
+        if not self.driver_events:
+            raise NVMLError_FunctionNotFound()
         return self._board(h, "throttle").reasons
 
     def nvmlDeviceGetCurrentClocksThrottleReasons(self, h: tuple) -> int:  # noqa: N802

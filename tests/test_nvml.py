@@ -462,3 +462,45 @@ def test_without_pynvml_the_note_says_what_to_install(monkeypatch):
     assert got["gpu_util"] is None
     assert got["gpu_note"].startswith("NVML not open: pynvml is not installed (pip install "
                                       "nvidia-ml-py)")
+
+
+# --- issue 40: a node where other GPUs are off-limits; a driver older than its binding ---
+
+
+@pytest.mark.parametrize("visible", [None, "2"], ids=["unset", "index"])
+def test_nvml_opens_by_uuid_where_other_gpus_are_denied(visible, monkeypatch):
+    """Slurm's ConstrainDevices: NVML counts all 4 GPUs, opening 0, 1 or 3 by index raises
+    NO_PERMISSION. The rank's own GPU (found by torch's UUID, one call) is sampled."""
+    boards = [Board(uuid(0xa0 + i), util=10.0 + i) for i in range(4)]
+    double = use(monkeypatch, NvmlDouble(boards, denied={0, 1, 3}), visible=visible)
+    got = sysmetrics.SystemSampler(0, bare(uuid(0xa2))).sample()
+    assert got["gpu_uuid"] == uuid(0xa2) and got["gpu_util"] == 12.0, got["gpu_note"]
+    assert double.count("nvmlDeviceGetHandleByIndex") == 0  # no walk
+
+
+def test_a_mig_walk_skips_the_gpus_it_may_not_open(monkeypatch):
+    boards = [Board(uuid(1)), Board(uuid(2), migs=(uuid(3, "MIG"), MIG))]
+    use(monkeypatch, NvmlDouble([Board(uuid(9)), *boards], mig_lookup=False, denied={0}))
+    got = sysmetrics.SystemSampler(0, bare(MIG)).sample()
+    assert got["gpu_uuid"] == MIG and got["gpu_mem_mb"] == 3 * 1024
+
+
+def test_by_index_where_gpus_are_denied_is_refused_with_the_reason(monkeypatch):
+    """Without a UUID the index is all there is, and CUDA (which does not see a denied GPU)
+    numbers differently from NVML: no figure is better than another GPU's."""
+    boards = [Board(uuid(0xa0 + i)) for i in range(3)]
+    use(monkeypatch, NvmlDouble(boards, denied={0}), visible=None)
+    got = sysmetrics.SystemSampler(0, None).sample()
+    assert got["gpu_util"] is None and "off-limits" in got["gpu_note"]
+
+
+def test_throttle_reasons_on_a_driver_older_than_the_binding(monkeypatch):
+    """pynvml 12 names nvmlDeviceGetCurrentClocksEventReasons; a driver before 535 lacks
+    it (FUNCTION_NOT_FOUND) but has nvmlDeviceGetCurrentClocksThrottleReasons."""
+    board = Board(uuid(1), reasons=0x4 | 0x40)
+    double = use(monkeypatch, NvmlDouble([board], driver_events=False))
+    sampler = sysmetrics.SystemSampler(0, bare(uuid(1)))
+    for _ in range(3):
+        got = sampler.sample()
+        assert got["throttle"] == ("power cap", "hw thermal"), got["gpu_note"]
+    assert double.count("nvmlDeviceGetCurrentClocksEventReasons") == 1  # learned once

@@ -105,7 +105,7 @@ ROUND_TRIPS = [
                    "key": "fedcba9876543210fedcba9876543210",
                    "gc_slow": 12, "gc_slow_ms": 480.5, "gc_max_ms": 61.0, "gc_full": 14,
                    "loader_len": 50, "loader_epochs": 3, "loader_workers": 2,
-                   "loader_persistent": False}),
+                   "loader_persistent": False, "late_steps": 3}),
     ("stacks", {"stacks": (("MainThread", "  File \"train.py\", line 9, in <module>\n"),
                            ("traceml-sender", "  ...\n"))}),
     ("goodbye", {"exit_code": -11, "error": "Traceback ...\nRuntimeError: boom", "steps": 99}),

@@ -22,6 +22,36 @@ GPU_JOB_TIMEOUT_S = 420
 AGENT_OFF_WORDS = ("internal error", "timing turned off")
 
 
+# (test id, estimated seconds on one GPU, what it tells), most telling per second first.
+# The seconds are ESTIMATES (the jobs' lengths, cold CUDA contexts, a first compile), not
+# yet measured on a GPU: whoever runs the suite on one corrects them.
+EVIDENCE_ORDER: tuple[tuple[str, float, str], ...] = (
+    ("test_gpu_capture.py::test_whole_step_graph_capture_and_replay[tensors]", 45,
+     "the capture survives the agent; replays time on the replay stream (issue 40, 1)"),
+    ("test_gpu_ddp.py::test_compute_straggler_is_named_on_device_time", 50,
+     "the device clock, not the host's"),
+    ("test_gpu_streams.py::test_fsdp2_on_one_gpu[on-gpu]", 55,
+     "FSDP's collectives on their own streams (issue 40, 2)"),
+    ("test_gpu_nvml.py::test_nvml_figures_match_nvidia_smi", 40, "NVML finds the GPU"),
+    ("test_gpu_ddp.py::test_one_rank_on_nccl", 35, "the NCCL path end to end"),
+    ("test_gpu_agent_cost.py::test_agent_cost_per_event_and_per_step", 50,
+     "the agent's cost per event and per step"),
+    ("test_gpu_streams.py::test_side_stream_prefetcher", 45, "side-stream copies"),
+    ("test_gpu_ddp.py::test_two_ranks_share_the_gpu_on_gloo", 45, "every phase timed"),
+    ("test_gpu_streams.py::test_amp_grad_scaler_with_skipped_steps", 40, "skipped steps"),
+    ("test_gpu_capture.py::test_whole_step_graph_capture_and_replay[loader]", 45,
+     "capture with a DataLoader"),
+    ("test_gpu_ddp.py::test_no_set_device_learns_the_device_from_the_model", 40,
+     "device learning"),
+    ("test_gpu_ddp.py::test_forked_dataloader_workers_with_the_agent_on_cuda", 50,
+     "forked workers after CUDA"),
+    ("test_gpu_streams.py::test_fsdp2_on_one_gpu[cpu-offload]", 60, "offload"),
+    ("test_gpu_capture.py::test_compile_reduce_overhead", 120,
+     "cudagraph trees (a first torch.compile takes a minute)"),
+)
+UNKNOWN_S = 60.0  # a GPU test missing from the table: placed last, at this estimate
+
+
 @functools.cache
 def missing_gpu() -> str | None:
     """Why the GPU suite cannot run here, or None when it can. Asks torch whether CUDA is

@@ -131,6 +131,7 @@ def agent_notes(r: RankSnapshot) -> tuple[str, ...]:
     counts = [f"{n} {what}" for n, what in (
         (hb.replays, "CUDA graph replays"), (hb.capture_skips, "phases not timed in a capture"),
         (hb.timing_faults, "timing faults (phases sent as not measured)"),
+        (hb.late_steps, "steps sent on the host clock (device too far behind)"),
         (r.bad_records, "step records refused by the collector")) if n]
     if counts:
         notes.append(", ".join(counts))
