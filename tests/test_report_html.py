@@ -5,6 +5,7 @@ the missing part named, and the page rendered by the real Chromium."""
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -12,12 +13,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from jobs import run_job, traceml
 
+from jobs import run_job, traceml
 from traceml_tui.report.html_report import SECTIONS
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,6 @@ def test_every_section_and_the_summarys_verdict(job):
     d = job.summary["diagnosis"]
     assert d["label"] == "COMPUTE STRAGGLER" and d["rank"] == 1
     verdict = re.search(r'<p class="summary">(.*?)</p>', page, re.S).group(1)
-    import html
     assert html.unescape(verdict) == d["summary"]
     assert "<svg" in page and "rank 1 (worst step" in page
     # Nothing fetched: no script, no external src/href, no http(s) URL in an attribute.
