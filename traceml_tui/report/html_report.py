@@ -376,7 +376,8 @@ def _config(s: model.Summary | None) -> str:
     if s is None:
         return _section("config", "Configuration", _none("no summary"))
     r = s.run
-    rows = [["name", r.name], ["command", " ".join(r.command)], ["ranks", r.world_size],
+    rows: list[list[Any]] = [
+            ["name", r.name], ["command", " ".join(r.command)], ["ranks", r.world_size],
             ["nodes", r.nnodes], ["started", r.started_at or "-"], ["ended", r.ended_at or "-"],
             ["exit code", r.exit_code], ["parallelism", json.dumps(r.parallel, default=str)],
             ["phases", ", ".join(s.phases)]]
