@@ -147,6 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--last-steps", type=_positive, default=None, metavar="N",
                      help="only each rank's last N steps (long runs make big files)")
 
+    rep = sub.add_parser("report", help="write a run's self-contained HTML report",
+                         description="Write one HTML file (no server, no network, no script: "
+                         "it opens from a mail attachment and prints) with the run's verdict, "
+                         "cost, episodes, per-rank step time, phases, memory, collectives, "
+                         "setup findings, hang stacks and configuration.")
+    rep.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    rep.add_argument("-o", "--out", type=Path, default=None, metavar="OUT.html",
+                     help="where to write it (default RUN_DIR/report.html)")
+
     net = sub.add_parser("netcheck", help="check the network between the job's nodes",
                          description="Run on every node with the launch flags of traceml run: "
                          "checks that every rank comes up, each node's interface, MTU and "
@@ -351,6 +360,20 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report.html_report import ReportError, write_report
+
+    try:
+        out, facts = write_report(args.run_dir, args.out)
+    except ReportError as exc:
+        print(f"traceml report: error: {exc}", file=sys.stderr)
+        return 2
+    missing = f"; missing: {len(facts['missing'])} part(s), named in it" if facts["missing"] else ""
+    print(f"wrote {out}: {facts['records']} steps of {facts['ranks']} rank(s) from "
+          f"{facts['source']}{missing}", file=sys.stderr)
+    return 0
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .report.compare import CompareError, compare, load, render
 
@@ -380,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_watch(args)
     if args.command == "export":
         return _cmd_export(args)
+    if args.command == "report":
+        return _cmd_report(args)
     if args.command == "netcheck":
         return _cmd_netcheck(args)
     parser.print_help()

@@ -20,6 +20,7 @@ NCCL_DIR = "nccl"              # under logs/: --nccl-debug's logs and flight-rec
 # The dashboard's exports and SVG screenshots (README: `e`, `s`); the on-disk name
 # predates the word "screenshot" and users' scripts may read it.
 SCREENSHOTS_DIR = "snapshots"
+REPORT_HTML = "report.html"  # `traceml report`'s default output (report/html_report.py)
 
 
 @dataclass(frozen=True)
@@ -127,3 +128,9 @@ class RunFolder:
     @property
     def screenshots(self) -> Path:
         return self.root / SCREENSHOTS_DIR
+
+    # --- written by `traceml report` ------------------------------------------------------
+    @property
+    def report_html(self) -> Path:
+        """The run's self-contained HTML report (report/html_report.py)."""
+        return self.root / REPORT_HTML
