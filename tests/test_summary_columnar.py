@@ -62,9 +62,10 @@ json.dump(out, sys.stdout)
 # row's training-thread CPU shares over the run and its sys sample's latest (RankDetail.cpu,
 # cpu_wait_pct, thread_cpu_pct); the memory a rank may still take (Sys.mem_avail_mb) and
 # the summary's memory section (judge/memory.py); the attempts of a restarted job
-# (attempts, restarts, each episode's attempt).
+# (attempts, restarts, each episode's attempt); steps sent on the host clock because the
+# device lagged (late_steps, issue 40).
 ADDED = ("cpu", "cpu_wait_pct", "thread_cpu_pct", "mem_avail_mb", "memory", "attempts",
-         "restarts", "attempt")
+         "restarts", "attempt", "late_steps")
 
 
 def _strip(value: object) -> object:

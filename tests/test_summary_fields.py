@@ -23,11 +23,11 @@ from traceml_tui.report import model, summary
 
 def test_the_rank_row_ends_with_the_flagged_heartbeat_fields():
     flagged = [name for name, _, _ in model.summarized(Heartbeat)]
-    assert flagged == ["replays", "batches", "timing_faults", "capture_skips"]
+    assert flagged == ["replays", "batches", "timing_faults", "capture_skips", "late_steps"]
     fields = model.Rank.__struct_fields__
     assert list(fields[-len(flagged):]) == flagged
     assert list(fields[:-len(flagged)]) == list(model.RankBase.__struct_fields__)
-    assert model.Rank.__struct_defaults__[-len(flagged):] == (0, 0, 0, 0)
+    assert model.Rank.__struct_defaults__[-len(flagged):] == (0, 0, 0, 0, 0)
 
 
 def test_a_newly_flagged_field_is_found_in_its_order_with_its_default():
@@ -48,10 +48,11 @@ def test_a_ranks_heartbeat_counters_reach_its_row():
     rs = state.ranks[2]
     beat = msgspec.structs.replace(NO_HEARTBEAT, v=PROTOCOL_VERSION, id=rs.ident, seq=9,
                                    t=T0 + 5, step=rs.steps, replays=7, batches=40,
-                                   timing_faults=3, capture_skips=2)
+                                   timing_faults=3, capture_skips=2, late_steps=5)
     assert state.ingest(Message("heartbeat", rs.ident, 9, T0 + 5, beat), 5.0)
     doc = summary.build(state.snapshot(T0 + 75.0, 5.5, full=True), summary.RunMeta())
     row = json.loads(summary.to_json(doc))["ranks"][2]
-    assert list(row)[-4:] == ["replays", "batches", "timing_faults", "capture_skips"]
-    assert [row[k] for k in list(row)[-4:]] == [7, 40, 3, 2]
+    assert list(row)[-5:] == ["replays", "batches", "timing_faults", "capture_skips",
+                              "late_steps"]
+    assert [row[k] for k in list(row)[-5:]] == [7, 40, 3, 2, 5]
     assert model.decode(summary.to_json(doc)).ranks[2].timing_faults == 3  # type: ignore[attr-defined]

@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from traceml_agent.vocab import STEP_LOG_DIR
+from traceml_agent.vocab import STEP_LOG_DIR, WARMUP
 from traceml_tui.runfolder.layout import RunFolder
 
 from . import model, step_series
@@ -260,7 +260,7 @@ def _reduced_chart(title: str, red: step_series.Reduced, spans: list[Span]) -> s
 def _steps(series: step_series.StepSeries, s: model.Summary | None) -> str:
     if not series.records:
         return _section("steps", "Step time per rank", _none("no step log"))
-    spans = [sp for sp in _spans(s, series.last_step) if not sp.label.startswith("WARMUP")]
+    spans = [sp for sp in _spans(s, series.last_step) if not sp.label.startswith(WARMUP)]
     note = (f'<p class="muted">{series.records} steps of {series.ranks} rank(s), steps '
             f"{series.first_step}-{series.last_step} in buckets of {series.bucket_steps}; "
             f"shaded: episodes.</p>")
