@@ -10,7 +10,7 @@ known fault; a run is right when its final_summary.json says what the fault is:
   transient    rank 1 +21 ms of forward on steps 40-99 of a sync-heavy 4-rank job (a
                ~15 ms step, 1.5x): an episode COMPUTE STRAGGLER rank 1 filed on 40-99
                (within 5 steps each side)
-  moving       every step the ranks' extra forward spread 0-40 ms in a fresh order:
+  moving       every step the ranks' extra forward spread 0-100 ms in a fresh order:
                LOAD IMBALANCE
   even         every rank 25 ms of device-like compute, nothing injected: BALANCED
 
@@ -38,7 +38,7 @@ CASES: dict[str, tuple[int, tuple[str, ...]]] = {
     "transient": (4, ("--scenario", "forward", "--rank", "1", "--delay-ms", "21",
                       "--from-step", "40", "--to-step", "99", "--dim", "1024",
                       "--steps", "160")),
-    "moving": (4, ("--scenario", "moving", "--delay-ms", "40", "--compute-ms", "5",
+    "moving": (4, ("--scenario", "moving", "--delay-ms", "100", "--compute-ms", "5",
                    "--steps", "150")),
     "even": (3, ("--scenario", "compute-all", "--delay-ms", "25", "--steps", "150")),
 }

@@ -18,11 +18,11 @@ def _span(e: dict, last: int) -> int:
 
 
 def test_imbalance_that_moves_between_ranks_is_load_imbalance(tmp_path):
-    """Every step the 4 ranks' extra forward is spread 0-40 ms in a fresh order: before,
+    """Every step the 4 ranks' extra forward is spread 0-100 ms in a fresh order: before,
     the record read COMPUTE STRAGGLER rank 3 (a streak of the draw) after COMM-BOUND
     16-191; now LOAD IMBALANCE, for most of the run, with advice that fits."""
     job = run_job(tmp_path, "ddp_toy.py", nproc=4, name="moving", script_args=(
-        "--scenario", "moving", "--delay-ms", "40", "--compute-ms", "5", "--steps", "150"))
+        "--scenario", "moving", "--delay-ms", "100", "--compute-ms", "5", "--steps", "150"))
     assert job.returncode == 0, job.stderr[-3000:]
     doc = job.summary
     validate_schema(doc)

@@ -205,7 +205,10 @@ class StepSpread:
         n = len(self.steps)
         for last in (n, max(MIN_STEPS, n // 2)):
             shares = behind[:, -last:].mean(axis=1)
-            if shares[i] - float(shares.mean()) >= max(lead, z * 0.5 / math.sqrt(last)):
+            # The average includes the rank itself: its lead over the others' average is
+            # n/(n-1) times this, and that is what BEHIND_LEAD bounds.
+            scale = (len(shares) - 1) / len(shares)
+            if shares[i] - float(shares.mean()) >= max(lead * scale, z * 0.5 / math.sqrt(last)):
                 return True
         return False
 
