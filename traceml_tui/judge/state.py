@@ -394,6 +394,7 @@ class RunState:
             self.checks.add(ident.rank, ident.host, body.findings, body.facts)
         elif isinstance(body, Goodbye):
             if rs.finished:  # one goodbye per process: a second is not its own
+                self.counters["messages"] -= 1  # counted above: foreign instead
                 self.counters["foreign"] += 1
                 return False
             rs.finished = True
