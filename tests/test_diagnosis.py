@@ -635,3 +635,24 @@ def test_comm_bound_gives_the_achieved_bus_bandwidth_and_compares_the_preflight(
 @pytest.mark.parametrize("nbytes, ms, world", [(0, 5.0, 4), (1e6, 0.0, 4), (1e6, 5.0, 1)])
 def test_no_bus_bandwidth_without_bytes_time_or_peers(nbytes, ms, world):
     assert dx.bus_gbps(nbytes, ms, world) is None
+
+
+@pytest.mark.parametrize("stall_share, input_share, label", [
+    (0.60, 0.31, dx.PERIODIC_STALL),  # the epoch-start stall costs more: it is named
+    (0.20, 0.35, dx.INPUT_BOUND),  # the near miss: the slow loader costs more
+    (0.60, 0.10, dx.PERIODIC_STALL),  # a fast loader: no word of input
+])
+def test_of_a_slow_loader_and_its_epoch_start_stall_the_larger_cost_is_named(
+        stall_share, input_share, label):
+    """Workers restarted every epoch on a loaded machine: every rank stalls in dataloader
+    at each epoch start, and between the stalls its loader is slow too. Both hold; the
+    one that costs the job more is the label, the other a sentence of its text."""
+    loader = part(input_share, STEP - BASE["dataloader"] - BASE["h2d"]) - BASE["h2d"]
+    ranks = [timing(r, dataloader=loader) for r in range(2)]
+    every_20 = list(range(20, WINDOW, 20))
+    found = logged([stalls(r, every_20, ms=share_ms(stall_share, every_20),
+                           phase="dataloader") for r in range(2)], typical=ranks[0].step_ms)
+    d = diagnose(ranks, stalls=found)
+    assert d.label == label, d.summary
+    both = "waiting for input (INPUT-BOUND, a smaller cost)" in d.summary
+    assert both == (label == dx.PERIODIC_STALL and input_share >= dx.INPUT_BOUND_EXIT)

@@ -540,9 +540,18 @@ def _compute_straggler(w: WindowStats) -> Diagnosis | None:
                       s.gap_ms, s.share, w.step_ms, w.ready, w.compute, w.spreads)
 
 
+def _input_share(w: WindowStats) -> float:
+    return 0.0 if w.untimed & set(INPUT_PHASES) else _share(w.ready, INPUT_PHASES)
+
+
 def _input_bound(w: WindowStats) -> Diagnosis | None:
-    share = 0.0 if w.untimed & set(INPUT_PHASES) else _share(w.ready, INPUT_PHASES)
+    share = _input_share(w)
     if not w.over(share, INPUT_BOUND_ENTER, INPUT_BOUND_EXIT, INPUT_BOUND):
+        return None
+    # Two job-wide causes at once (epoch-start stalls of a loader that is also slow
+    # between them): the one that costs the job more is named, the other in its text.
+    stall = _periodic_stall(w)
+    if stall is not None and (stall.gap_share or 0.0) > share:
         return None
     phase = max(INPUT_PHASES, key=lambda p: median_of(w.ready.column(p)))
     return Diagnosis(
@@ -554,7 +563,13 @@ def _input_bound(w: WindowStats) -> Diagnosis | None:
 
 
 def _periodic_stall(w: WindowStats) -> Diagnosis | None:
-    return periodic_stall(w.stalls, w.active, len(w.ranks))
+    d = periodic_stall(w.stalls, w.active, len(w.ranks))
+    share = _input_share(w)
+    if d is None or not INPUT_BOUND_EXIT <= share < (d.gap_share or 0.0):
+        return d
+    return replace(d, summary=(
+        f"{d.summary} Between the stalls every rank also spends about {share:.0%} of its "
+        f"{w.step_ms:.1f} ms step waiting for input (INPUT-BOUND, a smaller cost)."))
 
 
 def _timing_incomplete(w: WindowStats) -> Diagnosis | None:
