@@ -174,3 +174,25 @@ def test_the_spread_counts_the_slowest_against_a_fair_share():
     assert s.fixed_culprit() is None
     big = StepSpread.of(job(64, 40, moving(64, 40, 30.0)), LOCAL)
     assert big is not None and big.top == 16 and big.fair == 0.25
+
+
+@pytest.mark.parametrize(("wait_share", "host_first", "caveat"), [
+    (0.0, False, False),  # threads never waited: the data's advice alone
+    (0.27, False, True),  # waited a little (~5 ms a step of a ~50 ms spread): a caveat
+    (0.60, True, False),  # waited as long as the spread a step: the host's advice leads
+])
+def test_a_moving_spread_the_cpu_wait_explains_leads_with_the_host(wait_share, host_first,
+                                                                   caveat):
+    """Ranks sharing too few cores: each step another one loses its core, and the spread
+    moves as uneven data's does. Its CPU wait a step, against the spread, says which
+    advice comes first (CPU_WAIT_EXPLAINS, as for a straggler's)."""
+    from dataclasses import replace
+    data = job(4, 128, moving(4, 128, 100.0))
+    run = 0.3  # the share of each step the training thread ran on a core
+    ranks = [replace(t, cpu_run=run, cpu_wait=run * wait_share / (1 - wait_share))
+             for t in medians(data)]
+    d = dx.diagnose(ranks, steps=data)
+    assert d.label == dx.LOAD_IMBALANCE, d
+    assert ("as much as the spread" in d.summary) == host_first, d.summary
+    assert ("part of the spread may be the host's" in d.summary) == caveat, d.summary
+    assert d.summary.index("token") > (d.summary.index("CPU core") if host_first else 0)

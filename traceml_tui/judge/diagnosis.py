@@ -605,10 +605,14 @@ def _load_imbalance(w: WindowStats) -> Diagnosis | None:
     return load_imbalance(s, w.active, _median_cpu_wait(w.ready))
 
 
-def _median_cpu_wait(t: Timings) -> float | None:
-    waited = _ready_waits(t)[0]
-    known = waited[np.isfinite(waited)]
-    return median_of(known) if 2 * len(known) >= len(t) and len(known) else None
+def _median_cpu_wait(t: Timings) -> tuple[float, float] | None:
+    """The median rank's share of its ready time waited for a CPU core, and its ms of
+    such waiting a step; None unless at least half the ranks were read."""
+    waited, _, wait_ms = _ready_waits(t)
+    known = np.isfinite(waited) & np.isfinite(wait_ms)
+    if not known.any() or 2 * int(known.sum()) < len(t):
+        return None
+    return median_of(waited[known]), median_of(wait_ms[known])
 
 
 def _wait_heavy(w: WindowStats) -> Diagnosis | None:
@@ -733,12 +737,16 @@ def comm_bound(ranks: Table, share: float, step_ms: float,
         gap_share=share)
 
 
-def load_imbalance(s: StepSpread, active: str | None, cpu_wait: float | None = None
-                   ) -> Diagnosis | None:
+def load_imbalance(s: StepSpread, active: str | None,
+                   cpu_wait: tuple[float, float] | None = None) -> Diagnosis | None:
     """LOAD IMBALANCE from the per-step comparison: the share of the step by which the
     slowest ranks (the p95 across ranks) exceed the median rank on a typical step, who
     was slowest how often against a fair share, and what every rank waiting for the
-    slowest costs per step (the job with every rank at the median's own work)."""
+    slowest costs per step (the job with every rank at the median's own work).
+    `cpu_wait`: the median rank's share of ready time and ms a step waited for a CPU
+    core. Where that wait is CPU_WAIT_EXPLAINS of the spread or more, the host's
+    scheduling (each step another rank loses its core) explains the spread as well as
+    uneven data does: the host's advice leads, the data's is conditional."""
     job = float(np.median(s.job_ms))
     ordered = np.sort(s.own, axis=0)
     n = len(s.ranks)
@@ -756,9 +764,20 @@ def load_imbalance(s: StepSpread, active: str | None, cpu_wait: float | None = N
     phase = s.widest_phase()
     where = ("own work (input and compute)" if set(INPUT_PHASES) <= set(s.phases)
              else "/".join(s.phases))
+    balance = ("Balance the work per step, not per sample: batches of equal tokens "
+               "(token-based batching), length bucketing across ranks rather than within "
+               "each, pipeline stages of equal cost.")
     cpu = ""
-    if cpu_wait is not None and cpu_wait >= IMBALANCE_CPU_WAIT:
-        cpu = (f" The ranks' training threads waited for a CPU core {cpu_wait:.0%} of the "
+    waited, wait_ms = cpu_wait if cpu_wait is not None else (0.0, float("nan"))
+    if _cpu_explains(wait_ms, typical):
+        balance = (f"The ranks' training threads waited {wait_ms:.1f} ms of each step for a "
+                   f"CPU core ({waited:.0%} of the time they were ready to run), as much as "
+                   f"the spread: the host's scheduling, each step another rank losing its "
+                   f"core, explains it as well as uneven data does. First {_CPU_ADVICE}; if "
+                   f"the spread stays, balance the work per step (batches of equal tokens, "
+                   f"length bucketing across ranks).")
+    elif waited >= IMBALANCE_CPU_WAIT:
+        cpu = (f" The ranks' training threads waited for a CPU core {waited:.0%} of the "
                f"time they were ready to run: part of the spread may be the host's scheduling "
                f"({_CPU_ADVICE}).")
     return Diagnosis(
@@ -768,9 +787,7 @@ def load_imbalance(s: StepSpread, active: str | None, cpu_wait: float | None = N
         f"behind on most steps). On a typical step the slowest ranks do {typical:.1f} ms "
         f"more {where} than the median rank, {share:.0%} of the {job:.1f} ms step "
         f"(spread p95/median {s.spread():.2f}x), and every rank waits for them in its "
-        f"collective: {loss:.1f} ms of every step on average. Balance the work per step, "
-        f"not per sample: batches of equal tokens (token-based batching), length bucketing "
-        f"across ranks rather than within each, pipeline stages of equal cost.{cpu}",
+        f"collective: {loss:.1f} ms of every step on average. {balance}{cpu}",
         gap_ms=typical, gap_share=share, phases=tuple(s.phases))
 
 
