@@ -128,6 +128,11 @@ def _what_if(w: Any) -> dict[str, Any] | None:
     out["raw"] = [w.now_ms, w.step_ms, w.excess_ms, w.paid_ms]
     return out
 
+def _history(state):
+    """The time chart's history: the timeline's (timeline.py), or the state's in the old
+    code the comparison runs beside this one."""
+    return state.timeline.history if hasattr(state.timeline, "history") else state.history
+
 
 def dump(state: Any, now: float, mono_now: float) -> dict[str, Any]:
     ticks = []
@@ -142,7 +147,7 @@ def dump(state: Any, now: float, mono_now: float) -> dict[str, Any]:
             "hidden": {str(k): v for k, v in sorted(state.hidden.items())},
             "hang": None if state.hang is None else [state.hang.kind,
                                                      list(state.hang.culprits)],
-            "history": [list(p) for p in state.history.view()],
+            "history": [list(p) for p in _history(state).view()],
             "timeline": [[e.label, e.rank, e.node, e.start, e.end, e.lost_s]
                          for e in state.timeline],
             "stall_at_ms": [state.ranks[r].stall_at_ms for r in sorted(state.ranks)[:4]],
@@ -161,3 +166,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

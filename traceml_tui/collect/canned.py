@@ -136,11 +136,11 @@ def with_history(state: RunState, seconds: float = 75.0, onset_s: float = 25.0,
     one point per 0.5 s evaluation, as the collector adds them)."""
     from traceml_tui.judge.history import History
 
-    state.history = History()
+    state.timeline.history = History()
     t = 0.0
     while t <= seconds:
         slow = t >= onset_s
-        state.history.add((t, step_ms + (extra_ms if slow else 0.0), step_ms * 0.4,
+        state.timeline.history.add((t, step_ms + (extra_ms if slow else 0.0), step_ms * 0.4,
                            step_ms * 0.45 + (extra_ms if slow else 0.0)))
         t += 0.5
     return state

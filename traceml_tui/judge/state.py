@@ -11,8 +11,6 @@ collector passes the time in, so the whole state machine is testable offline.
 from __future__ import annotations
 
 import hmac
-import warnings
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -36,18 +34,15 @@ from traceml_agent.protocol import (
     Sys,
 )
 from traceml_agent.sanitize import clean_text
-from traceml_agent.vocab import LOCAL_PHASES
 
 from . import collectives as coll
-from . import cost, episodes, hang
+from . import cost, hang
 from . import diagnosis as dx
 from .attempts import AttemptBook
-from .history import History, StepClock, point
 from .memory import MemoryBook, memory_evidence
 from .setup_checks import ChecksBoard
 from .snapshot import (
     RELAY_SILENT_S,
-    Episode,
     PhaseRow,
     RankSnapshot,
     RelaySnapshot,
@@ -55,8 +50,10 @@ from .snapshot import (
     WholeWindow,
 )
 from .stalls import StallBook, StallFinding
+from .timeline import Timeline
 from .timings import Columns, Lookup, Timings
 from .windows import (
+    WARMUP_STEPS,  # noqa: F401 (re-exported)
     AlignedSteps,
     BlockStats,
     Gather,
@@ -64,7 +61,6 @@ from .windows import (
     RankWindow,
     WindowBlock,
     finite_median,
-    nan_medians,
     whole_window_stats,
     window_steps_for,
 )
@@ -90,12 +86,6 @@ MAX_STEPS_PER_S = 10_000
 # reconnected after a network break, which gives it a new routing id).
 RANK_QUIET_S = 3.0
 SPARKLINE_STEPS = 60
-# Steps numbered below this are warm-up: counted and kept in the step log, never in the
-# windows the diagnosis reads. Step 0 carries one-off costs no later step has (model.to,
-# CUDA context and cudnn autotuning, DDP's first bucket rebuild, torch.compile), and on
-# a GPU it is the step timed on the host while the agent learns the device.
-WARMUP_STEPS = 1
-MAX_EPISODES = 500
 MAX_RELAYS = 1 << 16  # one per node; a key holder cannot make us keep more
 # A hang that ends within this many steps per rank of the end of a run stopped by a
 # signal was ended by the stop itself: the Ctrl-C woke the stuck rank (its sleep raised
@@ -217,20 +207,13 @@ class RunState:
         self.recent_cols = Columns(world_size)
         # What this evaluation's refresh gathered, for the cost model's aligned steps.
         self._gather: Gather | None = None
-        # The newest step counted into the open episode's lost time (cost.py), and the
-        # live what-if of the label on display.
-        self._lost_mark = -1
-        self.what_if: cost.WhatIf | None = None
-        self.history = History()  # step and own work over the run, for the time chart
+        # Episodes, their cost, the live what-if and the time chart's history.
+        self.timeline = Timeline(started_at, self.window_steps)
         self.collectives = coll.CollectiveBook()  # which collective took the sync time
-        self.clock = StepClock()  # when each step was taken (episodes dated by steps)
-        self._episode_dx: dx.Diagnosis | None = None  # the open episode's diagnosis
         # What `traceml run --preflight` measured; its largest all-reduce's bus bandwidth
         # (GB/s) is what COMM-BOUND's evidence compares against.
         self.preflight: dict[str, Any] | None = None
         self.preflight_busbw: float | None = None
-        self.live_since = started_at
-        self.timeline: deque[Episode] = deque(maxlen=MAX_EPISODES)
         self.hang_after_s = hang_after_s
         # "fsdp" once any rank reports an FSDP model: collectives then run inside forward
         # and backward, and the diagnosis compares only the phases without them.
@@ -420,23 +403,17 @@ class RunState:
         attempt's ranks that have ended or gone quiet (RANK_QUIET_S) leave the live record
         (their steps are the attempt's); a rank still speaking stays until its own hello."""
         number = self.attempts.number
-        newest = self._newest_step()
-        last = self.timeline[-1] if self.timeline else None
-        if last is not None and last.end is None:
-            self.timeline[-1] = last.closed(min(self.clock.time_of(newest, t), t),
-                                            max(last.start_step, newest))
+        kept = self.timeline.close_attempt(self._newest_step(), t)
         ours = [rs for rs in self.ranks.values() if rs.attempt == number]
         self.attempts.close(attempt, t, now, {rs.ident.rank: rs.steps for rs in ours},
-                            self.live.shown if self.live else None, tuple(self.timeline),
+                            self.live.shown if self.live else None, kept,
                             tuple(sorted((rs.ident.rank, rs.last_step + 1) for rs in ours
                                          if not rs.finished)))
         for rank, rs in list(self.ranks.items()):
             if rs.finished or now - rs.last_seen >= RANK_QUIET_S:
                 del self.ranks[rank]
                 self.block.reset(rank)
-        self.timeline.clear()
-        self.live, self._episode_dx, self.what_if, self._lost_mark = None, None, None, -1
-        self.clock = StepClock()
+        self.live = None
         self.hang, self.hang_since, self.hang_stacks, self.ended_hang = None, None, {}, None
 
     def _of_the_job(self, ident: Identity, conn: object) -> bool:
@@ -847,12 +824,15 @@ class RunState:
                 self.stall_findings(), self.preflight_busbw, self._live_steps)))
         assert self.live is not None  # set above, or by the hang that latched
         shown = self.live.shown
-        self.clock.mark(self._newest_step(), now)
+        newest, fsdp = self._newest_step(), self.parallel == "fsdp"
+        self.timeline.clock.mark(newest, now)
         if before is None or shown.subject != before.subject:
             hang_since = self.hang_since if self.hang is not None else None
-            self._new_episode(shown, now if hang_since is None else hang_since)
-        self._count_cost(shown)
-        self._add_history(now, timings)
+            self.timeline.new_episode(shown, now if hang_since is None else hang_since,
+                                      newest, self.attempts.number, len(self.ranks),
+                                      self._aligned, fsdp)
+        self.timeline.count_cost(shown, newest, len(self.ranks), self._aligned, fsdp)
+        self.timeline.add_history(now, timings)
         self._gather = None  # what the refresh gathered serves this evaluation only
         return shown
 
@@ -911,175 +891,22 @@ class RunState:
         self.hang, self.hang_since, self.hang_stacks = report, since, stacks
         self.hang_steps = steps
         self.live = dx.LiveLabel(report.diagnosis)
-        self.what_if = None
-        episodes = list(self.timeline)
-        starts = [i for i, ep in enumerate(episodes)
-                  if ep.label == report.diagnosis.label and ep.start == since]
-        if starts:  # the aftermath's episodes go; the hang's stays open to the end
-            for _ in range(len(episodes) - starts[-1] - 1):
-                self.timeline.pop()
-            self.timeline[-1] = replace(self.timeline[-1], end=None, end_step=None)
+        # The aftermath's episodes go; the hang's stays open to the end.
+        self.timeline.reopen(report.diagnosis.label, since)
         return True
 
-    def _add_history(self, now: float, timings: Timings) -> None:
-        """The tick's point of the time chart, from the ranks past warm-up."""
-        past = timings.select((timings.steps >= dx.MIN_STEPS) & ~np.isnan(timings.step_ms))
-        if len(past):
-            own, has = past.group(LOCAL_PHASES)
-            self.history.add(point(now - self.started_at, past.step_ms, own[has]))
-
-    def _count_cost(self, shown: dx.Diagnosis) -> None:
-        """What the shown problem cost in the steps taken since the last evaluation (step
-        by step, cost.py), added to the open episode; and its live what-if over the newest
-        LIVE_STEPS steps. Steps that left the window uncounted (evaluation backed off
-        longer than a window) are counted at the mean of the counted ones."""
-        last = self.timeline[-1] if self.timeline else None
-        if last is None or last.end is not None or shown.label not in cost.COSTED_LABELS:
-            self.what_if = None
-            return
-        newest = max((rs.last_step for rs in self.ranks.values()), default=-1)
-        fresh = newest - self._lost_mark
-        data = self.block.aligned(list(self.ranks), cost.steps_to_read(
-            len(self.ranks), self.window_steps, max(LIVE_STEPS, fresh)), self._gather)
-        fsdp = self.parallel == "fsdp"
-        saved = None if data is None else cost.savings(shown, data, fsdp)
-        if data is None or saved is None:
-            self.what_if = None
-            return
-        self.what_if = cost.summarize(shown, saved, LIVE_STEPS)
-        lost_ms, counted = saved.lost_ms_after(self._lost_mark)
-        end = int(saved.steps[-1])
-        missed = max(0, end - self._lost_mark - counted)
-        if counted:
-            lost_ms += missed * lost_ms / counted
-        self._lost_mark = max(self._lost_mark, end)
-        if lost_ms > 0:
-            self.timeline[-1] = replace(last, lost_s=(last.lost_s or 0.0) + lost_ms / 1000.0)
+    @property
+    def what_if(self) -> cost.WhatIf | None:
+        """The live what-if of the label on display (timeline.py)."""
+        return self.timeline.what_if
 
     def _newest_step(self) -> int:
         return max((rs.last_step for rs in self.ranks.values()), default=-1)
 
-    def _evidence(self, d: dx.Diagnosis) -> tuple[cost.Savings, np.ndarray, np.ndarray] | None:
-        """What `d`'s culprit cost step by step over the ranks' windows (as far as
-        cost.steps_to_read lets a large job read back), and the steps that are its
-        evidence (episodes.py): (savings, steps, evidence)."""
-        if d.label not in cost.COSTED_LABELS or not self.ranks:
-            return None
-        data = self.block.aligned(list(self.ranks), cost.steps_to_read(
-            len(self.ranks), self.window_steps, self.window_steps))
-        fsdp = self.parallel == "fsdp"
-        saved = None if data is None else cost.savings(d, data, fsdp)
-        if data is None or saved is None:
-            return None
-        gap = episodes.own_gap(d, data, fsdp)
-        if gap is None:
-            hot = episodes.evidence(d.label, saved.job_ms, saved.saving_ms, d.gap_ms)
-            return saved, saved.steps, hot
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN steps: no value
-            job = nan_medians(data.step_ms)
-        return saved, data.steps, episodes.evidence(d.label, job, gap, d.gap_ms)
-
-    def _new_episode(self, d: dx.Diagnosis, now: float) -> None:
-        """Close the open episode and open one for `d`. An episode with a culprit is
-        dated by its evidence (episodes.py): it starts at the first step of the newest
-        run of steps in which the culprit cost the job a material share, and the open
-        one ends at its last such step; the lost time is priced over exactly those
-        steps. Episodes the new one's evidence covers whole (the COMM-BOUND its victims
-        showed while the straggler was not yet confirmed) were its own symptom: they go,
-        and one it covers in part ends where it begins."""
-        newest = self._newest_step()
-        step = max(0, newest)
-        last = self.timeline[-1] if self.timeline else None
-        floor = WARMUP_STEPS - 1  # new evidence starts after every dated episode's end
-        if last is not None and last.end is None:
-            end_step = step
-            if last.dated and self._episode_dx is not None:
-                end_step = self._close_dated(last, self._episode_dx, step)
-            end = self.clock.time_of(end_step, now) if last.dated else now
-            self.timeline[-1] = replace(last.closed(min(end, now), end_step),
-                                        cleared_step=newest)
-        for e in self.timeline:
-            if e.dated or e.label == dx.HANG:
-                floor = max(floor, e.end_step if e.end_step is not None else step)
-        start, dated, lost, mark = step, False, None, newest
-        seen = None if d.label == dx.HANG else self._evidence(d)
-        if seen is not None:
-            saved, steps, hot = seen
-            found = episodes.span(d.label, steps, hot, floor)
-            if found is not None:
-                # Priced from its first step to the newest step every rank has sent.
-                start, dated, mark = found[0], True, int(saved.steps[-1])
-                lost = episodes.lost_ms(saved.steps, saved.saving_ms, start, mark) / 1000.0
-        if not dated and d.label != dx.HANG:
-            self._drop_symptom()
-            cause = self.timeline[-1] if self.timeline else None
-            if cause is not None and cause.dated and cause.end_step is not None:
-                # After a dated episode, what follows starts where its evidence ended.
-                start = min(step, cause.end_step + 1)
-        if dated or start < step:
-            # Only evidence that reaches back covers earlier episodes: a label named on
-            # the newest step (a HANG: no step since) leaves the one before it whole.
-            self._fold(start)
-        self.live_since = now
-        self._lost_mark = mark
-        self._episode_dx = d
-        at = self.clock.time_of(start, now) if start != step else now
-        self.timeline.append(Episode(d.label, d.rank, d.phase, d.severity, min(at, now), None,
-                                     start, None, d.summary, d.node, lost_s=lost or None,
-                                     dated=dated, named_step=newest,
-                                     attempt=self.attempts.number))
-
-    def _close_dated(self, e: Episode, d: dx.Diagnosis, step: int) -> int:
-        """Where the open dated episode `e` ends: its last step of evidence (the newest
-        step if it has left the window), with its lost time brought to exactly its steps
-        (evaluations counted it up to the last one's newest step)."""
-        seen = self._evidence(d)
-        if seen is None:
-            return step
-        saved, steps, hot = seen
-        end = episodes.last_evidence(d.label, steps, hot, e.start_step - 1)
-        if end is None:
-            return step
-        mark = self._lost_mark
-        extra = (episodes.lost_ms(saved.steps, saved.saving_ms, mark + 1, end)
-                 - episodes.lost_ms(saved.steps, saved.saving_ms, end + 1, mark))
-        if extra:
-            self.timeline[-1] = replace(self.timeline[-1], lost_s=max(
-                0.0, (self.timeline[-1].lost_s or 0.0) + extra / 1000.0))
-        return end
-
-    def _drop_symptom(self) -> None:
-        """The episode just closed goes when it had no culprit of its own, was named
-        from a window (LIVE_STEPS) mostly made of the dated episode's steps before it,
-        and left once that window could hold none of them (LIVE_STEPS, plus the delay
-        with which the live label left the dated episode): the COMM-BOUND a straggler's
-        victims still show in their window after the straggler was cleared is that
-        episode's evidence, not a label of its own. One that lasted longer stays."""
-        if len(self.timeline) < 2:
-            return
-        sym, cause = self.timeline[-1], self.timeline[-2]
-        if (sym.dated or sym.label == dx.HANG or not cause.dated or cause.end_step is None
-                or sym.named_step is None or sym.cleared_step is None):
-            return
-        lag = max(0, (cause.cleared_step or cause.end_step) - cause.end_step)
-        if (sym.named_step - LIVE_STEPS // 2 <= cause.end_step
-                and sym.cleared_step - sym.named_step <= LIVE_STEPS + lag):
-            self.timeline.pop()
-
-    def _fold(self, start: int) -> None:
-        """Episodes wholly on or after `start` that are not dated (nor a hang) go: the
-        new episode's evidence covers them. The one before ends before `start`."""
-        while (self.timeline and not self.timeline[-1].dated
-               and self.timeline[-1].label != dx.HANG
-               and self.timeline[-1].start_step >= start):
-            self.timeline.pop()
-        last = self.timeline[-1] if self.timeline else None
-        if last is not None and last.end_step is not None and last.end_step >= start:
-            end_step = max(last.start_step, start - 1)
-            end = last.end if last.end is None else min(
-                last.end, self.clock.time_of(end_step, last.end))
-            self.timeline[-1] = replace(last, end=end, end_step=end_step)
+    def _aligned(self, want: int, reuse: bool) -> AlignedSteps | None:
+        """The ranks' windows lined up by step, the newest `want` (timeline.Aligned);
+        `reuse`: what this evaluation's refresh gathered may serve."""
+        return self.block.aligned(list(self.ranks), want, self._gather if reuse else None)
 
     def recent_steps(self, rank: int) -> tuple[float, ...]:
         """The rank's last step times, oldest first (for a sparkline)."""
@@ -1145,7 +972,7 @@ class RunState:
         return Snapshot(
             run_name=self.run_name, world_size=self.world_size, nnodes=self.nnodes,
             started_at=self.started_at, now=now, phases=tuple(self.phases), ranks=ranks,
-            live=memory_evidence(shown, trends), live_since=self.live_since,
+            live=memory_evidence(shown, trends), live_since=self.timeline.live_since,
             final=final,
             timeline=(*(e for a in self.attempts.kept for e in a.episodes), *self.timeline),
             counters=dict(self.counters), hang=self.hang,
@@ -1153,8 +980,8 @@ class RunState:
             parallel=self.parallel, checks=self.checks.merged(),
             batch_sizes=self.checks.batch_sizes(), framework=self.framework,
             preflight_busbw=self.preflight_busbw, preflight=self.preflight,
-            relays=self._relay_snapshots(mono_now), what_if=self.what_if,
-            history=self.history.view(),
+            relays=self._relay_snapshots(mono_now), what_if=self.timeline.what_if,
+            history=self.timeline.history.view(),
             collectives=self._collective_stats(),
             stalls=tuple(self.stall_findings()) if full else (),
             memory=trends,
