@@ -35,7 +35,7 @@ while any rank shows such progress (as while any rank still steps).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from traceml_agent.vocab import MEASURED_PHASES
 
@@ -290,3 +290,119 @@ def _diverged(running: Sequence[RankProgress], stalled: float, limit: float
     return HangReport(DIVERGED, Diagnosis(HANG, culprits[0], odd.phase, CRITICAL, summary),
                       tuple(culprits), stalled, limit)
 
+
+
+# --- the latch: one hang held from its detection to its end -------------------------------
+
+# A hang that ends within this many steps per rank of the end of a run stopped by a
+# signal was ended by the stop itself: the Ctrl-C woke the stuck rank (its sleep raised
+# inside `with traceml_agent.step()`, which closes the step) or tore the collective down,
+# and the ranks exited. The record keeps the hang as it was latched, not the aftermath.
+AFTERMATH_STEPS = 3
+
+Threads = tuple[tuple[str, str], ...]  # (thread name, its stack), a rank's stacks
+
+
+@dataclass(frozen=True, slots=True)
+class EndedHang:
+    """A latched hang that ended, kept for `HangLatch.restore`."""
+
+    report: HangReport
+    since: float | None
+    stacks: dict[int, Threads]
+    frontier: int  # the furthest step any rank had reported when it latched
+
+
+def aftermath(frontier: int, last_steps: Sequence[int]) -> bool:
+    """Whether the ranks (their newest steps) made at most AFTERMATH_STEPS steps each
+    (together) beyond `frontier`, the furthest step any rank had reported when a hang
+    was detected: what Ctrl-C lets them close on their way out. Steps up to it were
+    taken before the hang, however late they arrive (a rank stuck holding the GIL sends
+    its queue once woken), and are not the job going on."""
+    beyond = sum(max(0, s - frontier) for s in last_steps)
+    return beyond <= AFTERMATH_STEPS * max(1, len(last_steps))
+
+
+class HangLatch:
+    """The hang on display, from its detection until a step completes somewhere (ranks
+    that exit or die while it lasts do not change who the others were waiting for), the
+    stacks taken while it lasts, and the last one that ended (for a run stopped by a
+    signal, whose record keeps the hang as latched: `restore`)."""
+
+    def __init__(self) -> None:
+        self.report: HangReport | None = None
+        self.since: float | None = None
+        self.steps = 0  # steps of all ranks together when the hang was detected
+        # The furthest step any rank had reported when it was detected: steps up to it
+        # that arrive later were taken before the hang, not progress after it.
+        self.frontier = -1
+        self.in_aftermath = False  # it came in the aftermath of the one kept (_end)
+        self.stacks: dict[int, Threads] = {}  # taken while latched, by rank
+        self.ended: EndedHang | None = None
+
+    def holds(self, steps: int) -> bool:
+        """Whether the latched hang is the same one: no step completed anywhere since."""
+        return self.report is not None and steps == self.steps
+
+    def hold(self, report: HangReport | None) -> None:
+        """The same hang, longer: its stall time as the newest report reads it."""
+        if self.report is not None and report is not None:
+            self.report = replace(self.report, stalled_s=report.stalled_s)
+
+    def latch(self, report: HangReport, steps: int, now: float,
+              last_steps: Sequence[int]) -> None:
+        """A new hang (no progress for the whole threshold is its own evidence): shown at
+        once; one it replaces is kept (_end)."""
+        if self.report is not None:
+            self._end()
+        kept = self.ended
+        self.in_aftermath = kept is not None and aftermath(kept.frontier, last_steps)
+        self.report, self.steps = report, steps
+        self.frontier = max(last_steps, default=-1)
+        self.since = now - report.stalled_s
+        self.stacks = {}
+
+    def clear(self) -> None:
+        """A step completed: the hang (if any) ends."""
+        if self.report is not None:
+            self._end()
+        self.report, self.since, self.stacks = None, None, {}
+
+    def reset(self) -> None:
+        """torchrun restarted the group: nothing of the last attempt's hangs holds."""
+        self.report, self.since, self.stacks, self.ended = None, None, {}, None
+
+    def keep_stacks(self, rank: int, threads: Threads) -> None:
+        """The stacks a rank sent (or that were taken of it) during the latched hang,
+        thread by thread: one taken from outside stays when the rank's own come later."""
+        merged = dict(self.stacks.get(rank, ()))
+        merged.update(threads)
+        self.stacks[rank] = tuple(merged.items())
+
+    def restore(self, steps: int, last_steps: Sequence[int]) -> HangReport | None:
+        """At the end of a run stopped by a signal: the hang that ended within
+        AFTERMATH_STEPS steps per rank beyond its frontier was ended by the stop, and is
+        latched again as it was (culprits, kind, stacks); None when the job went on after
+        it (a hang that resolved itself) or none ended."""
+        ended = self.ended
+        if ended is None or not aftermath(ended.frontier, last_steps):
+            return None
+        self.report, self.since, self.stacks = ended.report, ended.since, ended.stacks
+        self.steps = steps
+        return ended.report
+
+    def _end(self) -> None:
+        """The latched hang ends (a step, or another hang replaces it): kept for
+        `restore`, unless it came in the aftermath of the one kept already (the exiting
+        ranks' stale heartbeats make hang after hang)."""
+        assert self.report is not None
+        kept = self.ended
+        if kept is not None and self.in_aftermath:
+            # The kept hang may have latched before its culprits' stacks came (late
+            # batches re-latched it a few steps on): theirs, taken since, complete it.
+            late = {r: self.stacks[r] for r in kept.report.culprits
+                    if r not in kept.stacks and r in self.stacks}
+            if late:
+                self.ended = replace(kept, stacks={**kept.stacks, **late})
+            return
+        self.ended = EndedHang(self.report, self.since, self.stacks, self.frontier)

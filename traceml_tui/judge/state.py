@@ -39,6 +39,7 @@ from . import collectives as coll
 from . import cost, hang
 from . import diagnosis as dx
 from .attempts import AttemptBook
+from .hang import HangReport, Threads
 from .memory import MemoryBook, memory_evidence
 from .setup_checks import ChecksBoard
 from .snapshot import (
@@ -87,11 +88,6 @@ MAX_STEPS_PER_S = 10_000
 RANK_QUIET_S = 3.0
 SPARKLINE_STEPS = 60
 MAX_RELAYS = 1 << 16  # one per node; a key holder cannot make us keep more
-# A hang that ends within this many steps per rank of the end of a run stopped by a
-# signal was ended by the stop itself: the Ctrl-C woke the stuck rank (its sleep raised
-# inside `with traceml_agent.step()`, which closes the step) or tore the collective down,
-# and the ranks exited. The record keeps the hang as it was latched, not the aftermath.
-AFTERMATH_STEPS = 3
 # The thread name a stack taken from outside the process is shown under.
 NATIVE_THREAD = "native (py-spy dump --native, innermost first)"
 # Distinct phase names a run may use: the standard ones plus the agent's custom limit.
@@ -219,20 +215,7 @@ class RunState:
         # and backward, and the diagnosis compares only the phases without them.
         self.parallel: str | None = None
         self.checks = ChecksBoard(world_size)
-        self.hang: hang.HangReport | None = None
-        self.hang_since: float | None = None
-        self.hang_steps = 0  # steps of all ranks together when the hang was detected
-        # The furthest step any rank had reported when it was detected: steps up to it
-        # that arrive later were taken before the hang (a GIL-stuck rank's agent flushes
-        # its queue once woken), not progress after it (_beyond).
-        self.hang_frontier = -1
-        # Whether the latched hang came in the aftermath of the one kept (_hang_ended).
-        self.hang_in_aftermath = False
-        self.hang_stacks: dict[int, tuple[tuple[str, str], ...]] = {}  # taken while latched
-        # The last hang that ended: (report, since, stacks, frontier when latched), for
-        # `keep_latched_hang` at the end of a run stopped by a signal.
-        self.ended_hang: tuple[hang.HangReport, float | None,
-                               dict[int, tuple[tuple[str, str], ...]], int] | None = None
+        self.hangs = hang.HangLatch()  # the hang on display, its stacks, the last ended
         self.framework: str | None = None  # named in the hint when timing is incomplete
         self.relays: dict[int, _Relay] = {}  # node -> its relay, once heard from
         # rank -> why its frozen step count is not a stall (hang.hidden), as of the last
@@ -414,7 +397,7 @@ class RunState:
                 del self.ranks[rank]
                 self.block.reset(rank)
         self.live = None
-        self.hang, self.hang_since, self.hang_stacks, self.ended_hang = None, None, {}, None
+        self.hangs.reset()
 
     def _of_the_job(self, ident: Identity, conn: object) -> bool:
         """Whether a new process for a rank may have a record: where the collector can
@@ -519,8 +502,8 @@ class RunState:
         (_keep_hang_stacks): a stack that came after the last tick, its rank woken before
         the next (a Ctrl-C), would otherwise never reach the record."""
         if rs.stacks and rs.last_step > rs.stacks_after_step:
-            if self.hang is not None:
-                self._keep_stacks_of(rs)
+            if self.hangs.report is not None:
+                self.hangs.keep_stacks(rs.ident.rank, rs.stacks)
             rs.stacks = ()
             rs.nccl = None
 
@@ -791,32 +774,19 @@ class RunState:
             step_ms = timings.step_ms
             report, self.hidden = self._hang_check(mono_now, finite_median(step_ms[step_ms != 0]))
         steps = sum(rs.steps for rs in self.ranks.values())
-        if self.hang is not None and steps == self.hang_steps and not self.hidden:
+        if self.hangs.holds(steps) and not self.hidden:
             # Latched: until a step completes somewhere, this is the same hang. Ranks that
             # exit or die while it lasts (a Ctrl-C, a scheduler's SIGTERM) do not change
             # who the others were waiting for when it was detected. Progress the steps
             # cannot show (graph replays, batches, a trace stopping) ends it too.
-            if report is not None:
-                self.hang = replace(self.hang, stalled_s=report.stalled_s)
+            self.hangs.hold(report)
             self._keep_hang_stacks()
         elif report is not None:
-            # No progress for the whole threshold is its own evidence: shown at once.
-            if self.hang is not None:  # it replaces another: keep that one's record
-                self._hang_ended()
-            kept = self.ended_hang
-            self.hang_in_aftermath = kept is not None and self._aftermath_of(kept[3])
-            self.hang, self.hang_steps = report, steps
-            self.hang_frontier = self._newest_step()
-            self.hang_since = now - report.stalled_s
-            self.hang_stacks = {}
+            self.hangs.latch(report, steps, now, self._last_steps())
             self._keep_hang_stacks()
             self.live = dx.LiveLabel(report.diagnosis)
         else:
-            if self.hang is not None:
-                self._hang_ended()
-            self.hang = None
-            self.hang_since = None
-            self.hang_stacks = {}
+            self.hangs.clear()
             active = self.live.shown.label if self.live else None
             recent = self._recent_timings
             self.live = dx.settle(self.live, self._named(dx.diagnose(
@@ -837,63 +807,42 @@ class RunState:
         return shown
 
     def _keep_hang_stacks(self) -> None:
-        """The stacks ranks sent (or that were taken of them) during the latched hang,
-        thread by thread: one taken from outside stays when the rank's own come later."""
+        """The stacks ranks sent (or that were taken of them) during the latched hang."""
         for rs in self.ranks.values():
             if rs.stacks:
-                self._keep_stacks_of(rs)
+                self.hangs.keep_stacks(rs.ident.rank, rs.stacks)
 
-    def _keep_stacks_of(self, rs: RankState) -> None:
-        threads = dict(self.hang_stacks.get(rs.ident.rank, ()))
-        threads.update(rs.stacks)
-        self.hang_stacks[rs.ident.rank] = tuple(threads.items())
-
-    def _aftermath_of(self, frontier: int) -> bool:
-        """Whether the ranks made at most AFTERMATH_STEPS steps each (together) beyond the
-        furthest step any rank had reported when a hang was detected: what Ctrl-C lets
-        them close on their way out. Steps up to that frontier were taken before the hang,
-        however late they arrive (a rank stuck holding the GIL sends its queue once
-        woken), and are not the job going on."""
-        beyond = sum(max(0, rs.last_step - frontier) for rs in self.ranks.values())
-        return beyond <= AFTERMATH_STEPS * max(1, len(self.ranks))
-
-    def _hang_ended(self) -> None:
-        """The latched hang ends (a step, or another hang replaces it): kept for
-        `keep_latched_hang`, unless it came in the aftermath of the one kept already
-        (the exiting ranks' stale heartbeats make hang after hang)."""
-        assert self.hang is not None
-        kept = self.ended_hang
-        if kept is not None and self.hang_in_aftermath:
-            # The kept hang may have latched before its culprits' stacks came (late
-            # batches re-latched it a few steps on): theirs, taken since, complete it.
-            report, since, stacks, frontier = kept
-            late = {r: self.hang_stacks[r] for r in report.culprits
-                    if r not in stacks and r in self.hang_stacks}
-            if late:
-                self.ended_hang = (report, since, {**stacks, **late}, frontier)
-            return
-        self.ended_hang = (self.hang, self.hang_since, self.hang_stacks, self.hang_frontier)
+    def _last_steps(self) -> list[int]:
+        return [rs.last_step for rs in self.ranks.values()]
 
     def keep_latched_hang(self) -> bool:
         """At the end of a run stopped by a signal (Ctrl-C, SIGTERM): a hang that ended
-        within AFTERMATH_STEPS steps per rank beyond its frontier (`_aftermath_of`) was
+        within AFTERMATH_STEPS steps per rank beyond its frontier (hang.aftermath) was
         ended by the stop, so the record says HANG as it was latched (culprits, kind,
         stacks), its timeline episode open to the end, not the aftermath: neither the
         steps a woken rank's agent flushes, nor the few the ranks closed on their way
         out, nor the "hang" their stale heartbeats then make. True when restored."""
-        ended = self.ended_hang
-        if ended is None:
-            return False
-        report, since, stacks, frontier = ended
         steps = sum(rs.steps for rs in self.ranks.values())
-        if not self._aftermath_of(frontier):
-            return False  # the job went on after it: a hang that resolved itself
-        self.hang, self.hang_since, self.hang_stacks = report, since, stacks
-        self.hang_steps = steps
+        report = self.hangs.restore(steps, self._last_steps())
+        if report is None:
+            return False  # none ended, or the job went on after it: it resolved itself
         self.live = dx.LiveLabel(report.diagnosis)
         # The aftermath's episodes go; the hang's stays open to the end.
-        self.timeline.reopen(report.diagnosis.label, since)
+        self.timeline.reopen(report.diagnosis.label, self.hangs.since)
         return True
+
+    # What the collector, the summary and tests read of the latch.
+    @property
+    def hang(self) -> HangReport | None:
+        return self.hangs.report
+
+    @property
+    def hang_since(self) -> float | None:
+        return self.hangs.since
+
+    @property
+    def hang_stacks(self) -> dict[int, Threads]:
+        return self.hangs.stacks
 
     @property
     def what_if(self) -> cost.WhatIf | None:
