@@ -43,7 +43,7 @@ from traceml_agent.protocol import (
     column_phases,
 )
 
-from .state import COUNTER_MAX, MAX_STEP_JUMP, MAX_STEPS_PER_S, WARMUP_STEPS, RunState
+from .state import COUNTER_MAX, WARMUP_STEPS, RunState
 
 # Records waiting at most: the collector flushes early past it. A drain may hold 256 relay
 # frames of ~1 MiB (from as many key holders' connections), and a flush builds a dozen
@@ -351,10 +351,7 @@ def _take(state: RunState, p: Pending, valid: np.ndarray, rank: np.ndarray, step
     prev = np.empty_like(step_s)
     prev[1:] = step_s[:-1]
     prev[starts] = [rs.last_step for rs in ranks]
-    bound = np.repeat(np.array(
-        [rs.first_step + MAX_STEP_JUMP + int(MAX_STEPS_PER_S * max(0.0, rs.last_seen
-                                                                    - rs.first_step_at))
-         for rs in ranks], np.int64), counts)
+    bound = np.repeat(np.array([rs.step_bound() for rs in ranks], np.int64), counts)
     plain = np.logical_and.reduceat((step_s > prev) & (step_s <= bound), starts)
     window = (step_s >= WARMUP_STEPS) & np.repeat(plain, counts)
     block = state.block

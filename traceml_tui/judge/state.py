@@ -164,6 +164,16 @@ class RankState:
     first_step_at: float = 0.0
     attempt: int = 1  # the attempt its process belongs to (attempts.py)
 
+    def step_bound(self) -> int:
+        """The highest step number a record of it may carry now (its first record may
+        carry any): faster than any training steps is absurd, a jump to 2**62 (or a climb
+        to it, record by record) that would make every later real step a duplicate. The
+        record-acceptance rule of both ingest paths, record by record (take_records) and
+        in columns (ingest_columns.py), with a record at or before `last_step` a
+        duplicate and one below WARMUP_STEPS kept out of the windows."""
+        return self.first_step + MAX_STEP_JUMP + int(
+            MAX_STEPS_PER_S * max(0.0, self.last_seen - self.first_step_at))
+
 
 class RunState:
     def __init__(self, run_name: str, world_size: int, nnodes: int = 1,
@@ -532,10 +542,7 @@ class RunState:
                 continue
             if rs.first_step < 0:
                 rs.first_step, rs.first_step_at = rec.step, rs.last_seen
-            elif rec.step > rs.first_step + MAX_STEP_JUMP + int(
-                    MAX_STEPS_PER_S * max(0.0, rs.last_seen - rs.first_step_at)):
-                # Faster than any training steps: a jump to 2**62 (or a climb to it, record
-                # by record) would make every later real step look like a duplicate.
+            elif rec.step > rs.step_bound():  # faster than any training steps
                 self.counters["absurd_steps"] += 1
                 continue
             if rec.step >= WARMUP_STEPS:
