@@ -10,7 +10,17 @@ from pathlib import Path
 from typing import Any
 
 from traceml_agent.sanitize import clean_line
-from traceml_agent.vocab import COMPUTE_PHASES, INPUT_PHASES, SYNC, WAIT
+from traceml_agent.vocab import (
+    COMPUTE_PHASES,
+    INPUT_PHASES,
+    LOCAL_PHASES,
+    OTHER_WORK,
+    PHASE_TABLE,
+    PHASES,
+    SYNC,
+    WAIT,
+    WAITING_PHASES,
+)
 from traceml_tui.judge.windows import median
 
 from .model import NotASummary, Rank, Summary, from_doc
@@ -52,20 +62,36 @@ def _group_ms(rank: Rank, phases: tuple[str, ...]) -> float | None:
     return sum(vals) if vals else None
 
 
+def _other_work(ranks: list[Rank]) -> tuple[str, ...]:
+    """The own work that is neither input nor compute: the table's OTHER_WORK rows and
+    the phases a job timed itself (traceml_agent.phase(): a checkpoint, an eval pass),
+    which no group of the table names."""
+    table = tuple(p.name for p in PHASE_TABLE if p.group == OTHER_WORK)
+    custom = sorted({p for r in ranks for p in r.phase_ms if p not in PHASES})
+    return (*table, *custom)
+
+
 def metrics(doc: Summary | dict[str, Any]) -> dict[str, float | None]:
+    """The median rank's ms a step in each group of phases (the phase table's groups:
+    every phase counts in one), and the worst rank's own work beyond the median's."""
     doc = _typed(doc)
     ranks = [r for r in doc.ranks if r.steps > 0]
-    local = [v for r in ranks if (v := _group_ms(r, INPUT + COMPUTE)) is not None]
+    other = _other_work(ranks)
+    local = [v for r in ranks if (v := _group_ms(r, (*LOCAL_PHASES, *other))) is not None]
     def across(phases: tuple[str, ...]) -> float | None:
         return median([v for r in ranks if (v := _group_ms(r, phases)) is not None])
-    return {
+    out = {
         "step_ms": doc.step_ms.median,
         "skew_ms": (max(local) - mid) if (mid := median(local)) is not None else None,
         "input_ms": across(INPUT),
         "compute_ms": across(COMPUTE),
+        "other_ms": across(other),
         "sync_ms": across((SYNC,)),
         "wait_ms": across((WAIT,)),
     }
+    waits = tuple(p for p in WAITING_PHASES if p not in (SYNC, WAIT))
+    out.update({f"{p}_ms": across((p,)) for p in waits})  # a waiting phase of its own
+    return out
 
 
 def verdict(old: float | None, new: float | None) -> str:
@@ -84,7 +110,9 @@ def compare(old: Summary | dict[str, Any], new: Summary | dict[str, Any]) -> dic
     mo, mn = metrics(old), metrics(new)
     rows = {}
     for key in mo:
-        a, b = mo[key], mn[key]
+        a, b = mo[key], mn.get(key)
+        if key == "other_ms" and a is None and b is None:
+            continue  # neither run timed work outside input and compute
         delta = None if a is None or b is None else b - a
         pct = None if delta is None or not a else delta / a
         rows[key] = {"old": _r(a), "new": _r(b), "delta": _r(delta),
@@ -176,7 +204,8 @@ def _diag(doc: Summary) -> dict[str, Any]:
 
 
 LABELS = {"step_ms": "step time", "skew_ms": "worst-rank skew", "input_ms": "input",
-          "compute_ms": "compute", "sync_ms": "sync (collective wait)", "wait_ms": "wait"}
+          "compute_ms": "compute", "other_ms": "other work", "sync_ms": "sync (collective wait)",
+          "wait_ms": "wait"}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -186,8 +215,8 @@ def render(result: dict[str, Any]) -> str:
         def cell(v: float | None) -> str:
             return "-" if v is None else f"{v:.2f}"
         change = "-" if row["change"] is None else f"{row['change']:+.1%}"
-        lines.append(f"{LABELS[key]:<24} {cell(row['old']):>9} {cell(row['new']):>9} "
-                     f"{change:>9}")
+        name = LABELS.get(key, key.removesuffix("_ms"))
+        lines.append(f"{name:<24} {cell(row['old']):>9} {cell(row['new']):>9} {change:>9}")
     d = result["diagnosis"]
     def label(x: dict[str, Any]) -> str:
         return x["label"] + (f" (rank {x['rank']})" if x["rank"] is not None else "")
