@@ -92,6 +92,22 @@ def test_every_package_is_installed() -> None:
     assert on_disk <= listed, f"packages missing from pyproject: {sorted(on_disk - listed)}"
 
 
+# The inner contracts' containers, and the folder each one's modules are in.
+INNER = {"traceml_tui.judge": ROOT / "traceml_tui" / "judge", "traceml_agent": ROOT / "agent"}
+
+
+@pytest.mark.parametrize("container", sorted(INNER))
+def test_every_module_of_the_judge_and_the_agent_has_its_place(container: str) -> None:
+    """Their inner order is written down (pyproject's contracts); a new module must take a
+    place in it, not sit beside it unchecked."""
+    config = tomllib.loads(CONFIG.read_text())
+    [contract] = [c for c in config["tool"]["importlinter"]["contracts"]
+                  if c["type"] == "layers" and c["containers"] == [container]]
+    names = {name.strip() for layer in contract["layers"] for name in layer.split("|")}
+    modules = {p.stem for p in INNER[container].glob("*.py") if p.stem != "__init__"}
+    assert modules <= names, f"{container}: modules in no layer: {sorted(modules - names)}"
+
+
 @pytest.mark.parametrize("planted, into, message", [
     # the view model imports the judge's state (as view_state.py once did)
     ("from traceml_tui.judge.state import RunState", "viewmodel.py",
@@ -102,6 +118,9 @@ def test_every_package_is_installed() -> None:
     # a sibling: the dashboard reads the judge directly
     ("from traceml_tui.judge import diagnosis", "view/dashboard/cells.py",
      "traceml_tui.view.dashboard.cells -> traceml_tui.judge.diagnosis"),
+    # inside the judge: a rule reaches up into the state
+    ("from traceml_tui.judge.state import RunState", "judge/diagnosis.py",
+     "traceml_tui.judge.diagnosis -> traceml_tui.judge.state"),
 ])
 def test_an_upward_import_is_caught(packages: Path, tmp_path: Path, planted: str, into: str,
                                     message: str) -> None:
