@@ -11,6 +11,9 @@ carries none of the collector.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from operator import itemgetter
+
 import msgspec
 from msgspec import Struct
 
@@ -189,6 +192,34 @@ def own_work(phase_ms: tuple[float | None, ...]) -> float | None:
     """A rank's own work per step from its phase columns; None when none was measured."""
     vals = [v for i in OWN_COLUMNS if (v := phase_ms[i]) is not None]
     return sum(vals) if vals else None
+
+
+# A rank's own-work columns in one C call: "worst first" keys run for every rank on every
+# frame and every export. (itemgetter of a single index returns the value, not a 1-tuple.)
+_own_cells = (itemgetter(*OWN_COLUMNS) if len(OWN_COLUMNS) > 1
+              else lambda p: tuple(p[i] for i in OWN_COLUMNS))
+
+
+def own_distance(mid: float | None) -> Callable[[RankRow], float]:
+    """How far a rank's own work is from the median rank's `mid`: the measure of "worst
+    first" (the dashboard's order, the ranks /metrics exports). 0 where the rank measured
+    none or `mid` is unknown."""
+    cells, n = _own_cells, len(OWN_COLUMNS)
+    if mid is None:
+        return lambda r: 0.0
+
+    def far(r: RankRow) -> float:
+        own = cells(r.phase_ms)  # the sum in C: skipping zeros adds the same
+        return 0.0 if own.count(None) == n else abs(sum(filter(None, own)) - mid)
+
+    return far
+
+
+def subject_ranks(view: RunView) -> frozenset[int]:
+    """The ranks the diagnosis names: its rank, or all ranks of the node it blames."""
+    if view.node is not None:
+        return frozenset(r.rank for r in view.rows if r.node == view.node)
+    return frozenset() if view.rank is None else frozenset({view.rank})
 
 
 def _worst(values: list[float | None]) -> float | None:

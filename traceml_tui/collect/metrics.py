@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable
 from itertools import chain, repeat
-from operator import itemgetter
 from typing import Any
 
 import msgspec
@@ -34,7 +33,14 @@ import numpy as np
 from traceml_agent.vocab import MEMORY_HOST
 from traceml_tui.judge.memory import worst_first
 from traceml_tui.judge.snapshot import Snapshot
-from traceml_tui.viewmodel import OWN_COLUMNS, VIEW_PHASES, RankRow, RunView, own_work
+from traceml_tui.viewmodel import (
+    VIEW_PHASES,
+    RankRow,
+    RunView,
+    own_distance,
+    own_work,
+    subject_ranks,
+)
 
 # Every rank gets its own series up to this many ranks (8 phase series + 2 per rank:
 # ~10k series at 1,024 ranks, what one Prometheus takes per job without notice) ...
@@ -58,16 +64,9 @@ def ranks_to_export(view: RunView) -> list[RankRow]:
     rows = [r for r in view.rows if r.step_ms is not None]
     if len(rows) <= PER_RANK_ALL:
         return rows
-    mid = own_work(view.median_phase_ms) or 0.0
-    n_own = len(OWN_COLUMNS)
-    pick = itemgetter(*OWN_COLUMNS) if n_own > 1 else lambda p: (p[OWN_COLUMNS[0]],)
-
-    def far(r: RankRow) -> float:
-        """own_work's sum, in C (16,384 rows a tick): skipping zeros adds the same."""
-        own = pick(r.phase_ms)
-        return 0.0 if own.count(None) == n_own else abs(sum(filter(None, own)) - mid)
-
-    subject = {view.rank} if view.node is None else {r.rank for r in rows if r.node == view.node}
+    # Unknown median: the own work itself (ranks that measured most first).
+    far = own_distance(own_work(view.median_phase_ms) or 0.0)
+    subject = subject_ranks(view)
     keep = sorted((r for r in rows if r.rank in subject), key=lambda r: (-far(r), r.rank))
     # nlargest is sorted(reverse=True)[:n]: stable, so rows of equal distance stay in
     # rank order, as a full sort by (-far, rank) had them, at a fraction of its cost.

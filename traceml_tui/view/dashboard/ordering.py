@@ -9,42 +9,35 @@ used by the heat table.
 from __future__ import annotations
 
 from collections.abc import Callable
-from operator import itemgetter
 
-from traceml_tui.viewmodel import FAILED, OWN_COLUMNS, STALE, RankRow, RunView, own_work
+from traceml_tui.viewmodel import (  # noqa: F401 (subject_ranks re-exported)
+    FAILED,
+    STALE,
+    RankRow,
+    RunView,
+    own_distance,
+    own_work,
+    subject_ranks,
+)
 
 WORST = "worst"
 ALARMING = frozenset({FAILED, STALE})
-# A rank's own-work columns in one C call: the ordering key runs for every rank on every
-# frame. (itemgetter of a single index returns the value, not a 1-tuple.)
-_own_cells = (itemgetter(*OWN_COLUMNS) if len(OWN_COLUMNS) > 1
-              else lambda p: tuple(p[i] for i in OWN_COLUMNS))
 
 
 def median_own(state: RunView) -> float | None:
     return own_work(state.median_phase_ms)
 
 
-def subject_ranks(state: RunView) -> frozenset[int]:
-    """The ranks the diagnosis names: its rank, or all ranks of the node it blames."""
-    if state.node is not None:
-        return frozenset(r.rank for r in state.rows if r.node == state.node)
-    return frozenset() if state.rank is None else frozenset({state.rank})
-
-
 def worst_key(subject: frozenset[int], mid: float | None, by_node: bool = False
               ) -> Callable[[RankRow], tuple[bool, bool, float, int]]:
     """The one worst-first key, for ranks or (`by_node`) nodes' pseudo-rows: the diagnosis
     subject (ranks, or nodes) leads, then alarming statuses, then own work furthest from
-    the median rank's `mid` (unknown: not far), then the rank or node ascending. It runs
-    for every rank on every frame: one closure, no call per row but the C itemgetter."""
-    cells, alarming = _own_cells, ALARMING
+    the median rank's `mid` (viewmodel.own_distance), then the rank or node ascending."""
+    far, alarming = own_distance(mid), ALARMING
 
     def key(r: RankRow) -> tuple[bool, bool, float, int]:
         who = r.node if by_node else r.rank
-        vals = [v for v in cells(r.phase_ms) if v is not None]
-        far = 0.0 if not vals or mid is None else abs(sum(vals) - mid)
-        return (who not in subject, r.status not in alarming, -far, who)
+        return (who not in subject, r.status not in alarming, -far(r), who)
 
     return key
 
