@@ -28,10 +28,11 @@ import threading
 from collections import deque
 from typing import Any, Literal
 
-from . import device, env, gcwatch, keys, protocol
-from .protocol import PHASES
-from .recorder import NO_PHASE
-from .vocab import WAIT
+# Only the words at import: a viewer or the collector that imports the vocabulary
+# (traceml_agent.vocab runs this file first) loads no runtime module of the agent; each
+# function below imports what it runs.
+from . import env
+from .vocab import PHASES, WAIT
 
 __all__ = ["init", "step", "phase", "shutdown", "enabled", "PHASES"]
 
@@ -61,8 +62,12 @@ def _inert_in_child() -> None:
         hooks.go_inert()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_inert_in_child)
+def _quiet_forked_children() -> None:
+    """Once, when an agent starts in this process (a process that never ran one has no
+    agent for its children to inherit)."""
+    if hasattr(os, "register_at_fork") and not _state.get("at_fork"):
+        _state["at_fork"] = True
+        os.register_at_fork(after_in_child=_inert_in_child)
 
 
 def enabled() -> bool:
@@ -88,6 +93,8 @@ def init(
     with _lock:
         if _state["rec"] is not None:
             return True
+        from . import keys
+
         if os.environ.get(env.DISABLE) == "1":
             return False
         endpoint = endpoint or os.environ.get(env.ENDPOINT)
@@ -111,7 +118,7 @@ def init(
 def _start(endpoint: str, run_name: str, auto: bool, secret: str | None) -> None:
     import torch
 
-    from . import hooks
+    from . import device, gcwatch, hooks, protocol
     from .capture import Capturer
     from .checks import StepObserver
     from .recorder import LazyCudaRecorder, Recorder
@@ -144,6 +151,7 @@ def _start(endpoint: str, run_name: str, auto: bool, secret: str | None) -> None
     if auto:
         hooks.install(rec, torch, _on_internal_error, observer)
     gcwatch.install()  # garbage-collection pauses, the evidence of a stall's advice
+    _quiet_forked_children()
     sender.start()
     if os.environ.get(env.DEBUG) == "1":
         print(f"[traceml] agent rank {ident.rank} reporting to {endpoint}", file=sys.stderr)
@@ -151,6 +159,8 @@ def _start(endpoint: str, run_name: str, auto: bool, secret: str | None) -> None
 
 def _attempt() -> int | None:
     """torchrun's restart count in this worker's environment (None outside its agent)."""
+    from . import protocol
+
     try:
         value = int(os.environ.get(env.RESTART_COUNT, ""))
     except ValueError:
@@ -159,6 +169,8 @@ def _attempt() -> int | None:
 
 
 def _distributed_env() -> dict[str, str]:
+    from . import protocol
+
     keep = ("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_DEBUG", "CUDA_VISIBLE_DEVICES", "OMP_")
     found = {k: v[:1024] for k, v in os.environ.items() if k.startswith(keep)}
     return dict(sorted(found.items())[: protocol.MAX_ENV_ENTRIES])
@@ -176,7 +188,7 @@ def shutdown(exit_code: int | None = None, error: str | None = None) -> None:
 
 
 def _teardown() -> None:
-    from . import hooks
+    from . import gcwatch, hooks
 
     hooks.uninstall()
     gcwatch.uninstall()
@@ -185,6 +197,7 @@ def _teardown() -> None:
 
 
 def _on_internal_error(exc: BaseException) -> None:
+    from . import protocol
     from .recorder import is_sticky_cuda_error
 
     if is_sticky_cuda_error(exc):
@@ -257,7 +270,7 @@ class _Phase:
 
     def __exit__(self, *exc: Any) -> Literal[False]:
         rec = _state["rec"]
-        if self.started and rec is not None and rec.active != NO_PHASE:
+        if self.started and rec is not None and rec.active != _NO_PHASE:
             try:
                 rec.end(self)
             except Exception as err:
@@ -267,6 +280,7 @@ class _Phase:
 
 
 _STEP = _Step()
+_NO_PHASE = -1  # recorder.NO_PHASE, which a test checks this is (not imported: see above)
 
 
 def step() -> _Step:

@@ -24,7 +24,6 @@ from typing import Any
 from . import vocab
 from .recorder import capturing
 
-MAX_CAPTURE_STEPS = 50  # a deep trace is for reading, not for a whole run: files stay small
 TRACES_DIR = vocab.TRACES_DIR
 
 
@@ -47,7 +46,7 @@ class Capturer:
 
     def request(self, capture_id: int, steps: int) -> bool:
         """Accept a capture of the next `steps` steps; False (refused) while one runs."""
-        if self._busy or not 1 <= steps <= MAX_CAPTURE_STEPS:
+        if self._busy or not 1 <= steps <= vocab.MAX_CAPTURE_STEPS:
             return False
         self._busy = True
         self._pending = (capture_id, steps)

@@ -23,8 +23,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from .capture import MAX_CAPTURE_STEPS
 from .protocol import MAX_WORLD_SIZE, Count, Epoch
+from .vocab import MAX_CAPTURE_STEPS
 
 MAX_REQUEST_BYTES = 64 << 10  # a view request, or a 16,000-character native stack
 # A finish carries the user's command line (an argument may be 128 KiB on Linux): control

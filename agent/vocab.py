@@ -161,3 +161,7 @@ def format_ranks(ranks: Iterable[int]) -> str:
     if start is not None:
         out.append(f"{start}-{prev}" if prev != start else str(start))
     return ",".join(out)
+
+# The most steps one deep trace covers (a capture request's bound, the agent's check): a
+# deep trace is for reading, not for a whole run, so its files stay small.
+MAX_CAPTURE_STEPS: Final = 50
