@@ -355,7 +355,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     except ExportError as exc:
         print(f"traceml export: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args.perfetto}: {counts['records']} steps of {counts['ranks']} rank(s); "
+    print(f"wrote {args.perfetto}: {counts['records']} step records of {counts['ranks']} rank(s); "
           f"open it in https://ui.perfetto.dev", file=sys.stderr)
     return 0
 
@@ -369,7 +369,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         print(f"traceml report: error: {exc}", file=sys.stderr)
         return 2
     missing = f"; missing: {len(facts['missing'])} part(s), named in it" if facts["missing"] else ""
-    print(f"wrote {out}: {facts['records']} steps of {facts['ranks']} rank(s) from "
+    print(f"wrote {out}: {facts['records']} step records of {facts['ranks']} rank(s) from "
           f"{facts['source']}{missing}", file=sys.stderr)
     return 0
 

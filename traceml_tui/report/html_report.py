@@ -261,7 +261,7 @@ def _steps(series: step_series.StepSeries, s: model.Summary | None) -> str:
     if not series.records:
         return _section("steps", "Step time per rank", _none("no step log"))
     spans = [sp for sp in _spans(s, series.last_step) if not sp.label.startswith(WARMUP)]
-    note = (f'<p class="muted">{series.records} steps of {series.ranks} rank(s), steps '
+    note = (f'<p class="muted">{series.records} step records of {series.ranks} rank(s), steps '
             f"{series.first_step}-{series.last_step} in buckets of {series.bucket_steps}; "
             f"shaded: episodes.</p>")
     inner = note + _reduced_chart("Step time per rank (ms)", series.step, spans)
