@@ -10,7 +10,6 @@ collector passes the time in, so the whole state machine is testable offline.
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -41,6 +40,7 @@ from . import diagnosis as dx
 from .attempts import AttemptBook
 from .hang import HangReport, Threads
 from .memory import MemoryBook, memory_evidence
+from .owners import RANK_QUIET_S, Owners
 from .setup_checks import ChecksBoard
 from .snapshot import (
     RELAY_SILENT_S,
@@ -80,12 +80,6 @@ COUNTER_MAX = (1 << 63) - 1
 # records climb by 2**20 each, and the rank's real steps then counted as duplicates).
 MAX_STEP_JUMP = 1 << 20
 MAX_STEPS_PER_S = 10_000
-# A rank's record belongs to the connection (ZeroMQ routing id, and its route at a node
-# relay) it reports on. Another connection may take the rank over only once that one has
-# been quiet this long (three missed heartbeats: the process is gone or cannot speak),
-# and only with a hello (a new process) or the same process id (the same process
-# reconnected after a network break, which gives it a new routing id).
-RANK_QUIET_S = 3.0
 SPARKLINE_STEPS = 60
 MAX_RELAYS = 1 << 16  # one per node; a key holder cannot make us keep more
 # The thread name a stack taken from outside the process is shown under.
@@ -195,17 +189,11 @@ class RunState:
                          "duplicate_records": 0, "agent_dropped": 0, "rejected_peers": 0,
                          "restarts": 0, "absurd_steps": 0, "backlog_refused": 0,
                          "not_owner": 0, "bad_records": 0}
-        # A hello for a live rank from another connection: that connection may take the
-        # rank over once the rank's own has gone quiet (one claim per rank, the newest).
-        # Whether a pid is one of the job's processes (collect/lineage.py), set by the
-        # collector where it can tell: a key holder's hello with a pid of its own then
-        # cannot take a rank before the real one says hello (_of_the_job).
-        self.of_the_job: Callable[[int], bool] | None = None
+        # Who may write each rank's record (owners.py).
+        self.owners = Owners(nnodes)
         # The connections whose messages wait in the collector's queue at this
         # evaluation (collect/ingest_pump.py): their ranks are not silent (_waiting).
         self.waiting_routes: frozenset[object] = frozenset()
-        # (its connection, pid, whether its hello named a newer attempt).
-        self.claims: dict[int, tuple[object, int, bool]] = {}
         self.live: dx.LiveLabel | None = None
         # Every rank's live timings (LIVE_STEPS) and newest few steps' (dx.recent_steps),
         # as columns by rank: what an evaluation reads, with no object per rank.
@@ -289,7 +277,7 @@ class RunState:
             return False
         rs = self.ranks.get(ident.rank)
         if rs is not None and conn is not None and rs.conn != conn:
-            if not self._may_take_over(rs, msg, now, conn):
+            if not self.owners.may_take_over(rs, msg, now, conn, self.attempts.rises):
                 self.counters["not_owner"] += 1
                 return False
             if rs.ident.pid == ident.pid:  # the same process, reconnected
@@ -308,7 +296,7 @@ class RunState:
             self.counters["restarts"] += 1
             self.checks.forget(ident.rank)
             rs = None
-        if rs is None and not self._of_the_job(ident, conn):
+        if rs is None and not self.owners.of_job(ident, conn):
             self.counters["not_owner"] += 1  # a process the launcher did not start
             return False
         self.counters["messages"] += 1
@@ -322,7 +310,7 @@ class RunState:
                            attempt=self.attempts.number)
             self.ranks[ident.rank] = rs
             self.live_cols.cpu.forget(ident.rank)  # the old process's, if any
-            self.claims.pop(ident.rank, None)
+            self.owners.forget(ident.rank)
         rs.last_seen = now
         body = msg.body
         if isinstance(body, Steps):
@@ -409,44 +397,14 @@ class RunState:
         self.live = None
         self.hangs.reset()
 
-    def _of_the_job(self, ident: Identity, conn: object) -> bool:
-        """Whether a new process for a rank may have a record: where the collector can
-        see the process (`of_the_job`, set by the collector: /proc's lineage), it must be
-        one the launcher started. Only for ranks of this host, on a connection of their
-        own (not through another node's relay); elsewhere the kernel that knows is
-        another host's. Without the check (tests, offline use) every process may."""
-        check = self.of_the_job
-        if check is None or conn is None:
-            return True
-        relayed = isinstance(conn, tuple) and len(conn) == 2 and conn[1] is not None
-        if relayed or (ident.node != 0 and self.nnodes > 1):
-            return True
-        return check(ident.pid)
+    @property
+    def of_the_job(self) -> Callable[[int], bool] | None:
+        """Whether a pid is one of the job's processes, where the collector can tell."""
+        return self.owners.of_the_job
 
-    def _may_take_over(self, rs: RankState, msg: Message, now: float, conn: object) -> bool:
-        """A message for a rank that reports on another connection. The rank's own
-        process, reconnected, proves itself with its key (a hello or heartbeat carrying
-        the key its first hello gave; a pid is public); an agent that never sent one is
-        taken back by pid once its connection has gone quiet (RANK_QUIET_S). Another
-        process takes the rank over once it said goodbye, or when its hello names a newer
-        attempt (torchrun restarted the group) and the old connection is quiet: a quiet
-        rank is never continued by another process, for a rank stuck in a C call goes
-        quiet too, and its record must keep its hang. While the rank is alive every such
-        message is refused: a key holder cannot replace it."""
-        rank, pid = msg.ident.rank, msg.ident.pid
-        quiet = rs.finished or now - rs.last_seen >= RANK_QUIET_S
-        if rs.ident.pid == pid:
-            if rs.key is not None:
-                key = getattr(msg.body, "key", None)
-                return key is not None and hmac.compare_digest(key, rs.key)
-            return quiet
-        body = msg.body
-        if isinstance(body, Hello) and self._of_the_job(msg.ident, conn):
-            self.claims[rank] = (conn, pid, self.attempts.rises(body.attempt))
-        claim = self.claims.get(rank)
-        if claim is None or claim[:2] != (conn, pid):
-            return False
-        return rs.finished or (claim[2] and quiet)
+    @of_the_job.setter
+    def of_the_job(self, check: Callable[[int], bool] | None) -> None:
+        self.owners.of_the_job = check
 
     @staticmethod
     def _progress_seen(rs: RankState, body: Heartbeat, now: float) -> None:
