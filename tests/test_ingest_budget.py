@@ -69,3 +69,19 @@ def test_small_queues_use_the_reserve_only_up_to_the_total(monkeypatch) -> None:
         assert pump.queued_bytes <= 5 * MIB and pump.refused == 4 + 10
     finally:
         _close(ctx, pump)
+
+
+def test_a_rank_is_served_whole_each_turn_beside_floods_of_large_frames() -> None:
+    """One message per peer per turn served 32 flooders' 1 MiB frames and one of a rank's
+    ~20 messages a second in turn: its backlog grew without end. Its few-KiB messages
+    now all go in its turn (TURN_BYTES)."""
+    ctx, pump = _pump()
+    try:
+        pump._admit([[b"rank0", b"s" * 1500] for _ in range(20)])
+        pump._admit([[b"flood%d" % i, b"x" * MIB] for i in range(32) for _ in range(4)])
+        served = 0
+        for _ in range(33):  # one turn: each peer once, a drain's take at a time
+            served += sum(frames[0] == b"rank0" for frames in pump.take(256, MIB))
+        assert served == 20
+    finally:
+        _close(ctx, pump)

@@ -76,6 +76,9 @@ from traceml_tui.runfolder.step_log import StepLogWriter
 
 from . import descriptors, steps_columns
 from .auth import start_authenticator
+from .connections import EVENTS as CONNECTION_EVENTS
+from .connections import ZAP_DOMAIN as INGEST_ZAP_DOMAIN
+from .connections import ConnectionCap, cap_for
 from .deep_traces import DeepTraceBoard
 from .ingest_pump import IngestPump, Route
 from .lineage import JobLineage
@@ -146,9 +149,14 @@ class Collector:
         self.ctx: zmq.Context = zmq.Context.instance()
         self.auth: Any = None
         self.rejected_peers = 0  # handshakes refused: a peer without the run's keys
+        # Key holders' connections to the ingest port, at most so many open (connections.py).
+        self.connections = ConnectionCap(
+            cap_for(state.world_size),
+            lambda line: print(f"[traceml] collector: {line}", file=sys.stderr, flush=True))
         run_keys = None if secret is None else self._start_auth(secret)
 
-        def bind(kind: int, host: str, fixed: int, hwm: int = 1000) -> tuple[zmq.Socket, str]:
+        def bind(kind: int, host: str, fixed: int, hwm: int = 1000,
+                 capped: bool = False) -> tuple[zmq.Socket, str]:
             sock = self.ctx.socket(kind)
             sock.setsockopt(zmq.LINGER, 0)
             descriptors.limit_handshake(sock)  # an idle connection's descriptor comes back
@@ -158,6 +166,8 @@ class Collector:
             sock.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_FRAME_LIMIT)
             if run_keys is not None:
                 keys.secure_server(sock, run_keys)
+                if capped:  # its handshakes go to the connection cap too
+                    sock.zap_domain = INGEST_ZAP_DOMAIN.encode()
             if fixed:
                 sock.bind(f"tcp://{host}:{fixed}")
             else:
@@ -167,7 +177,7 @@ class Collector:
             return sock, f"tcp://{local}:{fixed}"
 
         self.ingest, self.ingest_addr = bind(zmq.ROUTER, bind_host, port,
-                                             recv_hwm(state.world_size))
+                                             recv_hwm(state.world_size), capped=True)
         # Only the launcher on this host talks to control: loopback, whatever the bind.
         self.control, self.control_addr = bind(zmq.REP, "127.0.0.1", 0)
         # Viewers on other hosts need the view socket where agents reach the collector.
@@ -176,7 +186,8 @@ class Collector:
         # Connections refused or timed out in the handshake (before the pump owns ingest),
         # and descriptors held back for our own files (descriptors.py).
         self.handshakes = descriptors.HandshakeCounter()
-        for sock in (self.ingest, self.control, self.view):
+        self.handshakes.watch(self.ingest, CONNECTION_EVENTS, self.connections.seen)
+        for sock in (self.control, self.view):
             self.handshakes.watch(sock)
         self.reserve = descriptors.Reserve()
         self.metrics: Any = None  # the /metrics server (metrics.MetricsServer), if any
@@ -228,7 +239,8 @@ class Collector:
         def rejected() -> None:
             self.rejected_peers += 1
 
-        self.auth = start_authenticator(self.ctx, run_keys, rejected)
+        self.auth = start_authenticator(self.ctx, run_keys, rejected,
+                                        (INGEST_ZAP_DOMAIN, self.connections.admit))
         return run_keys
 
     # --- lifecycle ------------------------------------------------------------------
@@ -291,6 +303,8 @@ class Collector:
         """Connections turned away, shown beside the ingest counters."""
         counters = self.state.counters
         counters["refused_connections"] = self.handshakes.failed
+        counters["connections_over_cap"] = self.connections.refused
+        self.connections.tell()
         if self.metrics is not None:
             counters["metrics_refused"] = self.metrics.refused
             counters["metrics_timed_out"] = self.metrics.timed_out

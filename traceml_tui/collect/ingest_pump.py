@@ -4,8 +4,9 @@ libzmq bounds a ROUTER's receive queue per connection and in messages (RCVHWM), 
 bytes over all connections: four connections sending valid 1 MiB messages, slow to
 decode, held 2.3 GiB after 15 s. This thread takes each frame off the socket as it
 arrives (a few microseconds each, far faster than decoding) into a queue
-per peer, and the collector's loop takes them round-robin, one per peer per turn, so a
-peer that floods only lengthens its own queue.
+per peer, and the collector's loop takes them round-robin, up to TURN_BYTES of each
+peer's queue per turn (at least a message), so a peer that floods only lengthens its own
+queue, and a rank's few-KiB messages are all served each turn.
 
 Every queued frame counts against one budget for all peers together, whatever their
 number (a key holder chooses how many connections to open: the issue saw ~17 MiB more
@@ -43,6 +44,10 @@ BACKLOG_BYTES = 224 << 20  # all peers together
 RESERVE_BYTES = 32 << 20  # ... and above it, for peers whose queue stays small
 SMALL_QUEUE_BYTES = 256 << 10  # a rank's queue (a few KiB a message) stays far below
 PEER_BYTES = 8 << 20  # one peer's queue
+# A peer's share of one turn of the round robin: a rank's few-KiB messages all go in one
+# turn, a flooder's 1 MiB frames one a turn. One message a turn let 32 connections of
+# 1 MiB frames serve a rank 4 of its ~20 messages a second, its backlog ever longer.
+TURN_BYTES = 64 << 10
 GATHER_S = 0.002
 TAKE_PER_WAKE = 10_000  # frames taken off the socket before looking at requests to send
 BATCH_BYTES = 4 << 20  # received, not yet admitted: refused frames are let go per batch
@@ -166,8 +171,8 @@ class IngestPump(threading.Thread):
             return frozenset(self._queues)
 
     def take(self, limit: int, max_bytes: int = 1 << 62) -> list[list[bytes]]:
-        """Up to `limit` messages (and `max_bytes`, at least one message), one per peer
-        per turn. Clears the wake-ups."""
+        """Up to `limit` messages (and `max_bytes`, at least one message), each peer in
+        turn up to TURN_BYTES of its queue (at least one message). Clears the wake-ups."""
         while True:
             try:
                 self.wake.recv(zmq.NOBLOCK)
@@ -180,16 +185,21 @@ class IngestPump(threading.Thread):
             while ready and len(taken) < limit and held < max_bytes:
                 route = ready.popleft()
                 queue = queues[route]
-                frames = queue.popleft()
-                size = sum(map(len, frames))
-                held += size
-                self.queued_bytes -= size
+                turn = 0
+                while True:
+                    frames = queue.popleft()
+                    size = sum(map(len, frames))
+                    turn += size
+                    taken.append(frames)
+                    if not queue or len(taken) >= limit or turn >= TURN_BYTES:
+                        break
+                held += turn
+                self.queued_bytes -= turn
                 if queue:
-                    sizes[route] -= size
+                    sizes[route] -= turn
                     ready.append(route)
                 else:
                     del queues[route], sizes[route]
-                taken.append(frames)
         return taken
 
     def send(self, route: Route, payload: bytes) -> None:
