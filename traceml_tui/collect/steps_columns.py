@@ -40,7 +40,17 @@ def maybe_steps(payload: bytes) -> bool:
 def columns_of(wire: Steps) -> tuple[StepRow, StepGroup]:
     """The message as one column row and its group (group 0 of one), every record kept in
     place with the bad ones made invalid (step -1), so the flush counts them refused.
-    ProtocolError where protocol.decode refuses the whole message."""
+    ProtocolError where protocol.decode refuses the whole message (and, as decode, for
+    anything unforeseen: a bad message must never raise out of the drain)."""
+    try:
+        return _columns_of(wire)
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise ProtocolError(f"invalid steps: {type(exc).__name__}: {exc}"[:300]) from None
+
+
+def _columns_of(wire: Steps) -> tuple[StepRow, StepGroup]:
     phases = wire.phases
     n = len(phases)
     if wire.forced is not None and len(wire.forced) != n:
