@@ -430,6 +430,13 @@ def encode(kind: str, ident: Identity, seq: int, t: float, **body: Any) -> bytes
 
 def decode(payload: bytes) -> Message:
     """Decode and validate one message, or raise ProtocolError. Never raises anything else."""
+    return message(decode_wire(payload))
+
+
+def decode_wire(payload: bytes) -> WireMessage:
+    """The decoded Struct, every field checked by its type but a steps message's records
+    (they are checked by `message`, or as columns by the collector: a large batch,
+    collect/steps_columns.py). ProtocolError for anything else."""
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise ProtocolError("payload is not bytes")
     if len(payload) > MAX_MESSAGE_BYTES:
@@ -440,6 +447,15 @@ def decode(payload: bytes) -> Message:
         raise ProtocolError(f"invalid message: {exc}"[:300]) from None
     except Exception as exc:  # not msgpack at all, or nested past the decoder's limit
         raise ProtocolError(f"not valid msgpack: {type(exc).__name__}") from None
+    if wire.v != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {wire.v!r:.40}")
+    if wire.id.rank >= wire.id.world_size:
+        raise ProtocolError(f"id.rank {wire.id.rank} is not below id.world_size")
+    return wire
+
+
+def message(wire: WireMessage) -> Message:
+    """A decoded Struct (decode_wire) as the collector reads it, records checked."""
     try:
         return _message(wire)
     except ProtocolError:
@@ -449,11 +465,7 @@ def decode(payload: bytes) -> Message:
 
 
 def _message(wire: WireMessage) -> Message:
-    if wire.v != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {wire.v!r:.40}")
     ident = wire.id
-    if ident.rank >= ident.world_size:
-        raise ProtocolError(f"id.rank {ident.rank} is not below id.world_size")
     kind = str(type(wire).__struct_config__.tag)
     if isinstance(wire, Steps):
         phases = _phases(wire.phases)

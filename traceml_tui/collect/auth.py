@@ -16,8 +16,11 @@ from traceml_agent import keys
 
 
 def start_authenticator(ctx: zmq.Context, run_keys: keys.CurveKeys,
-                        on_reject: Callable[[], None] | None = None) -> Any:
-    """Start pyzmq's ZAP thread on `ctx` for the run's key; returns it (call .stop())."""
+                        on_reject: Callable[[], None] | None = None,
+                        capped: tuple[str, Callable[[], bool]] | None = None) -> Any:
+    """Start pyzmq's ZAP thread on `ctx` for the run's key; returns it (call .stop()).
+    `capped`: a ZAP domain whose peers, holding the key, are admitted only while its
+    callable says so (the ingest socket's connection cap: connections.py)."""
     from zmq.auth.thread import ThreadAuthenticator
 
     class OnlyThisRun:
@@ -27,7 +30,16 @@ def start_authenticator(ctx: zmq.Context, run_keys: keys.CurveKeys,
                 on_reject()
             return ok
 
+    class WhileRoom(OnlyThisRun):
+        def __init__(self, room: Callable[[], bool]) -> None:
+            self.room = room
+
+        def callback(self, domain: str, client_key: bytes) -> bool:
+            return super().callback(domain, client_key) and self.room()
+
     auth = ThreadAuthenticator(ctx)
     auth.start()
     auth.configure_curve_callback(keys.ZAP_DOMAIN, credentials_provider=OnlyThisRun())
+    if capped is not None:
+        auth.configure_curve_callback(capped[0], credentials_provider=WhileRoom(capped[1]))
     return auth

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from msgspec.structs import replace
 
 from traceml_agent import keys
 from traceml_agent.protocol import (
@@ -48,10 +49,13 @@ from traceml_agent.protocol import (
     RelayStackRequest,
     RelayStacks,
     StepRow,
+    Steps,
     decode,
     decode_relay_batch,
     decode_relay_stacks,
+    decode_wire,
     encode_relay_stacks,
+    message,
 )
 from traceml_agent.requests import (
     LAUNCHER_OPS,
@@ -70,8 +74,11 @@ from traceml_tui.runfolder import folders
 from traceml_tui.runfolder.layout import RunFolder
 from traceml_tui.runfolder.step_log import StepLogWriter
 
-from . import descriptors
+from . import descriptors, steps_columns
 from .auth import start_authenticator
+from .connections import EVENTS as CONNECTION_EVENTS
+from .connections import ZAP_DOMAIN as INGEST_ZAP_DOMAIN
+from .connections import ConnectionCap, cap_for
 from .deep_traces import DeepTraceBoard
 from .ingest_pump import IngestPump, Route
 from .lineage import JobLineage
@@ -142,9 +149,14 @@ class Collector:
         self.ctx: zmq.Context = zmq.Context.instance()
         self.auth: Any = None
         self.rejected_peers = 0  # handshakes refused: a peer without the run's keys
+        # Key holders' connections to the ingest port, at most so many open (connections.py).
+        self.connections = ConnectionCap(
+            cap_for(state.world_size),
+            lambda line: print(f"[traceml] collector: {line}", file=sys.stderr, flush=True))
         run_keys = None if secret is None else self._start_auth(secret)
 
-        def bind(kind: int, host: str, fixed: int, hwm: int = 1000) -> tuple[zmq.Socket, str]:
+        def bind(kind: int, host: str, fixed: int, hwm: int = 1000,
+                 capped: bool = False) -> tuple[zmq.Socket, str]:
             sock = self.ctx.socket(kind)
             sock.setsockopt(zmq.LINGER, 0)
             descriptors.limit_handshake(sock)  # an idle connection's descriptor comes back
@@ -154,6 +166,8 @@ class Collector:
             sock.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_FRAME_LIMIT)
             if run_keys is not None:
                 keys.secure_server(sock, run_keys)
+                if capped:  # its handshakes go to the connection cap too
+                    sock.zap_domain = INGEST_ZAP_DOMAIN.encode()
             if fixed:
                 sock.bind(f"tcp://{host}:{fixed}")
             else:
@@ -163,7 +177,7 @@ class Collector:
             return sock, f"tcp://{local}:{fixed}"
 
         self.ingest, self.ingest_addr = bind(zmq.ROUTER, bind_host, port,
-                                             recv_hwm(state.world_size))
+                                             recv_hwm(state.world_size), capped=True)
         # Only the launcher on this host talks to control: loopback, whatever the bind.
         self.control, self.control_addr = bind(zmq.REP, "127.0.0.1", 0)
         # Viewers on other hosts need the view socket where agents reach the collector.
@@ -172,7 +186,8 @@ class Collector:
         # Connections refused or timed out in the handshake (before the pump owns ingest),
         # and descriptors held back for our own files (descriptors.py).
         self.handshakes = descriptors.HandshakeCounter()
-        for sock in (self.ingest, self.control, self.view):
+        self.handshakes.watch(self.ingest, CONNECTION_EVENTS, self.connections.seen)
+        for sock in (self.control, self.view):
             self.handshakes.watch(sock)
         self.reserve = descriptors.Reserve()
         self.metrics: Any = None  # the /metrics server (metrics.MetricsServer), if any
@@ -224,7 +239,8 @@ class Collector:
         def rejected() -> None:
             self.rejected_peers += 1
 
-        self.auth = start_authenticator(self.ctx, run_keys, rejected)
+        self.auth = start_authenticator(self.ctx, run_keys, rejected,
+                                        (INGEST_ZAP_DOMAIN, self.connections.admit))
         return run_keys
 
     # --- lifecycle ------------------------------------------------------------------
@@ -287,6 +303,8 @@ class Collector:
         """Connections turned away, shown beside the ingest counters."""
         counters = self.state.counters
         counters["refused_connections"] = self.handshakes.failed
+        counters["connections_over_cap"] = self.connections.refused
+        self.connections.tell()
         if self.metrics is not None:
             counters["metrics_refused"] = self.metrics.refused
             counters["metrics_timed_out"] = self.metrics.timed_out
@@ -406,13 +424,53 @@ class Collector:
 
     def _receive_one(self, route: Route, payload: bytes, mono: float) -> None:
         try:
-            msg = decode(payload)
+            if steps_columns.maybe_steps(payload):  # a large one is checked as columns
+                wire = decode_wire(payload)
+                if isinstance(wire, Steps):
+                    self._receive_large(route, wire, mono)
+                    return
+                msg = message(wire)
+            else:
+                msg = decode(payload)
         except ProtocolError:
             self.state.count_malformed()
             return
         self._take(route, msg, mono)
 
-    def _take(self, route: Route, msg: Message, mono: float) -> None:
+    def _receive_large(self, route: Route, wire: Steps, mono: float) -> None:
+        """A large steps message (collect/steps_columns.py): as a relay's column row when
+        it is the next batch of a rank known on this connection; else its envelope first,
+        and its records made into objects only if the state takes it."""
+        try:
+            row, src = steps_columns.columns_of(wire)
+        except ProtocolError:
+            self.state.count_malformed()
+            return
+        opened = columns.open_groups([src], [row])[0]
+        if opened is None or columns.row_error(row, opened[0]) is not None:
+            self.state.count_malformed()
+            return
+        group, start = opened
+        rank = row.id.rank
+        if columns.take_row(self.state, self.pending, row.id, route, mono, row, group, start):
+            self.routes[rank] = route
+            if wire.colls:
+                self.state.collectives.add(rank, wire.colls)
+            if self.pending.records >= columns.MAX_PENDING_RECORDS:
+                self.flush_columns()
+            return
+        forced = (0,) * len(group.phases) if row.forced is None else tuple(row.forced)
+        envelope = Message("steps", row.id, row.seq, row.t, replace(wire, records=[]),
+                           group.phases, (), forced, columns.refused_in(row, group, start))
+        if not self._take(route, envelope, mono):
+            return  # another connection's rank, or not of this run: its records never made
+        records = columns.message_of(row, group, start).records
+        rs = self.state.ranks[rank]
+        self.state.take_records(rs, records, group.phases)
+        self.state.stepped_past_stacks(rs)
+        self.step_log.append_records(rank, group.phases, records)
+
+    def _take(self, route: Route, msg: Message, mono: float) -> bool:
         pending = self.pending
         waits = bool(pending.ranks) and msg.ident.rank in pending.ranks
         # Its rows waiting go first; a sys sample does not meet them, and a heartbeat only
@@ -420,7 +478,7 @@ class Collector:
         if waits and msg.kind not in ("heartbeat", "sys"):
             self.flush_columns()
         if not self.state.ingest(msg, mono, route):  # a live rank's record is its connection's
-            return
+            return False
         if waits and msg.kind == "heartbeat":
             pending.beat(msg.ident.rank)
         rank = msg.ident.rank
@@ -429,6 +487,7 @@ class Collector:
             self.step_log.append_records(rank, msg.phases, msg.records)
         elif isinstance(msg.body, Capture):
             self.captures.on_event(rank, msg.body)
+        return True
 
     def write_live(self) -> None:
         try:

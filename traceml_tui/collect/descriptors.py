@@ -126,25 +126,34 @@ class HandshakeCounter:
 
     def __init__(self) -> None:
         self.monitors: list[zmq.Socket] = []
+        self.others: list[Callable[[int, int], None] | None] = []
         self.failed = 0
 
-    def watch(self, sock: zmq.Socket) -> None:
-        """Before the socket is handed to another thread (monitoring is set up on it)."""
-        self.monitors.append(sock.get_monitor_socket(FAILED))
+    def watch(self, sock: zmq.Socket, events: int = 0,
+              on_event: Callable[[int, int], None] | None = None) -> None:
+        """Before the socket is handed to another thread (monitoring is set up on it).
+        A socket has one monitor: with `on_event`, every event it reports (those
+        counted here and `events`) goes to it too (connections.ConnectionCap)."""
+        self.monitors.append(sock.get_monitor_socket(FAILED | events))
+        self.others.append(on_event)
 
     def drain(self) -> int:
-        for mon in self.monitors:
+        for mon, on_event in zip(self.monitors, self.others, strict=True):
             while True:
                 try:
-                    recv_monitor_message(mon, zmq.NOBLOCK)
+                    event = recv_monitor_message(mon, zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 except zmq.ZMQError:
                     break
-                self.failed += 1
+                if event["event"] & FAILED:
+                    self.failed += 1
+                if on_event is not None:
+                    on_event(int(event["event"]), int(event["value"]))
         return self.failed
 
     def close(self) -> None:
         for mon in self.monitors:
             mon.close(linger=0)
         self.monitors.clear()
+        self.others.clear()

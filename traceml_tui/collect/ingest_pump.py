@@ -4,17 +4,21 @@ libzmq bounds a ROUTER's receive queue per connection and in messages (RCVHWM), 
 bytes over all connections: four connections sending valid 1 MiB messages, slow to
 decode, held 2.3 GiB after 15 s. This thread takes each frame off the socket as it
 arrives (a few microseconds each, far faster than decoding) into a queue
-per peer, and the collector's loop takes them round-robin, one per peer per turn, so a
-peer that floods only lengthens its own queue. A frame is refused (and counted) when
-its peer already has PEER_BYTES queued, or when all queues together hold BACKLOG_BYTES
-and its peer has something queued already: a peer whose queue is empty always gets
-its next frame in, so an ordinary rank (a few KiB every 100 ms, served every turn)
-never loses a message to somebody else's flood.
+per peer, and the collector's loop takes them round-robin, up to TURN_BYTES of each
+peer's queue per turn (at least a message), so a peer that floods only lengthens its own
+queue, and a rank's few-KiB messages are all served each turn.
 
-Bound: BACKLOG_BYTES, plus at most one frame (≤ 1 MiB, libzmq's MAXMSGSIZE) per
-connected peer, plus libzmq's own pipe of at most 16 frames per connection (the
-collector's RCVHWM) while this thread waits for the GIL; each peer needs the run's
-key and a connection of its own.
+Every queued frame counts against one budget for all peers together, whatever their
+number (a key holder chooses how many connections to open: the issue saw ~17 MiB more
+per connection when an empty queue always let its next frame in). A frame is refused
+(and counted) when its peer's queue would pass PEER_BYTES, or when all queues together
+would pass BACKLOG_BYTES; a peer whose queue stays under SMALL_QUEUE_BYTES (every rank:
+a few KiB a message, served every turn) may also use RESERVE_BYTES above that, so an
+ordinary rank never loses a message to somebody else's flood of large frames.
+
+Bound: BACKLOG_BYTES + RESERVE_BYTES in all (256 MiB), plus libzmq's own pipe of at most
+16 frames per connection (the collector's RCVHWM) while this thread waits for the GIL;
+each connection needs the run's key, and their number is capped (connections.py).
 
 Only this thread ever touches the ROUTER socket (ZeroMQ sockets are not thread-safe):
 the collector's requests to ranks reach it through an inproc pair, which also wakes
@@ -36,8 +40,14 @@ from traceml_agent.protocol import RELAY_ROUTE, RELAY_TAG
 # connection's node relay (relay.py), or None when it sent directly.
 Route = tuple[bytes, int | None]
 
-BACKLOG_BYTES = 256 << 20  # all peers together
-PEER_BYTES = 8 << 20  # one peer's queue; a rank's normal backlog is a few KiB
+BACKLOG_BYTES = 224 << 20  # all peers together
+RESERVE_BYTES = 32 << 20  # ... and above it, for peers whose queue stays small
+SMALL_QUEUE_BYTES = 256 << 10  # a rank's queue (a few KiB a message) stays far below
+PEER_BYTES = 8 << 20  # one peer's queue
+# A peer's share of one turn of the round robin: a rank's few-KiB messages all go in one
+# turn, a flooder's 1 MiB frames one a turn. One message a turn let 32 connections of
+# 1 MiB frames serve a rank 4 of its ~20 messages a second, its backlog ever longer.
+TURN_BYTES = 64 << 10
 GATHER_S = 0.002
 TAKE_PER_WAKE = 10_000  # frames taken off the socket before looking at requests to send
 BATCH_BYTES = 4 << 20  # received, not yet admitted: refused frames are let go per batch
@@ -118,8 +128,7 @@ class IngestPump(threading.Thread):
                 route = frames[0]
                 size = sum(map(len, frames))
                 mine = sizes.get(route, 0)
-                if mine and (mine + size > PEER_BYTES
-                             or self.queued_bytes + size > BACKLOG_BYTES):
+                if not self._fits(mine + size, size):
                     self.refused += 1
                     continue
                 queue = queues.get(route)
@@ -130,6 +139,13 @@ class IngestPump(threading.Thread):
                 sizes[route] = mine + size
                 self.queued_bytes += size
             self.peak_bytes = max(self.peak_bytes, self.queued_bytes)
+
+    def _fits(self, peer_after: int, size: int) -> bool:
+        """Whether a frame of `size` fits, its peer's queue then `peer_after` bytes."""
+        if peer_after > PEER_BYTES:
+            return False
+        budget = BACKLOG_BYTES + (RESERVE_BYTES if peer_after <= SMALL_QUEUE_BYTES else 0)
+        return self.queued_bytes + size <= budget
 
     def _forward(self) -> None:
         while True:
@@ -155,8 +171,8 @@ class IngestPump(threading.Thread):
             return frozenset(self._queues)
 
     def take(self, limit: int, max_bytes: int = 1 << 62) -> list[list[bytes]]:
-        """Up to `limit` messages (and `max_bytes`, at least one message), one per peer
-        per turn. Clears the wake-ups."""
+        """Up to `limit` messages (and `max_bytes`, at least one message), each peer in
+        turn up to TURN_BYTES of its queue (at least one message). Clears the wake-ups."""
         while True:
             try:
                 self.wake.recv(zmq.NOBLOCK)
@@ -169,16 +185,21 @@ class IngestPump(threading.Thread):
             while ready and len(taken) < limit and held < max_bytes:
                 route = ready.popleft()
                 queue = queues[route]
-                frames = queue.popleft()
-                size = sum(map(len, frames))
-                held += size
-                self.queued_bytes -= size
+                turn = 0
+                while True:
+                    frames = queue.popleft()
+                    size = sum(map(len, frames))
+                    turn += size
+                    taken.append(frames)
+                    if not queue or len(taken) >= limit or turn >= TURN_BYTES:
+                        break
+                held += turn
+                self.queued_bytes -= turn
                 if queue:
-                    sizes[route] -= size
+                    sizes[route] -= turn
                     ready.append(route)
                 else:
                     del queues[route], sizes[route]
-                taken.append(frames)
         return taken
 
     def send(self, route: Route, payload: bytes) -> None:

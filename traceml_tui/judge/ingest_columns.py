@@ -128,6 +128,11 @@ def _values_ok(values: np.ndarray) -> np.ndarray:
     return (np.isnan(values) | ((values >= 0.0) & (values <= MAX_STEP_MS))).all(axis=1)
 
 
+def refused_in(row: StepRow, group: Group, start: int) -> int:
+    """How many of a row's records protocol._record's bounds refuse."""
+    return row.n - int(_valid(*group.arrays(start, start + row.n)).sum())
+
+
 def message_of(row: StepRow, group: Group, start: int) -> Message:
     """The steps message a row stands for, as protocol.decode would give it: valid records
     only, the refused ones counted."""
