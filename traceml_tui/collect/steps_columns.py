@@ -3,13 +3,14 @@ record (issue 42, finding 3).
 
 A real agent sends a few records per message; a rank catching up, or a key holder, may
 send up to 20,000 in one 1 MiB message. protocol.decode checks each record in Python and
-makes a StepRecord of it (~20 ms for a 1 MiB message), and the state took them one by
+makes a StepRecord of it, and the state took them one by
 one: 32 key holders' connections sending such messages held the collector's drain, and
 with it every viewer and the live file, for seconds. Here a message over LARGE_BYTES
 is decoded by msgspec alone (its records as lists: C), turned into the same packed
 columns a node relay sends (protocol.StepGroup and StepRow), and checked and ingested
-as relay columns are (judge/ingest_columns.py): ~5 ms for 1 MiB, and the records of a
-message the state refuses (another connection's rank) are never made into objects.
+as relay columns are (judge/ingest_columns.py): 7.7 ms of CPU for a 0.69 MiB message the
+state refuses (another connection's rank: its records are never made into objects), 8.8
+ms for one it takes (18.2 and 33.0 before; benchmarks/large_steps.py).
 
 The checks are protocol._record's, record by record, with array operations: a record
 of the wrong length, a step that is not an int in 0..MAX_COUNT, a time out of its
