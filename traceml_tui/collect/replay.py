@@ -1,0 +1,306 @@
+"""A finished, crashed or orphaned run's record replayed into the dashboard's views.
+
+`traceml watch RUN_DIR` on a run that is over opens the same dashboard on its record. The
+step log (runfolder/step_log.py) is fed, batch by batch in the order the collector logged
+it, through the SAME judge the collector ran (judge/state.py `RunState`: ingest, evaluate
+every EVAL_INTERVAL_S of the run's own time, snapshot) and each keyframe is built by the
+collector's own `view_build.build`: the view at a keyframe is what the live dashboard
+showed then (the banner's label as it read then, the heat rows, the worst-rank panel, the
+episodes so far), not a second, approximate implementation.
+
+What the step log does not hold, the replay cannot show: system samples (CPU, memory, GPU),
+setup checks, stacks, collectives, heartbeats. So no hang is re-detected from the steps
+(a silence in the log is no proof of one); the summary's own record of a hang is shown on
+the last keyframe, as the summary says it. The last keyframe carries the run's ending (exit
+code, the first failure) from final_summary.json, or says that there is none.
+
+Memory and time are bounded whatever the run's length: keyframes are kept encoded
+(msgpack, decoded when shown) and at most MAX_KEYFRAMES of them: when they would pass it,
+every other one is dropped and the spacing doubles (the oldest and newest stay), and
+evaluations space out with them (EVALS_PER_KEYFRAME), so a long run costs no more
+evaluations than a short one beyond a few thousand. A byte budget (KEYFRAME_BUDGET) caps
+wide runs further (a 16,384-rank view is ~1 MB encoded). The log itself is bounded by its
+writer's byte budget (256 MiB: its newest 1.5-3 million records).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from msgspec.structs import replace
+
+from traceml_agent.protocol import PROTOCOL_VERSION, Identity, Message, StepRecord, Steps
+from traceml_tui.collect import view_build
+from traceml_tui.judge.state import RunState
+from traceml_tui.runfolder import folders
+from traceml_tui.runfolder.layout import RunFolder
+from traceml_tui.runfolder.step_log import LoggedStep, read_steps
+from traceml_tui.viewmodel import RunView, decode_view, encode_view
+
+# The collector's cadence (collector.EVAL_INTERVAL_S, not imported: that module brings
+# the sockets): evaluations at the same spacing of run time date episodes as live did.
+EVAL_INTERVAL_S = 0.5
+# Keyframes kept: ~2 per column of a 120-column time chart, so every cursor position on
+# the chart has a frame of its own; decoding one is a few ms even at 8,192 ranks.
+MAX_KEYFRAMES = 240
+# Evaluations per keyframe interval once keyframes thin out (a run longer than
+# MAX_KEYFRAMES x EVALS_PER_KEYFRAME x 0.5 s, ~16 min): a label must hold for a few
+# evaluations to show (diagnosis.settle), so fewer would lose short episodes.
+EVALS_PER_KEYFRAME = 8
+# Encoded keyframes kept in memory at most: 96 MiB, ~90 frames of a 16,384-rank job.
+KEYFRAME_BUDGET = 96 << 20
+# Evaluations replayed after the last record, while the job ended: the collector went on
+# evaluating until the goodbyes, and a label the last steps brought needs a few evaluations
+# to be confirmed (diagnosis.CONFIRM_TICKS).
+END_TICKS = 10
+# Records of one rank fed as one message: about what an agent sends in one batch.
+BATCH_RECORDS = 64
+
+
+class ReplayError(Exception):
+    """The folder cannot be replayed: one clear line for the user."""
+
+
+@dataclass
+class Record:
+    """What the run folder says about the run besides its steps."""
+
+    run_dir: Path
+    name: str
+    world_size: int
+    nnodes: int
+    started_at: float | None
+    summary: dict[str, Any] | None  # final_summary.json, or None (the collector died)
+    live: dict[str, Any] | None  # the collector's last live snapshot, if any
+    hosts: dict[int, tuple[int, str, str]] = field(default_factory=dict)  # node, host, device
+
+    @property
+    def status(self) -> str:
+        """The status bar's line on how the run ended."""
+        doc = self.summary
+        if doc is None:
+            return "the collector died: steps only, no summary"
+        run = doc.get("run") or {}
+        failure = doc.get("failure") or {}
+        if failure.get("summary"):
+            return f"crashed: {failure['summary']}"
+        return f"ended at step {run.get('steps', 0)}, exit {run.get('exit_code')}"
+
+
+def _epoch(text: object) -> float | None:
+    try:
+        return datetime.fromisoformat(str(text)).timestamp()
+    except ValueError:
+        return None
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def open_record(run_dir: Path) -> Record:
+    """The run folder's description; ReplayError if it is not one we may read."""
+    folder = RunFolder(run_dir)
+    if not run_dir.is_dir():
+        raise ReplayError(f"no such run folder: {run_dir}")
+    reason = folders.not_private(run_dir, True)
+    if reason:  # the folder's permissions are the lock: no secret is needed to read it
+        raise ReplayError(f"{run_dir} {reason}: not opening it (its record could be anyone's)")
+    if not folder.step_log.is_dir() and not folder.summary_json.exists():
+        raise ReplayError(f"{run_dir} has no record to replay (no steps/ and no summary)")
+    summary = _json(folder.summary_json)
+    live = _json(folder.live)
+    doc = summary or live or {}
+    run = doc.get("run") or {}
+    hosts = {}
+    for r in doc.get("ranks") or ():
+        if isinstance(r, dict) and isinstance(r.get("rank"), int):
+            hosts[r["rank"]] = (int(r.get("node") or 0), str(r.get("host") or ""),
+                                str(r.get("device") or ""))
+    return Record(run_dir, str(run.get("name") or run_dir.name),
+                  int(run.get("world_size") or 0), int(run.get("nnodes") or 1),
+                  _epoch(run.get("started_at")), summary, live, hosts)
+
+
+@dataclass
+class Keyframe:
+    t: float  # seconds since the run started
+    step: int  # the furthest step any rank had made
+    label: str
+    data: bytes  # the encoded RunView
+
+
+class Replay:
+    """The record's keyframes, built once by `load`, then read by index."""
+
+    def __init__(self, record: Record) -> None:
+        self.record = record
+        self.frames: list[Keyframe] = []
+        self.records = 0
+
+    # --- what the dashboard reads -------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def view(self, index: int) -> RunView:
+        return decode_view(self.frames[index].data)
+
+    def times(self) -> list[float]:
+        return [f.t for f in self.frames]
+
+    # --- building -----------------------------------------------------------------------
+
+    def load(self, progress: Callable[[int], None] = lambda records: None) -> None:
+        """Feed the step log through the judge and keep the keyframes; `progress` is called
+        every ~50,000 records with the count read so far."""
+        rec = self.record
+        steps = read_steps(RunFolder(rec.run_dir).step_log)
+        first = next(steps, None)
+        if first is None:
+            self._no_steps()
+            return
+        world = max(rec.world_size, 1)
+        started = rec.started_at if rec.started_at is not None else first.t_end - 1.0
+        state = RunState(rec.name, world, rec.nnodes, started_at=started)
+        builder = _Builder(state, world, started)
+        n = 0
+        for batch in _batches(_chain(first, steps), world):
+            builder.feed(batch, rec)
+            n += len(batch)
+            if n // 50_000 != (n - len(batch)) // 50_000:
+                progress(n)
+        self.records = n
+        self.frames = builder.finish(rec)
+        progress(n)
+
+    def _no_steps(self) -> None:
+        """A record with a summary but no steps (none logged, or the log lost): one frame."""
+        self.frames = []
+
+
+def _chain(first: LoggedStep, rest: Iterator[LoggedStep]) -> Iterator[LoggedStep]:
+    yield first
+    yield from rest
+
+
+def _batches(steps: Iterable[LoggedStep], world: int) -> Iterator[list[LoggedStep]]:
+    """Runs of one rank's records with one phase list, as the collector logged them."""
+    batch: list[LoggedStep] = []
+    for s in steps:
+        if not 0 <= s.rank < world:
+            continue  # the record is sized by its run: a rank outside it is not one of ours
+        if batch and (s.rank != batch[0].rank or s.phases is not batch[0].phases
+                      or len(batch) >= BATCH_RECORDS):
+            yield batch
+            batch = []
+        batch.append(s)
+    if batch:
+        yield batch
+
+
+class _Builder:
+    """Ingest, evaluate on the run's clock, keep thinned keyframes."""
+
+    def __init__(self, state: RunState, world: int, started: float) -> None:
+        self.state, self.world, self.started = state, world, started
+        self.interval = EVAL_INTERVAL_S  # between keyframes: one per evaluation, to start
+        self.next_eval: float | None = None
+        self.next_frame: float | None = None
+        self.frames: list[Keyframe] = []
+        self.label: str | None = None
+        self.now = started
+        self.seq = 0
+        self.idents: dict[int, Identity] = {}
+        self.bytes = 0
+
+    def feed(self, batch: list[LoggedStep], rec: Record) -> None:
+        t = batch[-1].t_end
+        if self.next_eval is None:
+            self.next_eval = self.next_frame = t
+        while t >= self.next_eval:  # the ticks the collector made before this batch came
+            self._tick(self.next_eval)
+            self.next_eval += max(EVAL_INTERVAL_S, self.interval / EVALS_PER_KEYFRAME)
+        self.now = max(self.now, t)
+        rank = batch[0].rank
+        ident = self.idents.get(rank)
+        if ident is None:
+            node, host, _ = rec.hosts.get(rank, (0, "", ""))
+            ident = self.idents[rank] = Identity(rank, rank, node, host or "?", 1000 + rank,
+                                                 self.world)
+        self.seq += 1
+        records = tuple(StepRecord(s.step, s.t_end, s.step_ms, s.phase_ms) for s in batch)
+        phases = batch[0].phases
+        body = Steps(v=PROTOCOL_VERSION, id=ident, seq=self.seq, t=t, phases=list(phases),
+                     records=[])
+        self.state.ingest(Message("steps", ident, self.seq, t, body, phases, records), t)
+
+    def _tick(self, now: float) -> None:
+        shown = self.state.evaluate(now)
+        changed = shown.label != self.label
+        self.label = shown.label
+        assert self.next_frame is not None
+        if changed or now >= self.next_frame:
+            self._keep(now)
+            while self.next_frame <= now:
+                self.next_frame += self.interval
+
+    def _keep(self, now: float, finished: bool = False,
+              rec: Record | None = None) -> None:
+        state = self.state
+        view = view_build.build(state.snapshot(now, now), state.recent_steps)
+        if rec is not None:
+            view = _ending(view, rec)
+        data = encode_view(view)
+        step = max((rs.last_step for rs in state.ranks.values()), default=0)
+        self.frames.append(Keyframe(max(0.0, now - self.started), step, view.label, data))
+        self.bytes += len(data)
+        if not finished:
+            self._thin()
+
+    def _thin(self) -> None:
+        """Drop every other keyframe (first and last kept) once too many or too big."""
+        while len(self.frames) > 2 and (len(self.frames) > MAX_KEYFRAMES
+                                        or self.bytes > KEYFRAME_BUDGET):
+            last = self.frames[-1]
+            kept = self.frames[:-1:2] + [last]
+            self.bytes = sum(len(f.data) for f in kept)
+            self.frames = kept
+            self.interval *= 2
+
+    def finish(self, rec: Record) -> list[Keyframe]:
+        """The evaluations the collector made after the last record, while the ranks said
+        goodbye (until the summary's end, at most END_TICKS: they confirm a label the last
+        steps brought), and the keyframe with the run's end."""
+        ended = _epoch(((rec.summary or {}).get("run") or {}).get("ended_at"))
+        now = self.now
+        for _ in range(END_TICKS):
+            if self.next_eval is None or ended is None or self.next_eval > ended:
+                break
+            now = self.next_eval
+            self._tick(now)
+            self.next_eval += EVAL_INTERVAL_S
+        self.state.evaluate(now)
+        self._keep(now, finished=True, rec=rec)
+        return self.frames
+
+
+def _ending(view: RunView, rec: Record) -> RunView:
+    """The last keyframe: the run's end as the summary records it."""
+    doc = rec.summary
+    if doc is None:
+        return view
+    run = doc.get("run") or {}
+    failure = doc.get("failure") or {}
+    code = run.get("exit_code")
+    return replace(view, finished=True, exit_code=code if isinstance(code, int) else None,
+                   failure=failure.get("summary") or view.failure)
