@@ -135,7 +135,7 @@ def open_record(run_dir: Path) -> Record:
 class Keyframe:
     t: float  # seconds since the run started
     step: int  # the furthest step any rank had made
-    label: str
+    subject: str  # what the banner named (label, rank, node): the cursor's episodes
     data: bytes  # the encoded RunView
 
 
@@ -157,6 +157,9 @@ class Replay:
 
     def times(self) -> list[float]:
         return [f.t for f in self.frames]
+
+    def subjects(self) -> list[str]:
+        return [f.subject for f in self.frames]
 
     # --- building -----------------------------------------------------------------------
 
@@ -262,7 +265,8 @@ class _Builder:
             view = _ending(view, rec)
         data = encode_view(view)
         step = max((rs.last_step for rs in state.ranks.values()), default=0)
-        self.frames.append(Keyframe(max(0.0, now - self.started), step, view.label, data))
+        self.frames.append(Keyframe(max(0.0, now - self.started), step,
+                                   f"{view.label}|{view.rank}|{view.node}", data))
         self.bytes += len(data)
         if not finished:
             self._thin()

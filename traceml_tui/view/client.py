@@ -8,6 +8,7 @@ next poll ("lazy pirate"), so a viewer never wedges. Data side: no textual here.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 from pathlib import Path
@@ -112,6 +113,42 @@ class WatchTargetError(Exception):
     """`traceml watch` could not find what to attach to: one clear line for the user."""
 
 
+class RunIsOver(WatchTargetError):
+    """The run has ended (its summary is written) or its collector is gone: `traceml watch`
+    opens its record instead (collect/replay.py)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(f"the run in {run_dir} is over")
+        self.run_dir = run_dir
+
+
+def collector_gone(info: Path) -> bool:
+    """Whether the collector that wrote `info` (collector.json) is known to be dead: it
+    ran on this host and its process is gone. On another host it cannot be told here."""
+    try:
+        doc = json.loads(info.read_text())
+        pid, host = int(doc["pid"]), doc.get("host")
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, and not ours to signal
+        return False
+    return _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """A dead child not yet reaped still answers a signal: its state says it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def resolve_target(target: str | None, base: Path = Path("traceml_runs"),
                    secret_file: Path | None = None) -> tuple[str, Path | None, str | None]:
     """(view address, run folder or None, the run's secret or None) for
@@ -127,6 +164,12 @@ def resolve_target(target: str | None, base: Path = Path("traceml_runs"),
         run_dir = Path(target)
         if not run_dir.is_dir():
             raise WatchTargetError(f"no such run folder: {run_dir}")
+        folder = RunFolder(run_dir)
+        # Over: its summary written, or its collector dead (or never said where it was,
+        # a folder copied without it): the record opens instead (collect/replay.py).
+        if folder.summary_json.exists() or (folder.step_log.is_dir() and (
+                not folder.collector_json.exists() or collector_gone(folder.collector_json))):
+            raise RunIsOver(run_dir)
     info = RunFolder(run_dir).collector_json
     if not info.exists():
         raise WatchTargetError(f"{run_dir} is not a traceml run folder (no {COLLECTOR_JSON})")
