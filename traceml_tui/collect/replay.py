@@ -87,6 +87,9 @@ class Record:
             return "the collector died: steps only, no summary"
         run = doc.get("run") or {}
         failure = doc.get("failure") or {}
+        if doc.get("complete") is False:  # written by the launcher from a live snapshot
+            return (f"the collector died mid-run: summary from its last snapshot, exit "
+                    f"{run.get('exit_code')}")
         if failure.get("summary"):
             return f"crashed: {failure['summary']}"
         return f"ended at step {run.get('steps', 0)}, exit {run.get('exit_code')}"

@@ -95,20 +95,21 @@ class DashboardApp(App[None]):
         Binding("v", "save_svg", "Save SVG", show=False, tooltip="Save a screenshot (SVG)"),
         # The time cursor (cursor.py). Priority: the table would scroll sideways on the
         # arrows. Start and end are < and >, as home and end move the table's cursor.
-        Binding("left", "cursor(-1)", "Back", priority=True,
+        # Not in the live footer (it keeps its keys); the replay's shows them.
+        Binding("left", "cursor(-1)", "Back", key_display="←", priority=True, show=False,
                 tooltip="Time cursor: one view back (live: pause there)"),
-        Binding("right", "cursor(1)", "Forward", priority=True,
+        Binding("right", "cursor(1)", "Forward", key_display="→", priority=True, show=False,
                 tooltip="Time cursor: one view forward"),
-        Binding("left_square_bracket", "episode(-1)", "Prev episode", show=False,
-                tooltip="Time cursor: to the start of the previous episode"),
-        Binding("right_square_bracket", "episode(1)", "Next episode", show=False,
-                tooltip="Time cursor: to the start of the next episode"),
-        Binding("less_than_sign", "cursor_start", "Start", show=False,
-                tooltip="Time cursor: the first view kept (a replay: the run's start)"),
-        Binding("greater_than_sign", "cursor_end", "End", show=False,
-                tooltip="Time cursor: the newest view (a replay: the run's end)"),
+        Binding("left_square_bracket", "episode(-1)", "Prev episode", key_display="[",
+                show=False, tooltip="Time cursor: the previous episode's start"),
+        Binding("right_square_bracket", "episode(1)", "Next episode", key_display="]",
+                show=False, tooltip="Time cursor: the next episode's start"),
+        Binding("less_than_sign", "cursor_start", "Start", key_display="<", show=False,
+                tooltip="Time cursor: the first view (a record: its start)"),
+        Binding("greater_than_sign", "cursor_end", "End", key_display=">", show=False,
+                tooltip="Time cursor: the newest view (a record: its end)"),
         Binding("l", "live", "Live", show=False,
-                tooltip="Back to live (a replay: to the run's end)"),
+                tooltip="Back to live (a record: its end)"),
         Binding("question_mark", "help", "Help", tooltip="Every key"),
         # Textual binds Ctrl-C to a quit hint; under `traceml run` it stops the job.
         Binding("ctrl+c", "stop_job", "Stop the job", show=False, priority=True),
@@ -420,7 +421,7 @@ class DashboardApp(App[None]):
         self.push_screen(CollectivesScreen(self.state.collectives if self.state else ()))
 
     def action_help(self) -> None:
-        keys = [(b.key, b.tooltip or b.description) for b in self.BINDINGS
+        keys = [(b.key_display or b.key, b.tooltip or b.description) for b in self.BINDINGS
                 if isinstance(b, Binding) and b.action != "stop_job"]
         keys += [(b.key, b.tooltip or b.description) for b in HeatTable.BINDINGS
                  if isinstance(b, Binding)]

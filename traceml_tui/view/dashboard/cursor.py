@@ -46,7 +46,7 @@ class LiveFrames:
     def push(self, view: RunView) -> int:
         """Keep `view`; how many of the oldest went to make room."""
         before = len(self.views)
-        keep = max(MIN_FRAMES, min(self.limit, LIVE_ROW_BUDGET // max(1, len(view.rows))))
+        keep = min(self.limit, max(MIN_FRAMES, LIVE_ROW_BUDGET // max(1, len(view.rows))))
         if keep != self.views.maxlen:
             self.views = deque(self.views, maxlen=keep)
         self.views.append(view)

@@ -9,11 +9,13 @@ stopping; the export writes the record's own summary.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from rich.text import Text
 from textual import work
+from textual.binding import Binding
 
 from traceml_agent.requests import CaptureReply
 from traceml_tui.viewmodel import RankDetail, RunView
@@ -44,10 +46,18 @@ class RecordSource:
         pass
 
 
+FOOTER = ("cursor(-1)", "cursor(1)", "episode(-1)", "episode(1)")
+
+
 class ReplayApp(DashboardApp):
     """The dashboard on a record: `status` is how the run ended, in one line."""
 
     TITLE = "traceml (record)"
+    # The dashboard's keys, the time cursor's in the footer (a record is there to walk);
+    # a deep trace and Ctrl-C have nothing to act on.
+    BINDINGS = [dataclasses.replace(b, show=True) if b.action in FOOTER else b
+                for b in DashboardApp.BINDINGS if isinstance(b, Binding)
+                and b.action not in ("trace", "show_trace")]
 
     def __init__(self, record: cur.Recorded, status: str, run_dir: Path | None = None,
                  summary: dict[str, Any] | None = None) -> None:
