@@ -26,7 +26,7 @@ writer's byte budget (256 MiB: its newest 1.5-3 million records).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -178,19 +178,20 @@ class Replay:
         world = max(rec.world_size, 1)
         started = rec.started_at if rec.started_at is not None else first.t_end - 1.0
         state = RunState(rec.name, world, rec.nnodes, started_at=started)
-        builder = _Builder(state, world, started)
+        builder = _Builder(state, world, started, rec)
         n = 0
-        for batch in _batches(_chain(first, steps), world):
-            builder.feed(batch, rec)
-            n += len(batch)
-            if n // 50_000 != (n - len(batch)) // 50_000:
+        for s in _chain(first, steps):
+            n += 1
+            if 0 <= s.rank < world:  # sized by its run: a rank outside it is not ours
+                builder.add(s)
+            if not n % 50_000:
                 progress(n)
         self.records = n
-        self.frames = builder.finish(rec)
+        self.frames = builder.finish()
         progress(n)
 
     def _no_steps(self) -> None:
-        """A record with a summary but no steps (none logged, or the log lost): one frame."""
+        """A record with a summary but no steps (none logged, or the log lost)."""
         self.frames = []
 
 
@@ -199,26 +200,17 @@ def _chain(first: LoggedStep, rest: Iterator[LoggedStep]) -> Iterator[LoggedStep
     yield from rest
 
 
-def _batches(steps: Iterable[LoggedStep], world: int) -> Iterator[list[LoggedStep]]:
-    """Runs of one rank's records with one phase list, as the collector logged them."""
-    batch: list[LoggedStep] = []
-    for s in steps:
-        if not 0 <= s.rank < world:
-            continue  # the record is sized by its run: a rank outside it is not one of ours
-        if batch and (s.rank != batch[0].rank or s.phases is not batch[0].phases
-                      or len(batch) >= BATCH_RECORDS):
-            yield batch
-            batch = []
-        batch.append(s)
-    if batch:
-        yield batch
-
-
 class _Builder:
-    """Ingest, evaluate on the run's clock, keep thinned keyframes."""
+    """Ingest, evaluate on the run's clock, keep thinned keyframes.
 
-    def __init__(self, state: RunState, world: int, started: float) -> None:
-        self.state, self.world, self.started = state, world, started
+    Records wait per rank until the next evaluation is due, then each rank's go in as
+    messages of up to BATCH_RECORDS (in its order, split where its phase list changes).
+    The judge reads its state only when it evaluates, so the order of ranks between two
+    evaluations changes nothing; and a wide job's log (a relay's columns: one step of
+    every rank in a row) goes in as one message per rank per evaluation, not per record."""
+
+    def __init__(self, state: RunState, world: int, started: float, rec: Record) -> None:
+        self.state, self.world, self.started, self.rec = state, world, started, rec
         self.interval = EVAL_INTERVAL_S  # between keyframes: one per evaluation, to start
         self.next_eval: float | None = None
         self.next_frame: float | None = None
@@ -227,23 +219,43 @@ class _Builder:
         self.now = started
         self.seq = 0
         self.idents: dict[int, Identity] = {}
+        self.pending: dict[int, list[LoggedStep]] = {}
         self.bytes = 0
 
-    def feed(self, batch: list[LoggedStep], rec: Record) -> None:
-        t = batch[-1].t_end
+    def add(self, s: LoggedStep) -> None:
+        t = s.t_end
         if self.next_eval is None:
             self.next_eval = self.next_frame = t
-        while t >= self.next_eval:  # the ticks the collector made before this batch came
-            self._tick(self.next_eval)
-            self.next_eval += max(EVAL_INTERVAL_S, self.interval / EVALS_PER_KEYFRAME)
+        if t >= self.next_eval:  # the ticks the collector made before this record came
+            self._flush()
+            while t >= self.next_eval:
+                self._tick(self.next_eval)
+                self.next_eval += max(EVAL_INTERVAL_S, self.interval / EVALS_PER_KEYFRAME)
         self.now = max(self.now, t)
-        rank = batch[0].rank
+        mine = self.pending.get(s.rank)
+        if mine is None:
+            self.pending[s.rank] = [s]
+        else:
+            mine.append(s)
+
+    def _flush(self) -> None:
+        for rank, steps in self.pending.items():
+            start = 0
+            for i in range(1, len(steps) + 1):
+                if (i == len(steps) or steps[i].phases is not steps[start].phases
+                        or i - start >= BATCH_RECORDS):
+                    self._ingest(rank, steps[start:i])
+                    start = i
+        self.pending = {}
+
+    def _ingest(self, rank: int, batch: list[LoggedStep]) -> None:
         ident = self.idents.get(rank)
         if ident is None:
-            node, host, _ = rec.hosts.get(rank, (0, "", ""))
+            node, host, _ = self.rec.hosts.get(rank, (0, "", ""))
             ident = self.idents[rank] = Identity(rank, rank, node, host or "?", 1000 + rank,
                                                  self.world)
         self.seq += 1
+        t = batch[-1].t_end
         records = tuple(StepRecord(s.step, s.t_end, s.step_ms, s.phase_ms) for s in batch)
         phases = batch[0].phases
         body = Steps(v=PROTOCOL_VERSION, id=ident, seq=self.seq, t=t, phases=list(phases),
@@ -284,10 +296,12 @@ class _Builder:
             self.frames = kept
             self.interval *= 2
 
-    def finish(self, rec: Record) -> list[Keyframe]:
+    def finish(self) -> list[Keyframe]:
         """The evaluations the collector made after the last record, while the ranks said
         goodbye (until the summary's end, at most END_TICKS: they confirm a label the last
         steps brought), and the keyframe with the run's end."""
+        rec = self.rec
+        self._flush()
         ended = _epoch(((rec.summary or {}).get("run") or {}).get("ended_at"))
         now = self.now
         for _ in range(END_TICKS):
