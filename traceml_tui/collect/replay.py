@@ -15,7 +15,8 @@ the last keyframe, as the summary says it. The last keyframe carries the run's e
 code, the first failure) from final_summary.json, or says that there is none.
 
 Memory and time are bounded whatever the run's length: keyframes are kept encoded
-(msgpack, decoded when shown) and at most MAX_KEYFRAMES of them: when they would pass it,
+(msgpack, decoded when shown) and at most MAX_KEYFRAMES of them (fewer for a wide job:
+KEYFRAME_ROWS), spaced over the run's span when the record says when it ended; past it,
 every other one is dropped and the spacing doubles (the oldest and newest stay), and
 evaluations space out with them (EVALS_PER_KEYFRAME), so a long run costs no more
 evaluations than a short one beyond a few thousand. A byte budget (KEYFRAME_BUDGET) caps
@@ -54,6 +55,10 @@ MAX_KEYFRAMES = 240
 EVALS_PER_KEYFRAME = 8
 # Encoded keyframes kept in memory at most: 96 MiB, ~90 frames of a 16,384-rank job.
 KEYFRAME_BUDGET = 96 << 20
+# Rows (ranks x keyframes) built at most: each keyframe's snapshot and view cost ~25 us a
+# rank, so a 16,384-rank record gets ~90 keyframes (still one per ~1.5 columns of an
+# 80-column chart) and opens in a bounded time, however wide.
+KEYFRAME_ROWS = 1_500_000
 # Evaluations replayed after the last record, while the job ended: the collector went on
 # evaluating until the goodbyes, and a label the last steps brought needs a few evaluations
 # to be confirmed (diagnosis.CONFIRM_TICKS).
@@ -179,6 +184,10 @@ class Replay:
         started = rec.started_at if rec.started_at is not None else first.t_end - 1.0
         state = RunState(rec.name, world, rec.nnodes, started_at=started)
         builder = _Builder(state, world, started, rec)
+        ended = _epoch(((rec.summary or rec.live or {}).get("run") or {}).get("ended_at"))
+        if ended is not None:  # the span is known: keyframes spaced for it from the start
+            builder.interval = max(EVAL_INTERVAL_S,
+                                   (ended - first.t_end) / builder.max_frames)
         n = 0
         for s in _chain(first, steps):
             n += 1
@@ -212,6 +221,7 @@ class _Builder:
     def __init__(self, state: RunState, world: int, started: float, rec: Record) -> None:
         self.state, self.world, self.started, self.rec = state, world, started, rec
         self.interval = EVAL_INTERVAL_S  # between keyframes: one per evaluation, to start
+        self.max_frames = max(8, min(MAX_KEYFRAMES, KEYFRAME_ROWS // world))
         self.next_eval: float | None = None
         self.next_frame: float | None = None
         self.frames: list[Keyframe] = []
@@ -288,7 +298,7 @@ class _Builder:
 
     def _thin(self) -> None:
         """Drop every other keyframe (first and last kept) once too many or too big."""
-        while len(self.frames) > 2 and (len(self.frames) > MAX_KEYFRAMES
+        while len(self.frames) > 2 and (len(self.frames) > self.max_frames
                                         or self.bytes > KEYFRAME_BUDGET):
             last = self.frames[-1]
             kept = self.frames[:-1:2] + [last]
