@@ -17,7 +17,7 @@ from traceml_tui.collect.canned import StaticSource, make_state, make_view, with
 from traceml_tui.collect.replay import Replay, ReplayError, open_record
 from traceml_tui.runfolder.layout import RunFolder
 from traceml_tui.runfolder.step_log import StepLogWriter
-from traceml_tui.view.client import RunIsOver, resolve_target
+from traceml_tui.view.client import RunIsOver, WatchTargetError, resolve_target
 from traceml_tui.view.dashboard import DashboardApp
 from traceml_tui.view.dashboard import cursor as cur
 from traceml_tui.view.dashboard.replay_app import ReplayApp
@@ -122,6 +122,9 @@ def test_watch_sends_an_ended_or_orphaned_run_to_its_record(tmp_path, record):
         {"pid": 2**22 + 7, "host": __import__("socket").gethostname(), "view": "tcp://x"}))
     with pytest.raises(RunIsOver):
         resolve_target(str(orphan))
+    # With no folder named, a dead collector's run is not "the newest live run".
+    with pytest.raises(WatchTargetError, match="no live run"):
+        resolve_target(None, tmp_path)
 
 
 @pytest.mark.parametrize("subjects, index, nxt, prev", [

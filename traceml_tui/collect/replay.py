@@ -55,10 +55,10 @@ MAX_KEYFRAMES = 240
 EVALS_PER_KEYFRAME = 8
 # Encoded keyframes kept in memory at most: 96 MiB, ~90 frames of a 16,384-rank job.
 KEYFRAME_BUDGET = 96 << 20
-# Rows (ranks x keyframes) built at most: each keyframe's snapshot and view cost ~25 us a
-# rank, so a 16,384-rank record gets ~90 keyframes (still one per ~1.5 columns of an
-# 80-column chart) and opens in a bounded time, however wide.
-KEYFRAME_ROWS = 1_500_000
+# Rows (ranks x keyframes) built at most: a keyframe's snapshot and view cost ~30 us a
+# rank (benchmarks/replay_open.py: they are most of a wide record's opening), so 2,048
+# ranks still get all 240, 16,384 ranks 30 (one per ~3 columns of a 100-column chart).
+KEYFRAME_ROWS = 500_000
 # Evaluations replayed after the last record, while the job ended: the collector went on
 # evaluating until the goodbyes, and a label the last steps brought needs a few evaluations
 # to be confirmed (diagnosis.CONFIRM_TICKS).

@@ -201,7 +201,8 @@ def _secret(run_dir: Path | None, secret_file: Path | None) -> str | None:
 
 
 def newest_live_run(base: Path) -> Path | None:
-    """The most recently started run folder under `base` that has no final summary yet."""
+    """The most recently started run folder under `base` that has no final summary yet and
+    whose collector is not known to be dead (that one's record opens by its folder)."""
     if not base.is_dir():
         return None
     # Only folders and collector.json files that are ours and private: on a shared --out,
@@ -209,5 +210,6 @@ def newest_live_run(base: Path) -> Path | None:
     live = [d for d in base.iterdir()
             if not folders.not_private(d)
             and not folders.not_private(RunFolder(d).collector_json, False)
-            and not RunFolder(d).summary_json.exists()]
+            and not RunFolder(d).summary_json.exists()
+            and not collector_gone(RunFolder(d).collector_json)]
     return max(live, key=lambda d: RunFolder(d).collector_json.stat().st_mtime, default=None)
