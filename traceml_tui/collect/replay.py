@@ -20,7 +20,7 @@ KEYFRAME_ROWS), spaced over the run's span when the record says when it ended; p
 every other one is dropped and the spacing doubles (the oldest and newest stay), and
 evaluations space out with them (EVALS_PER_KEYFRAME), so a long run costs no more
 evaluations than a short one beyond a few thousand. A byte budget (KEYFRAME_BUDGET) caps
-wide runs further (a 16,384-rank view is ~1 MB encoded). The log itself is bounded by its
+wide runs further (a 16,384-rank view is ~1.7 MB encoded). The log itself is bounded by its
 writer's byte budget (256 MiB: its newest 1.5-3 million records).
 """
 
@@ -33,14 +33,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from msgspec.structs import replace
 
-from traceml_agent.protocol import PROTOCOL_VERSION, Identity, Message, StepRecord, Steps
+from traceml_agent.protocol import Identity, StepGroup, StepRow
 from traceml_tui.collect import view_build
+from traceml_tui.judge import ingest_columns
 from traceml_tui.judge.state import RunState
 from traceml_tui.runfolder import folders
 from traceml_tui.runfolder.layout import RunFolder
-from traceml_tui.runfolder.step_log import LoggedStep, read_steps
+from traceml_tui.runfolder.step_log import StepColumns, read_columns
 from traceml_tui.viewmodel import RunView, decode_view, encode_view
 
 # The collector's cadence (collector.EVAL_INTERVAL_S, not imported: that module brings
@@ -49,11 +51,13 @@ EVAL_INTERVAL_S = 0.5
 # Keyframes kept: ~2 per column of a 120-column time chart, so every cursor position on
 # the chart has a frame of its own; decoding one is a few ms even at 8,192 ranks.
 MAX_KEYFRAMES = 240
-# Evaluations per keyframe interval once keyframes thin out (a run longer than
-# MAX_KEYFRAMES x EVALS_PER_KEYFRAME x 0.5 s, ~16 min): a label must hold for a few
-# evaluations to show (diagnosis.settle), so fewer would lose short episodes.
-EVALS_PER_KEYFRAME = 8
-# Encoded keyframes kept in memory at most: 96 MiB, ~90 frames of a 16,384-rank job.
+# Evaluations per keyframe interval, once that interval is over 4 x 0.5 s (a run longer
+# than ~8 min, or a wide one with fewer keyframes): a label shows once it held for
+# CONFIRM_TICKS (2) evaluations (diagnosis.settle), so one lasting most of a keyframe
+# interval still shows. The collector itself spaces evaluations out on a wide job (its
+# EVAL_BACKOFF: ~5 s apart at 16,384 ranks), and they cost ~80 ms each there.
+EVALS_PER_KEYFRAME = 4
+# Encoded keyframes kept in memory at most: 96 MiB, ~55 frames of a 16,384-rank job.
 KEYFRAME_BUDGET = 96 << 20
 # Rows (ranks x keyframes) built at most: a keyframe's snapshot and view cost ~30 us a
 # rank (benchmarks/replay_open.py: they are most of a wide record's opening), so 2,048
@@ -63,8 +67,8 @@ KEYFRAME_ROWS = 500_000
 # evaluating until the goodbyes, and a label the last steps brought needs a few evaluations
 # to be confirmed (diagnosis.CONFIRM_TICKS).
 END_TICKS = 10
-# Records of one rank fed as one message: about what an agent sends in one batch.
-BATCH_RECORDS = 64
+# Records of one rank fed as one row at most (an agent's batch is up to 20,000).
+BATCH_RECORDS = 1024
 
 
 class ReplayError(Exception):
@@ -175,26 +179,25 @@ class Replay:
         """Feed the step log through the judge and keep the keyframes; `progress` is called
         every ~50,000 records with the count read so far."""
         rec = self.record
-        steps = read_steps(RunFolder(rec.run_dir).step_log)
-        first = next(steps, None)
+        chunks = read_columns(RunFolder(rec.run_dir).step_log)
+        first = next(chunks, None)
         if first is None:
             self._no_steps()
             return
         world = max(rec.world_size, 1)
-        started = rec.started_at if rec.started_at is not None else first.t_end - 1.0
+        t_first = float(first.t_end.min())
+        started = rec.started_at if rec.started_at is not None else t_first - 1.0
         state = RunState(rec.name, world, rec.nnodes, started_at=started)
         builder = _Builder(state, world, started, rec)
         ended = _epoch(((rec.summary or rec.live or {}).get("run") or {}).get("ended_at"))
         if ended is not None:  # the span is known: keyframes spaced for it from the start
-            builder.interval = max(EVAL_INTERVAL_S,
-                                   (ended - first.t_end) / builder.max_frames)
+            builder.interval = max(EVAL_INTERVAL_S, (ended - t_first) / builder.max_frames)
         n = 0
-        for s in _chain(first, steps):
-            n += 1
-            if 0 <= s.rank < world:  # sized by its run: a rank outside it is not ours
-                builder.add(s)
-            if not n % 50_000:
-                progress(n)
+        for cols in _chain(first, chunks):
+            builder.add(cols)
+            if (n + len(cols)) // 50_000 != n // 50_000:
+                progress(n + len(cols))
+            n += len(cols)
         self.records = n
         self.frames = builder.finish()
         progress(n)
@@ -204,7 +207,7 @@ class Replay:
         self.frames = []
 
 
-def _chain(first: LoggedStep, rest: Iterator[LoggedStep]) -> Iterator[LoggedStep]:
+def _chain(first: StepColumns, rest: Iterator[StepColumns]) -> Iterator[StepColumns]:
     yield first
     yield from rest
 
@@ -212,11 +215,11 @@ def _chain(first: LoggedStep, rest: Iterator[LoggedStep]) -> Iterator[LoggedStep
 class _Builder:
     """Ingest, evaluate on the run's clock, keep thinned keyframes.
 
-    Records wait per rank until the next evaluation is due, then each rank's go in as
-    messages of up to BATCH_RECORDS (in its order, split where its phase list changes).
-    The judge reads its state only when it evaluates, so the order of ranks between two
-    evaluations changes nothing; and a wide job's log (a relay's columns: one step of
-    every rank in a row) goes in as one message per rank per evaluation, not per record."""
+    Records wait until the next evaluation is due, then go in as the collector takes a
+    relay's columns (judge/ingest_columns.py: every rank's records with array
+    operations, a rank's first records as a message), each rank's in their order. The
+    judge reads its state only when it evaluates, so the order of ranks between two
+    evaluations changes nothing, and a wide log costs no Python object per record."""
 
     def __init__(self, state: RunState, world: int, started: float, rec: Record) -> None:
         self.state, self.world, self.started, self.rec = state, world, started, rec
@@ -229,48 +232,81 @@ class _Builder:
         self.now = started
         self.seq = 0
         self.idents: dict[int, Identity] = {}
-        self.pending: dict[int, list[LoggedStep]] = {}
+        self.pending: list[StepColumns] = []
         self.bytes = 0
 
-    def add(self, s: LoggedStep) -> None:
-        t = s.t_end
-        if self.next_eval is None:
-            self.next_eval = self.next_frame = t
-        if t >= self.next_eval:  # the ticks the collector made before this record came
+    def add(self, cols: StepColumns) -> None:
+        ok = (cols.rank >= 0) & (cols.rank < self.world)  # sized by its run: others not ours
+        if not ok.all():
+            cols = _take(cols, ok)
+        while len(cols):
+            if self.next_eval is None:
+                self.next_eval = self.next_frame = float(cols.t_end[0])
+            due = cols.t_end >= self.next_eval
+            if not due.any():
+                self.pending.append(cols)
+                break
+            i = int(due.argmax())  # the first record that came after a tick was due
+            if i:
+                self.pending.append(_take(cols, slice(0, i)))
             self._flush()
-            while t >= self.next_eval:
+            t = float(cols.t_end[i])
+            while t >= self.next_eval:  # the ticks the collector made before it came
                 self._tick(self.next_eval)
                 self.next_eval += max(EVAL_INTERVAL_S, self.interval / EVALS_PER_KEYFRAME)
-        self.now = max(self.now, t)
-        mine = self.pending.get(s.rank)
-        if mine is None:
-            self.pending[s.rank] = [s]
-        else:
-            mine.append(s)
+            self.pending.append(_take(cols, slice(i, i + 1)))
+            cols = _take(cols, slice(i + 1, None))
+        if self.pending:
+            self.now = max(self.now, float(self.pending[-1].t_end.max()))
 
     def _flush(self) -> None:
-        for rank, steps in self.pending.items():
-            start = 0
-            for i in range(1, len(steps) + 1):
-                if (i == len(steps) or steps[i].phases is not steps[start].phases
-                        or i - start >= BATCH_RECORDS):
-                    self._ingest(rank, steps[start:i])
-                    start = i
-        self.pending = {}
+        """The waiting records into the state, one phase list at a time."""
+        by_phases: dict[tuple[str, ...], list[StepColumns]] = {}
+        for cols in self.pending:
+            by_phases.setdefault(cols.phases, []).append(cols)
+        self.pending = []
+        for phases, parts in by_phases.items():
+            self._ingest(phases, parts)
 
-    def _ingest(self, rank: int, batch: list[LoggedStep]) -> None:
+    def _ingest(self, phases: tuple[str, ...], parts: list[StepColumns]) -> None:
+        rank, step, t_end, step_ms, values = (
+            np.concatenate([getattr(c, f) for c in parts])
+            for f in ("rank", "step", "t_end", "step_ms", "values"))
+        order = np.argsort(rank, kind="stable")  # each rank's records together, in order
+        rank, step, t_end, step_ms, values = (a[order] for a in (rank, step, t_end, step_ms,
+                                                                 values))
+        group = StepGroup(list(phases), step.astype("<i8").tobytes(),
+                          t_end.astype("<f8").tobytes(), step_ms.astype("<f8").tobytes(),
+                          values.astype("<f8").tobytes())
+        ranks, starts, counts = np.unique(rank, return_index=True, return_counts=True)
+        rows: list[StepRow] = []
+        for r, start, count in zip(ranks.tolist(), starts.tolist(), counts.tolist(),
+                                   strict=True):
+            for a in range(start, start + count, BATCH_RECORDS):
+                n = min(BATCH_RECORDS, start + count - a)
+                self.seq += 1
+                rows.append(StepRow(self._ident(r), self.seq, float(t_end[a + n - 1]), 0, n))
+        pending = ingest_columns.Pending()
+        state = self.state
+        for row, opened in zip(rows, ingest_columns.open_groups([group], rows), strict=True):
+            if opened is None:
+                continue
+            g, start = opened
+            if not ingest_columns.take_row(state, pending, row.id, None, row.t, row, g, start):
+                if row.id.rank in pending.ranks:  # its earlier rows first, as the collector
+                    ingest_columns.flush(state, pending)
+                state.ingest(ingest_columns.message_of(row, g, start), row.t)
+            if pending.records >= ingest_columns.MAX_PENDING_RECORDS:
+                ingest_columns.flush(state, pending)
+        ingest_columns.flush(state, pending)
+
+    def _ident(self, rank: int) -> Identity:
         ident = self.idents.get(rank)
         if ident is None:
             node, host, _ = self.rec.hosts.get(rank, (0, "", ""))
             ident = self.idents[rank] = Identity(rank, rank, node, host or "?", 1000 + rank,
                                                  self.world)
-        self.seq += 1
-        t = batch[-1].t_end
-        records = tuple(StepRecord(s.step, s.t_end, s.step_ms, s.phase_ms) for s in batch)
-        phases = batch[0].phases
-        body = Steps(v=PROTOCOL_VERSION, id=ident, seq=self.seq, t=t, phases=list(phases),
-                     records=[])
-        self.state.ingest(Message("steps", ident, self.seq, t, body, phases, records), t)
+        return ident
 
     def _tick(self, now: float) -> None:
         shown = self.state.evaluate(now)
@@ -298,7 +334,9 @@ class _Builder:
 
     def _thin(self) -> None:
         """Drop every other keyframe (first and last kept) once too many or too big."""
-        while len(self.frames) > 2 and (len(self.frames) > self.max_frames
+        # Twice the bound by count: the regular frames fill it, those where the banner
+        # changed come on top (they are where `[` and `]` land); bytes bound them all.
+        while len(self.frames) > 2 and (len(self.frames) > 2 * self.max_frames
                                         or self.bytes > KEYFRAME_BUDGET):
             last = self.frames[-1]
             kept = self.frames[:-1:2] + [last]
@@ -335,3 +373,8 @@ def _ending(view: RunView, rec: Record) -> RunView:
     code = run.get("exit_code")
     return replace(view, finished=True, exit_code=code if isinstance(code, int) else None,
                    failure=failure.get("summary") or view.failure)
+
+
+def _take(cols: StepColumns, which: np.ndarray | slice) -> StepColumns:
+    return StepColumns(cols.phases, cols.rank[which], cols.step[which], cols.t_end[which],
+                       cols.step_ms[which], cols.values[which])
