@@ -91,6 +91,28 @@ def test_the_replay_is_the_judges_view_at_each_keyframe(record):
     assert replay.record.status == "ended at step 160, exit 0"
 
 
+def test_the_columns_reader_reads_what_read_steps_reads(tmp_path):
+    """The replay reads the log as columns (no object per record): the same records, in
+    the same order, single records and a relay's columns mixed, None as NaN."""
+    import numpy as np
+
+    from traceml_tui.runfolder.step_log import read_columns, read_steps
+
+    other = ("forward", "backward")
+    with StepLogWriter(tmp_path / "steps") as log:
+        log.append(0, 1, T0, 10.0, PHASES, BASE)
+        log.append(1, 1, T0, 11.0, other, (1.0, None))
+        log.append_columns(other, np.array([2, 3]), np.array([1, 1]), np.array([T0, T0]),
+                           np.array([12.0, 13.0]), np.array([[1.0, np.nan], [2.0, 3.0]]))
+        log.append(0, 2, T0 + 1, 10.0, PHASES, BASE)
+    want = [(s.rank, s.step, s.t_end, s.step_ms, s.phases, s.phase_ms)
+            for s in read_steps(tmp_path / "steps")]
+    got = [(int(c.rank[i]), int(c.step[i]), float(c.t_end[i]), float(c.step_ms[i]),
+            c.phases, tuple(None if v != v else float(v) for v in c.values[i]))
+           for c in read_columns(tmp_path / "steps") for i in range(len(c))]
+    assert got == want and len(got) == 5
+
+
 def test_keyframes_are_bounded_and_thinned(record, monkeypatch):
     from traceml_tui.collect import replay as rp
 
