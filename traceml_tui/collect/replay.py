@@ -17,9 +17,10 @@ code, the first failure) from final_summary.json, or says that there is none.
 Memory and time are bounded whatever the run's length: keyframes are kept encoded
 (msgpack, decoded when shown) and at most MAX_KEYFRAMES of them (fewer for a wide job:
 KEYFRAME_ROWS), spaced over the run's span when the record says when it ended; past it,
-every other one is dropped and the spacing doubles (the oldest and newest stay), and
-evaluations space out with them (EVALS_PER_KEYFRAME), so a long run costs no more
-evaluations than a short one beyond a few thousand. A byte budget (KEYFRAME_BUDGET) caps
+every other one is dropped and the spacing doubles (the oldest and newest stay).
+Evaluations are every 0.5 s of run time as live, spaced out past MAX_EVALS and
+EVAL_ROWS (or with the keyframes, EVALS_PER_KEYFRAME, when the end is not known), so a
+long or wide run costs no more evaluations than a few thousand. A byte budget (KEYFRAME_BUDGET) caps
 wide runs further (a 16,384-rank view is ~1.7 MB encoded). The log itself is bounded by its
 writer's byte budget (256 MiB: its newest 1.5-3 million records).
 """
@@ -57,6 +58,11 @@ MAX_KEYFRAMES = 240
 # interval still shows. The collector itself spaces evaluations out on a wide job (its
 # EVAL_BACKOFF: ~5 s apart at 16,384 ranks), and they cost ~80 ms each there.
 EVALS_PER_KEYFRAME = 4
+# When the record says when the run ended: evaluations every 0.5 s of it, as live, unless
+# that is more than MAX_EVALS (~1 ms each on a small job: a 28-hour run is then judged
+# every 10 s) or EVAL_ROWS rank-evaluations (~5 us a rank: 120 at 16,384 ranks, ~10 s).
+MAX_EVALS = 10_000
+EVAL_ROWS = 2_000_000
 # Encoded keyframes kept in memory at most: 96 MiB, ~55 frames of a 16,384-rank job.
 KEYFRAME_BUDGET = 96 << 20
 # Rows (ranks x keyframes) built at most: a keyframe's snapshot and view cost ~30 us a
@@ -191,7 +197,11 @@ class Replay:
         builder = _Builder(state, world, started, rec)
         ended = _epoch(((rec.summary or rec.live or {}).get("run") or {}).get("ended_at"))
         if ended is not None:  # the span is known: keyframes spaced for it from the start
-            builder.interval = max(EVAL_INTERVAL_S, (ended - t_first) / builder.max_frames)
+            span = max(0.0, ended - t_first)
+            builder.interval = max(EVAL_INTERVAL_S, span / builder.max_frames)
+            # Evaluations: every 0.5 s as live, as many as EVAL_ROWS and MAX_EVALS allow.
+            evals = max(1, min(MAX_EVALS, EVAL_ROWS // world))
+            builder.eval_every = max(EVAL_INTERVAL_S, span / evals)
         n = 0
         for cols in _chain(first, chunks):
             builder.add(cols)
@@ -225,6 +235,7 @@ class _Builder:
         self.state, self.world, self.started, self.rec = state, world, started, rec
         self.interval = EVAL_INTERVAL_S  # between keyframes: one per evaluation, to start
         self.max_frames = max(8, min(MAX_KEYFRAMES, KEYFRAME_ROWS // world))
+        self.eval_every: float | None = None  # set when the span is known
         self.next_eval: float | None = None
         self.next_frame: float | None = None
         self.frames: list[Keyframe] = []
@@ -253,7 +264,7 @@ class _Builder:
             t = float(cols.t_end[i])
             while t >= self.next_eval:  # the ticks the collector made before it came
                 self._tick(self.next_eval)
-                self.next_eval += max(EVAL_INTERVAL_S, self.interval / EVALS_PER_KEYFRAME)
+                self.next_eval += self._eval_spacing()
             self.pending.append(_take(cols, slice(i, i + 1)))
             cols = _take(cols, slice(i + 1, None))
         if self.pending:
@@ -299,6 +310,11 @@ class _Builder:
             if pending.records >= ingest_columns.MAX_PENDING_RECORDS:
                 ingest_columns.flush(state, pending)
         ingest_columns.flush(state, pending)
+
+    def _eval_spacing(self) -> float:
+        if self.eval_every is not None:
+            return self.eval_every
+        return max(EVAL_INTERVAL_S, self.interval / EVALS_PER_KEYFRAME)
 
     def _ident(self, rank: int) -> Identity:
         ident = self.idents.get(rank)
