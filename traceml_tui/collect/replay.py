@@ -59,9 +59,10 @@ MAX_KEYFRAMES = 240
 # EVAL_BACKOFF: ~5 s apart at 16,384 ranks), and they cost ~80 ms each there.
 EVALS_PER_KEYFRAME = 4
 # When the record says when the run ended: evaluations every 0.5 s of it, as live, unless
-# that is more than MAX_EVALS (~1 ms each on a small job: a 28-hour run is then judged
-# every 10 s) or EVAL_ROWS rank-evaluations (~5 us a rank: 120 at 16,384 ranks, ~10 s).
-MAX_EVALS = 10_000
+# that is more than MAX_EVALS (~1 ms each on a small job: a 33-minute run is judged every
+# 0.5 s, a 28-hour one every 25 s) or EVAL_ROWS rank-evaluations (~5 us a rank: 120 at
+# 16,384 ranks, ~10 s).
+MAX_EVALS = 4_000
 EVAL_ROWS = 2_000_000
 # Encoded keyframes kept in memory at most: 96 MiB, ~55 frames of a 16,384-rank job.
 KEYFRAME_BUDGET = 96 << 20
