@@ -55,9 +55,9 @@ class ReplayApp(DashboardApp):
     TITLE = "traceml (record)"
     # The dashboard's keys, the time cursor's in the footer (a record is there to walk);
     # a deep trace and Ctrl-C have nothing to act on.
-    BINDINGS = [dataclasses.replace(b, show=True) if b.action in FOOTER else b
-                for b in DashboardApp.BINDINGS if isinstance(b, Binding)
-                and b.action not in ("trace", "show_trace")]
+    BINDINGS = [dataclasses.replace(b, show=b.action in FOOTER or (
+        b.show and b.action != "trace")) for b in DashboardApp.BINDINGS
+        if isinstance(b, Binding)]
 
     def __init__(self, record: cur.Recorded, status: str, run_dir: Path | None = None,
                  summary: dict[str, Any] | None = None) -> None:
