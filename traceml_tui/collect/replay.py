@@ -60,10 +60,11 @@ MAX_KEYFRAMES = 240
 EVALS_PER_KEYFRAME = 4
 # When the record says when the run ended: evaluations every 0.5 s of it, as live, unless
 # that is more than MAX_EVALS (~1 ms each on a small job: a 33-minute run is judged every
-# 0.5 s, a 28-hour one every 25 s) or EVAL_ROWS rank-evaluations (~5-10 us a rank: ~60
-# at 16,384 ranks, ~5 s; the live collector evaluates that wide a job every ~5 s too).
+# 0.5 s, a 28-hour one every 25 s) or EVAL_ROWS rank-evaluations (~25 us a rank with its
+# ingest: ~30 at 16,384 ranks, as often as the live collector evaluates a job that wide,
+# every ~5 s; a 50-minute 1,024-rank record every 6 s where live was 0.5 s).
 MAX_EVALS = 4_000
-EVAL_ROWS = 1_000_000
+EVAL_ROWS = 500_000
 # Encoded keyframes kept in memory at most: 96 MiB, ~55 frames of a 16,384-rank job.
 KEYFRAME_BUDGET = 96 << 20
 # Rows (ranks x keyframes) built at most: a keyframe's snapshot and view cost ~30 us a
