@@ -131,6 +131,20 @@ def test_steps_only_when_the_collector_died(tmp_path):
     assert not replay.view(len(replay) - 1).finished
 
 
+def test_a_hang_is_the_summarys_own_on_the_last_keyframe(tmp_path):
+    """The step log cannot show a silence: the summary's HANG leads the run's end."""
+    run = write_record(tmp_path / "hung")
+    doc = json.loads(RunFolder(run).summary_json.read_text())
+    doc["diagnosis"] = {"label": "HANG", "rank": 3, "phase": "sync", "severity": "critical",
+                        "summary": "Rank 3 stopped stepping 40 s ago in sync.", "node": None}
+    RunFolder(run).summary_json.write_text(json.dumps(doc))
+    replay = loaded(run)
+    last = replay.view(len(replay) - 1)
+    assert (last.label, last.rank, last.summary) == (
+        "HANG", 3, "Rank 3 stopped stepping 40 s ago in sync.")
+    assert replay.view(len(replay) - 2).label != "HANG"  # before the end: the steps' own
+
+
 def test_a_folder_not_ones_own_is_refused_in_one_line(tmp_path):
     run = write_record(tmp_path / "shared")
     os.chmod(run, 0o777)  # anyone could have written its record

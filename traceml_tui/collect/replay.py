@@ -38,6 +38,7 @@ import numpy as np
 from msgspec.structs import replace
 
 from traceml_agent.protocol import Identity, StepGroup, StepRow
+from traceml_agent.vocab import HANG
 from traceml_tui.collect import view_build
 from traceml_tui.judge import ingest_columns
 from traceml_tui.judge.state import RunState
@@ -389,8 +390,18 @@ def _ending(view: RunView, rec: Record) -> RunView:
     run = doc.get("run") or {}
     failure = doc.get("failure") or {}
     code = run.get("exit_code")
-    return replace(view, finished=True, exit_code=code if isinstance(code, int) else None,
+    view = replace(view, finished=True, exit_code=code if isinstance(code, int) else None,
                    failure=failure.get("summary") or view.failure)
+    verdict = doc.get("diagnosis") or {}
+    if verdict.get("label") != HANG:
+        return view
+    # A hang is seen from silence, which the step log cannot show: the summary's own.
+    rank, node = verdict.get("rank"), verdict.get("node")
+    return replace(view, label=HANG, rank=rank if isinstance(rank, int) else None,
+                   node=node if isinstance(node, int) else None,
+                   phase=str(verdict["phase"]) if verdict.get("phase") else None,
+                   severity=str(verdict.get("severity") or view.severity),
+                   summary=str(verdict.get("summary") or ""), cost=None)
 
 
 def _take(cols: StepColumns, which: np.ndarray | slice) -> StepColumns:
