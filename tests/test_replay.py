@@ -161,8 +161,9 @@ def test_watch_sends_an_ended_or_orphaned_run_to_its_record(tmp_path, record):
     with pytest.raises(RunIsOver):
         resolve_target(str(orphan))
     # With no folder named, a dead collector's run is not "the newest live run".
-    with pytest.raises(WatchTargetError, match="no live run"):
+    with pytest.raises(WatchTargetError, match="no live run") as refused:
         resolve_target(None, tmp_path)
+    assert f"its record opens with: traceml watch {orphan}" in str(refused.value)
 
 
 @pytest.mark.parametrize("subjects, index, nxt, prev", [

@@ -158,8 +158,11 @@ def resolve_target(target: str | None, base: Path = Path("traceml_runs"),
     if target is None:
         run_dir = newest_live_run(base)
         if run_dir is None:
+            over = newest_record(base)
+            hint = (f"; the newest run is over, its record opens with: traceml watch {over}"
+                    if over is not None else "")
             raise WatchTargetError(f"no live run under {base}/ (give a run folder or "
-                                   f"tcp://HOST:PORT)")
+                                   f"tcp://HOST:PORT){hint}")
     else:
         run_dir = Path(target)
         if not run_dir.is_dir():
@@ -213,3 +216,13 @@ def newest_live_run(base: Path) -> Path | None:
             and not RunFolder(d).summary_json.exists()
             and not collector_gone(RunFolder(d).collector_json)]
     return max(live, key=lambda d: RunFolder(d).collector_json.stat().st_mtime, default=None)
+
+
+def newest_record(base: Path) -> Path | None:
+    """The most recently changed run folder under `base` that is ours and has a record
+    (a summary or a step log): what `traceml watch` suggests when nothing is live."""
+    if not base.is_dir():
+        return None
+    runs = [d for d in base.iterdir() if not folders.not_private(d)
+            and (RunFolder(d).summary_json.exists() or RunFolder(d).step_log.is_dir())]
+    return max(runs, key=lambda d: d.stat().st_mtime, default=None)
