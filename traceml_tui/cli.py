@@ -111,11 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "(WARN, INFO (default), TRACE); a HANG then shows each rank's last "
                           "NCCL opCount")
 
-    watch = sub.add_parser("watch", help="open the dashboard on a running job",
+    watch = sub.add_parser("watch", help="open the dashboard on a running job, or on the "
+                           "record of one that is over",
                            description="Attach the dashboard to a run that is going: a run "
                            "folder, tcp://HOST:PORT (its collector's view address, e.g. "
                            "through an SSH tunnel), or by default the newest live run under "
-                           "traceml_runs. Quitting never stops the job.")
+                           "traceml_runs. Quitting never stops the job. A run folder whose "
+                           "run has ended, crashed or lost its collector opens read-only on "
+                           "its record, with a time cursor (docs/replay.md).")
     watch.add_argument("target", nargs="?", metavar="RUN_DIR | tcp://HOST:PORT")
     watch.add_argument("--out", type=Path, default=Path("traceml_runs"), metavar="DIR",
                        help="where to look for the newest live run (default traceml_runs)")
@@ -297,10 +300,12 @@ def _cmd_netcheck(args: argparse.Namespace) -> int:
 
 
 def _cmd_watch(args: argparse.Namespace) -> int:
-    from .view.client import ViewClient, WatchTargetError, resolve_target
+    from .view.client import RunIsOver, ViewClient, WatchTargetError, resolve_target
 
     try:
         address, run_dir, secret = resolve_target(args.target, args.out, args.secret_file)
+    except RunIsOver as over:
+        return _watch_record(args, over.run_dir)
     except WatchTargetError as exc:
         print(f"traceml watch: error: {exc}", file=sys.stderr)
         return 2
@@ -316,6 +321,30 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     if not web_viewer:  # its terminal gone (hangup, EOF, EIO), the viewer goes too
         terminal.exit_with_terminal()
     DashboardApp(ViewClient(address, secret=secret), run_dir).run()
+    return 0
+
+
+def _watch_record(args: argparse.Namespace, run_dir: Path) -> int:
+    """`traceml watch RUN_DIR` on a run that is over: the dashboard on its record."""
+    from .collect.replay import Replay, ReplayError, open_record
+
+    try:
+        record = open_record(run_dir)
+    except ReplayError as exc:
+        print(f"traceml watch: error: {exc}", file=sys.stderr)
+        return 2
+    if args.web is not None:
+        print("traceml watch: error: --web serves live runs only; open the record in a "
+              f"terminal, or share it as a page: traceml report {run_dir}", file=sys.stderr)
+        return 2
+    if not terminal.owns_foreground():
+        print("traceml watch: error: the dashboard needs a terminal in the foreground "
+              "(not a background job, not redirected)", file=sys.stderr)
+        return 2
+    from .view.dashboard.replay_app import ReplayApp
+
+    terminal.exit_with_terminal()
+    ReplayApp(Replay(record), record.status, run_dir, record.summary).run()
     return 0
 
 

@@ -306,3 +306,92 @@ def _columns(item: list, tables: dict[int, tuple[str, ...]]) -> Iterator[LoggedS
     for i in range(n):
         yield LoggedStep(rank[i], step[i], t_end[i], step_ms[i], phases,
                          tuple(None if v != v else v for v in values[i]))
+
+
+# --- reading as columns (a big log, read without an object per record) ------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StepColumns:
+    """Logged records of one phase list, in the order they were appended, as arrays."""
+
+    phases: tuple[str, ...]
+    rank: np.ndarray  # int64
+    step: np.ndarray  # int64
+    t_end: np.ndarray  # float64
+    step_ms: np.ndarray  # float64
+    values: np.ndarray  # float64, records x phases; NaN: not measured
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+
+# Single records (the collector's per-rank batches) gathered into one StepColumns at most.
+COLUMN_RECORDS = 4096
+
+
+def read_columns(directory: str | Path) -> Iterator[StepColumns]:
+    """Every logged record, as `read_steps` gives them, in columns: a columns item as it
+    is, runs of single records of one phase list gathered (COLUMN_RECORDS at most)."""
+    directory = Path(directory)
+    files = [(g, directory / name) for name in FILE_NAMES
+             if (g := _generation(directory / name)) is not None]
+    for _, path in sorted(files):
+        yield from _read_file_columns(path)
+
+
+def _read_file_columns(path: Path) -> Iterator[StepColumns]:
+    tables: dict[int, tuple[str, ...]] = {}
+    run: list[LoggedStep] = []
+    try:
+        with open(path, "rb") as f:
+            for item in msgpack.Unpacker(f, raw=False, strict_map_key=True):
+                if not isinstance(item, list) or not item:
+                    continue
+                if item[0] == _STEP and len(item) == 7:
+                    step = _step(item, tables)
+                    if step is None:
+                        continue
+                    if run and (step.phases != run[0].phases or len(run) >= COLUMN_RECORDS):
+                        yield _gathered(run)
+                        run = []
+                    run.append(step)
+                    continue
+                if run:
+                    yield _gathered(run)
+                    run = []
+                if item[0] == _COLUMNS and len(item) == 7:
+                    cols = _column_arrays(item, tables)
+                    if cols is not None:
+                        yield cols
+                elif (item[0] == _TABLE and len(item) == 3 and isinstance(item[2], list)
+                      and all(isinstance(n, str) for n in item[2])):
+                    tables[item[1]] = tuple(item[2])
+    except (OSError, ValueError, msgpack.UnpackException):
+        pass  # unreadable or corrupt from here on: what was read stands
+    if run:
+        yield _gathered(run)
+
+
+def _gathered(run: list[LoggedStep]) -> StepColumns:
+    nan = float("nan")
+    return StepColumns(
+        run[0].phases, np.array([s.rank for s in run], np.int64),
+        np.array([s.step for s in run], np.int64), np.array([s.t_end for s in run], np.float64),
+        np.array([s.step_ms for s in run], np.float64),
+        np.array([[nan if v is None else v for v in s.phase_ms] for s in run],
+                 np.float64).reshape(len(run), len(run[0].phases)))
+
+
+def _column_arrays(item: list, tables: dict[int, tuple[str, ...]]) -> StepColumns | None:
+    _, table, *arrays = item
+    phases = tables.get(table) if type(table) is int else None
+    if phases is None or not all(isinstance(a, bytes) for a in arrays):
+        return None
+    n = len(arrays[0]) // 8
+    if any(len(a) != 8 * n for a in arrays[:4]) or len(arrays[4]) != 8 * n * len(phases):
+        return None
+    rank, step = (np.frombuffer(a, "<i8") for a in arrays[:2])
+    t_end, step_ms = (np.frombuffer(a, "<f8") for a in arrays[2:4])
+    return StepColumns(phases, rank, step, t_end, step_ms,
+                       np.frombuffer(arrays[4], "<f8").reshape(n, len(phases)))

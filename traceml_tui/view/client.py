@@ -8,6 +8,7 @@ next poll ("lazy pirate"), so a viewer never wedges. Data side: no textual here.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 from pathlib import Path
@@ -112,6 +113,42 @@ class WatchTargetError(Exception):
     """`traceml watch` could not find what to attach to: one clear line for the user."""
 
 
+class RunIsOver(WatchTargetError):
+    """The run has ended (its summary is written) or its collector is gone: `traceml watch`
+    opens its record instead (collect/replay.py)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(f"the run in {run_dir} is over")
+        self.run_dir = run_dir
+
+
+def collector_gone(info: Path) -> bool:
+    """Whether the collector that wrote `info` (collector.json) is known to be dead: it
+    ran on this host and its process is gone. On another host it cannot be told here."""
+    try:
+        doc = json.loads(info.read_text())
+        pid, host = int(doc["pid"]), doc.get("host")
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, and not ours to signal
+        return False
+    return _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """A dead child not yet reaped still answers a signal: its state says it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def resolve_target(target: str | None, base: Path = Path("traceml_runs"),
                    secret_file: Path | None = None) -> tuple[str, Path | None, str | None]:
     """(view address, run folder or None, the run's secret or None) for
@@ -121,12 +158,21 @@ def resolve_target(target: str | None, base: Path = Path("traceml_runs"),
     if target is None:
         run_dir = newest_live_run(base)
         if run_dir is None:
+            over = newest_record(base)
+            hint = (f"; the newest run is over, its record opens with: traceml watch {over}"
+                    if over is not None else "")
             raise WatchTargetError(f"no live run under {base}/ (give a run folder or "
-                                   f"tcp://HOST:PORT)")
+                                   f"tcp://HOST:PORT){hint}")
     else:
         run_dir = Path(target)
         if not run_dir.is_dir():
             raise WatchTargetError(f"no such run folder: {run_dir}")
+        folder = RunFolder(run_dir)
+        # Over: its summary written, or its collector dead (or never said where it was,
+        # a folder copied without it): the record opens instead (collect/replay.py).
+        if folder.summary_json.exists() or (folder.step_log.is_dir() and (
+                not folder.collector_json.exists() or collector_gone(folder.collector_json))):
+            raise RunIsOver(run_dir)
     info = RunFolder(run_dir).collector_json
     if not info.exists():
         raise WatchTargetError(f"{run_dir} is not a traceml run folder (no {COLLECTOR_JSON})")
@@ -158,7 +204,8 @@ def _secret(run_dir: Path | None, secret_file: Path | None) -> str | None:
 
 
 def newest_live_run(base: Path) -> Path | None:
-    """The most recently started run folder under `base` that has no final summary yet."""
+    """The most recently started run folder under `base` that has no final summary yet and
+    whose collector is not known to be dead (that one's record opens by its folder)."""
     if not base.is_dir():
         return None
     # Only folders and collector.json files that are ours and private: on a shared --out,
@@ -166,5 +213,16 @@ def newest_live_run(base: Path) -> Path | None:
     live = [d for d in base.iterdir()
             if not folders.not_private(d)
             and not folders.not_private(RunFolder(d).collector_json, False)
-            and not RunFolder(d).summary_json.exists()]
+            and not RunFolder(d).summary_json.exists()
+            and not collector_gone(RunFolder(d).collector_json)]
     return max(live, key=lambda d: RunFolder(d).collector_json.stat().st_mtime, default=None)
+
+
+def newest_record(base: Path) -> Path | None:
+    """The most recently changed run folder under `base` that is ours and has a record
+    (a summary or a step log): what `traceml watch` suggests when nothing is live."""
+    if not base.is_dir():
+        return None
+    runs = [d for d in base.iterdir() if not folders.not_private(d)
+            and (RunFolder(d).summary_json.exists() or RunFolder(d).step_log.is_dir())]
+    return max(runs, key=lambda d: d.stat().st_mtime, default=None)

@@ -33,6 +33,7 @@ from traceml_tui.runfolder.folders import write_atomic
 from traceml_tui.runfolder.layout import RunFolder
 from traceml_tui.viewmodel import RankDetail, RunView
 
+from . import cursor as cur
 from .banner import Banner
 from .distribution import Distribution
 from .heat_table import SORT_KEYS, HeatTable
@@ -92,6 +93,23 @@ class DashboardApp(App[None]):
         Binding("e", "export", "Export JSON", show=False,
                 tooltip="Export the summary so far as JSON"),
         Binding("v", "save_svg", "Save SVG", show=False, tooltip="Save a screenshot (SVG)"),
+        # The time cursor (cursor.py). Priority: the table would scroll sideways on the
+        # arrows. Start and end are < and >, as home and end move the table's cursor.
+        # Not in the live footer (it keeps its keys); the replay's shows them.
+        Binding("left", "cursor(-1)", "Back", key_display="←", priority=True, show=False,
+                tooltip="Time cursor: one view back (live: pause there)"),
+        Binding("right", "cursor(1)", "Forward", key_display="→", priority=True, show=False,
+                tooltip="Time cursor: one view forward"),
+        Binding("left_square_bracket", "episode(-1)", "Prev episode", key_display="[",
+                show=False, tooltip="Time cursor: the previous episode's start"),
+        Binding("right_square_bracket", "episode(1)", "Next episode", key_display="]",
+                show=False, tooltip="Time cursor: the next episode's start"),
+        Binding("less_than_sign", "cursor_start", "Start", key_display="<", show=False,
+                tooltip="Time cursor: the first view (a record: its start)"),
+        Binding("greater_than_sign", "cursor_end", "End", key_display=">", show=False,
+                tooltip="Time cursor: the newest view (a record: its end)"),
+        Binding("l", "live", "Live", show=False,
+                tooltip="Back to live (a record: its end)"),
         Binding("question_mark", "help", "Help", tooltip="Every key"),
         # Textual binds Ctrl-C to a quit hint; under `traceml run` it stops the job.
         Binding("ctrl+c", "stop_job", "Stop the job", show=False, priority=True),
@@ -116,6 +134,12 @@ class DashboardApp(App[None]):
         self.source_note = "connecting..."
         self.ended_note = ""
         self.stopping = threading.Event()  # ends the poll thread's wait at once on quit
+        # The time cursor: the frames it moves over (live: the last views received) and
+        # its index, None while live. `newest` is the newest view (the chart's whole run).
+        self.frames: cur.Frames = cur.LiveFrames()
+        self.cursor: int | None = None
+        self.newest: RunView | None = None
+        self.newest_detail: RankDetail | None = None
 
     def compose(self) -> ComposeResult:
         yield Banner("waiting for the first state...", id="banner")
@@ -155,9 +179,16 @@ class DashboardApp(App[None]):
     def apply(self, view: RunView, detail: RankDetail | None, note: str) -> None:
         """Replace the whole shown state with a new frozen one."""
         seen = self.state.capture if self.state else None
-        self.pinned_detail, self.source_note = detail, note
+        self.source_note = note
+        evicted = self.frames.push(view) if isinstance(self.frames, cur.LiveFrames) else 0
+        self.newest, self.newest_detail = view, detail
         if self.nodes_only is None:  # set quietly: the new state redraws below
             self.set_reactive(DashboardApp.nodes_only, view.world_size > NODE_VIEW_ABOVE)
+        if self.cursor is not None:  # paused on a moment: the job goes on, the view stays
+            self.cursor = max(0, self.cursor - evicted)  # indices move as old views go
+            self.redraw()
+            return
+        self.pinned_detail = detail
         self.state = view  # redraws (watch_state)
         cap = view.capture
         if cap is not None and cap.text and not (seen is not None and seen.text
@@ -236,7 +267,9 @@ class DashboardApp(App[None]):
         self.query_one(Banner).show(state)
         self.query_one(StatusBar).show(state, self._view_note(), self.source_note)
         self.query_one(Distribution).show(state)
-        self.query_one(TimeChart).show(state)
+        # Off live, the chart draws the whole run known so far with the cursor on it.
+        whole = self.newest if self.cursor is not None and self.newest is not None else state
+        self.query_one(TimeChart).show(whole, None if self.cursor is None else state.elapsed_s)
         table = self.query_one(HeatTable)
         table.show(state, SORT_KEYS[self.sort_index], self.reverse, self.filter_text,
                    bool(self.nodes_only))
@@ -261,7 +294,16 @@ class DashboardApp(App[None]):
             parts.append(f"pinned: {self.pinned}")
         if self.ended_note:
             parts.append(self.ended_note)
+        moment = self.moment_note()
+        if moment:
+            parts.insert(0, moment)
         return "  ".join(parts)
+
+    def moment_note(self) -> str:
+        """Where the time cursor is, when it is not live."""
+        if self.cursor is None or self.state is None:
+            return ""
+        return f"paused at step {self.state.steps} (l: live)"
 
     # --- events up ---------------------------------------------------------------
 
@@ -321,6 +363,57 @@ class DashboardApp(App[None]):
     def action_nodes(self) -> None:
         self.nodes_only = not self.nodes_only
 
+    # --- the time cursor (cursor.py) ---------------------------------------------
+
+    def show_frame(self, index: int | None) -> None:
+        """Show the frame at `index` (None: live, the newest view)."""
+        if index is None:
+            self.cursor = None
+            if self.newest is not None:
+                self.pinned_detail = self.newest_detail
+                self.state = self.newest
+            return
+        self.cursor = index
+        self.pinned_detail = None  # the pinned panel's detail is the collector's, of now
+        self.state = self.frames.view(index)
+
+    def _at(self) -> int | None:
+        """The cursor's index, live counted as the newest frame; None with no frames."""
+        n = len(self.frames)
+        if not n:
+            return None
+        return n - 1 if self.cursor is None else min(self.cursor, n - 1)
+
+    def action_cursor(self, delta: int) -> None:
+        at = self._at()
+        if at is None:
+            self.notify("no views to move through yet")
+            return
+        self.show_frame(cur.step_to(self.frames.times(), at, delta))
+
+    def action_episode(self, direction: int) -> None:
+        at = self._at()
+        if at is None:
+            return
+        subjects = self.frames.subjects()
+        index = (cur.next_episode(subjects, at) if direction > 0
+                 else cur.previous_episode(subjects, at))
+        if index is None:
+            self.notify("no later episode" if direction > 0 else "no earlier episode")
+            return
+        self.show_frame(index)
+
+    def action_cursor_start(self) -> None:
+        if len(self.frames):
+            self.show_frame(0)
+
+    def action_cursor_end(self) -> None:
+        if len(self.frames):
+            self.show_frame(len(self.frames) - 1)
+
+    def action_live(self) -> None:
+        self.show_frame(None)
+
     def action_checks(self) -> None:
         self.push_screen(ChecksScreen(self.state.checks if self.state else ()))
 
@@ -328,7 +421,7 @@ class DashboardApp(App[None]):
         self.push_screen(CollectivesScreen(self.state.collectives if self.state else ()))
 
     def action_help(self) -> None:
-        keys = [(b.key, b.tooltip or b.description) for b in self.BINDINGS
+        keys = [(b.key_display or b.key, b.tooltip or b.description) for b in self.BINDINGS
                 if isinstance(b, Binding) and b.action != "stop_job"]
         keys += [(b.key, b.tooltip or b.description) for b in HeatTable.BINDINGS
                  if isinstance(b, Binding)]

@@ -60,8 +60,13 @@ def resample(points: tuple, column: int, t0: float, t_end: float, slots: int, wo
     return out
 
 
-def chart_lines(state: RunView, width: int, height: int) -> list[Text]:
-    """The chart as `height` lines of `width` cells: a legend, the canvas, the episodes."""
+CURSOR_STYLE = "bold yellow"
+
+
+def chart_lines(state: RunView, width: int, height: int, cursor: float | None = None
+                ) -> list[Text]:
+    """The chart as `height` lines of `width` cells: a legend, the canvas, the episodes;
+    `cursor` (seconds since start): the time cursor's moment, drawn as a column."""
     points = state.history
     rows = max(1, height - 2)
     cols = max(4, width - Y_LABEL)
@@ -97,13 +102,21 @@ def chart_lines(state: RunView, width: int, height: int) -> list[Text]:
         legend.append("⣀⣀ ", style=style)
         legend.append(f"{name if wide else short}  ", style="dim")
     legend.append(f"{duration(t0)} - {duration(t_end)}", style="dim")
+    at = None
+    if cursor is not None:
+        at = min(cols - 1, max(0, int((cursor - t0) / (t_end - t0) * cols)))
+        legend.append(f"  ▼ {duration(cursor)}", style=CURSOR_STYLE)
     out = [legend]
     for r in range(rows):
         label = (f"{top:.0f} ms" if top >= 10 else f"{top:.1f} ms") if r == 0 else (
             "0" if r == rows - 1 else "")
         line = Text(label.rjust(Y_LABEL - 1) + "│", style="dim")
-        cells = "".join(chr(0x2800 + b) if b else " " for b in grid[r])
-        append_runs(line, cells, owner[r])
+        chars = [chr(0x2800 + b) if b else " " for b in grid[r]]
+        styles = owner[r]
+        if at is not None:  # the cursor: a bar where the column is empty, yellow where not
+            chars[at] = "│" if chars[at] == " " else chars[at]
+            styles = [*styles[:at], CURSOR_STYLE, *styles[at + 1:]]
+        append_runs(line, "".join(chars), styles)
         out.append(line)
     out.append(episode_line(state, cols, t0, t_end))
     return out[:height]
@@ -159,10 +172,12 @@ class TimeChart(Widget):
         super().__init__(**kwargs)
         self._strips: list[Strip] = []
         self._state: RunView | None = None
+        self._cursor: float | None = None
         self._drawn_for: tuple = ()
 
-    def show(self, state: RunView) -> None:
-        self._state = state
+    def show(self, state: RunView, cursor: float | None = None) -> None:
+        """Draw `state`'s history; `cursor`: the time cursor's moment on it, if any."""
+        self._state, self._cursor = state, cursor
         self._rebuild()
 
     def on_resize(self) -> None:
@@ -173,11 +188,12 @@ class TimeChart(Widget):
         width, height = max(20, self.content_size.width), max(3, self.content_size.height)
         if state is None:
             return
-        key = (id(state.history), state.episodes, width, height, state.elapsed_s)
+        key = (id(state.history), state.episodes, width, height, state.elapsed_s, self._cursor)
         if key == self._drawn_for:
             return
         self._drawn_for = key
-        self._strips = [to_strip(line, width) for line in chart_lines(state, width, height)]
+        self._strips = [to_strip(line, width) for line in chart_lines(state, width, height,
+                                                                     self._cursor)]
         self.refresh()
 
     def render_line(self, y: int) -> Strip:

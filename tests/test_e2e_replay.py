@@ -1,0 +1,165 @@
+"""End to end (issue 41, items 1 and 2): `traceml watch RUN_DIR` on real runs that are
+over opens the dashboard on their record: the README's demo after it ended (walk to the
+episode where rank 2 straggles), a crashed run (a rank raises), a run whose collector was
+SIGKILLed mid-run (the launcher's incomplete summary, then the steps alone), and a run
+folder copied elsewhere without its secret."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobs import EXAMPLES, kill_session, live_ranks_steps, run_job, traceml, wait_for
+from traceml_tui.collect.replay import Replay, open_record
+from traceml_tui.view.dashboard.banner import Banner
+from traceml_tui.view.dashboard.replay_app import ReplayApp
+from traceml_tui.view.dashboard.status_bar import StatusBar
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The README's demo job, as a new user runs it (4 ranks, rank 2 loads slowly)."""
+    done = run_job(tmp_path_factory.mktemp("demo"), "straggler_demo.py", nproc=4, name="demo")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def _texts(app) -> tuple[str, str]:
+    return str(app.query_one(Banner).render()), str(app.query_one(StatusBar).render())
+
+
+async def _opened(pilot) -> None:
+    for _ in range(400):
+        if pilot.app.state is not None:
+            return
+        await pilot.pause(0.05)
+    raise AssertionError("the record never opened")
+
+
+def _app(run_dir: Path) -> ReplayApp:
+    rec = open_record(run_dir)
+    return ReplayApp(Replay(rec), rec.status, run_dir, rec.summary)
+
+
+async def test_the_readme_demo_after_it_ended_walks_to_rank_2s_episode(demo):
+    app = _app(demo.run_dir)
+    async with app.run_test(size=(150, 46)) as pilot:
+        await _opened(pilot)
+        banner, status = _texts(app)
+        # Opens at the end: the verdict as the live dashboard last read it, the run's end.
+        assert "run ended (exit code 0)" in banner and "INPUT STRAGGLER" in banner
+        assert "ended at step 150, exit 0" in status and "(end)" in status
+        await pilot.press("less_than_sign")
+        await pilot.pause(0.1)
+        assert "WARMUP" in _texts(app)[0]
+        for _ in range(10):  # the next episode, until the banner names rank 2
+            await pilot.press("right_square_bracket")
+            await pilot.pause(0.1)
+            if app.state.label == "INPUT STRAGGLER":
+                break
+        banner, status = _texts(app)
+        assert "INPUT STRAGGLER" in banner and "rank 2" in banner and "dataloader" in banner
+        assert app.state.worst is not None and app.state.worst.rank == 2
+        assert f"record at step {app.state.steps} (view " in status
+        assert app.state.steps < 150 and not app.state.finished
+
+
+def test_watch_opens_the_record_in_a_terminal(demo, tmp_path):
+    """The command itself, in a real terminal (a pty), on a copy of the folder without its
+    secret or collector.json (another machine): it draws the record, `q` closes it."""
+    from test_e2e_watch import SESSION_LEADER, Terminal
+
+    copy = tmp_path / "copied"
+    shutil.copytree(demo.run_dir, copy, ignore=shutil.ignore_patterns(
+        "secret.key", "collector.json"))
+    os.chmod(copy, 0o700)
+    term = Terminal()
+    session = subprocess.Popen(
+        [sys.executable, "-c", SESSION_LEADER, "handles", sys.executable, "-m", "traceml_tui",
+         "watch", str(copy)], stdin=term.slave, stdout=term.slave, stderr=term.slave,
+        start_new_session=True, env={**os.environ, "TERM": "xterm-256color"})
+    term.close_slave()
+    try:
+        wait_for(lambda: term.shows(b"ended at step 150, exit 0"), 60, "the record drawn")
+        assert term.shows(b"INPUT STRAGGLER")
+        os.write(term.master, b"q")
+        assert session.wait(20) == 0
+    finally:
+        term.close()
+        if session.poll() is None:
+            session.kill()
+            session.wait(10)
+
+
+def test_watch_refuses_a_record_anyone_could_have_written(demo, tmp_path):
+    shared = tmp_path / "shared"
+    shutil.copytree(demo.run_dir, shared)
+    os.chmod(shared, 0o777)
+    proc = traceml("watch", str(shared), timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+    assert "can be written by other users" in proc.stderr and "not opening it" in proc.stderr
+
+
+async def test_a_crashed_run_says_what_failed(tmp_path):
+    done = run_job(tmp_path, "ddp_toy.py", nproc=3, name="crashed", script_args=(
+        "--scenario", "input", "--rank", "2", "--steps", "200", "--fail-rank", "1",
+        "--fail-at-step", "60"))
+    assert done.returncode != 0
+    failure = done.summary["failure"]["summary"]
+    app = _app(done.run_dir)
+    async with app.run_test(size=(150, 46)) as pilot:
+        await _opened(pilot)
+        banner, status = _texts(app)
+        assert f"crashed: {failure}" in status
+        assert failure in banner  # the banner leads with the failure, as the summary does
+        await pilot.press("left")
+        await pilot.pause(0.1)
+        assert "crashed:" in _texts(app)[1] and not app.state.finished
+
+
+async def test_a_run_whose_collector_was_killed(tmp_path):
+    out = tmp_path / "runs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceml_tui", "run", str(EXAMPLES / "ddp_toy.py"),
+         "--nproc-per-node", "2", "--headless", "--out", str(out), "--run-name", "orphan",
+         "--", "--scenario", "input", "--rank", "1", "--steps", "1000000"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run_dir = out / "orphan"
+    try:
+        wait_for(lambda: min(live_ranks_steps(run_dir) or [0]) >= 60, 120, "60 steps")
+        collector = json.loads((run_dir / "collector.json").read_text())["pid"]
+        os.kill(collector, signal.SIGKILL)
+        wait_for(lambda: (run_dir / "collector.log").exists(), 10, "the collector's end")
+        proc.send_signal(signal.SIGINT)
+        proc.wait(90)
+    finally:
+        kill_session(proc)
+    doc = json.loads((run_dir / "final_summary.json").read_text())
+    assert doc["complete"] is False
+    app = _app(run_dir)
+    async with app.run_test(size=(150, 46)) as pilot:
+        await _opened(pilot)
+        assert "the collector died mid-run" in _texts(app)[1]
+        assert app.state.steps >= 60
+    # The launcher gone with it (a lost node): no summary at all, the steps alone.
+    (run_dir / "final_summary.json").unlink()
+    app = _app(run_dir)
+    async with app.run_test(size=(150, 46)) as pilot:
+        await _opened(pilot)
+        banner, status = _texts(app)
+        assert "the collector died: steps only, no summary" in status
+        assert "INPUT STRAGGLER" in banner and "rank 1" in banner
+        await pilot.press("less_than_sign")
+        await pilot.pause(0.1)
+        assert app.cursor == 0
