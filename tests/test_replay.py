@@ -84,6 +84,8 @@ def test_the_replay_is_the_judges_view_at_each_keyframe(record):
     assert during.worst is not None and during.worst.rank == 2
     last = views[-1]
     assert last.finished and last.exit_code == 0
+    # Ended, not stale: the step log has no goodbyes, the summary says how each ended.
+    assert last.stale == () and {r.status for r in last.rows} == {"done"}
     assert last.label != "INPUT STRAGGLER"
     episode = next(e for e in last.episodes if e[2] == "INPUT STRAGGLER")
     assert episode[1] is not None  # closed: the straggler stopped

@@ -45,7 +45,17 @@ from traceml_tui.judge.state import RunState
 from traceml_tui.runfolder import folders
 from traceml_tui.runfolder.layout import RunFolder
 from traceml_tui.runfolder.step_log import StepColumns, read_columns
-from traceml_tui.viewmodel import RunView, decode_view, encode_view
+from traceml_tui.viewmodel import (
+    DONE,
+    FAILED,
+    STOP_EXIT_CODES,
+    STOPPED,
+    WAITING,
+    RankRow,
+    RunView,
+    decode_view,
+    encode_view,
+)
 
 # The collector's cadence (collector.EVAL_INTERVAL_S, not imported: that module brings
 # the sockets): evaluations at the same spacing of run time date episodes as live did.
@@ -391,7 +401,8 @@ def _ending(view: RunView, rec: Record) -> RunView:
     failure = doc.get("failure") or {}
     code = run.get("exit_code")
     view = replace(view, finished=True, exit_code=code if isinstance(code, int) else None,
-                   failure=failure.get("summary") or view.failure)
+                   failure=failure.get("summary") or view.failure,
+                   rows=_ended_rows(view.rows, doc.get("ranks")))
     verdict = doc.get("diagnosis") or {}
     if verdict.get("label") != HANG:
         return view
@@ -402,6 +413,25 @@ def _ending(view: RunView, rec: Record) -> RunView:
                    phase=str(verdict["phase"]) if verdict.get("phase") else None,
                    severity=str(verdict.get("severity") or view.severity),
                    summary=str(verdict.get("summary") or ""), cost=None)
+
+
+def _ended_rows(rows: tuple[RankRow, ...], ranks: Any) -> tuple[RankRow, ...]:
+    """Each rank's state at the run's end, from the summary's ranks (the step log has no
+    goodbyes, and every rank would read stale): done, stopped or failed by its exit code."""
+    codes: dict[int, int | None] = {}
+    for r in ranks if isinstance(ranks, list) else ():
+        if isinstance(r, dict) and isinstance(r.get("rank"), int) and r.get("steps", 1):
+            code = r.get("exit_code")
+            codes[r["rank"]] = code if isinstance(code, int) else None
+    out = []
+    for row in rows:
+        if row.rank not in codes or row.status == WAITING:
+            out.append(row)
+            continue
+        code = codes[row.rank]
+        status = (DONE if not code else STOPPED if code in STOP_EXIT_CODES else FAILED)
+        out.append(replace(row, status=status))
+    return tuple(out)
 
 
 def _take(cols: StepColumns, which: np.ndarray | slice) -> StepColumns:
