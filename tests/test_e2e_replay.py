@@ -89,8 +89,10 @@ def test_watch_opens_the_record_in_a_terminal(demo, tmp_path):
         start_new_session=True, env={**os.environ, "TERM": "xterm-256color"})
     term.close_slave()
     try:
-        wait_for(lambda: term.shows(b"ended at step 150, exit 0"), 60, "the record drawn")
-        assert term.shows(b"INPUT STRAGGLER")
+        # The straggler's episode is on the time chart's label line whatever the last
+        # view's banner says; a busy machine may draw the two in separate frames.
+        wait_for(lambda: term.shows(b"ended at step 150, exit 0")
+                 and term.shows(b"INPUT STRAGGLER"), 60, "the record drawn")
         os.write(term.master, b"q")
         assert session.wait(20) == 0
     finally:
