@@ -88,6 +88,11 @@ def run_secret(opts: RunOptions, run_dir: Path) -> str | None:
 STORE_WARNING = ("the run's secret goes through torchrun's store: this run is as private "
                  "as the master port {where} (anyone who can reach it can read the secret). "
                  f"Remedy: set {env.SECRET} on every node, or use a shared --out.")
+# Someone at the master port wrote a secret of theirs into the store (before node 0
+# published, or over it): a node that took it never reports to node 0 (issue 42, 7c).
+PLANTED_WARNING = ("{what} in torchrun's store at {where}: someone who can reach the master "
+                   "port wrote a secret of theirs, and a node that read it will not report "
+                   f"to node 0. Remedy: set {env.SECRET} on every node, or use a shared --out.")
 
 
 class _Handover(threading.Thread):
@@ -114,14 +119,25 @@ class _Handover(threading.Thread):
               + STORE_WARNING.format(where=f"{self.host}:{self.port}") + who,
               file=sys.stderr, flush=True)
 
+    def _planted(self, what: str) -> None:
+        print(f"[traceml] node {self.opts.node_rank}: "
+              + PLANTED_WARNING.format(what=what, where=f"{self.host}:{self.port}"),
+              file=sys.stderr, flush=True)
+
     def run(self) -> None:
         if self.opts.node_rank == 0:
             assert self.secret is not None
             values = {handover.RUN_DIR_KEY: str(self.run_dir.resolve()),
                       handover.SECRET_KEY: self.secret}
+            planted = []
             self.outcome = handover.publish_unless_shared(
                 self.host, self.port, self.secret, self.opts.nnodes, self.run_dir, values,
-                self.until, self._warn)
+                self.until, self._warn, lambda: planted.append(True))
+            if planted:
+                self._planted("another secret was there before node 0's")
+            if self.outcome == "store":
+                handover.watch_secret(self.host, self.port, self.secret, self.until,
+                                      lambda: self._planted("the run's secret was rewritten"))
             return
         path = RunFolder(self.run_dir).secret
         try:
@@ -145,6 +161,8 @@ class _Handover(threading.Thread):
         value = handover.fetch(self.host, self.port, handover.RUN_DIR_KEY, self.until)
         if value is not None:
             self.values[handover.RUN_DIR_KEY] = value
+        handover.watch_secret(self.host, self.port, secret, self.until, lambda: self._planted(
+            "the run's secret changed after this node read it"))
 
     def wait_secret(self, timeout: float) -> str | None:
         deadline = time.monotonic() + timeout
