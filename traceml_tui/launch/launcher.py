@@ -39,7 +39,7 @@ from traceml_tui.runfolder import folders
 from traceml_tui.runfolder.layout import RunFolder
 
 from . import nccl_debug
-from .job_output import Progress, Tee, parse_root_cause, read_tail
+from .job_output import Progress, Tee, parse_root_cause, read_summary, read_tail
 from .native_stacks import NativeStackWatcher, NodeStackServer, control_sender
 from .options import LaunchError, RunOptions, master_port, prepare_run_dir, torchrun_command
 
@@ -342,7 +342,7 @@ def _fallback_summary(run_dir: Path, request: Finish) -> EndReply:
     """The collector did not answer: promote its last snapshot (read through the summary
     model), marked incomplete."""
     try:
-        snap = model.load(RunFolder(run_dir).live)
+        snap, _ = read_summary(RunFolder(run_dir).live)  # through the pinned folder
     except model.NotASummary as exc:
         code, _ = summary.job_exit_code(request.torchrun_exit, request.interrupted, [])
         return ending.no_record(
@@ -704,7 +704,12 @@ def run(opts: RunOptions) -> int:
             node.collector.kill()
     print("\n" + reply.text, end="", flush=True)
     if reply.path:
-        print(f"[traceml] summary: {reply.path}", file=sys.stderr, flush=True)
+        # Written through the folder checked at start: if OUT/NAME was swapped since, the
+        # summary is where that folder is now, not at the path (another user's now).
+        path, moved = folders.where_now(Path(reply.path))
+        print(f"[traceml] summary: {clean_line(str(path))}"
+              + (f" ({run_dir} was moved or replaced after the start: the path now leads "
+                 f"elsewhere)" if moved else ""), file=sys.stderr, flush=True)
     elif not reply.node_done:
         print(f"[traceml] {reply.error or 'no summary written'}", file=sys.stderr,
               flush=True)
