@@ -210,15 +210,19 @@ def watch_secret(host: str, port: int, secret: str, until: Callable[[], bool],
     (node 0's, or the one it published). A change means two writers, one of them not
     node 0 (a secret planted before node 0 published, or rewritten after): a node that
     took the wrong one never reports, so `on_changed()` says so, once. One small get a
-    POLL_S."""
-    store = None
+    POLL_S on one connection, made while the store is known up (it was just read); once
+    the store fails, the watch ends: reconnecting to a store that is gone blocks for
+    seconds in torch's client, and a thread inside it at exit aborts the process
+    (launcher.let_handover_end)."""
+    try:
+        store = _client(host, port)
+    except Exception:
+        return
     while not until():
         try:
-            if store is None:
-                store = _client(host, port)
             if store.check([SECRET_KEY]) and store.get(SECRET_KEY).decode() != secret:
                 on_changed()
                 return
-        except Exception:  # the store gone (torchrun ended) or not up: try again
-            store = None
+        except Exception:  # the store gone: torchrun's rendezvous is over
+            return
         time.sleep(POLL_S)
