@@ -135,11 +135,14 @@ def joined_file(run_dir: Path, node: int) -> Path:
 
 def publish_unless_shared(host: str, port: int, secret: str, nnodes: int, run_dir: Path,
                           values: dict[str, str], until: Callable[[], bool],
-                          on_publish: Callable[[list[int]], None]) -> str | None:
+                          on_publish: Callable[[list[int]], None],
+                          on_planted: Callable[[], None] | None = None) -> str | None:
     """Node 0: wait (shared_wait_s()) for every other node to prove it read the shared
     secret.key; "shared" if all did (the store then carries nothing), else publish
-    `values` and return "store" (`on_publish(nodes that did not prove)` first). None
-    if `until()` came first."""
+    `values` and return "store" (`on_publish(nodes that did not prove)` first;
+    `on_planted()` too if a secret other than ours was in the store already: someone at
+    the master port wrote one, and a node that read it will not report). None if
+    `until()` came first."""
     pending = set(range(1, nnodes))
     deadline = time.monotonic() + shared_wait_s()
     store = None
@@ -157,6 +160,9 @@ def publish_unless_shared(host: str, port: int, secret: str, nnodes: int, run_di
                 return "shared"
             if time.monotonic() >= deadline:
                 on_publish(sorted(pending))
+                if (on_planted is not None and store.check([SECRET_KEY])
+                        and store.get(SECRET_KEY).decode() != secret):
+                    on_planted()
                 for key, value in values.items():
                     store.set(key, value)
                 return "store"
@@ -196,3 +202,27 @@ def fetch(host: str, port: int, key: str, until: Callable[[], bool]) -> str | No
         except Exception:  # not there yet, or the store not up yet: try again
             time.sleep(0.2 if store is not None else POLL_S)
     return None
+
+
+def watch_secret(host: str, port: int, secret: str, until: Callable[[], bool],
+                 on_changed: Callable[[], None]) -> None:
+    """While torchrun runs: the secret in the store must stay the one this node took
+    (node 0's, or the one it published). A change means two writers, one of them not
+    node 0 (a secret planted before node 0 published, or rewritten after): a node that
+    took the wrong one never reports, so `on_changed()` says so, once. One small get a
+    POLL_S on one connection, made while the store is known up (it was just read); once
+    the store fails, the watch ends: reconnecting to a store that is gone blocks for
+    seconds in torch's client, and a thread inside it at exit aborts the process
+    (launcher.let_handover_end)."""
+    try:
+        store = _client(host, port)
+    except Exception:
+        return
+    while not until():
+        try:
+            if store.check([SECRET_KEY]) and store.get(SECRET_KEY).decode() != secret:
+                on_changed()
+                return
+        except Exception:  # the store gone: torchrun's rendezvous is over
+            return
+        time.sleep(POLL_S)

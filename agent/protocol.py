@@ -642,12 +642,18 @@ class StepColumns(Struct, array_like=True, forbid_unknown_fields=True):
     rows: Annotated[list[StepRow], Meta(max_length=MAX_RELAY_BATCH)]
 
 
+# A relay's own counters: 2**40 batches is 35 years at a thousand a second; a count above
+# it is a forged one (lost_batches read 4.6e18 once, from a key holder's batch).
+MAX_RELAY_COUNT = 1 << 40
+RelayCount = Annotated[int, Meta(ge=0, le=MAX_RELAY_COUNT)]
+
+
 class RelayBatch(Struct, array_like=True, forbid_unknown_fields=True, omit_defaults=True):
     """omit_defaults: a batch without columns is the same bytes as before columns."""
 
     node: Annotated[int, Meta(ge=0, le=MAX_WORLD_SIZE)]
-    batches: Count  # relay messages sent before this one: a gap is a lost batch
-    dropped: Count  # rank messages the relay could not forward (its queues were full)
+    batches: RelayCount  # relay messages sent before this one: a gap is a lost batch
+    dropped: RelayCount  # rank messages the relay could not forward (its queues were full)
     routes: Annotated[list[Annotated[int, Meta(ge=0, le=MAX_RELAY_ROUTE)]],
                       Meta(max_length=MAX_RELAY_BATCH)]
     payloads: Annotated[list[bytes], Meta(max_length=MAX_RELAY_BATCH)]

@@ -72,3 +72,30 @@ def test_capture_the_straggler_and_the_median_rank_then_export_perfetto(tmp_path
         == {"rank 0", "rank 1", "rank 2"}
     steps = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e["name"] == "step 10"]
     assert len(steps) == 3
+
+
+def test_deep_traces_stop_at_their_budget_on_disk(tmp_path):
+    """Issue 42, 7e: captures asked in a loop once put 103 MB on disk in 16 s. With a
+    budget of 10 kB (TRACEML_TRACES_BUDGET_MB), the first capture lands and the next is
+    refused in one line; the job and the collector go on."""
+    out, run_dir = tmp_path / "runs", tmp_path / "runs" / "budget"
+    job = spawn_traceml("run", str(EXAMPLES / "ddp_toy.py"), "--nproc-per-node", "2",
+                        "--headless", "--out", str(out), "--run-name", "budget", "--",
+                        "--steps", "300", env={"TRACEML_TRACES_BUDGET_MB": "0.01"})
+    try:
+        wait_for(lambda: live_steps(run_dir) >= 20, 90, "the job to step")
+        address, _, secret = resolve_target(str(run_dir))
+        client = ViewClient(address, timeout_s=5, secret=secret)
+        assert client.capture(steps=2).ok
+        wait_for(lambda: bool((cap := client.fetch()[0].capture) and cap.text), 60,
+                 "the capture's analysis")
+        again = client.capture(steps=2)
+        assert not again.ok and again.error, again
+        assert again.error.startswith("deep traces are at their budget:"), again.error
+        assert "\n" not in again.error and "delete old captures" in again.error
+        assert live_steps(run_dir) < 300  # refused while the job still runs
+        client.close()
+    finally:
+        stdout, stderr = job.communicate(timeout=180)
+    assert job.returncode == 0, stderr[-3000:]
+    assert len(list((run_dir / "traces").glob("capture*-rank*.json"))) == 2

@@ -291,6 +291,48 @@ def test_without_either_the_secret_goes_through_the_store_and_both_nodes_say_so(
     assert "node(s) 1 did not show the shared run folder" in warnings[0] + warnings[1]
 
 
+def test_a_secret_planted_in_the_store_is_said_on_both_nodes(tmp_path, store, monkeypatch,
+                                                            capfd):
+    """Issue 42, 7c: anyone at the master port writes a secret of theirs before node 0
+    publishes; node 1 takes it, and its ranks never report. Both nodes now say so in one
+    line, with the remedy."""
+    from traceml_agent import handover
+
+    master, port, ended = store
+    monkeypatch.delenv("TRACEML_SECRET", raising=False)
+    monkeypatch.setenv(handover.SHARED_WAIT_ENV, "2")
+    dirs = [tmp_path / "node0" / "sec", tmp_path / "node1" / "sec"]  # no shared folder
+    for d in dirs:
+        d.parent.mkdir()
+        folders.make_private_dir(d)
+    secret = launcher.run_secret(_node_opts(0), dirs[0])
+    planted = "ab" * 32
+    master.set(handover.SECRET_KEY, planted)  # the attacker, first
+    node1 = launcher._Handover(_node_opts(1), port, ended.is_set, dirs[1], None)
+    assert node1.wait_secret(30) == planted  # it cannot tell, yet
+    node0 = launcher._Handover(_node_opts(0), port, ended.is_set, dirs[0], secret)
+    wait_for(lambda: node0.outcome == "store", 15, "node 0 to publish")
+
+    def said() -> list[str]:
+        said.err += capfd.readouterr().err  # type: ignore[attr-defined]
+        return [ln for ln in said.err.splitlines()  # type: ignore[attr-defined]
+                if "wrote a secret of theirs" in ln]
+
+    said.err = ""  # type: ignore[attr-defined]
+    wait_for(lambda: len(said()) == 2, 15, "both nodes to say the secret was planted")
+    lines = said()
+    assert any(ln.startswith("[traceml] node 0: another secret was there before node 0's")
+               for ln in lines), lines
+    assert any(ln.startswith("[traceml] node 1: the run's secret changed after this node "
+                             "read it") for ln in lines), lines
+    assert all("TRACEML_SECRET on every node, or use a shared --out" in ln for ln in lines)
+    assert planted not in "".join(lines) and secret not in "".join(lines)
+    # The attacker rewrites it after node 0 published: node 0 says that too, once.
+    master.set(handover.SECRET_KEY, planted)
+    wait_for(lambda: len(said()) == 3, 15, "node 0 to see its secret rewritten")
+    assert said()[-1].startswith("[traceml] node 0: the run's secret was rewritten")
+
+
 # --- finding 11: a shared --out is used through the verified folder's descriptor --------
 
 
@@ -360,3 +402,43 @@ def test_a_deep_trace_is_never_written_through_a_swapped_run_folder(tmp_path):
     capturer._export(Profile(), 2)
     assert capturer.events[-1]["state"] == "failed", capturer.events
     assert list(elsewhere.iterdir()) == []
+
+
+# --- issue 42, 7g: node 0's collector ports on a multi-node run are fixed -------------------
+
+
+@pytest.mark.e2e
+def test_a_squatted_collector_port_stops_the_run_before_it_starts_in_one_line(tmp_path):
+    """Another local user on node 0 listens first on the master port + 1 (the collector's
+    fixed ingest port on a multi-node run): the run does not start (nothing reaches their
+    socket), and the launcher says which ports in one line."""
+    import os
+    import socket
+
+    from jobs import free_ports
+
+    for _ in range(20):
+        port = free_ports(3)
+        squat = socket.socket()
+        try:
+            squat.bind(("0.0.0.0", port + 1))
+            break
+        except OSError:
+            squat.close()
+    squat.listen()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "traceml_tui", "run", "--nnodes", "2", "--node-rank", "0",
+             "--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc-per-node",
+             "1", "--headless", "--out", str(tmp_path), "--run-name", "sq",
+             str(EXAMPLES / "ddp_toy.py"), "--", "--steps", "5"],
+            capture_output=True, text=True, timeout=60,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        squat.settimeout(0.1)
+        with pytest.raises(TimeoutError):
+            squat.accept()  # no rank ever connected to the squatter
+    finally:
+        squat.close()
+    assert done.returncode != 0
+    assert f"cannot listen on 0.0.0.0 ports {port + 1}/{port + 2}: Address already in use" \
+        in done.stderr, done.stderr

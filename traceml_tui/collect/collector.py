@@ -347,21 +347,23 @@ class Collector:
         except ProtocolError:
             self.state.count_malformed()
             return
-        self.state.relay_seen(batch.node, batch.batches, batch.dropped, mono)
         conn = frames[0]
         cols = batch.cols
         if cols is None:
             for route, payload in zip(batch.routes, batch.payloads, strict=True):
                 self._receive_one((conn, route), payload, mono)
-            return
-        # An empty payload stands for the next column row (protocol.StepColumns).
-        rows, opened, i = cols.rows, columns.open_groups(cols.groups, cols.rows), 0
-        for route, payload in zip(batch.routes, batch.payloads, strict=True):
-            if payload:
-                self._receive_one((conn, route), payload, mono)
-            else:
-                self._receive_row((conn, route), rows[i], opened[i], mono)
-                i += 1
+        else:
+            # An empty payload stands for the next column row (protocol.StepColumns).
+            rows, opened, i = cols.rows, columns.open_groups(cols.groups, cols.rows), 0
+            for route, payload in zip(batch.routes, batch.payloads, strict=True):
+                if payload:
+                    self._receive_one((conn, route), payload, mono)
+                else:
+                    self._receive_row((conn, route), rows[i], opened[i], mono)
+                    i += 1
+        # Its counters after its payloads: they count only from the connection that relays
+        # the node's ranks (a hello in this very batch included), not from any key holder.
+        self.state.relay_seen(batch.node, batch.batches, batch.dropped, mono, conn)
 
     def _receive_row(self, route: Route, row: StepRow,
                      opened: tuple[columns.Group, int] | None, mono: float) -> None:

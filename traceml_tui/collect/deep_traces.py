@@ -9,11 +9,20 @@ profiler traces of hundreds of MB is CPU work that would hold the collector's GI
 against ingest; a thread only waits for the child. The result is saved as
 RUN_DIR/traces/captureN.json and .txt. While a capture runs, a second request is
 refused politely.
+
+Disk: a rank's trace of a few steps is tens of MB (103 MB in 16 s at 2 ranks, a key
+holder asking again and again), so traces/ has a byte budget per run
+(TRACES_BUDGET_BYTES, `TRACEML_TRACES_BUDGET_MB`): once it holds that much, or once the
+disk under it has less than MIN_FREE_BYTES free, a new capture is refused with one line
+that says which and what to do (delete old captures). A full disk (ENOSPC, EDQUOT) when
+the analysis is saved is said in one line too; nothing here raises into the collector.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -38,6 +47,64 @@ ANALYSIS_TIMEOUT_S = 300.0
 # profiler slows it further; a hung rank never gets there) frees the slot for a new one.
 CAPTURE_TIMEOUT_S = 120.0
 FINAL_STATES = ("done", "failed", "refused")
+# traces/ may hold this much per run before new captures are refused: a few dozen
+# captures of two ranks, far more than a person reads, and a bound on what a key holder
+# asking for captures in a loop can put on the user's disk.
+TRACES_BUDGET_BYTES = 2 << 30
+# A capture needs room for its ranks' traces (tens of MB each) and the analysis: below
+# this much free space, it is refused before the ranks fill the disk (ENOSPC).
+MIN_FREE_BYTES = 1 << 30
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+_MB = 1 << 20
+
+
+def traces_bytes(folder: Path) -> int:
+    """Bytes of the regular files in traces/ and its scratch folders (a profiler's half-
+    written trace), links not followed; 0 if it does not exist."""
+    total = 0
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    total += traces_bytes(Path(entry.path)) if entry.name.startswith(".") else 0
+                elif entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+    except OSError:
+        pass
+    return total
+
+
+def disk_note(folder: Path, budget: int, min_free: int = MIN_FREE_BYTES) -> str | None:
+    """Why no capture may start for want of disk (one line), or None."""
+    used = traces_bytes(folder)
+    if used >= budget:
+        return (f"deep traces are at their budget: {folder} holds {used // _MB} MB of "
+                f"{budget // _MB} MB; delete old captures there (or raise "
+                f"TRACEML_TRACES_BUDGET_MB) to take more")
+    try:
+        st = os.statvfs(folder if folder.exists() else folder.parent)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free < min_free:
+        return (f"the disk under {folder} has {free // _MB} MB free (a capture needs "
+                f"{min_free // _MB} MB): free some space to take a deep trace")
+    return None
+
+
+def save_problem(exc: OSError) -> str:
+    """What a failed save of the analysis says: a full disk in words, else the error."""
+    if exc.errno in DISK_FULL:
+        return "the disk is full (no space left on device): the analysis was not saved"
+    return f"could not save the analysis: {exc}"
+
+
+def _budget_from_env() -> int:
+    try:
+        mb = float(os.environ.get("TRACEML_TRACES_BUDGET_MB", ""))
+    except ValueError:
+        return TRACES_BUDGET_BYTES
+    return int(mb * _MB) if mb >= 0 else TRACES_BUDGET_BYTES
 
 
 @dataclass
@@ -87,8 +154,10 @@ def deep_trace_roles(view: viewmodel.RunView | None, asked: list[int] | None
 
 
 class DeepTraceBoard:
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, budget_bytes: int | None = None) -> None:
         self.run_dir = run_dir
+        self.budget_bytes = _budget_from_env() if budget_bytes is None else budget_bytes
+        self.disk_refused = 0  # captures refused for the disk (disk_note)
         self.current: DeepTrace | None = None
         self._next_id = 1
         self._lock = threading.Lock()  # the analysis thread writes text and saved
@@ -104,6 +173,10 @@ class DeepTraceBoard:
                           f"wait for it to finish")
         if not roles:
             return None, "no rank to capture yet (no rank has reported steps)"
+        note = disk_note(RunFolder(self.run_dir).traces, self.budget_bytes)
+        if note is not None:
+            self.disk_refused += 1
+            return None, note
         cap = DeepTrace(self._next_id, steps, tuple(sorted(roles)), now, dict(roles))
         self._next_id += 1
         self.current = cap
@@ -172,8 +245,8 @@ class DeepTraceBoard:
             folders.write_atomic(run.trace_report(cap.id, ".json"), json.dumps(doc, indent=1))
             saved = str(run.trace_report(cap.id, ".json"))
         except OSError as exc:
-            problems.append(f"could not save the analysis: {exc}")
-            text += f"problem: could not save the analysis: {exc}\n"
+            problems.append(save_problem(exc))
+            text += f"problem: {save_problem(exc)}\n"
         return text, saved
 
     @staticmethod

@@ -95,6 +95,15 @@ class _Relay:
     batches: int = 0  # the next batch number expected (= batches it has sent)
     lost: int = 0
     dropped: int = 0
+    conn: object = None  # the connection that relays its node's ranks
+
+
+def relay_owner(ranks: Iterable[RankState], node: int, conn: object) -> bool:
+    """Whether connection `conn` relays a rank of `node` (its record's route: the relay's
+    connection and a route that is not None): the only one that speaks for that node's
+    relay. Node 0's ranks reach the collector directly, so no connection relays them."""
+    return any(rs.ident.node == node and isinstance(rs.conn, tuple) and len(rs.conn) == 2
+               and rs.conn[0] == conn and rs.conn[1] is not None for rs in ranks)
 
 
 def _rarely_seen(stats: BlockStats) -> np.ndarray:
@@ -234,15 +243,27 @@ class RunState:
     def count_malformed(self) -> None:
         self.counters["malformed"] += 1
 
-    def relay_seen(self, node: int, batches: int, dropped: int, now: float) -> None:
+    def relay_seen(self, node: int, batches: int, dropped: int, now: float,
+                   conn: object = None) -> None:
         """A node relay's batch arrived (relay.py): its numbering shows batches lost on
-        the way, its count the rank messages it had to drop."""
+        the way, its count the rank messages it had to drop. `conn`: the connection it came
+        on (None in-process): counters are taken only from the one that relays the node's
+        ranks (relay_owner), so no key holder rewrites a node's counters or adds a relay."""
         relay = self.relays.get(node)
+        if conn is not None and (relay is None or relay.conn != conn):
+            if relay_owner(self.ranks.values(), node, conn):
+                if relay is not None:  # its relay restarted, its ranks came back through it
+                    relay.conn, relay.batches, relay.dropped = conn, batches, 0
+            elif relay is not None:  # another connection speaking for a node's relay
+                self.counters["not_owner"] += 1
+                return
+            elif node < max(self.nnodes, 1):
+                return  # not yet: it counts once a hello of its node's ranks came through it
         if relay is None:
             if node >= max(self.nnodes, 1) or len(self.relays) >= MAX_RELAYS:
                 self.counters["foreign"] += 1  # not a node of this run
                 return
-            relay = self.relays[node] = _Relay(now, batches)
+            relay = self.relays[node] = _Relay(now, batches, conn=conn)
         relay.last_seen = now
         if batches > relay.batches:
             relay.lost = min(COUNTER_MAX, relay.lost + batches - relay.batches)

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from traceml_agent.sanitize import clean_line
-from traceml_tui.report.model import NotASummary, Summary, load
+from traceml_tui.report.model import MAX_SUMMARY_BYTES, NotASummary, Summary, decode
+from traceml_tui.runfolder import folders
 from traceml_tui.runfolder.layout import RunFolder
 
 STATUS_EVERY_S = 10.0
@@ -35,6 +36,22 @@ def parse_root_cause(text: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
+def read_summary(path: Path) -> tuple[Summary, int]:
+    """A summary or snapshot of our run folder and its mtime (ns), read through the run
+    folder's pinned descriptor (folders.read_bytes), never by path; NotASummary says why
+    not in one line."""
+    try:
+        data, mtime = folders.read_bytes(path, MAX_SUMMARY_BYTES)
+    except FileNotFoundError:
+        raise NotASummary(f"no such file: {clean_line(str(path))}") from None
+    except OSError as exc:
+        raise NotASummary(clean_line(f"cannot read {path}: {exc.strerror or exc}")) from None
+    if len(data) > MAX_SUMMARY_BYTES:
+        raise NotASummary(clean_line(f"{path} is not a traceml summary: over "
+                                     f"{MAX_SUMMARY_BYTES >> 20} MB"))
+    return decode(data, str(path)), mtime
+
+
 class Progress:
     """Headless progress: a line when the live diagnosis changes, and every STATUS_EVERY_S."""
 
@@ -46,10 +63,12 @@ class Progress:
         self.doc: Summary | None = None
 
     def poll(self) -> None:
-        try:  # the file changes every few seconds: parse it only when it did
-            mtime = self.path.stat().st_mtime_ns
-            if mtime != self.mtime:
-                self.doc, self.mtime = load(self.path), mtime
+        # The file changes every few seconds: parse it only when it did. Read through the
+        # run folder's pinned descriptor: after a swap of a shared --out, the path is
+        # another user's folder, and these lines would be theirs.
+        try:
+            if folders.mtime_ns(self.path) != self.mtime:
+                self.doc, self.mtime = read_summary(self.path)
         except (OSError, NotASummary):
             return
         doc = self.doc

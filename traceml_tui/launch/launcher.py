@@ -39,7 +39,7 @@ from traceml_tui.runfolder import folders
 from traceml_tui.runfolder.layout import RunFolder
 
 from . import nccl_debug
-from .job_output import Progress, Tee, parse_root_cause, read_tail
+from .job_output import Progress, Tee, parse_root_cause, read_summary, read_tail
 from .native_stacks import NativeStackWatcher, NodeStackServer, control_sender
 from .options import LaunchError, RunOptions, master_port, prepare_run_dir, torchrun_command
 
@@ -88,6 +88,11 @@ def run_secret(opts: RunOptions, run_dir: Path) -> str | None:
 STORE_WARNING = ("the run's secret goes through torchrun's store: this run is as private "
                  "as the master port {where} (anyone who can reach it can read the secret). "
                  f"Remedy: set {env.SECRET} on every node, or use a shared --out.")
+# Someone at the master port wrote a secret of theirs into the store (before node 0
+# published, or over it): a node that took it never reports to node 0 (issue 42, 7c).
+PLANTED_WARNING = ("{what} in torchrun's store at {where}: someone who can reach the master "
+                   "port wrote a secret of theirs, and a node that read it will not report "
+                   f"to node 0. Remedy: set {env.SECRET} on every node, or use a shared --out.")
 
 
 class _Handover(threading.Thread):
@@ -114,14 +119,25 @@ class _Handover(threading.Thread):
               + STORE_WARNING.format(where=f"{self.host}:{self.port}") + who,
               file=sys.stderr, flush=True)
 
+    def _planted(self, what: str) -> None:
+        print(f"[traceml] node {self.opts.node_rank}: "
+              + PLANTED_WARNING.format(what=what, where=f"{self.host}:{self.port}"),
+              file=sys.stderr, flush=True)
+
     def run(self) -> None:
         if self.opts.node_rank == 0:
             assert self.secret is not None
             values = {handover.RUN_DIR_KEY: str(self.run_dir.resolve()),
                       handover.SECRET_KEY: self.secret}
+            planted = []
             self.outcome = handover.publish_unless_shared(
                 self.host, self.port, self.secret, self.opts.nnodes, self.run_dir, values,
-                self.until, self._warn)
+                self.until, self._warn, lambda: planted.append(True))
+            if planted:
+                self._planted("another secret was there before node 0's")
+            if self.outcome == "store":
+                handover.watch_secret(self.host, self.port, self.secret, self.until,
+                                      lambda: self._planted("the run's secret was rewritten"))
             return
         path = RunFolder(self.run_dir).secret
         try:
@@ -145,6 +161,8 @@ class _Handover(threading.Thread):
         value = handover.fetch(self.host, self.port, handover.RUN_DIR_KEY, self.until)
         if value is not None:
             self.values[handover.RUN_DIR_KEY] = value
+        handover.watch_secret(self.host, self.port, secret, self.until, lambda: self._planted(
+            "the run's secret changed after this node read it"))
 
     def wait_secret(self, timeout: float) -> str | None:
         deadline = time.monotonic() + timeout
@@ -324,7 +342,7 @@ def _fallback_summary(run_dir: Path, request: Finish) -> EndReply:
     """The collector did not answer: promote its last snapshot (read through the summary
     model), marked incomplete."""
     try:
-        snap = model.load(RunFolder(run_dir).live)
+        snap, _ = read_summary(RunFolder(run_dir).live)  # through the pinned folder
     except model.NotASummary as exc:
         code, _ = summary.job_exit_code(request.torchrun_exit, request.interrupted, [])
         return ending.no_record(
@@ -686,7 +704,12 @@ def run(opts: RunOptions) -> int:
             node.collector.kill()
     print("\n" + reply.text, end="", flush=True)
     if reply.path:
-        print(f"[traceml] summary: {reply.path}", file=sys.stderr, flush=True)
+        # Written through the folder checked at start: if OUT/NAME was swapped since, the
+        # summary is where that folder is now, not at the path (another user's now).
+        path, moved = folders.where_now(Path(reply.path))
+        print(f"[traceml] summary: {clean_line(str(path))}"
+              + (f" ({run_dir} was moved or replaced after the start: the path now leads "
+                 f"elsewhere)" if moved else ""), file=sys.stderr, flush=True)
     elif not reply.node_done:
         print(f"[traceml] {reply.error or 'no summary written'}", file=sys.stderr,
               flush=True)

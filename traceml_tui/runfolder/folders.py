@@ -169,3 +169,83 @@ def _write_at(pinned: tuple[int, bool], name: str, write: Callable[[IO[str]], An
     finally:
         if close:
             os.close(dir_fd)
+
+
+# --- reading and reopening through the pinned folder (issue 42, 7f) ------------------------
+# After a swap of a shared --out, reading by path reads the other user's files: the
+# headless progress lines, the fallback summary and the step log's rotation go through
+# the pinned descriptor too, and the path printed at the end is where the folder is now.
+
+
+def open_dir(path: Path, create: bool = False) -> int:
+    """A descriptor of folder `path` (the caller closes it): reached from the pinned
+    folder that holds it (each step below opened without following links), else by path
+    with O_NOFOLLOW at the last step; `create`: made 0700 first if it is missing."""
+    folder = os.path.abspath(path)
+    parent, name = os.path.split(folder)
+    if folder in _PINNED:
+        return os.dup(_PINNED[folder])
+    pinned = _pinned_dir(parent)
+    if pinned is None:
+        if create:
+            os.makedirs(parent, mode=PRIVATE_DIR_MODE, exist_ok=True)
+        pinned = os.open(parent, _DIR_FLAGS & ~_NOFOLLOW), True
+    parent_fd, close = pinned
+    try:
+        if create:
+            try:
+                os.mkdir(name, PRIVATE_DIR_MODE, dir_fd=parent_fd)
+            except FileExistsError:
+                pass
+        return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    finally:
+        if close:
+            os.close(parent_fd)
+
+
+def read_bytes(path: Path, limit: int) -> tuple[bytes, int]:
+    """At most `limit` + 1 bytes of file `path` and its mtime (ns), read through the pinned
+    folder that holds it (by path, O_NOFOLLOW, where none does). OSError as open's."""
+    parent = open_dir(Path(os.path.abspath(path)).parent)
+    try:
+        fd = os.open(os.path.basename(path), os.O_RDONLY | _NOFOLLOW
+                     | getattr(os, "O_CLOEXEC", 0), dir_fd=parent)
+    finally:
+        os.close(parent)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(limit + 1), os.fstat(fd).st_mtime_ns
+
+
+def mtime_ns(path: Path) -> int:
+    """The mtime of file `path`, through the pinned folder (see read_bytes)."""
+    parent = open_dir(Path(os.path.abspath(path)).parent)
+    try:
+        return os.stat(os.path.basename(path), dir_fd=parent, follow_symlinks=False).st_mtime_ns
+    finally:
+        os.close(parent)
+
+
+def where_now(path: Path) -> tuple[Path, bool]:
+    """Where `path` (below a pinned folder) is now: the pinned folder may have been renamed
+    away and something else put at its old path. (path, False) when the path still leads
+    to the pinned folder or nothing is pinned; else (its place now, True), from
+    /proc/self/fd where there is one (else the old path, True)."""
+    full = os.path.abspath(path)
+    here = full
+    while here not in _PINNED:
+        parent = os.path.dirname(here)
+        if parent == here:
+            return Path(path), False
+        here = parent
+    fd = _PINNED[here]
+    try:
+        st, now = os.fstat(fd), os.stat(here, follow_symlinks=False)
+        if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+            return Path(path), False
+    except OSError:
+        pass
+    try:
+        moved = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return Path(path), True
+    return Path(moved) / os.path.relpath(full, here), True

@@ -37,6 +37,7 @@ import msgpack
 import numpy as np
 
 from traceml_agent.protocol import StepRecord
+from traceml_tui.runfolder import folders
 
 FORMAT_VERSION = 1
 FILE_NAMES = ("steps.0.msgpack", "steps.1.msgpack")
@@ -87,11 +88,15 @@ class StepLogWriter:
         self._buf = bytearray()
         self._buffered = 0  # records in _buf
         self._file: Any = None
+        self._dir: int | None = None  # the folder's descriptor: rotation reopens through it
         self._size = 0
         self._last_flush = clock()
         try:
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            gens = [_generation(self.directory / name) for name in FILE_NAMES]
+            # Reached through the run folder's pinned descriptor (folders.open_dir) and
+            # kept: after a swap of a shared --out, a rotation by path would write into
+            # another user's folder.
+            self._dir = folders.open_dir(self.directory, create=True)
+            gens = [_generation(name, self._dir) for name in FILE_NAMES]
             # Continue an existing log: keep its newest file, start the next generation
             # in the other one.
             newest = max(range(2), key=lambda i: g if (g := gens[i]) is not None else -1)
@@ -190,6 +195,9 @@ class StepLogWriter:
             except OSError:
                 self.errors += 1
             self._file = None
+        if self._dir is not None:
+            os.close(self._dir)
+            self._dir = None
         self.disabled = True
 
     # --- files --------------------------------------------------------------------------
@@ -207,7 +215,7 @@ class StepLogWriter:
             self._pack((_TABLE, t, list(p))) for p, t in self._tables.items())
         # 0600, never through a link planted where the file goes (docs/security.md).
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
-        self._file = os.fdopen(os.open(self.directory / FILE_NAMES[index], flags, 0o600), "wb")
+        self._file = os.fdopen(os.open(FILE_NAMES[index], flags, 0o600, dir_fd=self._dir), "wb")
         self._file.write(preamble)
         self._file.flush()
         self._index, self._generation = index, generation
@@ -242,10 +250,11 @@ def _header(item: Any) -> int | None:
     return None
 
 
-def _generation(path: Path) -> int | None:
+def _generation(name: str, dir_fd: int | None) -> int | None:
     """The generation in a log file's header; None if it is missing or not a step log."""
     try:
-        with open(path, "rb") as f:
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0), dir_fd=dir_fd)
+        with os.fdopen(fd, "rb") as f:
             return _header(next(msgpack.Unpacker(f, raw=False), None))
     except (OSError, ValueError, msgpack.UnpackException):
         return None
@@ -255,7 +264,7 @@ def read_steps(directory: str | Path) -> Iterator[LoggedStep]:
     """Every logged record, oldest file first, in the order they were appended."""
     directory = Path(directory)
     files = [(g, directory / name) for name in FILE_NAMES
-             if (g := _generation(directory / name)) is not None]
+             if (g := _generation(str(directory / name), None)) is not None]
     for _, path in sorted(files):
         yield from _read_file(path)
 

@@ -3,6 +3,13 @@
 REQ/REP with a timeout: if the collector does not answer (gone, restarting, a
 tunnel dropped), the REQ socket is thrown away and a fresh one is made for the
 next poll ("lazy pirate"), so a viewer never wedges. Data side: no textual here.
+
+Whatever answers at the view address may not be our collector (a `tcp://` address
+typed by hand, a run with no secret, a port taken over after the collector ended), so
+every string a reply carries is cleaned here, once, before any widget, file or
+terminal sees it (`received`): no escape sequence (an OSC 52 clipboard write, a screen
+clear) and no format character reaches the owner's terminal from a view, a rank
+detail, a capture reply, an error or a summary.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import msgspec
 import zmq
 
 from traceml_agent import keys
@@ -28,12 +36,47 @@ from traceml_agent.requests import (
     decode_error,
     encode_view,
 )
+from traceml_agent.sanitize import clean_line, clean_text
 from traceml_agent.vocab import COLLECTOR_JSON
 from traceml_tui.runfolder import folders
 from traceml_tui.runfolder.layout import RunFolder
-from traceml_tui.viewmodel import RankDetail, RunView, decode_detail, decode_view
+from traceml_tui.viewmodel import RankDetail, RankRow, RunView, decode_detail, decode_view
 
 REQUEST_TIMEOUT_S = 2.0
+
+
+def received(value: Any) -> Any:
+    """`value` with every string in it cleaned (keys of mappings included): a rank row's
+    host and status as one line, any other string as text (a stack, an analysis keep
+    their newlines). Objects are rebuilt only where something changed, and a rank row
+    (8,192 a view at scale) costs two isprintable calls, so an honest view goes through
+    at the cost of a walk."""
+    if isinstance(value, str):
+        return clean_text(value)
+    if isinstance(value, RankRow):
+        if value.host.isprintable() and value.status.isprintable():
+            return value
+        return msgspec.structs.replace(value, host=clean_line(value.host),
+                                       status=clean_line(value.status))
+    if isinstance(value, msgspec.Struct):
+        changed = {}
+        for name in value.__struct_fields__:
+            old = getattr(value, name)
+            new = received(old)
+            if new is not old:
+                changed[name] = new
+        return msgspec.structs.replace(value, **changed) if changed else value
+    if isinstance(value, (tuple, list)):
+        items = [received(v) for v in value]
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        return type(value)(items)
+    if isinstance(value, dict):
+        pairs = [(received(k), received(v)) for k, v in value.items()]
+        if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(pairs, value.items(), strict=True)):
+            return value
+        return dict(pairs)
+    return value
 
 
 class ViewUnavailable(Exception):
@@ -85,23 +128,33 @@ class ViewClient:
     def fetch(self, pinned: int | None = None) -> tuple[RunView, RankDetail | None]:
         frames = self._request(ViewRequest(rank=pinned))
         if len(frames) == 1:  # a failed request: the collector says why
-            raise ViewUnavailable(f"the collector could not answer: {decode_error(frames[0])}")
+            raise ViewUnavailable(
+                f"the collector could not answer: {clean_line(decode_error(frames[0]))}")
         try:
-            return decode_view(frames[0]), decode_detail(frames[1])
+            return received(decode_view(frames[0])), received(decode_detail(frames[1]))
         except ValueError as exc:
-            raise ViewUnavailable(f"unreadable view from the collector: {exc}") from None
+            raise ViewUnavailable(
+                f"unreadable view from the collector: {clean_line(str(exc))}") from None
 
     def summary(self) -> dict[str, Any]:
         frames = self._request(SummaryRequest())
-        doc = msgpack.unpackb(frames[0], raw=False)
+        try:
+            doc = received(msgpack.unpackb(frames[0], raw=False))
+        except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as exc:
+            raise ViewUnavailable(
+                f"unreadable summary from the collector: {clean_line(str(exc))}") from None
+        if not isinstance(doc, dict):
+            raise ViewUnavailable("unreadable summary from the collector: not a mapping")
         if "error" in doc:
-            raise ViewUnavailable(doc["error"])
+            raise ViewUnavailable(clean_line(str(doc["error"])))
         return doc
 
     def capture(self, ranks: list[int] | None = None, steps: int = 5) -> CaptureReply:
         """Ask for a deep trace (ranks None: the worst and the median rank): started (its id,
         ranks and steps) or not (why); progress comes in the view."""
-        return decode_capture_reply(self._request(CaptureStart(ranks=ranks, steps=steps))[0])
+        reply = decode_capture_reply(self._request(CaptureStart(ranks=ranks, steps=steps))[0])
+        cleaned: CaptureReply = received(reply)
+        return cleaned
 
     def close(self) -> None:
         if self.sock is not None:
