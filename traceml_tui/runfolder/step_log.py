@@ -344,7 +344,7 @@ def read_columns(directory: str | Path) -> Iterator[StepColumns]:
     is, runs of single records of one phase list gathered (COLUMN_RECORDS at most)."""
     directory = Path(directory)
     files = [(g, directory / name) for name in FILE_NAMES
-             if (g := _generation(directory / name)) is not None]
+             if (g := _generation(str(directory / name), None)) is not None]
     for _, path in sorted(files):
         yield from _read_file_columns(path)
 
