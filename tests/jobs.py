@@ -13,7 +13,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-SCHEMA = Path(__file__).resolve().parent / "data" / "summary.schema.json"
+# The contract itself (docs/spec): one schema file, the one every summary is checked against.
+SCHEMA = Path(__file__).resolve().parents[1] / "docs" / "spec" / "summary.schema.json"
 JOB_TIMEOUT_S = 240
 
 

@@ -321,14 +321,6 @@ def test_records_the_collector_refused_are_counted_per_rank_and_shown():
     assert "refused 1 malformed step record(s) of rank(s) 1" in summary.render_text(doc)
 
 
-def test_the_summary_schema_in_docs_is_the_one_the_tests_check():
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    assert ((root / "docs" / "spec" / "summary.schema.json").read_text()
-            == (root / "tests" / "data" / "summary.schema.json").read_text())
-
-
 def test_a_hang_that_clears_leaves_the_label_at_once():
     """A step taken ends the hang: the next evaluation shows the window's label, not a
     HANG kept for the confirming evaluations with no hang behind it (the snapshot's and

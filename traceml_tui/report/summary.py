@@ -1,4 +1,4 @@
-"""final_summary.json (docs/spec/SUMMARY.md, tests/data/summary.schema.json) and its
+"""final_summary.json (docs/spec/SUMMARY.md, docs/spec/summary.schema.json) and its
 text twin, built from a Snapshot.
 
 The same function builds the live snapshot file the collector rewrites every few
