@@ -62,12 +62,10 @@ def _inert_in_child() -> None:
         hooks.go_inert()
 
 
-def _quiet_forked_children() -> None:
-    """Once, when an agent starts in this process (a process that never ran one has no
-    agent for its children to inherit)."""
-    if hasattr(os, "register_at_fork") and not _state.get("at_fork"):
-        _state["at_fork"] = True
-        os.register_at_fork(after_in_child=_inert_in_child)
+# At import, not when an agent starts: hooks installed by other paths (a test's, an
+# embedding's) must go quiet in a forked child too. It imports nothing.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_inert_in_child)
 
 
 def enabled() -> bool:
@@ -151,7 +149,6 @@ def _start(endpoint: str, run_name: str, auto: bool, secret: str | None) -> None
     if auto:
         hooks.install(rec, torch, _on_internal_error, observer)
     gcwatch.install()  # garbage-collection pauses, the evidence of a stall's advice
-    _quiet_forked_children()
     sender.start()
     if os.environ.get(env.DEBUG) == "1":
         print(f"[traceml] agent rank {ident.rank} reporting to {endpoint}", file=sys.stderr)
