@@ -12,7 +12,7 @@ from traceml_tui.judge import attempts as att
 from traceml_tui.judge import diagnosis as dx
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import attempts as words
-from traceml_tui.report import summary
+from traceml_tui.report import model, summary
 from traceml_tui.report.model import from_doc
 
 T0 = 1_700_000_000.0
@@ -163,7 +163,7 @@ def test_an_old_attempts_goodbye_does_not_count_in_the_new_one():
     ({"exit_code": -9, "signal": "SIGKILL", "error": None}, "was killed by signal 9 (SIGKILL)"),
 ])
 def test_how_an_attempt_ended(failure, words_):
-    assert words.how_it_ended(failure) == words_
+    assert words.how_it_ended(model.Failure(rank=0, **failure)) == words_
 
 
 # --- traceml run's elastic options, as torchrun gets them ---------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import numpy as np
 import pytest
 from test_state import BALANCED_MS, steps
@@ -13,6 +14,7 @@ from test_state import BALANCED_MS, steps
 from traceml_tui.judge import diagnosis as dx
 from traceml_tui.judge import stalls as sl
 from traceml_tui.judge.state import RunState
+from traceml_tui.report import model
 
 STEP = 10.0  # ms, the typical step of every simulated rank
 
@@ -195,7 +197,7 @@ def test_the_summary_lists_the_ranks_that_lost_most_bounded():
     assert rows[0] == {"rank": 39, "period": 20, "count": 10, "periodic_count": 10,
                        "mean_excess_ms": 139.0, "phase": "wait", "lost_s": 1.39,
                        "last_step": 200, "recurring": True}
-    lines = stall_lines(rows)
+    lines = stall_lines(msgspec.convert(rows, list[model.StallRecord]))
     assert lines[0] == "  Stalls: rank 39 every 20 steps, 10 times, about 139 ms each in wait: " \
                        "1.4 s lost"
     assert len(lines) == TEXT_STALLS + 1 and "more stalling ranks" in lines[-1]

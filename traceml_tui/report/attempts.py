@@ -10,70 +10,71 @@ says nothing of attempts.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from traceml_agent.vocab import format_ranks
+
+from .model import Attempt, Episode, Failure, Summary
 
 # The exception's class on the last line of a traceback ("ValueError: bad batch"), as
 # Python prints it: a dotted name, then a colon (or nothing more).
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*)(?::|$)")
 
 
-def how_it_ended(failure: dict[str, Any]) -> str:
+def how_it_ended(failure: Failure) -> str:
     """'raised ValueError', 'was killed by signal 9 (SIGKILL)', 'exited with code 3'."""
-    code = failure["exit_code"]
-    if code < 0:
-        sig = failure.get("signal")
+    code = failure.exit_code
+    if code is not None and code < 0:
+        sig = failure.signal
         return f"was killed by signal {-code}" + (f" ({sig})" if sig else "")
-    found = _EXCEPTION.match(failure.get("error") or "")
+    found = _EXCEPTION.match(failure.error or "")
     name = found.group(1) if found else ""
     if name and name.rsplit(".", 1)[-1][:1].isupper():  # a class, not "error: ..."
         return f"raised {name}"
     return f"exited with code {code}"
 
 
-def _attempt_words(a: dict[str, Any]) -> str:
-    failure = a.get("failure")
-    silent = [s["rank"] for s in a.get("silent") or []]
+def _attempt_words(a: Attempt) -> str:
+    failure = a.failure
+    silent = [s.rank for s in a.silent]
     # Ranks with no goodbye: killed (perhaps first: the cause) or stopped by torchrun
     # after the failure; the record cannot tell which, so it says both.
     quiet = (f"rank(s) {format_ranks(silent)} ended without a word (killed by a signal, "
              f"or stopped by torchrun)") if silent else ""
     if failure is None:
-        return f"attempt {a['attempt']}: " + (quiet or "ended without a failure "
-                                               "(a membership change)")
-    others = failure.get("others") or []
-    return (f"attempt {a['attempt']}: rank {failure['rank']} {how_it_ended(failure)} at step "
-            f"{failure['step']}" + (f" (then rank(s) {format_ranks(others)})" if others else "")
+        return f"attempt {a.attempt}: " + (quiet or "ended without a failure "
+                                             "(a membership change)")
+    others = failure.others
+    return (f"attempt {a.attempt}: rank {failure.rank} {how_it_ended(failure)} at step "
+            f"{failure.step}" + (f" (then rank(s) {format_ranks(others)})" if others else "")
             + (f"; {quiet}" if quiet else ""))
 
 
-def lead(doc: dict[str, Any]) -> list[str]:
+def lead(s: Summary) -> list[str]:
     """The summary text's first line when torchrun restarted the job (none otherwise)."""
-    restarts = doc.get("restarts")
-    attempts = doc.get("attempts") or []
+    restarts = s.restarts
+    attempts = s.attempts
     if not restarts or len(attempts) < 2:
         return []
     parts = []
     for a in attempts[:-1]:
-        cost = a.get("restart_s")
+        cost = a.restart_s
         parts.append(_attempt_words(a) + "; restarted"
                      + (f" after {cost:.1f} s" if cost is not None else ""))
-    if restarts.get("dropped"):
-        parts.insert(1, f"{restarts['dropped']} more attempt(s) not kept")
-    last, code = attempts[-1], doc["run"]["exit_code"]
+    if restarts.dropped:
+        parts.insert(1, f"{restarts.dropped} more attempt(s) not kept")
+    last, code = attempts[-1], s.run.exit_code
     if code == 0:
-        parts.append(f"attempt {last['attempt']} ran to the end")
-    elif last.get("failure") is not None:
+        parts.append(f"attempt {last.attempt} ran to the end")
+    elif last.failure is not None:
         parts.append(_attempt_words(last) + "; no restart left")
     else:
-        parts.append(f"attempt {last['attempt']} ended")
+        parts.append(f"attempt {last.attempt} ended")
     return ["; ".join(parts) + f"; the job exited with code {code}"]
 
 
-def step_range(e: dict[str, Any], several: bool) -> str:
+def step_range(e: Episode, several: bool) -> str:
     """An episode's step range in the text timeline, with its attempt when there were
     several (its steps are that attempt's: they start again at 0)."""
-    until = f"-{e['end_step']}" if e.get("end_step") is not None else "-"
-    steps = f"steps {e['start_step']:>6}{until:<7}"
-    return f"attempt {e.get('attempt', 1)}, {steps}" if several else steps
+    until = f"-{e.end_step}" if e.end_step is not None else "-"
+    steps = f"steps {e.start_step:>6}{until:<7}"
+    return f"attempt {e.attempt}, {steps}" if several else steps

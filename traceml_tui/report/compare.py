@@ -138,11 +138,11 @@ def prediction(old: Summary, new: Summary) -> dict[str, Any] | None:
     if not w or not measured:
         return None
     same = _world(old) == _world(new)
-    error = (w["step_ms"] - measured) / measured
-    return {"label": w["label"], "culprit": w["culprit"], "rank": w.get("rank"),
-            "node": w.get("node"), "phase": w.get("phase"),
-            "predicted_step_ms": w["step_ms"], "measured_step_ms": _r(measured),
-            "error": round(error, 4), "weak": w.get("weak"), "same_world": same}
+    error = (w.step_ms - measured) / measured
+    return {"label": w.label, "culprit": w.culprit, "rank": w.rank,
+            "node": w.node, "phase": w.phase,
+            "predicted_step_ms": w.step_ms, "measured_step_ms": _r(measured),
+            "error": round(error, 4), "weak": w.weak, "same_world": same}
 
 
 def _world(doc: Summary) -> int:

@@ -206,11 +206,12 @@ def _cost(s: model.Summary | None) -> str:
     c = s.cost
     rows = [["time lost", fmt(c.lost_s, " s")], ["share of the run", _pct(c.lost_share) or "-"],
             [f"{c.hours_unit}-hours lost", fmt(c.gpu_hours_lost)]]
-    w = c.what_if or {}
+    w = c.what_if
     for key, name in (("now_step_ms", "step now (ms)"), ("step_ms", "step without it (ms)"),
                       ("speedup", "speed-up"), ("reasoning", "how")):
-        if w.get(key) is not None:
-            rows.append([name, fmt(w[key]) if isinstance(w[key], float) else w[key]])
+        v = None if w is None else getattr(w, key)
+        if v is not None:
+            rows.append([name, fmt(v) if isinstance(v, float) else v])
     return _section("cost", "Cost", _table(["", "figure"], rows, left=1, wrap=1))
 
 
@@ -344,13 +345,13 @@ def _setup(s: model.Summary | None) -> str:
         inner = _none("no setup finding")
     else:
         inner = "<ul>" + "".join(
-            f"<li><b>[{esc(c.get('severity', ''))}] {esc(c.get('id', ''))}</b> (rank "
-            f"{esc(','.join(map(str, (c.get('ranks') or [])[:8])))}): "
-            f"{esc(c.get('evidence', ''))}<br>fix: {esc(c.get('fix', ''))}</li>"
+            f"<li><b>[{esc(c.severity)}] {esc(c.id)}</b> (rank "
+            f"{esc(','.join(map(str, c.ranks[:8])))}): "
+            f"{esc(c.evidence)}<br>fix: {esc(c.fix)}</li>"
             for c in s.checks[:64]) + "</ul>"
     if s is not None and s.preflight:
-        inner += ("<h3>Preflight</h3><pre>"
-                  f"{esc(json.dumps(s.preflight, indent=1, default=str)[:20_000])}</pre>")
+        pre = json.dumps(model.plain(s.preflight), indent=1, default=str)
+        inner += f"<h3>Preflight</h3><pre>{esc(pre[:20_000])}</pre>"
     return _section("setup", "Setup findings", inner)
 
 
@@ -358,17 +359,17 @@ def _hang(s: model.Summary | None) -> str:
     if s is None or not s.hang:
         return _section("hang", "Hang", _none("no hang"))
     h = s.hang
-    head = (f"<p>{esc(h.get('kind', 'hang'))} on rank(s) {esc(h.get('ranks'))} since "
-            f"{esc(h.get('since'))}, stalled {esc(h.get('stalled_s'))} s.</p>")
-    stacks = h.get("stacks") or {}
-    culprits = [str(r) for r in h.get("ranks") or []]
+    head = (f"<p>{esc(h.kind)} on rank(s) {esc(h.ranks)} since "
+            f"{esc(h.since)}, stalled {esc(h.stalled_s)} s.</p>")
+    stacks = h.stacks
+    culprits = [str(r) for r in h.ranks]
     order = [r for r in culprits if r in stacks] + [r for r in stacks if r not in culprits]
     parts = []
     for rank in order[:MAX_HANG_RANKS]:
         for t in stacks[rank] or []:
             parts.append(f"<details open><summary>rank {esc(rank)}, thread "
-                         f"{esc(t.get('thread'))}</summary><pre>"
-                         f"{esc(str(t.get('stack', ''))[:MAX_HANG_STACK_CHARS])}</pre></details>")
+                         f"{esc(t.thread)}</summary><pre>"
+                         f"{esc(t.stack[:MAX_HANG_STACK_CHARS])}</pre></details>")
     return _section("hang", "Hang", head + ("".join(parts) or _none("no stacks were taken")))
 
 

@@ -14,6 +14,8 @@ from typing import Any
 from traceml_agent.vocab import format_ranks
 from traceml_tui.judge.memory import MemoryTrend, growth_sentence, imbalance_of, worst_first
 
+from .model import Memory
+
 MEMORY_LISTED = 32
 TEXT_GROWING = 4  # growing ranks named in the text summary
 
@@ -40,32 +42,32 @@ def memory_json(trends: Sequence[MemoryTrend]) -> dict[str, Any]:
     }
 
 
-def memory_lines(doc: dict[str, Any] | None) -> list[str]:
+def memory_lines(doc: Memory | None) -> list[str]:
     """'  Memory growing: rank 1's host memory grew 300 MB (+610 MB/min); about 37 min
     left before its limit', the imbalance, or one line saying every rank held steady."""
-    if not doc or not doc.get("ranks"):
+    if not doc or not doc.ranks:
         return []
-    rows = doc["ranks"]
+    rows = doc.ranks
     out = []
-    for r in [r for r in rows if r.get("growing")][:TEXT_GROWING]:
-        t = MemoryTrend(rank=r["rank"], rss_mb=r["rss_mb"], rss_peak_mb=r["rss_peak_mb"],
-                        rss_rate_mb_min=r["rss_rate_mb_min"], gpu_mb=r["gpu_mb"],
-                        gpu_rate_mb_min=r["gpu_rate_mb_min"], growing=r["growing"],
-                        rise_mb=r["rise_mb"], headroom_mb=r["headroom_mb"],
-                        limit_in_s=r["limit_in_s"])
-        whose = f"rank {r['rank']}'s"
+    for r in [r for r in rows if r.growing][:TEXT_GROWING]:
+        t = MemoryTrend(rank=r.rank, rss_mb=r.rss_mb, rss_peak_mb=r.rss_peak_mb,
+                        rss_rate_mb_min=r.rss_rate_mb_min, gpu_mb=r.gpu_mb,
+                        gpu_rate_mb_min=r.gpu_rate_mb_min, growing=r.growing,
+                        rise_mb=r.rise_mb, headroom_mb=r.headroom_mb,
+                        limit_in_s=r.limit_in_s)
+        whose = f"rank {r.rank}'s"
         out.append(f"  Memory growing: {growth_sentence(t, whose)}")
-    growing = doc.get("growing") or []
+    growing = doc.growing
     if len(growing) > TEXT_GROWING:
         out.append(f"  ... memory grows on {len(growing)} ranks ({format_ranks(growing)})")
-    over = doc.get("imbalance")
+    over = doc.imbalance
     if over:
-        ratio = f"{over['ratio']:.1f}x" if over.get("ratio") else "more than"
-        out.append(f"  Memory imbalance: rank {over['rank']} holds {over['rss_mb']:.0f} MB, "
-                   f"{ratio} the others' median ({over['others_median_mb']:.0f} MB)")
-    rss = [r["rss_mb"] for r in rows if r.get("rss_mb") is not None]
+        ratio = f"{over.ratio:.1f}x" if over.ratio else "more than"
+        out.append(f"  Memory imbalance: rank {over.rank} holds {over.rss_mb:.0f} MB, "
+                   f"{ratio} the others' median ({over.others_median_mb:.0f} MB)")
+    rss = [r.rss_mb for r in rows if r.rss_mb is not None]
     if not out and rss:
-        judged = all(r.get("rss_rate_mb_min") is not None for r in rows)
+        judged = all(r.rss_rate_mb_min is not None for r in rows)
         what = "steady on every rank" if judged else "too few samples for a trend"
         out.append(f"  Memory: {what} (host RSS {min(rss):.0f}-{max(rss):.0f} MB)")
     return out

@@ -8,9 +8,10 @@ in a report. Reading is tolerant: keys this version does not know (a newer file)
 ignored, and everything beyond the contract's core has a default (an older or a
 hand-written file). Field order is the file's key order.
 
-Sections whose inner shape is owned by another module (a rank's `sys` sample, the
-what-if of cost.py, the hang's evidence, the collector's counters) stay mappings here:
-their writers define them and no reader needs them typed.
+Every section is typed (issue 43, item 2): a new field is one edit here that mypy
+checks in every reader. Two inner shapes stay mappings, owned by their writers: the
+preflight's slow nodes (netcheck_worker) and the collector's counters. Fields that a
+writer sets only sometimes default to UNSET, so the file omits them as before.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
-from traceml_agent.protocol import Heartbeat
+from traceml_agent.protocol import _ENVELOPE, Heartbeat, Sys
 from traceml_agent.sanitize import clean_line
 from traceml_agent.vocab import INFO
 
@@ -75,6 +76,12 @@ class Failure(_S, kw_only=True):
     summary: str = ""  # the line the text summary and the banner lead with
 
 
+class CollectorRestarted(_S, kw_only=True):
+    """A collector that started again over an earlier record of the same run."""
+
+    earlier_record: str | None = None
+
+
 class Run(_S, kw_only=True):
     name: str = ""
     world_size: int = 0
@@ -87,14 +94,14 @@ class Run(_S, kw_only=True):
     command: list[str] = []
     steps: int = 0
     ranks_reporting: int = 0
-    parallel: Any = None
+    parallel: str | None = None  # "ddp" or "fsdp", as the agents saw the model
     # What the launcher and the collector add when they have it (RunMeta.extra): absent,
     # not null, when they do not.
     run_dir: str | UnsetType = UNSET
     logs: str | UnsetType = UNSET
     torchrun_exit_code: int | None | UnsetType = UNSET
-    native_stack_refused: Any = UNSET
-    collector_restarted: dict[str, Any] | UnsetType = UNSET
+    native_stack_refused: int | UnsetType = UNSET  # native stacks refused (launcher)
+    collector_restarted: CollectorRestarted | UnsetType = UNSET
     nodes_never_seen: list[int] | UnsetType = UNSET
 
 
@@ -112,6 +119,38 @@ class Throughput(_S, kw_only=True):
     ranks: int | UnsetType = UNSET  # the job's: ranks with a rate
 
 
+def _sys_fields() -> list[tuple[str, Any, Any]]:
+    """A rank's `sys` row: protocol.Sys's figures (not its envelope, not its device: the
+    row has it), each absent (UNSET) when the rank sent no sample, so `{}` stays `{}`."""
+    plain = typing.get_type_hints(Sys)
+    return [(n, plain[n] | UnsetType, UNSET) for n in Sys.__struct_fields__
+            if n not in _ENVELOPE and n != "device"]
+
+
+if TYPE_CHECKING:
+    class RankSys(_S, kw_only=True):
+        """A rank's latest system sample (protocol.Sys's figures)."""
+else:
+    RankSys = msgspec.defstruct("RankSys", _sys_fields(), bases=(_S,), kw_only=True,
+                                module=__name__)
+
+
+class Progress(_S, kw_only=True):
+    """Where a rank was when the summary was taken (its last heartbeat)."""
+
+    collectives: int = 0
+    phase: str | None = None
+    in_collective: str | None = None
+    since_step_s: float | None = None
+
+
+class Untimed(_S, kw_only=True):
+    """A phase a rank could not time, and why (docs/frameworks.md)."""
+
+    phase: str
+    why: str = ""
+
+
 class RankBase(_S, kw_only=True):
     """A rank's row, less what its heartbeat says that the row repeats (`Rank`)."""
 
@@ -127,12 +166,12 @@ class RankBase(_S, kw_only=True):
     step_ms: Quantiles = msgspec.field(default_factory=Quantiles)
     phase_ms: dict[str, Quantiles | None] = {}
     throughput: Throughput | None = None
-    sys: dict[str, Any] = {}
+    sys: RankSys = msgspec.field(default_factory=RankSys)
     exit_code: int | None = None
     error: str | None = None
     dropped_records: int = 0
-    progress: dict[str, Any] = {}
-    untimed: list[dict[str, Any]] = []
+    progress: Progress = msgspec.field(default_factory=Progress)
+    untimed: list[Untimed] = []
     agent_off: str | None = None
     bad_records: int = 0
     device_rule: str | None = None
@@ -217,12 +256,32 @@ class Restarts(_S, kw_only=True):
     dropped: int = 0  # attempts between the first and the newest kept not in `attempts`
 
 
+class WhatIf(_S, kw_only=True):
+    """The step the job would have without the diagnosed problem (judge/cost.py)."""
+
+    label: str
+    culprit: str | None = None
+    rank: int | None = None
+    node: int | None = None
+    phase: str | None = None
+    steps: int = 0
+    now_step_ms: float = 0.0
+    step_ms: float = 0.0
+    saving_ms: float = 0.0
+    share: float = 0.0
+    speedup: float = 1.0
+    excess_ms: float = 0.0
+    paid_ms: float | None = None
+    weak: str | None = None
+    reasoning: str = ""
+
+
 class Cost(_S, kw_only=True):
     lost_s: float | None = None
     lost_share: float | None = None
     gpu_hours_lost: float | None = None
     hours_unit: str = "GPU"
-    what_if: dict[str, Any] | None = None  # cost.WhatIf.to_json()
+    what_if: WhatIf | None = None  # cost.WhatIf.to_json()
 
 
 class Collective(_S, kw_only=True):
@@ -284,6 +343,115 @@ class Memory(_S, kw_only=True):
     ranks: list[MemoryRank] = []
 
 
+class Check(_S, kw_only=True):
+    """A setup mistake seen on some ranks (agent/checks.py Finding.to_wire)."""
+
+    id: str
+    severity: str = INFO
+    ranks: list[int] = []
+    evidence: str = ""
+    fix: str = ""
+
+
+class UntimedPhase(_S, kw_only=True):
+    """A phase not timed, why, and on which ranks."""
+
+    phase: str
+    why: str = ""
+    ranks: list[int] = []
+
+
+class Timing(_S, kw_only=True):
+    complete: bool = True
+    framework: str | None = None
+    untimed: list[UntimedPhase] = []
+
+
+class Nccl(_S, kw_only=True):
+    """A rank's last collectives per its NCCL log (agent/nccl_log.py NcclState.to_wire)."""
+
+    op: str | None = None
+    op_count: int | None = None
+    comm: str | None = None
+    done: int | None = None
+    unused: str | None = None
+
+
+class HangProgress(_S, kw_only=True):
+    rank: int
+    host: str = ""
+    steps: int = 0
+    phase: str | None = None
+    collectives: int = 0
+    in_collective: str | None = None
+    groups: dict[str, int] = {}
+    in_group: str | None = None
+    nccl: Nccl | None = None
+
+
+class ThreadStack(_S, kw_only=True):
+    thread: str
+    stack: str = ""
+
+
+class Hang(_S, kw_only=True):
+    """The evidence of a hang going on when the summary was taken."""
+
+    kind: str
+    ranks: list[int] = []
+    since: str | None = None
+    stalled_s: float = 0.0
+    threshold_s: float = 0.0
+    progress: list[HangProgress] = []
+    stacks: dict[str, list[ThreadStack]] = {}  # by rank, as a string (a JSON key)
+
+
+class CommRank(_S, kw_only=True):
+    rank: int
+    sync_ms: float | None = None
+    bytes_per_step: int | None = None
+    busbw_gbps: float | None = None
+
+
+class Comm(_S, kw_only=True):
+    """The job's collective wait and achieved bus bandwidth (docs/network.md)."""
+
+    sync_share: float | None = None
+    busbw_gbps: float | None = None
+    preflight_busbw_gbps: float | None = None
+    ranks: list[CommRank] = []
+
+
+class PreflightMissing(_S, kw_only=True):
+    nodes: list[int] = []
+    ranks: list[int] = []
+
+
+class Preflight(_S, kw_only=True):
+    """What `traceml run --preflight` found (collector._read_preflight); an unreadable
+    file is its path and `error` only."""
+
+    path: str = ""
+    error: str | UnsetType = UNSET
+    healthy: bool | UnsetType = UNSET
+    slow: list[dict[str, Any]] | UnsetType = UNSET  # netcheck_worker's rows
+    mtu_mismatch: str | None | UnsetType = UNSET
+    missing: PreflightMissing | None | UnsetType = UNSET
+    wall_s: int | float | None | UnsetType = UNSET
+    all_reduce_busbw_gbps: int | float | None | UnsetType = UNSET
+    all_reduce_bytes: int | None | UnsetType = UNSET
+
+
+class Relays(_S, kw_only=True):
+    """The node relays, when the run had any: which went silent, what they lost."""
+
+    nodes: list[int] = []
+    silent: list[int] = []
+    batches: int = 0
+    lost_batches: int = 0
+    dropped: int = 0
+
+
 class Summary(_S, kw_only=True):
     schema_version: str = "1"
     complete: bool = True
@@ -292,21 +460,21 @@ class Summary(_S, kw_only=True):
     phases: list[str] = []
     diagnosis: Diagnosis
     cost: Cost | None = None
-    checks: list[dict[str, Any]] = []
+    checks: list[Check] = []
     live_diagnosis: LiveDiagnosis | None = None
     step_ms: StepMs
     ranks: list[Rank]
     throughput: Throughput | None = None
-    timing: dict[str, Any] | None = None
+    timing: Timing | None = None
     timeline: list[Episode] = []
-    hang: dict[str, Any] | None = None
-    comm: dict[str, Any] | None = None
+    hang: Hang | None = None
+    comm: Comm | None = None
     collectives: list[Collective] = []
     stalls: list[StallRecord] = []
     memory: Memory | None = None  # in the builder's order: after stalls
-    preflight: dict[str, Any] | None = None
+    preflight: Preflight | None = None
     collector: dict[str, int] = {}
-    relays: dict[str, Any] | None = None
+    relays: Relays | None = None
     attempts: list[Attempt] = []
     restarts: Restarts | None = None
 
@@ -327,6 +495,12 @@ def to_doc(s: Summary) -> dict[str, Any]:
     """The model as plain JSON values (for the text renderer, msgpack, JSON tools)."""
     out: dict[str, Any] = msgspec.to_builtins(s)
     return out
+
+
+def plain(part: Struct | None) -> Any:
+    """A section of the model as plain JSON values, keys in the file's order (UNSET
+    fields absent): for a reader that prints a section as JSON."""
+    return msgspec.to_builtins(part)
 
 
 def encode(doc: dict[str, Any] | Summary, indent: int = 0) -> bytes:

@@ -80,10 +80,10 @@ def rounded(values: np.ndarray, nd: int = 4) -> list[Any]:
     return result
 
 
-def _who(d: dict[str, Any]) -> str:
-    if d.get("node"):
-        return f"  node {d['node']['index']} (ranks {', '.join(map(str, d['node']['ranks']))})"
-    return f"  rank {d['rank']}" if d["rank"] is not None else ""
+def _who(d: model.Diagnosis) -> str:
+    if d.node:
+        return f"  node {d.node.index} (ranks {', '.join(map(str, d.node.ranks))})"
+    return f"  rank {d.rank}" if d.rank is not None else ""
 
 
 def _episode(e: Episode, duration_s: float, world: int) -> dict[str, Any]:
@@ -469,109 +469,111 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-def render_text(doc: dict[str, Any]) -> str:
-    """A short, human summary of a summary document (printed at the end of headless runs)."""
-    run, d = doc["run"], doc["diagnosis"]
-    failed = doc.get("failure")
+def render_text(doc: dict[str, Any] | model.Summary) -> str:
+    """A short, human summary of a summary (printed at the end of headless runs): read
+    through the typed model, a document converted once at the edge."""
+    s = doc if isinstance(doc, model.Summary) else model.from_doc(doc)
+    run, d = s.run, s.diagnosis
+    failed = s.failure
     lines = [
-        *attempt_text.lead(doc),  # a restart's failure first: the record holds both
-        *([failed["summary"]] if failed else []),  # failures first (issue 32)
-        f"traceml run {run['name']}: {run['world_size']} rank(s), {run['steps']} steps in "
-        f"{run.get('duration_s', 0):.1f} s, exit code {run['exit_code']}"
-        + ("" if doc.get("complete", True) else "  [INCOMPLETE: built from the last snapshot]"),
+        *attempt_text.lead(s),  # a restart's failure first: the record holds both
+        *([failed.summary] if failed else []),  # failures first (issue 32)
+        f"traceml run {run.name}: {run.world_size} rank(s), {run.steps} steps in "
+        f"{run.duration_s or 0:.1f} s, exit code {run.exit_code}"
+        + ("" if s.complete else "  [INCOMPLETE: built from the last snapshot]"),
         "",
-        ("Diagnosis of the steps before it: " if failed else "Diagnosis: ") + d["label"]
+        ("Diagnosis of the steps before it: " if failed else "Diagnosis: ") + d.label
         + _who(d)
-        + (f"  phase {d['phase']}" if d["phase"] else "") + f"  [{d['severity']}]",
-        f"  {d['summary']}",
-        *cost_lines(doc.get("cost")),
+        + (f"  phase {d.phase}" if d.phase else "") + f"  [{d.severity}]",
+        f"  {d.summary}",
+        *cost_lines(s.cost),
         "",
     ]
-    pre = doc.get("preflight")
+    pre = s.preflight
     if pre:
-        verdict = ("healthy" if pre.get("healthy") else "UNHEALTHY: " + "; ".join(
+        slow = pre.slow or []
+        verdict = ("healthy" if pre.healthy else "UNHEALTHY: " + "; ".join(
             [f"node {x['node']} ({x['host']}) slow, {x['ratio']:.0%} of the median"
-             for x in pre.get("slow") or []] + [pre.get("mtu_mismatch") or ""]).strip("; "))
-        busbw = pre.get("all_reduce_busbw_gbps")
+             for x in slow] + [pre.mtu_mismatch or ""]).strip("; "))
+        busbw = pre.all_reduce_busbw_gbps or None
         lines.insert(-1, f"  Preflight (traceml netcheck): {verdict}"
                          + (f"; all_reduce busbw {busbw:.3g} GB/s" if busbw else "")
-                         + f" ({pre.get('path')})")
-    timing = doc.get("timing") or {}
-    for u in timing.get("untimed", []):
-        lines.insert(-1, f"  Not timed: {u['phase']} on rank(s) {format_ranks(u['ranks'])}: "
-                         f"{u['why']}.")
+                         + f" ({pre.path})")
+    for u in s.timing.untimed if s.timing else []:
+        lines.insert(-1, f"  Not timed: {u.phase} on rank(s) {format_ranks(u.ranks)}: "
+                         f"{u.why}.")
     off: dict[str, list[int]] = {}
-    for r in doc["ranks"]:
-        if r.get("agent_off"):
-            off.setdefault(r["agent_off"], []).append(r["rank"])
+    for r in s.ranks:
+        if r.agent_off:
+            off.setdefault(r.agent_off, []).append(r.rank)
     for why, ranks in off.items():
         lines.insert(-1, f"  Agent off on rank(s) {format_ranks(ranks)} (its steps after "
                          f"that are not counted): {why}")
-    for line in _agent_lines(doc["ranks"]):
+    for line in _agent_lines(s.ranks):
         lines.insert(-1, line)
-    silent = (doc.get("relays") or {}).get("silent")
+    silent = s.relays.silent if s.relays else None
     if silent:
         lines.insert(-1, f"  The relay of node(s) {format_ranks(silent)} stopped sending: "
                          f"their ranks' figures end there, not their training (see "
                          f"relay-node<N>.log in that node's run folder).")
-    lines[-1:-1] = collective_lines(doc.get("collectives") or [])
-    lines[-1:-1] = stall_lines(doc.get("stalls") or [])
-    lines[-1:-1] = memory_lines(doc.get("memory"))
-    phases = doc["phases"]
-    node = d.get("node")
-    blamed = set(node["ranks"]) if node else {d["rank"]}
+    lines[-1:-1] = collective_lines(s.collectives)
+    lines[-1:-1] = stall_lines(s.stalls)
+    lines[-1:-1] = memory_lines(s.memory)
+    phases = s.phases
+    blamed = set(d.node.ranks) if d.node else {d.rank}
     head = f"{'rank':>5} {'host':<14} {'steps':>6} {'step':>8} " + " ".join(
         f"{p[:9]:>9}" for p in phases)
     lines += ["Median ms per step over the last window (rank: median of its steps):", head]
-    for r in doc["ranks"]:
-        cells = " ".join(f"{_ms((r['phase_ms'].get(p) or {}).get('median')):>9}" for p in phases)
-        mark = " <" if r["rank"] in blamed else ""
-        lines.append(f"{r['rank']:>5} {r['host'][:14]:<14} {r['steps']:>6} "
-                     f"{_ms(r['step_ms']['median']):>8} {cells}{mark}")
-    hang_doc = doc.get("hang")
-    if hang_doc and hang_doc.get("stacks"):
-        for rank in hang_doc["ranks"][:2]:
-            threads = hang_doc["stacks"].get(str(rank)) or []
+    for r in s.ranks:
+        cells = " ".join(f"{_ms(q.median if (q := r.phase_ms.get(p)) else None):>9}"
+                         for p in phases)
+        mark = " <" if r.rank in blamed else ""
+        lines.append(f"{r.rank:>5} {r.host[:14]:<14} {r.steps:>6} "
+                     f"{_ms(r.step_ms.median):>8} {cells}{mark}")
+    hang = s.hang
+    if hang and hang.stacks:
+        for rank in hang.ranks[:2]:
+            threads = hang.stacks.get(str(rank)) or []
             if threads:
                 lines += [""] + _stack_lines(rank, threads[0])
-    if hang_doc:
-        logged = [p for p in hang_doc.get("progress", []) if p.get("nccl")]
+    if hang:
+        logged = [p for p in hang.progress if p.nccl]
         if logged:  # --nccl-debug: the seed's opCount comparison, done for the user
             lines += ["", "NCCL logs, each rank's last collectives:"]
             for p in logged:
-                lines.append(f"  rank {p['rank']}: {nccl_log.describe(p['nccl'])}")
-                if p["nccl"].get("unused"):
-                    lines.append(f"    DDP: {p['nccl']['unused'][:300]}")
-    for r in doc["ranks"]:
-        if (r.get("exit_code") or 0) < 0 and not r.get("error"):
-            lines += ["", f"Rank {r['rank']} died: killed by signal {-r['exit_code']}"
-                          f"{_signal_name(-r['exit_code'])} (no exception, no goodbye)."]
+                assert p.nccl is not None
+                lines.append(f"  rank {p.rank}: {nccl_log.describe(model.plain(p.nccl))}")
+                if p.nccl.unused:
+                    lines.append(f"    DDP: {p.nccl.unused[:300]}")
+    for r in s.ranks:
+        if r.exit_code is not None and r.exit_code < 0 and not r.error:
+            lines += ["", f"Rank {r.rank} died: killed by signal {-r.exit_code}"
+                          f"{_signal_name(-r.exit_code)} (no exception, no goodbye)."]
     # The rank that failed first leads: the others' errors are usually its consequences
     # (a peer closing the connection in the middle of a collective).
-    first = doc["run"].get("failed_rank")
-    failed = sorted((r for r in doc["ranks"] if r.get("error")),
-                    key=lambda r: (r["rank"] != first, r["rank"]))
-    for r in failed[:2]:
-        tail = r["error"].strip().splitlines()[-3:]
-        lines += ["", f"Rank {r['rank']} failed (exit {r['exit_code']}):"] + [
+    first = run.failed_rank
+    errors = sorted((r for r in s.ranks if r.error), key=lambda r: (r.rank != first, r.rank))
+    for r in errors[:2]:
+        assert r.error is not None
+        tail = r.error.strip().splitlines()[-3:]
+        lines += ["", f"Rank {r.rank} failed (exit {r.exit_code}):"] + [
             f"  {t}" for t in tail]
-    checks = doc.get("checks") or []
-    if checks:
-        lines += ["", f"Setup checks: {len(checks)} finding(s)"]
-        for c in checks:
-            named = ",".join(map(str, c["ranks"][:8])) + ("..." if len(c["ranks"]) > 8 else "")
-            lines += [f"  [{c['severity']}] {c['id']} (rank {named}): {c['evidence']}",
-                      f"      fix: {c['fix']}"]
-    episodes = [e for e in doc["timeline"] if e["label"] not in (dx.WARMUP,)]
-    several = bool(doc.get("restarts"))
+    if s.checks:
+        lines += ["", f"Setup checks: {len(s.checks)} finding(s)"]
+        for c in s.checks:
+            named = ",".join(map(str, c.ranks[:8])) + ("..." if len(c.ranks) > 8 else "")
+            lines += [f"  [{c.severity}] {c.id} (rank {named}): {c.evidence}",
+                      f"      fix: {c.fix}"]
+    episodes = [e for e in s.timeline if e.label not in (dx.WARMUP,)]
+    several = bool(s.restarts)
     if len(episodes) > 1:
         lines += ["", "Timeline:"]
         for e in episodes[-10:]:
-            who = f" rank {e['rank']}" if e["rank"] is not None else ""
-            if e.get("node") is not None:
-                who = f" node {e['node']}"
-            lost = (f"  (cost the job {e['lost_s']:.1f} s)" if e.get("lost_s") else "")
-            lines.append(f"  {attempt_text.step_range(e, several)}  {e['label']}{who}{lost}")
+            who = f" rank {e.rank}" if e.rank is not None else ""
+            if e.node is not None:
+                who = f" node {e.node}"
+            lost = (f"  (cost the job {e.lost_s:.1f} s)" if e.lost_s else "")
+            lines.append(f"  {attempt_text.step_range(e, several)}  {e.label}{who}{lost}")
     return "\n".join(lines) + "\n"
 
 
@@ -593,15 +595,15 @@ def stalls_json(found: Sequence[StallFinding]) -> list[dict[str, Any]]:
             for f in rows]
 
 
-def stall_lines(rows: list[dict[str, Any]]) -> list[str]:
+def stall_lines(rows: Sequence[model.StallRecord]) -> list[str]:
     """'  Stalls: rank 0 every 20 steps, 14 times, about 241 ms each in wait: 3.4 s lost'."""
     out = []
     for s in rows[:TEXT_STALLS]:
-        rhythm = f"every {s['period']} steps" if s["period"] else "irregularly"
-        times = s["periodic_count"] if s["period"] else s["count"]
-        out.append(f"  Stalls: rank {s['rank']} {rhythm}, {times} times, about "
-                   f"{s['mean_excess_ms']:.0f} ms each in {s['phase']}: "
-                   f"{s['lost_s']:.1f} s lost")
+        rhythm = f"every {s.period} steps" if s.period else "irregularly"
+        times = s.periodic_count if s.period else s.count
+        out.append(f"  Stalls: rank {s.rank} {rhythm}, {times} times, about "
+                   f"{s.mean_excess_ms:.0f} ms each in {s.phase}: "
+                   f"{s.lost_s:.1f} s lost")
     if len(rows) > TEXT_STALLS:
         out.append(f"  ... {len(rows) - TEXT_STALLS} more stalling ranks in final_summary.json")
     return out
@@ -610,20 +612,20 @@ def stall_lines(rows: list[dict[str, Any]]) -> list[str]:
 TEXT_COLLECTIVES = 6
 
 
-def collective_lines(rows: list[dict[str, Any]]) -> list[str]:
+def collective_lines(rows: Sequence[model.Collective]) -> list[str]:
     """Which collective on which group took the sync time, per step of the ranks that
     issued it: '  all_gather on r0,1 (in none): 1.0/step, 64 B, 2.31 ms exposed (40 %)'."""
     if not rows:
         return []
     out = ["  Collectives (per step; exposed wait, share of all sync):"]
     for c in rows[:TEXT_COLLECTIVES]:
-        nbytes = c.get("bytes_per_step")
+        nbytes = c.bytes_per_step
         size = "" if nbytes is None else f", {_bytes(nbytes)}"
-        share = c.get("share_of_sync")
-        where = "outside phases" if c["phase"] == "none" else f"in {c['phase']}"
-        out.append(f"    {c['op']} on group {c['group']} ({where}): "
-                   f"{c['count_per_step']:.3g} call(s){size}, "
-                   f"{c['exposed_ms_per_step']:.2f} ms exposed"
+        share = c.share_of_sync
+        where = "outside phases" if c.phase == "none" else f"in {c.phase}"
+        out.append(f"    {c.op} on group {c.group} ({where}): "
+                   f"{c.count_per_step:.3g} call(s){size}, "
+                   f"{c.exposed_ms_per_step:.2f} ms exposed"
                    + ("" if share is None else f" ({share:.0%} of sync)"))
     if len(rows) > TEXT_COLLECTIVES:
         out.append(f"    ... {len(rows) - TEXT_COLLECTIVES} more in final_summary.json")
@@ -637,19 +639,19 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _agent_lines(ranks: list[dict[str, Any]]) -> list[str]:
+def _agent_lines(ranks: Sequence[model.Rank]) -> list[str]:
     """What the agents could not show as steps or time, and what the collector refused,
     each said once with its ranks."""
     said: dict[str, list[int]] = {}
     for r in ranks:
-        if r.get("steps_hidden"):
-            said.setdefault(f"{r['steps_hidden']} (hang detection suspended)",
-                            []).append(r["rank"])
-        if r.get("device_rule"):
-            said.setdefault(f"timed on the device chosen by: {r['device_rule']}",
-                            []).append(r["rank"])
+        if r.steps_hidden:
+            said.setdefault(f"{r.steps_hidden} (hang detection suspended)",
+                            []).append(r.rank)
+        if r.device_rule:
+            said.setdefault(f"timed on the device chosen by: {r.device_rule}",
+                            []).append(r.rank)
     out = [f"  Rank(s) {format_ranks(rs)}: {what}." for what, rs in list(said.items())[:6]]
-    bad = [(r["rank"], r["bad_records"]) for r in ranks if r.get("bad_records")]
+    bad = [(r.rank, r.bad_records) for r in ranks if r.bad_records]
     if bad:
         out.append(f"  The collector refused {sum(n for _, n in bad)} malformed step "
                    f"record(s) of rank(s) {format_ranks([rank for rank, _ in bad])} (the "
@@ -657,36 +659,36 @@ def _agent_lines(ranks: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def cost_lines(c: dict[str, Any] | None) -> list[str]:
+def cost_lines(c: model.Cost | None) -> list[str]:
     """The cost section in words: what the problem takes from every step, what the run
     lost to it, and the step the job would have without it."""
     if not c:
         return []
     out = []
-    w = c.get("what_if")
+    w = c.what_if
     if w:
-        out.append(f"  Cost: {w['saving_ms']:.1f} ms of every {w['now_step_ms']:.1f} ms step "
-                   f"({w['share']:.0%}). Without it: {w['step_ms']:.1f} ms per step, "
-                   f"{w['speedup']:.2f}x faster ({w['reasoning'].rstrip('.')}).")
-        if w.get("weak"):
-            out.append(f"  The estimate is weak: {w['weak']}.")
-    if c.get("lost_s"):
-        share = f", {c['lost_share']:.0%} of the run" if c.get("lost_share") is not None else ""
-        out.append(f"  The run lost {c['lost_s']:.1f} s to it{share}: "
-                   f"{c['gpu_hours_lost']:.3g} {c['hours_unit']}-hours.")
+        out.append(f"  Cost: {w.saving_ms:.1f} ms of every {w.now_step_ms:.1f} ms step "
+                   f"({w.share:.0%}). Without it: {w.step_ms:.1f} ms per step, "
+                   f"{w.speedup:.2f}x faster ({w.reasoning.rstrip('.')}).")
+        if w.weak:
+            out.append(f"  The estimate is weak: {w.weak}.")
+    if c.lost_s:
+        share = f", {c.lost_share:.0%} of the run" if c.lost_share is not None else ""
+        out.append(f"  The run lost {c.lost_s:.1f} s to it{share}: "
+                   f"{c.gpu_hours_lost:.3g} {c.hours_unit}-hours.")
     return out
 
 
-def _stack_lines(rank: int, thread: dict[str, Any]) -> list[str]:
+def _stack_lines(rank: int, thread: model.ThreadStack) -> list[str]:
     """A rank's stack in a few lines: the innermost calls of its own (Python, innermost
     last), or of a stack taken from outside (py-spy: the main thread, innermost first)."""
-    text = thread["stack"].rstrip().splitlines()
-    if thread["thread"].startswith("native"):
+    text = thread.stack.rstrip().splitlines()
+    if thread.thread.startswith("native"):
         start = next((i + 1 for i, t in enumerate(text) if "MainThread" in t), 0)
         calls = [t.strip() for t in text[start:start + 8] if t.startswith("    ")]
         return [f"Rank {rank}, taken from outside (py-spy --native), innermost call "
                 f"first:"] + [f"  {t}" for t in calls]
-    return [f"Rank {rank}, {thread['thread']}, innermost call last:"] + [
+    return [f"Rank {rank}, {thread.thread}, innermost call last:"] + [
         f"  {t}" for t in text[-6:]]
 
 
