@@ -121,7 +121,10 @@ def test_a_rank_killed_without_a_word_is_named(tmp_path_factory: pytest.TempPath
     validate_schema(doc)
     first = doc["attempts"][0]
     # Its step is the last it reported: a killed rank's last batch of steps is lost.
-    assert [s["rank"] for s in first["silent"]] == [2] and first["silent"][0]["step"] <= 30
+    # Its peers may be stopped by torchrun before their goodbye too (a busy machine): they
+    # are named beside it, as the record says, never in its place.
+    silent = {s["rank"]: s["step"] for s in first["silent"]}
+    assert 2 in silent and silent[2] <= 30, first["silent"]
     assert doc["hang"] is None and all(e["label"] != "HANG" for e in doc["timeline"])
     lead = (job.run_dir / "final_summary.txt").read_text().splitlines()[0]
     assert "ended without a word (killed by a signal, or stopped by torchrun)" in lead, lead
