@@ -196,3 +196,21 @@ def test_a_moving_spread_the_cpu_wait_explains_leads_with_the_host(wait_share, h
     assert ("as much as the spread" in d.summary) == host_first, d.summary
     assert ("part of the spread may be the host's" in d.summary) == caveat, d.summary
     assert d.summary.index("token") > (d.summary.index("CPU core") if host_first else 0)
+
+
+@pytest.mark.parametrize(("extra_ms", "wait_ms", "label"), [
+    (2.6, 12.0, dx.WAIT_HEAVY),  # a steady 7 % gap beside 34 % of every step outside phases
+    (2.6, 0.3, dx.COMPUTE_STRAGGLER),  # the near miss: the same gap alone is named
+    (6.0, 12.0, dx.COMPUTE_STRAGGLER),  # a gap of SKEW_ENTER or more comes first whatever
+])
+def test_a_weak_straggler_yields_to_a_job_wide_cause_that_costs_more(extra_ms, wait_ms, label):
+    """Fresh-clone run 4: every rank's residual wait was most of the job's loss (the
+    'stall' scenario), and a steady 6 % compute gap of one rank on a busy machine took
+    the label. Of two causes, the larger cost is named."""
+    n, steps = 4, 128
+    steady = np.full((n, steps), 10.0) + np.random.default_rng(2).normal(0, 0.2, (n, steps))
+    steady[1] += extra_ms
+    data = job(n, steps, steady)
+    data.phase_ms["wait"] = np.full((n, steps), wait_ms)
+    data.step_ms[:] = sum(np.nan_to_num(data.phase_ms[p]) for p in PHASES)
+    assert verdict(data).label == label

@@ -520,24 +520,38 @@ def _straggler_in_both(w: WindowStats) -> Diagnosis | None:
     worst = inp if inp.gap_ms >= cmp.gap_ms else cmp
     phases = INPUT_PHASES + w.compute
     gap = inp.gap_ms + cmp.gap_ms if inp.rank == cmp.rank else worst.gap_ms
-    return _straggler(STRAGGLER, worst.rank, _worst_phase(w.ready, worst.rank, phases), gap,
-                      gap / w.step_ms, w.step_ms, w.ready, phases, w.spreads)
+    return _yields(_straggler(STRAGGLER, worst.rank, _worst_phase(w.ready, worst.rank, phases),
+                              gap, gap / w.step_ms, w.step_ms, w.ready, phases, w.spreads), w)
+
+
+def _yields(d: Diagnosis | None, w: WindowStats) -> Diagnosis | None:
+    """A straggler named below SKEW_ENTER (steady against its noise) yields to a job-wide
+    cause that costs the job more than twice its share (every rank's residual wait, its
+    input, its periodic stalls): of two causes, the larger cost is named first. One at
+    SKEW_ENTER or more is named first whatever else holds."""
+    if d is None or (d.gap_share or 0.0) >= SKEW_ENTER:
+        return d
+    for other in (_input_bound, _periodic_stall, _wait_heavy):
+        found = other(w)
+        if found is not None and (found.gap_share or 0.0) > 2 * (d.gap_share or 0.0):
+            return None
+    return d
 
 
 def _input_straggler(w: WindowStats) -> Diagnosis | None:
     s = w.input_gap
     if s is None:
         return None
-    return _straggler(INPUT_STRAGGLER, s.rank, _worst_phase(w.ready, s.rank, INPUT_PHASES),
-                      s.gap_ms, s.share, w.step_ms, w.ready, INPUT_PHASES, w.spreads)
+    return _yields(_straggler(INPUT_STRAGGLER, s.rank, _worst_phase(w.ready, s.rank, INPUT_PHASES),
+                              s.gap_ms, s.share, w.step_ms, w.ready, INPUT_PHASES, w.spreads), w)
 
 
 def _compute_straggler(w: WindowStats) -> Diagnosis | None:
     s = w.compute_gap
     if s is None:
         return None
-    return _straggler(COMPUTE_STRAGGLER, s.rank, _worst_phase(w.ready, s.rank, w.compute),
-                      s.gap_ms, s.share, w.step_ms, w.ready, w.compute, w.spreads)
+    return _yields(_straggler(COMPUTE_STRAGGLER, s.rank, _worst_phase(w.ready, s.rank, w.compute),
+                              s.gap_ms, s.share, w.step_ms, w.ready, w.compute, w.spreads), w)
 
 
 def _input_share(w: WindowStats) -> float:
