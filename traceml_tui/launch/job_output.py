@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from traceml_agent.sanitize import clean_line
-from traceml_tui.report.model import MAX_SUMMARY_BYTES, NotASummary, Summary, decode
+from traceml_tui.report.model import (
+    MAX_SUMMARY_BYTES,
+    NotASummary,
+    Summary,
+    decode,
+    read_bounded,
+)
 from traceml_tui.runfolder import folders
 from traceml_tui.runfolder.layout import RunFolder
 
@@ -40,15 +46,7 @@ def read_summary(path: Path) -> tuple[Summary, int]:
     """A summary or snapshot of our run folder and its mtime (ns), read through the run
     folder's pinned descriptor (folders.read_bytes), never by path; NotASummary says why
     not in one line."""
-    try:
-        data, mtime = folders.read_bytes(path, MAX_SUMMARY_BYTES)
-    except FileNotFoundError:
-        raise NotASummary(f"no such file: {clean_line(str(path))}") from None
-    except OSError as exc:
-        raise NotASummary(clean_line(f"cannot read {path}: {exc.strerror or exc}")) from None
-    if len(data) > MAX_SUMMARY_BYTES:
-        raise NotASummary(clean_line(f"{path} is not a traceml summary: over "
-                                     f"{MAX_SUMMARY_BYTES >> 20} MB"))
+    data, mtime = read_bounded(path, lambda p: folders.read_bytes(p, MAX_SUMMARY_BYTES))
     return decode(data, str(path)), mtime
 
 

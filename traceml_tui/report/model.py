@@ -17,8 +17,9 @@ writer sets only sometimes default to UNSET, so the file omits them as before.
 from __future__ import annotations
 
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
@@ -523,9 +524,23 @@ def decode(data: bytes | str, name: str = "summary") -> Summary:
 def load(path: Path) -> Summary:
     """Read a summary file through the model; every failure is one NotASummary line."""
     path = Path(path)
+    data, _ = read_bounded(path, _read_capped)
+    return decode(data, str(path))
+
+
+def _read_capped(path: Path) -> tuple[bytes, None]:
+    with open(path, "rb") as f:
+        return f.read(MAX_SUMMARY_BYTES + 1), None
+
+
+T = TypeVar("T")
+
+
+def read_bounded(path: Path, read: Callable[[Path], tuple[bytes, T]]) -> tuple[bytes, T]:
+    """A summary file's bytes by `read` (the path, or a run folder's pinned descriptor),
+    at most MAX_SUMMARY_BYTES; every failure is one NotASummary line."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_SUMMARY_BYTES + 1)
+        data, extra = read(path)
     except FileNotFoundError:
         raise NotASummary(f"no such file: {clean_line(str(path))}") from None
     except OSError as exc:
@@ -533,4 +548,4 @@ def load(path: Path) -> Summary:
     if len(data) > MAX_SUMMARY_BYTES:
         raise NotASummary(clean_line(f"{path} is not a traceml summary: over "
                                      f"{MAX_SUMMARY_BYTES >> 20} MB"))
-    return decode(data, str(path))
+    return data, extra

@@ -260,12 +260,17 @@ def _generation(name: str, dir_fd: int | None) -> int | None:
         return None
 
 
-def read_steps(directory: str | Path) -> Iterator[LoggedStep]:
-    """Every logged record, oldest file first, in the order they were appended."""
+def _log_files(directory: str | Path) -> list[Path]:
+    """The step log's files, oldest generation first."""
     directory = Path(directory)
     files = [(g, directory / name) for name in FILE_NAMES
              if (g := _generation(str(directory / name), None)) is not None]
-    for _, path in sorted(files):
+    return [path for _, path in sorted(files)]
+
+
+def read_steps(directory: str | Path) -> Iterator[LoggedStep]:
+    """Every logged record, oldest file first, in the order they were appended."""
+    for path in _log_files(directory):
         yield from _read_file(path)
 
 
@@ -342,10 +347,7 @@ COLUMN_RECORDS = 4096
 def read_columns(directory: str | Path) -> Iterator[StepColumns]:
     """Every logged record, as `read_steps` gives them, in columns: a columns item as it
     is, runs of single records of one phase list gathered (COLUMN_RECORDS at most)."""
-    directory = Path(directory)
-    files = [(g, directory / name) for name in FILE_NAMES
-             if (g := _generation(str(directory / name), None)) is not None]
-    for _, path in sorted(files):
+    for path in _log_files(directory):
         yield from _read_file_columns(path)
 
 
