@@ -10,8 +10,7 @@ from jobs import run_job
 from traceml_agent.bootstrap import _exit_code
 from traceml_agent.protocol import Identity, decode, encode
 from traceml_tui.judge.state import RunState
-from traceml_tui.launch.launcher import process_exit_code
-from traceml_tui.report.summary import job_exit_code
+from traceml_tui.runfolder.exit_codes import job_exit_code, process_exit_code
 
 
 @pytest.mark.parametrize(("torchrun", "interrupted", "failures", "code", "rank"), [

@@ -16,6 +16,7 @@ from typing import Any
 from . import __version__
 from .launch import nccl_debug, slurm, terminal
 from .launch.slurm import SlurmError
+from .runfolder.exit_codes import INTERRUPTED_EXIT
 
 RUN_USAGE = "traceml run SCRIPT [options] [-- SCRIPT ARGS...]"
 
@@ -248,7 +249,7 @@ def _cmd_run(parser: argparse.ArgumentParser, argv: list[str], full_argv: list[s
         return 2
     except KeyboardInterrupt:  # before the job started (e.g. waiting for node 0's secret)
         print("traceml run: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED_EXIT
 
 
 def _node_flags(args: argparse.Namespace, script: Path) -> dict[str, Any]:
@@ -296,7 +297,7 @@ def _cmd_netcheck(args: argparse.Namespace) -> int:
         return netcheck.main(opts, args.timeout)
     except KeyboardInterrupt:
         print("traceml netcheck: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED_EXIT
 
 
 def _cmd_watch(args: argparse.Namespace) -> int:

@@ -35,9 +35,6 @@ AGENT_OFF = "agent off"  # the agent turned its timing off (it said why): not a 
 # Steps frozen while the rank replays CUDA graphs, fetches batches or its agent stops a
 # trace (hang.hidden): progress the steps cannot show, not a stall.
 HIDDEN = "hidden"
-# A rank that ended on the user's signal was stopped, not failed: KeyboardInterrupt
-# (Ctrl-C, 130), SIGHUP (129) and SIGTERM (143) as exit codes, or the signal itself.
-STOP_EXIT_CODES = frozenset({130, 129, 143, -2, -1, -15})
 
 
 class RankRow(Struct, array_like=True, frozen=True, gc=False):

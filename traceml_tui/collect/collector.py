@@ -70,7 +70,7 @@ from traceml_agent.requests import (
 from traceml_tui.judge import ingest_columns as columns
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import ending, summary
-from traceml_tui.runfolder import folders
+from traceml_tui.runfolder import exit_codes, folders
 from traceml_tui.runfolder.layout import RunFolder
 from traceml_tui.runfolder.step_log import StepLogWriter
 
@@ -600,7 +600,7 @@ class Collector:
                 rs.exit_code = exitcode
                 rank_code = 128 - exitcode if exitcode < 0 else exitcode
                 failures = [(rank, rank_code)] + [f for f in failures if f[0] != rank]
-        code, failed = summary.job_exit_code(
+        code, failed = exit_codes.job_exit_code(
             request.torchrun_exit, request.interrupted, failures)
         if request.exit_code is not None:
             code = request.exit_code

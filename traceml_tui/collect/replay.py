@@ -43,12 +43,12 @@ from traceml_tui.collect import view_build
 from traceml_tui.judge import ingest_columns
 from traceml_tui.judge.state import RunState
 from traceml_tui.runfolder import folders
+from traceml_tui.runfolder.exit_codes import STOP_EXIT_CODES
 from traceml_tui.runfolder.layout import RunFolder
 from traceml_tui.runfolder.step_log import StepColumns, read_columns
 from traceml_tui.viewmodel import (
     DONE,
     FAILED,
-    STOP_EXIT_CODES,
     STOPPED,
     WAITING,
     RankRow,

@@ -15,6 +15,7 @@ from traceml_tui.judge import memory as mem
 from traceml_tui.judge.snapshot import RankSnapshot, Snapshot, hours_unit
 from traceml_tui.judge.windows import median
 from traceml_tui.report.summary import failure_of
+from traceml_tui.runfolder.exit_codes import STOP_EXIT_CODES
 from traceml_tui.viewmodel import (
     AGENT_OFF,
     DONE,
@@ -26,7 +27,6 @@ from traceml_tui.viewmodel import (
     STALE_MIN_S,
     STALE_SILENCE_S,
     STALE_STEPS,
-    STOP_EXIT_CODES,
     STOPPED,
     VIEW_PHASES,
     WAITING,

@@ -33,6 +33,7 @@ from traceml_agent.protocol import (
     Sys,
 )
 from traceml_agent.sanitize import clean_text
+from traceml_tui.runfolder.exit_codes import wire_exit_code
 
 from . import collectives as coll
 from . import cost, hang
@@ -115,12 +116,6 @@ def _rarely_seen(stats: BlockStats) -> np.ndarray:
                      else np.zeros(len(n), dtype=np.int64)
                      for p in dx.EXPECTED_PHASES], axis=1)
     return (n >= dx.MIN_STEPS) & (seen * 2 < n[:, None]).any(axis=1)
-
-
-def wire_exit_code(code: int | None) -> int | None:
-    """A rank's exit code as its goodbye says, clamped to what a process can exit with
-    (-255..255, a signal's negative): the wire may say anything."""
-    return None if code is None else max(-255, min(255, code))
 
 
 @dataclass

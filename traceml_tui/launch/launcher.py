@@ -36,6 +36,7 @@ from traceml_agent.sanitize import clean_line
 from traceml_tui.report import ending, model, summary
 from traceml_tui.report.ending import EndReply
 from traceml_tui.runfolder import folders
+from traceml_tui.runfolder.exit_codes import job_exit_code, process_exit_code
 from traceml_tui.runfolder.layout import RunFolder
 
 from . import nccl_debug
@@ -344,14 +345,14 @@ def _fallback_summary(run_dir: Path, request: Finish) -> EndReply:
     try:
         snap, _ = read_summary(RunFolder(run_dir).live)  # through the pinned folder
     except model.NotASummary as exc:
-        code, _ = summary.job_exit_code(request.torchrun_exit, request.interrupted, [])
+        code, _ = job_exit_code(request.torchrun_exit, request.interrupted, [])
         return ending.no_record(
             code if request.exit_code is None else request.exit_code,
             "The collector stopped before it saved any record of this run.\n",
             f"no summary: the collector died without a usable snapshot ({exc}; see "
             f"{RunFolder(run_dir).collector_log})")
     failures = [(r.rank, r.exit_code) for r in snap.ranks if r.exit_code]
-    code, failed_rank = summary.job_exit_code(
+    code, failed_rank = job_exit_code(
         request.torchrun_exit, request.interrupted, failures)
     meta = summary.RunMeta(exit_code=code if request.exit_code is None else request.exit_code,
                            failed_rank=failed_rank)
@@ -455,7 +456,7 @@ def _node_done(opts: RunOptions, run_dir: Path, request: Finish,
     keeps the summary (its folder, as node 0 told through torchrun's store)."""
     root = request.root_cause
     failures = [] if root is None else [(root[0], 128 - root[1] if root[1] < 0 else root[1])]
-    code, failed = summary.job_exit_code(request.torchrun_exit, request.interrupted, failures)
+    code, failed = job_exit_code(request.torchrun_exit, request.interrupted, failures)
     code = code if request.exit_code is None else request.exit_code
     failed_text = "" if failed is None else f", rank {failed} failed"
     node0_dir = None if handed is None else handed.values.get(handover.RUN_DIR_KEY)
@@ -717,17 +718,6 @@ def run(opts: RunOptions) -> int:
         print(f"[traceml] {reply.incomplete}", file=sys.stderr, flush=True)
     let_handover_end(node.handover)
     return process_exit_code(reply.exit_code, torchrun_rc[0] if torchrun_rc else None)
-
-
-def process_exit_code(code: int | None, torchrun_rc: int | None) -> int:
-    """What `traceml run` exits with: the record's code, as a shell reads it; a job that
-    torchrun saw fail never exits 0, whatever code the record holds (a wire value that
-    is a multiple of 256, say)."""
-    if code is None:
-        return 1
-    if torchrun_rc not in (None, 0) and not 1 <= code <= 255:
-        return summary.shell_exit_code(code, torchrun_rc)
-    return code if 0 <= code <= 255 else summary.shell_exit_code(code)
 
 
 # The longest a store call of the handover thread takes against a store that is gone.

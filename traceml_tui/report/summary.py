@@ -27,6 +27,7 @@ from traceml_tui.judge.snapshot import Episode, Snapshot, WholeWindow, hours_uni
 from traceml_tui.judge.stalls import StallFinding
 from traceml_tui.judge.windows import median
 from traceml_tui.report.memory_report import memory_json, memory_lines
+from traceml_tui.runfolder.exit_codes import INTERRUPTED_EXIT
 from traceml_tui.runfolder.folders import write_atomic
 from traceml_tui.runfolder.layout import RunFolder
 
@@ -243,9 +244,6 @@ def _rank_quantiles(snap: Snapshot) -> tuple[
     return steps, step_q, phase_q
 
 
-# The exit code `traceml run` gives an interrupted job (Ctrl-C): its ranks' deaths are
-# the user's doing, not a failure to lead with.
-INTERRUPTED_EXIT = 130
 # The exception's last line, as much as a summary line holds.
 MAX_ERROR_LINE = 300
 
@@ -426,40 +424,6 @@ def _hang(snap: Snapshot) -> dict[str, Any] | None:
                        {**{r.rank: r.stacks for r in snap.ranks if r.stacks},
                         **snap.hang_stacks}.items())},
     }
-
-
-def job_exit_code(torchrun_exit: int | None, interrupted: bool,
-                  failures: list[tuple[int, int]]) -> tuple[int | None, int | None]:
-    """The training job's exit code and the rank that failed first.
-
-    torchrun itself exits 1 whatever a rank's code was; the agents report each rank's
-    own code, so a script that exits 3 on one rank makes `traceml run` exit 3. Whether
-    the job failed is torchrun's word, never a wire value's: a rank's code that a shell
-    would read as success or cannot exit with (0, 256, beyond a byte) is 1 when torchrun
-    failed (shell_exit_code).
-    """
-    failed_rank = failures[0][0] if failures else None
-    if interrupted:
-        return 130, failed_rank
-    if torchrun_exit == 0:
-        return 0, None
-    if torchrun_exit is None:
-        return (None, None) if not failures else (shell_exit_code(failures[0][1]),
-                                                   failed_rank)
-    if failures:
-        return shell_exit_code(failures[0][1], torchrun_exit), failed_rank
-    return shell_exit_code(torchrun_exit), None
-
-
-def shell_exit_code(code: int, fallback: int = 1) -> int:
-    """A failed job's code as a shell reads it: 1-255 as it is, a signal's negative code
-    as 128 + the signal; anything else a failure must not be read as (0, a multiple of
-    256, a value beyond a byte) is `fallback` (torchrun's own code), or 1."""
-    if 1 <= code <= 255:
-        return code
-    if -127 <= code < 0:
-        return 128 - code
-    return fallback if 1 <= fallback <= 255 else 1
 
 
 # --- text ------------------------------------------------------------------------------
