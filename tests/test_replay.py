@@ -147,6 +147,33 @@ def test_a_hang_is_the_summarys_own_on_the_last_keyframe(tmp_path):
     assert replay.view(len(replay) - 2).label != "HANG"  # before the end: the steps' own
 
 
+@pytest.mark.parametrize(("verdict", "shown"), [
+    # The whole run's verdict differs from the last window's: the record's word ends it.
+    ({"label": "INPUT STRAGGLER", "rank": 2, "phase": "dataloader", "severity": "warning",
+      "summary": "Rank 2 was behind from step 40 to 80.\x1b]52;c;x\x07", "node": None},
+     ("INPUT STRAGGLER", 2, "Rank 2 was behind from step 40 to 80.]52;c;x")),
+    # The same verdict as the last evaluation: the live frame stays (with its cost line).
+    (None, None),
+])
+def test_the_last_keyframe_gives_the_records_verdict(tmp_path, verdict, shown):
+    """Opening a record gives one answer to "what was wrong": the summary's, at its end;
+    the keyframes before it are the steps' own evaluations."""
+    run = write_record(tmp_path / "run")
+    doc = json.loads(RunFolder(run).summary_json.read_text())
+    replay = loaded(run)
+    live = replay.view(len(replay) - 2)
+    doc["diagnosis"] = verdict or {"label": live.label, "rank": live.rank,
+                                   "summary": "the whole run's words", "severity": "info"}
+    RunFolder(run).summary_json.write_text(json.dumps(doc))
+    replay = loaded(run)
+    last = replay.view(len(replay) - 1)
+    if shown is None:
+        assert (last.label, last.summary) == (live.label, live.summary)
+        return
+    assert live.label != shown[0]
+    assert (last.label, last.rank, last.summary.replace("\ufffd", "")) == shown
+
+
 def test_a_folder_not_ones_own_is_refused_in_one_line(tmp_path):
     run = write_record(tmp_path / "shared")
     os.chmod(run, 0o777)  # anyone could have written its record

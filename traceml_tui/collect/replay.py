@@ -38,6 +38,7 @@ import numpy as np
 from msgspec.structs import replace
 
 from traceml_agent.protocol import Identity, StepGroup, StepRow
+from traceml_agent.sanitize import clean_line
 from traceml_agent.vocab import HANG
 from traceml_tui.collect import view_build
 from traceml_tui.judge import ingest_columns
@@ -404,15 +405,19 @@ def _ending(view: RunView, rec: Record) -> RunView:
                    failure=failure.get("summary") or view.failure,
                    rows=_ended_rows(view.rows, doc.get("ranks")))
     verdict = doc.get("diagnosis") or {}
-    if verdict.get("label") != HANG:
+    label, rank, node = verdict.get("label"), verdict.get("rank"), verdict.get("node")
+    if not isinstance(label, str) or not label or (
+            label != HANG and (label, rank) == (view.label, view.rank)):
         return view
-    # A hang is seen from silence, which the step log cannot show: the summary's own.
-    rank, node = verdict.get("rank"), verdict.get("node")
-    return replace(view, label=HANG, rank=rank if isinstance(rank, int) else None,
+    # The record's verdict, where the last evaluation of its steps reads otherwise: a hang
+    # is seen from silence, which the step log cannot show, and the summary judges the
+    # whole run (its windows, the ranks' goodbyes) where a live view judged the last
+    # window. Opening a record must not give a second answer to "what was wrong".
+    return replace(view, label=clean_line(label), rank=rank if isinstance(rank, int) else None,
                    node=node if isinstance(node, int) else None,
-                   phase=str(verdict["phase"]) if verdict.get("phase") else None,
+                   phase=clean_line(str(verdict["phase"])) if verdict.get("phase") else None,
                    severity=str(verdict.get("severity") or view.severity),
-                   summary=str(verdict.get("summary") or ""), cost=None)
+                   summary=clean_line(str(verdict.get("summary") or "")), cost=None)
 
 
 def _ended_rows(rows: tuple[RankRow, ...], ranks: Any) -> tuple[RankRow, ...]:
