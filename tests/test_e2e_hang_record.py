@@ -16,7 +16,7 @@ import pytest
 from test_native_stacks import ptrace_allowed
 
 from jobs import EXAMPLES, free_ports, kill_session, spawn_traceml, validate_schema, wait_for
-from traceml_tui.judge.state import NATIVE_THREAD
+from traceml_tui.judge.ingest import NATIVE_THREAD
 
 pytestmark = pytest.mark.e2e
 

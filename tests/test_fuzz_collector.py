@@ -37,7 +37,8 @@ from traceml_agent.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode
 from traceml_tui import viewmodel
 from traceml_tui.collect import view_build
 from traceml_tui.collect.collector import TRANSPORT_FRAME_LIMIT as TRANSPORT_LIMIT
-from traceml_tui.judge.state import MAX_RUN_PHASES, RunState
+from traceml_tui.judge.ingest import MAX_RUN_PHASES
+from traceml_tui.judge.state import RunState
 from traceml_tui.report import summary
 from traceml_tui.runfolder.layout import RunFolder
 
@@ -277,7 +278,7 @@ def test_decode_and_ingest_raise_nothing_but_protocol_error(payloads):
         try:
             msg = decode(payload)
         except ProtocolError:
-            state.count_malformed()
+            state.intake.count_malformed()
             continue
         decoded += 1
         state.ingest(msg, mono)

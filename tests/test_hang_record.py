@@ -124,7 +124,7 @@ def test_the_latched_hang_survives_the_flush_of_a_gil_stuck_ranks_queued_steps()
         t += 1.0
         assert t < 30, "no hang latched"
     assert 1 in state.hang.culprits
-    state.set_native_stack(1, 101, "pause (libc.so.6)\nblock_in_c (ddp_toy.py:120)")
+    state.intake.set_native_stack(1, 101, "pause (libc.so.6)\nblock_in_c (ddp_toy.py:120)")
     state.evaluate(T0 + t, mono_now=t + 0.5)
     _steps(state, idents[1], 20, 35, now=t)  # the flush, and the step Ctrl-C closed
     _steps(state, idents[0], 35, 35, now=t)
@@ -179,7 +179,7 @@ def test_the_state_marks_ranks_behind_a_silent_relay():
 
     state = RunState("relay", world_size=2, started_at=T0, nnodes=2, hang_after_s=5.0)
     ident = Identity(1, 0, 1, "host1", 101, 2)
-    state.relay_seen(1, 0, 0, now=1.0)
+    state.intake.relay_seen(1, 0, 0, now=1.0)
     _steps(state, ident, 0, 19, now=1.0, conn=(b"relay-conn", 0))  # the relay's route 0
     progress = {p.rank: p for p in state.progress(1.0 + 10.0)}
     assert progress[1].node == 1 and progress[1].relay_silent
@@ -251,7 +251,7 @@ def test_only_the_relay_of_that_rank_may_add_its_stack():
     """A rank's key opens the ingest socket: the stack of rank 3 is taken only from the
     connection that relays rank 3's messages, for node 1, for rank 3's pid."""
     state = RunState("relay", world_size=4, started_at=T0, nnodes=2, hang_after_s=5.0)
-    state.relay_seen(1, 0, 0, now=1.0)
+    state.intake.relay_seen(1, 0, 0, now=1.0)
     ident = Identity(3, 1, 1, "host1", 303, 4)
     _steps(state, ident, 0, 5, now=1.0, conn=(b"relay-1", 7))
     direct = Identity(2, 0, 1, "host1", 302, 4)
@@ -260,9 +260,9 @@ def test_only_the_relay_of_that_rank_may_add_its_stack():
                                   (b"relay-1", 0, 3, 303),  # another node
                                   (b"relay-1", 1, 3, 999),  # another process
                                   (b"rank-2", 1, 2, 302)):  # a direct rank, not relayed
-        assert not state.relay_stack(conn, node, rank, pid, "forged"), (conn, node, rank)
+        assert not state.intake.relay_stack(conn, node, rank, pid, "forged"), (conn, node, rank)
     assert state.ranks[3].stacks == () and state.ranks[2].stacks == ()
-    assert state.relay_stack(b"relay-1", 1, 3, 303, "pause (libc.so.6)\x1b[2J")
+    assert state.intake.relay_stack(b"relay-1", 1, 3, 303, "pause (libc.so.6)\x1b[2J")
     (name, text), = state.ranks[3].stacks
     assert name.startswith("native") and "pause" in text and "\x1b" not in text
 

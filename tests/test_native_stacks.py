@@ -18,7 +18,8 @@ from test_state import ident, steps  # noqa: F401 - helpers of the state tests
 from jobs import EXAMPLES, kill_session, spawn_traceml, wait_for
 from traceml_agent.requests import NativeStack, RequestError, decode_control, encode_control
 from traceml_tui.collect.collector import Collector
-from traceml_tui.judge.state import NATIVE_THREAD, RunState
+from traceml_tui.judge.ingest import NATIVE_THREAD
+from traceml_tui.judge.state import RunState
 from traceml_tui.launch.native_stacks import stuck_ranks
 from traceml_tui.report import summary
 
@@ -53,9 +54,9 @@ def test_a_native_stack_request_is_checked_and_kept_for_the_process_it_came_from
         coll.close()
     state = RunState("run", world_size=2)
     state.ingest(steps(1, range(3)), now=0.0)
-    state.set_native_stack(1, 999, "not this process")  # another pid: a restarted rank
+    state.intake.set_native_stack(1, 999, "not this process")  # another pid: a restarted rank
     assert state.ranks[1].stacks == ()
-    state.set_native_stack(1, state.ranks[1].ident.pid, "pause (libc.so.6)\x1b[2J")
+    state.intake.set_native_stack(1, state.ranks[1].ident.pid, "pause (libc.so.6)\x1b[2J")
     ((name, text),) = state.ranks[1].stacks
     assert name == NATIVE_THREAD and "\x1b" not in text  # cleaned like any rank text
     state.ingest(steps(1, range(3, 4)), now=0.0)  # it steps again: the stall is over

@@ -36,7 +36,7 @@ def state_from(payloads: list[bytes]) -> tuple[RunState, float]:
         try:
             state.ingest(decode(payload), mono)
         except ProtocolError:
-            state.count_malformed()
+            state.intake.count_malformed()
     state.evaluate(hostile.T0 + mono, mono + 60.0)
     return state, mono
 

@@ -26,7 +26,9 @@ import zmq
 from jobs import wait_for
 from traceml_agent import keys
 from traceml_agent.protocol import PHASES, Identity, decode, encode
-from traceml_tui.judge.state import MAX_STEP_JUMP, MAX_STEPS_PER_S, RANK_QUIET_S, RunState
+from traceml_tui.judge.ingest import MAX_STEP_JUMP, MAX_STEPS_PER_S
+from traceml_tui.judge.owners import RANK_QUIET_S
+from traceml_tui.judge.state import RunState
 from traceml_tui.view.client import ViewClient
 
 SECRET = "cd" * 32

@@ -236,7 +236,7 @@ def test_evaluate_waits_for_min_steps(n_steps, label):
 
 def test_a_sender_inventing_phase_names_cannot_grow_the_collector():
     """Each new phase name costs a window per rank; names beyond the run's limit are refused."""
-    from traceml_tui.judge.state import MAX_RUN_PHASES
+    from traceml_tui.judge.ingest import MAX_RUN_PHASES
 
     state = RunState("run", world_size=1)
     ident = Identity(rank=0, local_rank=0, node=0, host="h", pid=1, world_size=1)

@@ -250,7 +250,7 @@ def test_the_summary_of_any_received_traffic_is_written_and_read_through_the_mod
         try:
             state.ingest(protocol.decode(payload), mono)
         except protocol.ProtocolError:
-            state.count_malformed()
+            state.intake.count_malformed()
     state.evaluate(hostile.T0 + mono, mono + 60.0)
     snap = state.snapshot(hostile.T0 + mono, mono + 60.0, full=True)
     doc = summary.build(snap, summary.RunMeta(complete=False))

@@ -338,14 +338,14 @@ class Collector:
         elif len(frames) == 3 and frames[1] == RELAY_STACKS_TAG:
             self._receive_stacks(frames[0], frames[2])
         else:
-            self.state.count_malformed()
+            self.state.intake.count_malformed()
 
     def _receive_relayed(self, frames: list[bytes], mono: float) -> None:
         """A node relay's batch: each payload as if its rank had sent it directly."""
         try:
             batch = decode_relay_batch(frames[2])
         except ProtocolError:
-            self.state.count_malformed()
+            self.state.intake.count_malformed()
             return
         conn = frames[0]
         cols = batch.cols
@@ -363,14 +363,14 @@ class Collector:
                     i += 1
         # Its counters after its payloads: they count only from the connection that relays
         # the node's ranks (a hello in this very batch included), not from any key holder.
-        self.state.relay_seen(batch.node, batch.batches, batch.dropped, mono, conn)
+        self.state.intake.relay_seen(batch.node, batch.batches, batch.dropped, mono, conn)
 
     def _receive_row(self, route: Route, row: StepRow,
                      opened: tuple[columns.Group, int] | None, mono: float) -> None:
         """One column row: taken at once for its envelope, its records with the drain's
         others (flush_columns), or else ingested as the steps message it stands for."""
         if opened is None or columns.row_error(row, opened[0]) is not None:
-            self.state.count_malformed()
+            self.state.intake.count_malformed()
             return
         group, start = opened
         if columns.take_row(self.state, self.pending, row.id, route, mono, row, group, start):
@@ -411,15 +411,15 @@ class Collector:
 
     def _receive_stacks(self, conn: bytes, data: bytes) -> None:
         """A node's dump of one of its ranks: taken only when asked, for that pid, and
-        from the very connection that relays that rank's messages (state.relay_stack)."""
+        from the very connection that relays that rank's messages (Intake.relay_stack)."""
         try:
             dump = decode_relay_stacks(data)
         except ProtocolError:
-            self.state.count_malformed()
+            self.state.intake.count_malformed()
             return
         asked = self.stacks_asked.get(dump.rank) if isinstance(dump, RelayStacks) else None
         if (not isinstance(dump, RelayStacks) or asked is None or asked[0] != dump.pid
-                or not self.state.relay_stack(conn, dump.node, dump.rank, dump.pid,
+                or not self.state.intake.relay_stack(conn, dump.node, dump.rank, dump.pid,
                                               dump.text)):
             self.state.counters["stacks_refused"] = (
                 self.state.counters.get("stacks_refused", 0) + 1)
@@ -435,7 +435,7 @@ class Collector:
             else:
                 msg = decode(payload)
         except ProtocolError:
-            self.state.count_malformed()
+            self.state.intake.count_malformed()
             return
         self._take(route, msg, mono)
 
@@ -446,11 +446,11 @@ class Collector:
         try:
             row, src = steps_columns.columns_of(wire)
         except ProtocolError:
-            self.state.count_malformed()
+            self.state.intake.count_malformed()
             return
         opened = columns.open_groups([src], [row])[0]
         if opened is None or columns.row_error(row, opened[0]) is not None:
-            self.state.count_malformed()
+            self.state.intake.count_malformed()
             return
         group, start = opened
         rank = row.id.rank
@@ -468,8 +468,8 @@ class Collector:
             return  # another connection's rank, or not of this run: its records never made
         records = columns.message_of(row, group, start).records
         rs = self.state.ranks[rank]
-        self.state.take_records(rs, records, group.phases)
-        self.state.stepped_past_stacks(rs)
+        self.state.intake.take_records(rs, records, group.phases)
+        self.state.intake.stepped_past_stacks(rs)
         self.step_log.append_records(rank, group.phases, records)
 
     def _take(self, route: Route, msg: Message, mono: float) -> bool:
@@ -527,7 +527,7 @@ class Collector:
             if request.rank >= self.state.world_size:
                 self._control_reply(ControlReply(False, "rank out of range"))
                 return
-            self.state.set_native_stack(request.rank, request.pid, request.text)
+            self.state.intake.set_native_stack(request.rank, request.pid, request.text)
             self._control_reply(ControlReply(True))
         else:  # the record is only ever finished by a well-formed request
             self.start_finish(request, reply_to_launcher=True)  # answered when written

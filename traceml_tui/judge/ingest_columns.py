@@ -3,8 +3,8 @@
 A node relay sends its ranks' plain steps messages as rows of packed columns
 (protocol.StepColumns; collect/relay_columns.py). The relay is trusted with nothing: each
 row is checked here as strictly as a steps message (protocol._record's bounds, the phase
-list through protocol._phases and RunState._phases_fit), and attributed to the connection
-and route it came on exactly as a relayed payload is (RunState.ingest's ownership, pid,
+list through protocol._phases and Intake.phases_fit), and attributed to the connection
+and route it came on exactly as a relayed payload is (Intake.message's ownership, pid,
 world-size, take-over and restart rules apply unchanged).
 
 A row whose rank is already known on that very connection, as that very process, with
@@ -43,7 +43,8 @@ from traceml_agent.protocol import (
     column_phases,
 )
 
-from .state import COUNTER_MAX, WARMUP_STEPS, RunState
+from .ingest import in_window, next_steps
+from .state import RunState
 
 # Records waiting at most: the collector flushes early past it. A drain may hold 256 relay
 # frames of ~1 MiB (from as many key holders' connections), and a flush builds a dozen
@@ -206,14 +207,14 @@ def take_row(state: RunState, pending: Pending, ident: Identity, conn: object, n
             or rs.ident.pid != ident.pid or rs.first_step < 0):
         return False
     phases = group.phases
-    if not state._phases_fit(phases):
+    intake = state.intake
+    if not intake.phases_fit(phases):
         return False
-    state.add_phases(phases)
-    # As RunState.ingest and _ingest_steps do for a message, less its records.
-    counters = state.counters
-    counters["messages"] += 1
+    intake.add_phases(phases)
+    # As Intake.message and Intake._steps do for a message, less its records.
+    state.counters["messages"] += 1
     rs.last_seen = now
-    state.take_counts(rs, row.dropped, phases, row.forced)
+    intake.take_counts(rs, row.dropped, phases, row.forced)
     if row.n:
         pending.add(ident.rank, group, start, row.n)
     return True
@@ -232,7 +233,7 @@ class LogRun:
 
 
 def flush(state: RunState, pending: Pending) -> list[LogRun]:
-    """Take every waiting rank's records, as _ingest_steps would have taken them message
+    """Take every waiting rank's records, as Intake._steps would have taken them message
     by message; the valid records for the step log."""
     if not pending.row_rank:
         pending.clear()
@@ -303,9 +304,7 @@ def _flush(state: RunState, p: Pending) -> list[LogRun]:
 def _count_bad(state: RunState, ranks: np.ndarray) -> None:
     uniq, counts = np.unique(ranks, return_counts=True)
     for r, c in zip(uniq.tolist(), counts.tolist(), strict=True):
-        rs = state.ranks[r]
-        rs.bad_records = min(COUNTER_MAX, rs.bad_records + c)
-        state.counters["bad_records"] = min(COUNTER_MAX, state.counters["bad_records"] + c)
+        state.intake.bad_records(state.ranks[r], c)
 
 
 def _log_runs(names: list[tuple[str, ...]], valid: np.ndarray, key: np.ndarray,
@@ -341,7 +340,8 @@ def _take(state: RunState, p: Pending, valid: np.ndarray, rank: np.ndarray, step
           vals_of: dict[tuple[str, ...], np.ndarray], row_of: np.ndarray) -> None:
     """The valid records into the ranks' windows and counts: a rank whose records are all
     the next steps within the step-rate bound in one pass for all; any other rank record
-    by record (RunState.take_records, the per-message path's own code)."""
+    by record (Intake.take_records, the per-message path's own code). The rule is the
+    same, `ingest.next_steps`, in its array form."""
     idx = np.flatnonzero(valid)
     if not len(idx):
         return
@@ -357,8 +357,8 @@ def _take(state: RunState, p: Pending, valid: np.ndarray, rank: np.ndarray, step
     prev[1:] = step_s[:-1]
     prev[starts] = [rs.last_step for rs in ranks]
     bound = np.repeat(np.array([rs.step_bound() for rs in ranks], np.int64), counts)
-    plain = np.logical_and.reduceat((step_s > prev) & (step_s <= bound), starts)
-    window = (step_s >= WARMUP_STEPS) & np.repeat(plain, counts)
+    plain = np.logical_and.reduceat(next_steps(step_s, prev, bound), starts)
+    window = in_window(step_s) & np.repeat(plain, counts)
     block = state.block
     if window.any():
         _to_windows(state, order, r_s, step_s, step_ms, window, starts, counts, key, names,
@@ -376,7 +376,7 @@ def _take(state: RunState, p: Pending, valid: np.ndarray, rank: np.ndarray, step
     hits: dict[int, list[int]] = {}
     for j in np.flatnonzero(stalled).tolist():
         hits.setdefault(int(np.searchsorted(starts, j, side="right")) - 1, []).append(j)
-    counters = state.counters
+    intake = state.intake
     size = block.size
     for i, rs in enumerate(ranks):
         lo, hi = starts_l[i], ends_l[i]
@@ -388,17 +388,13 @@ def _take(state: RunState, p: Pending, valid: np.ndarray, rank: np.ndarray, step
                 rec = int(order[j])
                 phases, vals = _values(rec, key, names, sel_of, vals_of)
                 one = StepRecord(int(step[rec]), 0.0, float(step_ms[rec]), vals)
-                if state.take_records(rs, (one,), phases):
+                if intake.take_records(rs, (one,), phases):
                     last = int(mark[j])
             if last < 0:
                 continue
         else:
             last = last_marks[i]
-            rs.last_step = lasts[i]
-            rs.steps += hi - lo
-            counters["records"] += hi - lo
-            rs.last_step_at = rs.last_seen
-            rs.dirty = True
+            intake.took(rs, hi - lo, lasts[i])
             nw = w_counts[i]
             if nw:
                 r = uniq[i]
@@ -407,9 +403,10 @@ def _take(state: RunState, p: Pending, valid: np.ndarray, rank: np.ndarray, step
             for j in hits.get(i, ()):
                 rec = int(order[j])
                 phases, vals = _values(rec, key, names, sel_of, vals_of)
-                state.stall_seen(rs, int(step[rec]), float(step_ms[rec]), phases, vals)
-        rs.since_step_at_msg_s = since if beat > last else 0.0
-        state.stepped_past_stacks(rs)
+                intake.stall_seen(rs, int(step[rec]), float(step_ms[rec]), phases, vals)
+        if beat > last:  # a heartbeat came after its last records: the agent's figure
+            intake.since_step(rs, since)
+        intake.stepped_past_stacks(rs)
 
 
 def _values(rec: int, key: np.ndarray, names: list[tuple[str, ...]],

@@ -23,7 +23,7 @@ RANK_QUIET_S = 3.0
 
 
 class Owned(Protocol):
-    """What the rule reads of a rank's record (state.RankState)."""
+    """What the rule reads of a rank's record (ingest.RankState)."""
 
     ident: Identity
     key: str | None
