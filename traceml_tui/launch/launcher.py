@@ -356,11 +356,10 @@ def _fallback_summary(run_dir: Path, request: Finish) -> EndReply:
         request.torchrun_exit, request.interrupted, failures)
     meta = summary.RunMeta(exit_code=code if request.exit_code is None else request.exit_code,
                            failed_rank=failed_rank)
-    doc = model.to_doc(snap)
-    doc["complete"] = False
-    doc["run"].update(exit_code=meta.exit_code, failed_rank=failed_rank,
-                      ended_at=summary.iso(request.ended_at), command=request.command)
-    doc["failure"] = summary.failure(doc["ranks"], meta)  # as the collector would lead
+    run = replace(snap.run, exit_code=meta.exit_code, failed_rank=failed_rank,
+                  ended_at=summary.iso(request.ended_at), command=list(request.command))
+    doc = replace(snap, complete=False, run=run,  # the failure as the collector would lead
+                  failure=summary.rank_failure(snap.ranks, meta))
     return ending.summary_reply(run_dir, doc, lambda: summary.write_summary(run_dir, doc))
 
 

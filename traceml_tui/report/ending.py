@@ -18,6 +18,7 @@ import msgspec
 from traceml_agent.vocab import SUMMARY_JSON
 from traceml_tui.runfolder.layout import RunFolder
 
+from . import model
 from .summary import render_text
 
 
@@ -46,14 +47,14 @@ def from_wire(obj: Any) -> EndReply | None:
         return None
 
 
-def summary_reply(run_dir: Path, doc: dict[str, Any], write: Callable[[], Path | None],
-                  note: str = "") -> EndReply:
+def summary_reply(run_dir: Path, doc: dict[str, Any] | model.Summary,
+                  write: Callable[[], Path | None], note: str = "") -> EndReply:
     """Render the summary `doc`, write it by `write` (summary.write_summary, perhaps
     through the collector's reserved descriptors) and say where it went. A disk that
     cannot take it costs the file, never the record on the terminal."""
-    run = doc["run"]
-    reply = EndReply(exit_code=run["exit_code"], failed_rank=run.get("failed_rank"),
-                     text=render_text(doc) + note)
+    s = doc if isinstance(doc, model.Summary) else model.from_doc(doc)
+    reply = EndReply(exit_code=s.run.exit_code, failed_rank=s.run.failed_rank,
+                     text=render_text(s) + note)
     try:
         reply.path = str(write() or RunFolder(Path(run_dir)).summary_json)
     except OSError as exc:

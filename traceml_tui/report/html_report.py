@@ -131,7 +131,7 @@ def _text_summary(folder: RunFolder, s: model.Summary | None) -> str:
     if s is None:
         return ""
     try:
-        return render_text(model.to_doc(s))
+        return render_text(s)
     except (KeyError, TypeError, ValueError, IndexError):
         return ""
 

@@ -256,6 +256,15 @@ def failure(ranks: list[dict[str, Any]], meta: RunMeta) -> dict[str, Any] | None
                       meta.failed_rank)
 
 
+def rank_failure(ranks: Sequence[model.Rank], meta: RunMeta) -> model.Failure | None:
+    """`failure` of a summary read through the model (the launcher's fallback)."""
+    if meta.exit_code == INTERRUPTED_EXIT:
+        return None
+    found = failure_of([(r.rank, r.exit_code, r.error, r.steps) for r in ranks],
+                       meta.failed_rank)
+    return None if found is None else msgspec.convert(found, model.Failure)
+
+
 def failure_of(ranks: list[tuple[int, int | None, str | None, int]],
                first: int | None = None) -> dict[str, Any] | None:
     """The rank that failed first, what ended it (exit code or signal, its exception's
@@ -365,7 +374,7 @@ def _throughputs(step_ms: list[float | None], batch: list[int | None]
                  ) -> list[dict[str, float | None]]:
     """`_throughput` of every rank, the rates rounded by column."""
     ms = np.array([np.nan if v is None else v for v in step_ms], dtype=float)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         steps = np.where(ms >= MIN_RATE_STEP_MS, 1000.0 / ms, np.nan)  # NaN: no rate
         samples = steps * np.array([np.nan if b is None else b for b in batch], dtype=float)
     return [{"steps_per_s": s, "samples_per_s": x, "batch_size": b} for s, x, b in zip(
@@ -668,7 +677,7 @@ def _signal_name(signum: int) -> str:
 # --- files -----------------------------------------------------------------------------
 
 
-def to_json(doc: dict[str, Any], indent: int = 0) -> str:
+def to_json(doc: dict[str, Any] | model.Summary, indent: int = 0) -> str:
     """A summary document as JSON text, written through the model (model.py: a field of
     the wrong type fails here, not in a reader), by msgspec (C: ~10x faster than the json
     module on 16,384 ranks' rows). A NaN that slipped through becomes null."""
@@ -690,8 +699,10 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def write_summary(run_dir: Path, doc: dict[str, Any]) -> Path:
+def write_summary(run_dir: Path, doc: dict[str, Any] | model.Summary) -> Path:
+    """final_summary.json and its text, both from the model (a document converted once)."""
+    s = doc if isinstance(doc, model.Summary) else model.from_doc(doc)
     folder = RunFolder(Path(run_dir))
-    write_atomic(folder.summary_json, to_json(doc, indent=2))
-    write_atomic(folder.summary_txt, render_text(doc))
+    write_atomic(folder.summary_json, to_json(s, indent=2))
+    write_atomic(folder.summary_txt, render_text(s))
     return folder.summary_json
