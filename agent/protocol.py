@@ -105,7 +105,7 @@ Megabytes = Annotated[float, Meta(ge=0.0, le=1e9)]
 Short = Annotated[str, Meta(max_length=64)]
 Line = Annotated[str, Meta(max_length=MAX_STR)]
 # A field flagged so (Annotated[..., SUMMARIZED]) is copied, under its name, into its
-# rank's row of final_summary.json: report/model.py declares the row's field from the
+# rank's row of final_summary.json: runfolder/summary_model.py declares the row's field from the
 # flag, after the row's own fields, in this Struct's order (issue 31: a field a rank
 # sends reaches the summary with no edit on the collector's side).
 SUMMARIZED = Meta(extra={"summary": True})

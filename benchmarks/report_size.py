@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from traceml_tui.report import model
 from traceml_tui.report.html_report import write_report
+from traceml_tui.runfolder import summary_model as model
 from traceml_tui.runfolder.layout import RunFolder
 from traceml_tui.runfolder.step_log import StepLogWriter
 

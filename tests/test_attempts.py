@@ -12,8 +12,9 @@ from traceml_tui.judge import attempts as att
 from traceml_tui.judge import diagnosis as dx
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import attempts as words
-from traceml_tui.report import model, summary
-from traceml_tui.report.model import from_doc
+from traceml_tui.report import summary
+from traceml_tui.runfolder import summary_model as model
+from traceml_tui.runfolder.summary_model import from_doc
 
 T0 = 1_700_000_000.0
 BALANCED_MS = [5.0, 1.0, 30.0, 50.0, 4.0, 8.0, 2.0]  # PHASES order, 100 ms

@@ -22,6 +22,7 @@ from jobs import free_ports, wait_for
 from traceml_agent import keys, protocol
 from traceml_agent.protocol import PHASES, Identity
 from traceml_tui.collect.relay import RelayProcess
+from traceml_tui.runfolder.summary_model import to_doc
 from traceml_tui.view.client import ViewClient
 
 SECRET = "ab" * 32
@@ -74,7 +75,7 @@ def two_node_collector(tmp_path):
 
 
 def _steps(viewer: ViewClient) -> list[int]:
-    return [r["steps"] for r in viewer.summary()["ranks"]]
+    return [r["steps"] for r in to_doc(viewer.summary())["ranks"]]
 
 
 def test_a_relayed_rank_is_seen_and_answered(two_node_collector):
@@ -91,7 +92,7 @@ def test_a_relayed_rank_is_seen_and_answered(two_node_collector):
         for frame in _messages(1, 1, range(40, 500), seq0=5):  # turned away by the relay
             forger.send(frame, zmq.NOBLOCK)
         wait_for(lambda: _steps(viewer) == [30, 40], 20, "both ranks' steps")
-        doc = viewer.summary()
+        doc = to_doc(viewer.summary())
         assert doc["relays"]["nodes"] == [1] and doc["relays"]["silent"] == []
         assert doc["relays"]["lost_batches"] == 0 and doc["relays"]["dropped"] == 0
         assert doc["collector"]["malformed"] == 0
@@ -127,7 +128,7 @@ def test_a_lost_relay_is_reported_while_its_node_has_ranks(two_node_collector):
         assert view.relays_silent == ()
         relay.proc.kill()
         relay.proc.wait()
-        wait_for(lambda: viewer.summary()["relays"]["silent"] == [1], 20,
+        wait_for(lambda: to_doc(viewer.summary())["relays"]["silent"] == [1], 20,
                  "the relay's silence to be seen")
         wait_for(lambda: viewer.fetch()[0].relays_silent == (1,), 5, "the dashboard to say it")
     finally:

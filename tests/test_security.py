@@ -21,6 +21,7 @@ import zmq
 from jobs import wait_for
 from traceml_agent import keys, protocol
 from traceml_agent.protocol import PHASES, Identity
+from traceml_tui.runfolder.summary_model import to_doc
 from traceml_tui.view.client import ViewClient, ViewUnavailable
 
 SECRET = "ab" * 32
@@ -126,12 +127,12 @@ def test_a_forged_client_without_the_keys_changes_nothing(secured):
         viewer = ViewClient(info["view"], timeout_s=5, secret=SECRET)
 
         def rank0_arrived() -> bool:
-            ranks = viewer.summary()["ranks"]
+            ranks = to_doc(viewer.summary())["ranks"]
             return ranks[0]["steps"] == 20
 
         wait_for(rank0_arrived, 20, "the legitimate steps")
         time.sleep(1.5)  # the forgers had as long as the legitimate sender, and more
-        doc = viewer.summary()
+        doc = to_doc(viewer.summary())
         assert [r["steps"] for r in doc["ranks"]] == [20, 0]
         counters = doc["collector"]
         assert counters["messages"] == 2 and counters["malformed"] == 0

@@ -29,6 +29,7 @@ from traceml_agent.protocol import PHASES, Identity, decode, encode
 from traceml_tui.judge.ingest import MAX_STEP_JUMP, MAX_STEPS_PER_S
 from traceml_tui.judge.owners import RANK_QUIET_S
 from traceml_tui.judge.state import RunState
+from traceml_tui.runfolder.summary_model import to_doc
 from traceml_tui.view.client import ViewClient
 
 SECRET = "cd" * 32
@@ -72,7 +73,7 @@ class Secured:
         return sock
 
     def summary(self) -> dict[str, Any]:
-        return self.viewer.summary()
+        return to_doc(self.viewer.summary())
 
     def stop(self) -> None:
         self.viewer.close()

@@ -31,6 +31,7 @@ from jobs import wait_for
 from traceml_agent import keys, protocol
 from traceml_agent.protocol import PHASES, Identity
 from traceml_tui.collect.relay import RelayProcess
+from traceml_tui.runfolder.summary_model import to_doc
 from traceml_tui.view.client import ViewClient
 
 SECRET = "cd" * 32
@@ -114,7 +115,7 @@ def test_idle_connections_from_another_user_do_not_blind_the_relay(collector, tm
             rank.send(frame)
 
         def seen() -> bool:
-            return [r["steps"] for r in viewer.summary()["ranks"]][1:] == [40]
+            return [r["steps"] for r in to_doc(viewer.summary())["ranks"]][1:] == [40]
 
         # Well inside libzmq's 30 s handshake default (the idle ones' hold before).
         wait_for(seen, 15, "node 1's rank through its relay while idle connections wait")
@@ -210,7 +211,7 @@ def test_a_relay_on_its_unix_socket_is_out_of_other_users_reach(collector, tmp_p
         rank = _rank_socket(ctx, relay.address)
         for frame in _messages(1, 1, range(25)):
             rank.send(frame)
-        wait_for(lambda: [r["steps"] for r in viewer.summary()["ranks"]][1:] == [25], 20,
+        wait_for(lambda: [r["steps"] for r in to_doc(viewer.summary())["ranks"]][1:] == [25], 20,
                  "node 1's rank through the relay's Unix socket")
         listening = [c for c in psutil.Process(relay.proc.pid).net_connections("tcp")
                      if c.status == psutil.CONN_LISTEN]

@@ -14,7 +14,7 @@ from test_state import BALANCED_MS, steps
 from traceml_tui.judge import diagnosis as dx
 from traceml_tui.judge import stalls as sl
 from traceml_tui.judge.state import RunState
-from traceml_tui.report import model
+from traceml_tui.runfolder import summary_model as model
 
 STEP = 10.0  # ms, the typical step of every simulated rank
 

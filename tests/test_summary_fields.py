@@ -18,7 +18,8 @@ from traceml_agent.protocol import (
     Message,
 )
 from traceml_tui.collect.canned import T0, make_state
-from traceml_tui.report import model, summary
+from traceml_tui.report import summary
+from traceml_tui.runfolder import summary_model as model
 
 
 def test_the_rank_row_ends_with_the_flagged_heartbeat_fields():

@@ -15,7 +15,8 @@ from pathlib import Path
 import msgspec
 
 from jobs import validate_schema
-from traceml_tui.report import model, summary
+from traceml_tui.report import summary
+from traceml_tui.runfolder import summary_model as model
 
 DATA = Path(__file__).parent / "data"
 DOC = DATA / "rich_summary.json"

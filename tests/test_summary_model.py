@@ -1,4 +1,5 @@
-"""The summary's typed model (report/model.py), failures first, and the one end-of-run reply.
+"""The summary's typed model (runfolder/summary_model.py), failures first, and the one
+end-of-run reply.
 
 final_summary.json is written through the model and read back through it; a file that is
 not a summary is one line; a failed rank leads the summary, its text and the banner.
@@ -21,8 +22,9 @@ from traceml_agent.protocol import Identity, StepRecord
 from traceml_agent.vocab import PHASES
 from traceml_tui.collect.canned import T0, StaticSource, make_state
 from traceml_tui.judge.state import RunState
-from traceml_tui.report import ending, model, summary
+from traceml_tui.report import ending, summary
 from traceml_tui.report.compare import compare
+from traceml_tui.runfolder import summary_model as model
 from traceml_tui.runfolder.step_log import StepLogWriter
 
 EXTRA = {"run_dir": "/runs/x", "logs": "/runs/x/logs", "torchrun_exit_code": 1,

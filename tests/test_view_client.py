@@ -3,9 +3,11 @@ not, whatever state its socket is in (view/client.py)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import zmq
 
@@ -165,7 +167,13 @@ def test_nothing_a_fake_collector_says_reaches_the_terminal_raw():
     from traceml_tui.viewmodel import encode_detail, encode_view
 
     view, detail = _hostile_view()
-    summary = {"run": {"name": _EVIL, _EVIL: [_EVIL, {"stack": f"a\n{_EVIL}"}]}}
+    # A summary the model accepts (its unknown keys ignored), its strings hostile.
+    summary = json.loads((Path(__file__).parent / "data" / "rich_summary.json").read_text())
+    summary["run"]["name"] = _EVIL
+    summary["run"][_EVIL] = [_EVIL, {"stack": f"a\n{_EVIL}"}]
+    summary["diagnosis"]["summary"] = f"a\n{_EVIL}"
+    summary["ranks"][0]["host"] = _EVIL
+    summary["hang"]["stacks"]["2"][0]["stack"] = f"frame\n{_EVIL}"
     enc = msgspec.msgpack.encode
     address, server = _fake_collector([
         [encode_view(view), encode_detail(detail)],
@@ -192,5 +200,6 @@ def test_nothing_a_fake_collector_says_reaches_the_terminal_raw():
         server.join(10)
     seen = _strings([got_view, got_detail, got_summary, reply, errors], [])
     assert len(errors) == 2 and len(seen) > 40
+    assert "]52;c;cm0gLXJmIH4K" in got_summary.ranks[0].host  # typed, and cleaned
     assert not _unsafe(seen), _unsafe(seen)[:3]
     assert not [s for s in seen if "\x1b" in s or "\x9b" in s]  # OSC 52, clears: defused

@@ -9,7 +9,6 @@ for the same numbers from a live job.
 from __future__ import annotations
 
 import random
-from typing import Any
 
 from msgspec.structs import replace
 
@@ -38,6 +37,7 @@ from traceml_agent.vocab import (
 from traceml_tui.collect import view_build
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import summary
+from traceml_tui.runfolder import summary_model
 from traceml_tui.viewmodel import DeepTraceView, RankDetail, RunView
 
 T0 = 1_700_000_000.0  # a fixed clock: canned states never read the real one
@@ -117,10 +117,10 @@ class StaticSource:
             detail = view_build.detail(snap, pinned, view, state.recent_steps(pinned))
         return view, detail
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> summary_model.Summary:
         state = self.states[min(self.index, len(self.states)) - 1]
         snap = state.snapshot(T0 + 75.0, 0.5, full=True)
-        return summary.build(snap, summary.RunMeta(complete=False))
+        return summary_model.from_doc(summary.build(snap, summary.RunMeta(complete=False)))
 
     def capture(self, ranks: list[int] | None = None, steps: int = 5) -> CaptureReply:
         self.captures.append((ranks, steps))

@@ -69,8 +69,9 @@ from traceml_agent.requests import (
 )
 from traceml_tui.judge import ingest_columns as columns
 from traceml_tui.judge.state import RunState
-from traceml_tui.report import ending, model, summary
+from traceml_tui.report import ending, summary
 from traceml_tui.runfolder import exit_codes, folders
+from traceml_tui.runfolder import summary_model as model
 from traceml_tui.runfolder.layout import RunFolder
 from traceml_tui.runfolder.step_log import StepLogWriter
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import msgpack
 import zmq
 from msgspec.structs import replace
 
@@ -34,6 +33,7 @@ from traceml_tui import viewmodel
 from traceml_tui.judge.snapshot import Snapshot
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import summary
+from traceml_tui.runfolder import summary_model
 
 from . import view_build
 from .deep_traces import DeepTraceBoard, deep_trace_roles
@@ -132,7 +132,8 @@ class ViewServer:
         start = time.monotonic()
         if not self._summary or start >= self._summary_next:
             snap = self.state.snapshot(time.time(), start, full=True)
-            self._summary = msgpack.packb(summary.build(snap, summary.RunMeta(complete=False)))
+            self._summary = summary_model.to_msgpack(summary_model.from_doc(
+                summary.build(snap, summary.RunMeta(complete=False))))
             done = time.monotonic()
             self._summary_next = done + SUMMARY_BACKOFF * (done - start)
         return self._summary

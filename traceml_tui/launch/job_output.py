@@ -16,15 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from traceml_agent.sanitize import clean_line
-from traceml_tui.report.model import (
+from traceml_tui.runfolder import folders
+from traceml_tui.runfolder.layout import RunFolder
+from traceml_tui.runfolder.summary_model import (
     MAX_SUMMARY_BYTES,
     NotASummary,
     Summary,
     decode,
     read_bounded,
 )
-from traceml_tui.runfolder import folders
-from traceml_tui.runfolder.layout import RunFolder
 
 STATUS_EVERY_S = 10.0
 

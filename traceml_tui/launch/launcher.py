@@ -33,9 +33,10 @@ from msgspec.structs import replace
 from traceml_agent import env, handover, keys, vocab
 from traceml_agent.requests import Finish, encode_control
 from traceml_agent.sanitize import clean_line
-from traceml_tui.report import ending, model, summary
+from traceml_tui.report import ending, summary
 from traceml_tui.report.ending import EndReply
 from traceml_tui.runfolder import folders
+from traceml_tui.runfolder import summary_model as model
 from traceml_tui.runfolder.exit_codes import job_exit_code, process_exit_code
 from traceml_tui.runfolder.layout import RunFolder
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import re
 
 from traceml_agent.vocab import format_ranks
-
-from .model import Attempt, Episode, Failure, Summary
+from traceml_tui.runfolder.summary_model import Attempt, Episode, Failure, Summary
 
 # The exception's class on the last line of a traceback ("ValueError: bad batch"), as
 # Python prints it: a dotted name, then a colon (or nothing more).

@@ -22,9 +22,8 @@ from traceml_agent.vocab import (
     WAITING_PHASES,
 )
 from traceml_tui.judge.windows import median
-
-from .model import NotASummary, Rank, Summary, from_doc
-from .model import load as load_summary
+from traceml_tui.runfolder.summary_model import NotASummary, Rank, Summary, from_doc
+from traceml_tui.runfolder.summary_model import load as load_summary
 
 # Step-time medians of repeated identical runs on a shared machine differ by a few
 # percent; below 5% a change cannot be told from that noise.
@@ -45,7 +44,8 @@ class CompareError(Exception):
 
 
 def load(path: Path) -> Summary:
-    """A summary file through the model (model.py): one CompareError line if it is not."""
+    """A summary file through the model (runfolder/summary_model.py): one CompareError
+    line if it is not."""
     try:
         return load_summary(path)
     except NotASummary as exc:

@@ -16,9 +16,9 @@ from typing import Any
 import msgspec
 
 from traceml_agent.vocab import SUMMARY_JSON
+from traceml_tui.runfolder import summary_model as model
 from traceml_tui.runfolder.layout import RunFolder
 
-from . import model
 from .summary import render_text
 
 

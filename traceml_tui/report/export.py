@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from traceml_agent.vocab import STEP_LOG_DIR
+from traceml_tui.runfolder import summary_model as model
 from traceml_tui.runfolder.layout import RunFolder
 from traceml_tui.runfolder.step_log import read_steps
 
-from . import model, perfetto
+from . import perfetto
 
 
 class ExportError(Exception):
@@ -24,9 +25,10 @@ class ExportError(Exception):
 
 
 def _summary_doc(run_dir: Path) -> dict[str, Any] | None:
-    """The run's summary read through the model (model.py), final or live; None when the
-    run has neither (the steps still export). One that is there but is not a summary is
-    the user's one-line error, not a trace silently missing its episodes."""
+    """The run's summary read through the model (runfolder/summary_model.py), final or
+    live; None when the run has neither (the steps still export). One that is there but
+    is not a summary is the user's one-line error, not a trace silently missing its
+    episodes."""
     folder = RunFolder(run_dir)
     for path in (folder.summary_json, folder.live):
         if not path.is_file():

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from traceml_agent.vocab import STEP_LOG_DIR, WARMUP
+from traceml_tui.runfolder import summary_model as model
 from traceml_tui.runfolder.layout import RunFolder
 
-from . import model, step_series
+from . import step_series
 from .summary import render_text
 from .svg_charts import Series, Span, esc, fmt, legend, line_chart, stacked_bars, timeline
 

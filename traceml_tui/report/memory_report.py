@@ -13,8 +13,7 @@ from typing import Any
 
 from traceml_agent.vocab import format_ranks
 from traceml_tui.judge.memory import MemoryTrend, growth_sentence, imbalance_of, worst_first
-
-from .model import Memory
+from traceml_tui.runfolder.summary_model import Memory
 
 MEMORY_LISTED = 32
 TEXT_GROWING = 4  # growing ranks named in the text summary

@@ -27,12 +27,12 @@ from traceml_tui.judge.snapshot import Episode, Snapshot, WholeWindow, hours_uni
 from traceml_tui.judge.stalls import StallFinding
 from traceml_tui.judge.windows import median
 from traceml_tui.report.memory_report import memory_json, memory_lines
+from traceml_tui.runfolder import summary_model as model
 from traceml_tui.runfolder.exit_codes import INTERRUPTED_EXIT
 from traceml_tui.runfolder.folders import write_atomic
 from traceml_tui.runfolder.layout import RunFolder
 
 from . import attempts as attempt_text
-from . import model
 
 SCHEMA_VERSION = "1"
 
@@ -678,7 +678,7 @@ def _signal_name(signum: int) -> str:
 
 
 def to_json(doc: dict[str, Any] | model.Summary, indent: int = 0) -> str:
-    """A summary document as JSON text, written through the model (model.py: a field of
+    """A summary document as JSON text, written through the model (summary_model.py: a field of
     the wrong type fails here, not in a reader), by msgspec (C: ~10x faster than the json
     module on 16,384 ranks' rows). A NaN that slipped through becomes null."""
     return model.encode(doc, indent).decode() + "\n"

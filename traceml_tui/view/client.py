@@ -21,7 +21,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import msgspec
 import zmq
 
@@ -29,6 +28,7 @@ from traceml_agent import keys
 from traceml_agent.requests import (
     CaptureReply,
     CaptureStart,
+    ErrorReply,
     SummaryRequest,
     ViewOp,
     ViewRequest,
@@ -40,6 +40,7 @@ from traceml_agent.sanitize import clean_line, clean_text
 from traceml_agent.vocab import COLLECTOR_JSON
 from traceml_tui.runfolder import folders
 from traceml_tui.runfolder.layout import RunFolder
+from traceml_tui.runfolder.summary_model import NotASummary, Summary, from_msgpack
 from traceml_tui.viewmodel import RankDetail, RankRow, RunView, decode_detail, decode_view
 
 REQUEST_TIMEOUT_S = 2.0
@@ -136,18 +137,20 @@ class ViewClient:
             raise ViewUnavailable(
                 f"unreadable view from the collector: {clean_line(str(exc))}") from None
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> Summary:
+        """The summary so far (typed, validated, its strings cleaned), or the collector's
+        error reply as ViewUnavailable."""
         frames = self._request(SummaryRequest())
         try:
-            doc = received(msgpack.unpackb(frames[0], raw=False))
-        except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as exc:
-            raise ViewUnavailable(
-                f"unreadable summary from the collector: {clean_line(str(exc))}") from None
-        if not isinstance(doc, dict):
-            raise ViewUnavailable("unreadable summary from the collector: not a mapping")
-        if "error" in doc:
-            raise ViewUnavailable(clean_line(str(doc["error"])))
-        return doc
+            doc: Summary = received(from_msgpack(frames[0]))
+            return doc
+        except NotASummary as exc:
+            why = str(exc)
+        try:  # not a summary: the collector's error reply, or neither
+            error = msgspec.msgpack.decode(frames[0], type=ErrorReply).error
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            raise ViewUnavailable(f"unreadable summary from the collector: {why}") from None
+        raise ViewUnavailable(clean_line(error)[:200])
 
     def capture(self, ranks: list[int] | None = None, steps: int = 5) -> CaptureReply:
         """Ask for a deep trace (ranks None: the worst and the median rank): started (its id,

@@ -11,7 +11,6 @@ panels); events flow up (the table announces cursor moves and pin requests).
 from __future__ import annotations
 
 import gc
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from textual.widgets import Footer
 from traceml_agent.requests import CaptureReply
 from traceml_tui.runfolder.folders import write_atomic
 from traceml_tui.runfolder.layout import RunFolder
+from traceml_tui.runfolder.summary_model import Summary, encode
 from traceml_tui.viewmodel import RankDetail, RunView
 
 from . import cursor as cur
@@ -59,7 +59,7 @@ TRACE_STEPS = 5  # steps a deep trace profiles: enough to average, small enough 
 
 class ViewSource(Protocol):
     def fetch(self, pinned: int | None) -> tuple[RunView, RankDetail | None]: ...
-    def summary(self) -> dict[str, Any]: ...
+    def summary(self) -> Summary: ...
     def capture(self, ranks: list[int] | None = None, steps: int = 5) -> CaptureReply: ...
     def close(self) -> None: ...
 
@@ -478,7 +478,7 @@ class DashboardApp(App[None]):
             folder = self.screenshot_dir()
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / datetime.now().strftime("snapshot-%Y%m%d-%H%M%S-%f.json")
-            write_atomic(path, json.dumps(doc, indent=2) + "\n")
+            write_atomic(path, encode(doc, indent=2).decode() + "\n")
             self.call_from_thread(self.notify, f"snapshot written to {path}", title="export")
         except Exception as exc:
             self.call_from_thread(self.notify, f"export failed: {exc}", severity="error")

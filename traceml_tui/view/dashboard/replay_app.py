@@ -18,6 +18,7 @@ from textual import work
 from textual.binding import Binding
 
 from traceml_agent.requests import CaptureReply
+from traceml_tui.runfolder.summary_model import Summary, from_doc
 from traceml_tui.viewmodel import RankDetail, RunView
 
 from . import cursor as cur
@@ -34,10 +35,10 @@ class RecordSource:
     def fetch(self, pinned: int | None) -> tuple[RunView, RankDetail | None]:
         raise RuntimeError("a record has no live view")
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> Summary:
         if self.doc is None:
             raise RuntimeError("this run has no summary (its collector died)")
-        return self.doc
+        return from_doc(self.doc)
 
     def capture(self, ranks: list[int] | None = None, steps: int = 5) -> CaptureReply:
         return CaptureReply(ok=False, error="a record cannot be traced: the run is over")

@@ -12,6 +12,10 @@ Every section is typed (issue 43, item 2): a new field is one edit here that myp
 checks in every reader. Two inner shapes stay mappings, owned by their writers: the
 preflight's slow nodes (netcheck_worker) and the collector's counters. Fields that a
 writer sets only sometimes default to UNSET, so the file omits them as before.
+
+It lives on the run folder's floor (runfolder/) beside the folder's other formats, so the
+launcher, the report and the viewers all read it: the view socket's summary reply is
+this model in msgpack (`to_msgpack`, `from_msgpack`), validated on receipt.
 """
 
 from __future__ import annotations
@@ -508,6 +512,23 @@ def encode(doc: dict[str, Any] | Summary, indent: int = 0) -> bytes:
     """JSON bytes of a summary, written through the model (a NaN becomes null)."""
     data = _ENCODER.encode(doc if isinstance(doc, Summary) else from_doc(doc))
     return msgspec.json.format(data, indent=indent) if indent else data
+
+
+_MSGPACK_ENCODER = msgspec.msgpack.Encoder()
+_MSGPACK_DECODER = msgspec.msgpack.Decoder(Summary)
+
+
+def to_msgpack(s: Summary) -> bytes:
+    """The summary as the view socket sends it (a viewer's export, `traceml export`)."""
+    return _MSGPACK_ENCODER.encode(s)
+
+
+def from_msgpack(data: bytes) -> Summary:
+    """A summary from the view socket, validated; NotASummary("why") otherwise."""
+    try:
+        return _MSGPACK_DECODER.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise NotASummary(f"not a traceml summary: {clean_line(str(exc))}") from None
 
 
 def decode(data: bytes | str, name: str = "summary") -> Summary:
