@@ -15,7 +15,6 @@ import resource
 import socket
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -30,16 +29,6 @@ IDLE = 400  # connections that stall: past the server's soft descriptor limit he
 STALL = b"GET / HTTP/1.1\r\n"  # a request line, then nothing (no headers' end)
 
 
-@contextmanager
-def _soft_limit(soft: int) -> Iterator[None]:
-    before = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, before[1]))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, before)
-
-
 @pytest.fixture(params=["soft-limit-raised", "at-the-hard-limit"])
 def server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[WebServer]:
     """A web view started at a soft limit of 256; in the second case its hard limit is
@@ -48,8 +37,8 @@ def server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[WebServer
     secret.write_text(os.urandom(32).hex())
     secret.chmod(0o600)
     closed = free_ports(2)
-    with _soft_limit(256):
-        srv = WebServer(f"tcp://127.0.0.1:{closed}", closed + 1, secret_file=secret)
+    srv = WebServer(f"tcp://127.0.0.1:{closed}", closed + 1, secret_file=secret,
+                    soft_nofile=256)
     try:
         srv.url()
         if request.param == "at-the-hard-limit":

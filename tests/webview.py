@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -20,15 +21,24 @@ URL = re.compile(r"http://\S+/\?token=\S+")
 
 class WebServer:
     def __init__(self, target: str, port: int, *args: str, secret_file: Path | None = None,
-                 cwd: Path | None = None) -> None:
+                 cwd: Path | None = None, soft_nofile: int | None = None) -> None:
+        """`soft_nofile`: the server's soft descriptor limit from its start (set in the
+        child only: lowering this process's own would fail its next pipe whenever it
+        already holds more, as a worker of a long test run does)."""
         cmd = [sys.executable, "-m", "traceml_tui", "watch", target, "--web", str(port), *args]
         if secret_file is not None:
             cmd += ["--secret-file", str(secret_file)]
         self.port = port
         self.lines: list[str] = []
+        def limit() -> None:
+            if soft_nofile is not None:
+                hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft_nofile, hard))
+
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True, cwd=cwd,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                     preexec_fn=limit if soft_nofile is not None else None)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
