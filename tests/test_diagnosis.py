@@ -656,3 +656,28 @@ def test_of_a_slow_loader_and_its_epoch_start_stall_the_larger_cost_is_named(
     assert d.label == label, d.summary
     both = "waiting for input (INPUT-BOUND, a smaller cost)" in d.summary
     assert both == (label == dx.PERIODIC_STALL and input_share >= dx.INPUT_BOUND_EXIT)
+
+
+@pytest.mark.parametrize(("stall_rank", "stall_share", "gap_share", "label"), [
+    (1, 0.50, 0.18, dx.PERIODIC_STALL),  # rank 1's own stalls cost more: they are named
+    (0, 0.50, 0.18, dx.COMPUTE_STRAGGLER),  # the near miss: another rank stalls
+    (1, 0.12, 0.18, dx.COMPUTE_STRAGGLER),  # the near miss: its stalls cost less
+])
+def test_a_straggler_yields_to_its_own_ranks_periodic_stall_costing_more(
+        stall_rank, stall_share, gap_share, label):
+    """Fresh-clone run 5 (a loaded machine): the garbage collector stalled rank 1 every
+    40 steps (60 % of the job's time) and its young collections slowed its median
+    backward by 18 %; the summary named COMPUTE STRAGGLER (SKEW_ENTER or more comes first)
+    and gave model-side advice. One rank, two symptoms: the larger cost is named, the
+    other said in its text."""
+    extra = part(gap_share)
+    ranks = [timing(r, backward=BASE["backward"] + (extra if r == 1 else 0.0),
+                    sync=BASE["sync"] + (0.0 if r == 1 else extra)) for r in range(4)]
+    every_40 = list(range(40, WINDOW, 40))
+    found = logged([stalls(stall_rank, every_40, ms=share_ms(stall_share, every_40))],
+                   typical=ranks[0].step_ms)
+    d = diagnose(ranks, stalls=found)
+    assert d.label == label, d.summary
+    assert d.rank == (stall_rank if label == dx.PERIODIC_STALL else 1)
+    said = "behind the median rank (COMPUTE STRAGGLER, a smaller cost)" in d.summary
+    assert said == (label == dx.PERIODIC_STALL)

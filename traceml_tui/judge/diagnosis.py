@@ -525,11 +525,20 @@ def _straggler_in_both(w: WindowStats) -> Diagnosis | None:
 
 
 def _yields(d: Diagnosis | None, w: WindowStats) -> Diagnosis | None:
-    """A straggler named below SKEW_ENTER (steady against its noise) yields to a job-wide
-    cause that costs the job more than twice its share (every rank's residual wait, its
-    input, its periodic stalls): of two causes, the larger cost is named first. One at
-    SKEW_ENTER or more is named first whatever else holds."""
-    if d is None or (d.gap_share or 0.0) >= SKEW_ENTER:
+    """Of two causes, the larger cost is named first. A straggler yields to its own rank's
+    periodic stall costing the job more (one rank, two symptoms: a garbage collector or
+    a save that stalls it every N steps and slows its median step too; the stall's text
+    says the gap). A straggler named below SKEW_ENTER (steady against its noise) also
+    yields to a job-wide cause that costs the job more than twice its share (every
+    rank's residual wait, its input, its periodic stalls). Otherwise one at SKEW_ENTER or
+    more is named first whatever else holds."""
+    if d is None:
+        return d
+    stall = _periodic_stall(w)
+    if (stall is not None and stall.rank is not None and stall.rank == d.rank
+            and (stall.gap_share or 0.0) > (d.gap_share or 0.0)):
+        return None
+    if (d.gap_share or 0.0) >= SKEW_ENTER:
         return d
     for other in (_input_bound, _periodic_stall, _wait_heavy):
         found = other(w)
@@ -578,12 +587,24 @@ def _input_bound(w: WindowStats) -> Diagnosis | None:
 
 def _periodic_stall(w: WindowStats) -> Diagnosis | None:
     d = periodic_stall(w.stalls, w.active, len(w.ranks))
-    share = _input_share(w)
-    if d is None or not INPUT_BOUND_EXIT <= share < (d.gap_share or 0.0):
+    if d is None:
         return d
-    return replace(d, summary=(
-        f"{d.summary} Between the stalls every rank also spends about {share:.0%} of its "
-        f"{w.step_ms:.1f} ms step waiting for input (INPUT-BOUND, a smaller cost)."))
+    share = _input_share(w)
+    if INPUT_BOUND_EXIT <= share < (d.gap_share or 0.0):
+        d = replace(d, summary=(
+            f"{d.summary} Between the stalls every rank also spends about {share:.0%} of "
+            f"its {w.step_ms:.1f} ms step waiting for input (INPUT-BOUND, a smaller cost)."))
+    # The stalling rank also behind on its median step (_yields: the stall costs more).
+    gaps = [(s, label) for s, label in ((w.input_gap, INPUT_STRAGGLER),
+                                         (w.compute_gap, COMPUTE_STRAGGLER))
+            if s is not None and s.rank == d.rank and SKEW_EXIT <= s.share < (d.gap_share or 0.0)]
+    if gaps:
+        s, label = max(gaps, key=lambda g: g[0].share)
+        d = replace(d, summary=(
+            f"{d.summary} Between the stalls rank {s.rank} is also {s.gap_ms:.1f} ms "
+            f"({s.share:.0%} of the {w.step_ms:.1f} ms step) behind the median rank "
+            f"({label}, a smaller cost)."))
+    return d
 
 
 def _timing_incomplete(w: WindowStats) -> Diagnosis | None:
