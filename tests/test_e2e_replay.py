@@ -55,8 +55,11 @@ async def test_the_readme_demo_after_it_ended_walks_to_rank_2s_episode(demo):
     async with app.run_test(size=(150, 46)) as pilot:
         await _opened(pilot)
         banner, status = _texts(app)
-        # Opens at the end: the verdict as the live dashboard last read it, the run's end.
-        assert "run ended (exit code 0)" in banner and "INPUT STRAGGLER" in banner
+        # Opens at the end: the record's verdict (the summary's), the run's end. Rank 2's
+        # loader is its cause; on a busy machine its compute may lag too (STRAGGLER).
+        verdict = demo.summary["diagnosis"]
+        assert verdict["label"] in ("INPUT STRAGGLER", "STRAGGLER") and verdict["rank"] == 2
+        assert "run ended (exit code 0)" in banner and verdict["label"] in banner
         assert "ended at step 150, exit 0" in status and "(end)" in status
         await pilot.press("less_than_sign")
         await pilot.pause(0.1)
