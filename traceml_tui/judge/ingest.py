@@ -155,11 +155,11 @@ class Intake:
     state owns them, evaluates and snapshots."""
 
     def __init__(self, state: RunState) -> None:
-        self.s = state
-        self._lists_in: set[tuple[str, ...]] = set()  # phase lists all in s.phases
+        self.state = state
+        self._lists_in: set[tuple[str, ...]] = set()  # phase lists all in state.phases
 
     def count_malformed(self) -> None:
-        self.s.counters["malformed"] += 1
+        self.state.counters["malformed"] += 1
 
     def relay_seen(self, node: int, batches: int, dropped: int, now: float,
                    conn: object = None) -> None:
@@ -167,21 +167,21 @@ class Intake:
         the way, its count the rank messages it had to drop. `conn`: the connection it came
         on (None in-process): counters are taken only from the one that relays the node's
         ranks (relay_owner), so no key holder rewrites a node's counters or adds a relay."""
-        relay = self.s.relays.get(node)
+        relay = self.state.relays.get(node)
         if conn is not None and (relay is None or relay.conn != conn):
-            if relay_owner(self.s.ranks.values(), node, conn):
+            if relay_owner(self.state.ranks.values(), node, conn):
                 if relay is not None:  # its relay restarted, its ranks came back through it
                     relay.conn, relay.batches, relay.dropped = conn, batches, 0
             elif relay is not None:  # another connection speaking for a node's relay
-                self.s.counters["not_owner"] += 1
+                self.state.counters["not_owner"] += 1
                 return
-            elif node < max(self.s.nnodes, 1):
+            elif node < max(self.state.nnodes, 1):
                 return  # not yet: it counts once a hello of its node's ranks came through it
         if relay is None:
-            if node >= max(self.s.nnodes, 1) or len(self.s.relays) >= MAX_RELAYS:
-                self.s.counters["foreign"] += 1  # not a node of this run
+            if node >= max(self.state.nnodes, 1) or len(self.state.relays) >= MAX_RELAYS:
+                self.state.counters["foreign"] += 1  # not a node of this run
                 return
-            relay = self.s.relays[node] = Relay(now, batches, conn=conn)
+            relay = self.state.relays[node] = Relay(now, batches, conn=conn)
         relay.last_seen = now
         if batches > relay.batches:
             relay.lost = min(COUNTER_MAX, relay.lost + batches - relay.batches)
@@ -194,48 +194,48 @@ class Intake:
         """Apply one validated message. Returns False for a message from outside this run.
         `conn`: the connection it came on (None in-process: no ownership check)."""
         ident = msg.ident
-        if not self.s.min_world_size <= ident.world_size <= self.s.world_size:
-            self.s.counters["foreign"] += 1
+        if not self.state.min_world_size <= ident.world_size <= self.state.world_size:
+            self.state.counters["foreign"] += 1
             return False
         if msg.kind == "steps" and not self.phases_fit(msg.phases):
-            self.s.counters["malformed"] += 1
+            self.state.counters["malformed"] += 1
             return False
-        rs = self.s.ranks.get(ident.rank)
+        rs = self.state.ranks.get(ident.rank)
         if rs is not None and conn is not None and rs.conn != conn:
-            if not self.s.owners.may_take_over(rs, msg, now, conn, self.s.attempts.rises):
-                self.s.counters["not_owner"] += 1
+            if not self.state.owners.may_take_over(rs, msg, now, conn, self.state.attempts.rises):
+                self.state.counters["not_owner"] += 1
                 return False
             if rs.ident.pid == ident.pid:  # the same process, reconnected
                 rs.conn = conn
             else:  # a new process that said hello here: the rank restarted
-                self.s.counters["restarts"] += 1
-                self.s.checks.forget(ident.rank)
+                self.state.counters["restarts"] += 1
+                self.state.checks.forget(ident.rank)
                 rs = None
         if rs is not None and rs.ident.pid != ident.pid:
             # Another process for a rank we know: a restart only when it says hello
             # (a new process's first message). Anything else is an impostor or a stale
             # straggler of the old process, and must not reset the rank's record.
             if msg.kind != "hello":
-                self.s.counters["foreign"] += 1
+                self.state.counters["foreign"] += 1
                 return False
-            self.s.counters["restarts"] += 1
-            self.s.checks.forget(ident.rank)
+            self.state.counters["restarts"] += 1
+            self.state.checks.forget(ident.rank)
             rs = None
-        if rs is None and not self.s.owners.of_job(ident, conn):
-            self.s.counters["not_owner"] += 1  # a process the launcher did not start
+        if rs is None and not self.state.owners.of_job(ident, conn):
+            self.state.counters["not_owner"] += 1  # a process the launcher did not start
             return False
-        self.s.counters["messages"] += 1
+        self.state.counters["messages"] += 1
         if rs is None:
             if isinstance(msg.body, Hello):  # a new process: perhaps of a new attempt
                 self._attempt_seen(msg.body.attempt, msg.t, now)
-            self.s.block.reset(ident.rank)
-            self.s.stall_book.forget(ident.rank)  # a new process numbers its steps afresh
-            self.s.memory.forget(ident.rank)
-            rs = RankState(ident, self.s.block.view(ident.rank), conn=conn,
-                           attempt=self.s.attempts.number)
-            self.s.ranks[ident.rank] = rs
-            self.s.live_cols.cpu.forget(ident.rank)  # the old process's, if any
-            self.s.owners.forget(ident.rank)
+            self.state.block.reset(ident.rank)
+            self.state.stall_book.forget(ident.rank)  # a new process numbers its steps afresh
+            self.state.memory.forget(ident.rank)
+            rs = RankState(ident, self.state.block.view(ident.rank), conn=conn,
+                           attempt=self.state.attempts.number)
+            self.state.ranks[ident.rank] = rs
+            self.state.live_cols.cpu.forget(ident.rank)  # the old process's, if any
+            self.state.owners.forget(ident.rank)
         rs.last_seen = now
         body = msg.body
         if isinstance(body, Steps):
@@ -243,7 +243,7 @@ class Intake:
         elif isinstance(body, Sys):
             rs.sys = body
             self._cpu_seen(rs, body)
-            self.s.memory.seen(ident.rank, msg.t, body)
+            self.state.memory.seen(ident.rank, msg.t, body)
             # NVML health, beside a compute straggler's evidence (diagnosis reads its map)
             gpu = (dx.GpuHealth.of(body.sample())
                    if body.sm_clock_mhz is not None or body.throttle else None)
@@ -258,10 +258,10 @@ class Intake:
                 rs.key = body.key  # an agent whose hello this collector missed
             self._progress_seen(rs, body, now)
             rs.heartbeat = body
-            if body.parallel in ("ddp", "fsdp") and self.s.parallel != "fsdp":
-                self.s.parallel = body.parallel
+            if body.parallel in ("ddp", "fsdp") and self.state.parallel != "fsdp":
+                self.state.parallel = body.parallel
             rs.since_step_at_msg_s = body.since_step_s or 0.0
-            self.s.framework = body.framework or self.s.framework
+            self.state.framework = body.framework or self.state.framework
         elif isinstance(body, Stacks):
             # They belong to the stall after the last step seen (a rank's messages arrive
             # in order): cleared when it steps again, so an old stall's stack is never
@@ -280,27 +280,27 @@ class Intake:
             rs.auto = body.auto
             rs.dirty = True
         elif isinstance(body, CheckReport):
-            self.s.checks.add(ident.rank, ident.host, body.findings, body.facts)
+            self.state.checks.add(ident.rank, ident.host, body.findings, body.facts)
         elif isinstance(body, Goodbye):
             if rs.finished:  # one goodbye per process: a second is not its own
-                self.s.counters["messages"] -= 1  # counted above: foreign instead
-                self.s.counters["foreign"] += 1
+                self.state.counters["messages"] -= 1  # counted above: foreign instead
+                self.state.counters["foreign"] += 1
                 return False
             rs.finished = True
             rs.finished_at = now
             rs.exit_code = wire_exit_code(body.exit_code)
             rs.error = body.error
-            if rs.attempt == self.s.attempts.number:
-                self.s.attempts.goodbye(ident.rank, body.exit_code, body.error,
+            if rs.attempt == self.state.attempts.number:
+                self.state.attempts.goodbye(ident.rank, body.exit_code, body.error,
                                       rs.last_step + 1, msg.t, now)
         return True
 
     def _attempt_seen(self, attempt: int | None, t: float, now: float) -> None:
         """A new process's hello names its attempt: one newer than the current closes it."""
-        if self.s.attempts.rises(attempt):
+        if self.state.attempts.rises(attempt):
             assert attempt is not None
             self._next_attempt(attempt, t, now)
-        self.s.attempts.hello(attempt, t)
+        self.state.attempts.hello(attempt, t)
 
     def _next_attempt(self, attempt: int, t: float, now: float) -> None:
         """torchrun restarted the group: the current attempt's record is kept (attempts.py)
@@ -308,19 +308,19 @@ class Intake:
         from 0 again: its timeline, live label and step clock start afresh, and the old
         attempt's ranks that have ended or gone quiet (RANK_QUIET_S) leave the live record
         (their steps are the attempt's); a rank still speaking stays until its own hello."""
-        number = self.s.attempts.number
-        kept = self.s.timeline.close_attempt(self.s.newest_step(), t)
-        ours = [rs for rs in self.s.ranks.values() if rs.attempt == number]
-        self.s.attempts.close(attempt, t, now, {rs.ident.rank: rs.steps for rs in ours},
-                            self.s.live.shown if self.s.live else None, kept,
+        number = self.state.attempts.number
+        kept = self.state.timeline.close_attempt(self.state.newest_step(), t)
+        ours = [rs for rs in self.state.ranks.values() if rs.attempt == number]
+        self.state.attempts.close(attempt, t, now, {rs.ident.rank: rs.steps for rs in ours},
+                            self.state.live.shown if self.state.live else None, kept,
                             tuple(sorted((rs.ident.rank, rs.last_step + 1) for rs in ours
                                          if not rs.finished)))
-        for rank, rs in list(self.s.ranks.items()):
+        for rank, rs in list(self.state.ranks.items()):
             if rs.finished or now - rs.last_seen >= RANK_QUIET_S:
-                del self.s.ranks[rank]
-                self.s.block.reset(rank)
-        self.s.live = None
-        self.s.hangs.reset()
+                del self.state.ranks[rank]
+                self.state.block.reset(rank)
+        self.state.live = None
+        self.state.hangs.reset()
 
     @staticmethod
     def _progress_seen(rs: RankState, body: Heartbeat, now: float) -> None:
@@ -342,15 +342,15 @@ class Intake:
         grow the collector without bound."""
         if phases in self._lists_in:
             return True
-        new = sum(1 for name in phases if name not in self.s.phases)
-        return len(self.s.phases) + new <= MAX_RUN_PHASES
+        new = sum(1 for name in phases if name not in self.state.phases)
+        return len(self.state.phases) + new <= MAX_RUN_PHASES
 
     def add_phases(self, phases: tuple[str, ...]) -> None:
         """A batch's phase names into the run's (they fit: _phases_fit). Agents send the
         same list in every batch: a list whose names are all in is remembered (bounded)."""
         if phases in self._lists_in:
             return
-        self.s.phases.extend(name for name in phases if name not in self.s.phases)
+        self.state.phases.extend(name for name in phases if name not in self.state.phases)
         if len(self._lists_in) >= MAX_PHASE_LISTS:
             self._lists_in.clear()
         self._lists_in.add(phases)
@@ -361,7 +361,7 @@ class Intake:
         run, wait = body.thread_cpu_pct, body.cpu_wait_pct
         if run is None or wait is None:
             return
-        cpu = self.s.live_cols.cpu
+        cpu = self.state.live_cols.cpu
         rank = rs.ident.rank
         cpu.seen(rank, run / 100.0, wait / 100.0)
         if rs.live is not None:  # the next evaluation reads it, steps or not
@@ -374,7 +374,7 @@ class Intake:
         if msg.bad_records:
             self.bad_records(rs, msg.bad_records)
         if body.colls:
-            self.s.collectives.add(rs.ident.rank, body.colls)
+            self.state.collectives.add(rs.ident.rank, body.colls)
         self.take_records(rs, msg.records, msg.phases)
         self.stepped_past_stacks(rs)
 
@@ -384,8 +384,8 @@ class Intake:
         (_keep_hang_stacks): a stack that came after the last tick, its rank woken before
         the next (a Ctrl-C), would otherwise never reach the record."""
         if rs.stacks and rs.last_step > rs.stacks_after_step:
-            if self.s.hangs.report is not None:
-                self.s.hangs.keep_stacks(rs.ident.rank, rs.stacks)
+            if self.state.hangs.report is not None:
+                self.state.hangs.keep_stacks(rs.ident.rank, rs.stacks)
             rs.stacks = ()
             rs.nccl = None
 
@@ -395,8 +395,8 @@ class Intake:
         without their end hook (per phase, so far)."""
         # Saturating: ranks may claim up to 2**62 each (and a restarted rank counts
         # afresh); the sum must stay an integer every encoder takes.
-        self.s.counters["agent_dropped"] = min(
-            COUNTER_MAX, self.s.counters["agent_dropped"] + max(0, dropped - rs.dropped))
+        self.state.counters["agent_dropped"] = min(
+            COUNTER_MAX, self.state.counters["agent_dropped"] + max(0, dropped - rs.dropped))
         rs.dropped = max(rs.dropped, dropped)
         for name, count in zip(phases, forced or (), strict=False):
             if count:
@@ -408,7 +408,7 @@ class Intake:
         are duplicates or absurd steps). judge/ingest_columns.py does the same for whole
         columns, and comes here for a rank whose records are not simply the next steps."""
         taken = 0
-        counters = self.s.counters
+        counters = self.state.counters
         for rec in records:
             if rs.first_step < 0 and rec.step > rs.last_step:  # the bound's origin
                 rs.first_step, rs.first_step_at = rec.step, rs.last_seen
@@ -431,7 +431,7 @@ class Intake:
         rs.since_step_at_msg_s = 0.0
         rs.last_step = last_step
         rs.steps += n
-        self.s.counters["records"] += n
+        self.state.counters["records"] += n
         rs.dirty = True
 
     @staticmethod
@@ -444,23 +444,23 @@ class Intake:
         """Records of its batches the decoder refused: the agent counted them as sent, the
         gap must show here."""
         rs.bad_records = min(COUNTER_MAX, rs.bad_records + n)
-        counters = self.s.counters
+        counters = self.state.counters
         counters["bad_records"] = min(COUNTER_MAX, counters["bad_records"] + n)
 
     def stall_seen(self, rs: RankState, step: int, step_ms: float, phases: tuple[str, ...],
                    phase_ms: tuple[float | None, ...]) -> None:
         """A step at or past the rank's stall threshold: to the stall log, against its
         live timings of the last evaluation."""
-        live = self.s.evaluated(rs)
+        live = self.state.evaluated(rs)
         if live is not None and live.step_ms is not None:
             st = dx.stall_of(step, step_ms, live.step_ms, phases, phase_ms, live.phase_ms)
-            self.s.stall_book.add(rs.ident.rank, st.step, st.excess_ms, st.phase)
+            self.state.stall_book.add(rs.ident.rank, st.step, st.excess_ms, st.phase)
 
     def set_native_stack(self, rank: int, pid: int, text: str) -> None:
         """A stuck rank's stack taken from outside (native_stacks.py): kept beside any
         the rank sent itself, for this stall only, and only for the process that is
         that rank now (a restarted rank has another pid)."""
-        rs = self.s.ranks.get(rank)
+        rs = self.state.ranks.get(rank)
         if rs is None or rs.ident.pid != pid:
             return
         named = [(n, t) for n, t in rs.stacks if n != NATIVE_THREAD]
@@ -472,11 +472,11 @@ class Intake:
         from the connection that relays that rank's own messages, of a node relay heard
         from, for the process that is that rank now. A rank's key opens the ingest socket;
         it does not make its connection another rank's relay."""
-        rs = self.s.ranks.get(rank)
+        rs = self.state.ranks.get(rank)
         route = rs.conn if rs is not None else None
         if (rs is None or not isinstance(route, tuple) or len(route) != 2
                 or route[0] != conn or route[1] is None
-                or rs.ident.node != node or node not in self.s.relays or rs.ident.pid != pid):
+                or rs.ident.node != node or node not in self.state.relays or rs.ident.pid != pid):
             return False
         self.set_native_stack(rank, pid, text)
         return True
