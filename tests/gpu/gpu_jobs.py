@@ -46,6 +46,10 @@ EVIDENCE_ORDER: tuple[tuple[str, float, str], ...] = (
     ("test_gpu_ddp.py::test_forked_dataloader_workers_with_the_agent_on_cuda", 50,
      "forked workers after CUDA"),
     ("test_gpu_streams.py::test_fsdp2_on_one_gpu[cpu-offload]", 60, "offload"),
+    ("test_gpu_compiled_step.py::test_compiled_optimizer_step[fullgraph]", 40,
+     "a fullgraph-compiled optimizer step (issue 40, 6)"),
+    ("test_gpu_compiled_step.py::test_compiled_optimizer_step[adamw-inductor]", 90,
+     "the compiled-optimizer recipe (a first inductor compile)"),
     ("test_gpu_capture.py::test_compile_reduce_overhead", 120,
      "cudagraph trees (a first torch.compile takes a minute)"),
 )
