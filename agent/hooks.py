@@ -98,6 +98,7 @@ _in_autograd: Callable[[], bool] = bool  # this thread runs a backward (bound at
 _DYNAMO = "torch._dynamo"
 _modules = sys.modules
 _undo: list[Callable[[], None]] = []
+_parents_objects: list[Any] = []  # in a forked child: the parent's recorder and observer
 _learning = False
 _finish_pending = False  # the first step closed inside a root forward: finish after it
 _depth = 0  # module calls open on the training thread while learning
@@ -171,6 +172,7 @@ def go_inert() -> None:
     """Every wrapper passes straight through from now on (a forked child's state):
     nothing is restored or removed, which would touch the parent's objects' copies."""
     global _rec, _obs, _learning
+    _parents_objects.append((_rec, _obs))  # never freed in the child (agent/__init__.py)
     _rec = None
     _obs = None
     _learning = False
