@@ -100,6 +100,21 @@ def one_gpu_env() -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": visible or "0"}
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (else
+    nvidia-smi's indices): for the tests that need two. No CUDA call."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+               if v.strip()]
+    if visible:
+        return visible
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
 def run_gpu(tmp_path: Path, script: str, *traceml_args: str, nproc: int = 1,
             name: str = "gpu", script_args: tuple[str, ...] = (),
             env: dict[str, str] | None = None) -> GpuRun:
