@@ -687,11 +687,12 @@ def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
         if optimizer is not step_opt:
             _other_steps += 1
             if step_opt is None or _other_steps >= RELEARN_OTHER_STEPS:
-                relearn = _adopt(optimizer)
+                # (with explicit steps no step closes here to end a new learning)
+                relearn = _adopt(optimizer) and not rec.explicit_steps
                 step_opt = optimizer
+        elif _other_steps:
+            _other_steps = 0
         if optimizer is step_opt and not rec.explicit_steps:
-            if _other_steps:
-                _other_steps = 0
             rec.end_step(optimizer)  # end(optimizer), then close_step(), in one call
             if _learning:
                 _schedule_finish()
