@@ -60,7 +60,7 @@ from threading import get_ident as _get_ident
 from time import perf_counter_ns
 from typing import Any
 
-from . import device, gcwatch, recorder
+from . import compiled, device, gcwatch, recorder
 from .checks import StepObserver
 from .recorder import BACKWARD, DATALOADER, FORWARD, H2D, NO_PHASE, OPTIMIZER, SYNC, Recorder
 
@@ -719,26 +719,6 @@ def _adopt(optimizer: Any) -> bool:
     return not first
 
 
-# --- compiled optimizer steps ------------------------------------------------------------
-#
-# `torch.compile(opt.step)` (PyTorch's compiled-optimizer recipe) traces Optimizer.step's
-# wrapper, and with it the global step hooks: the agent's perf_counter_ns() and recorder
-# calls were a graph break (the step ran eager), or with fullgraph=True an exception in
-# the user's code. The rule (docs/agent-api.md, "Compiled optimizer steps"):
-#   * until the script first calls torch.compile, the plain hooks stay in torch's tables
-#     (nothing is paid per step for what a job never does);
-#   * then compile-aware hooks take their places (same keys: the handles still remove
-#     them). `torch.compile(opt.step)` returns a wrapper that runs the agent's pre and
-#     post hooks eagerly around the compiled step; while it runs (`_quiet`), the hooks in
-#     the tables do nothing, and Dynamo traces them as nothing (no break, fullgraph
-#     works). Any other compiled function that steps an optimizer inside: with
-#     fullgraph=True the hooks are quiet too (its steps are not seen: the explicit API
-#     counts them); without, they are `torch.compiler.disable`d, so Dynamo breaks the
-#     graph at the hook call only and runs it eagerly (the step closes as in eager).
-
-_quiet = 0  # compiled calls in progress whose optimizer steps the hooks must not see
-
-
 def _hook_optimizer(torch: Any) -> None:
     from torch.optim import optimizer as opt
 
@@ -746,95 +726,17 @@ def _hook_optimizer(torch: Any) -> None:
     post = opt.register_optimizer_step_post_hook(_optimizer_post)
     _undo.append(pre.remove)
     _undo.append(post.remove)
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    if not callable(disable):
-        return
-    pre_off, post_off = disable(_optimizer_pre), disable(_optimizer_post)
-
-    def compiled_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if _quiet:
-            return
-        if _dynamo_compiling():  # traced: a graph break here, and the hook runs eagerly
-            return pre_off(optimizer, args, kwargs)
-        _optimizer_pre(optimizer, args, kwargs)
-
-    def compiled_post(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if _quiet:
-            return
-        if _dynamo_compiling():
-            return post_off(optimizer, args, kwargs)
-        _optimizer_post(optimizer, args, kwargs)
-
-    _patch_compile(torch, ((getattr(opt, "_global_optimizer_pre_hooks", None), pre.id,
-                            compiled_pre),
-                           (getattr(opt, "_global_optimizer_post_hooks", None), post.id,
-                            compiled_post)))
+    # torch.compile(opt.step): the hooks invisible to Dynamo, the step still closed
+    # (compiled.py; nothing changes until the script first calls torch.compile).
+    compiled.install(torch, opt, pre.id, post.id, _optimizer_pre, _optimizer_post,
+                     _dynamo_compiling, _compiled_ctx)
 
 
-def _patch_compile(torch: Any, entries: tuple[tuple[Any, int, Callable[..., Any]], ...]) -> None:
-    import functools
-
-    original = getattr(torch, "compile", None)
-    module_cls = torch.nn.Module
-    optimizer_cls = torch.optim.Optimizer
-    if not callable(original):
-        return
-    swapped: list[bool] = []
-
-    @functools.wraps(original)
-    def compile(*args: Any, **kwargs: Any) -> Any:
-        target = args[0] if args else kwargs.get("model")
-        if target is None:  # @torch.compile(fullgraph=True): the decorator comes back
-            return functools.partial(compile, **kwargs)
-        compiled = original(*args, **kwargs)
-        if _rec is None:
-            return compiled
-        try:
-            if not swapped:
-                swapped.append(True)
-                for table, key, hook in entries:
-                    if table is not None and key in table:
-                        table[key] = hook
-            if isinstance(compiled, module_cls) or not callable(compiled):
-                return compiled  # a compiled model: timed as a root (forward)
-            owner = getattr(target, "__self__", None)
-            step_of = owner if isinstance(owner, optimizer_cls) \
-                and getattr(target, "__name__", "") == "step" else None
-            if step_of is None and not kwargs.get("fullgraph"):
-                return compiled
-            return _compiled_call(compiled, step_of)
-        except Exception as exc:
-            _fail(exc)
-            return compiled
-
-    _setattr(torch, "compile", compile)
-
-
-def _compiled_call(compiled: Callable[..., Any], step_of: Any) -> Callable[..., Any]:
-    """The user's compiled function, run with the optimizer hooks quiet; for a compiled
-    `opt.step`, with the agent's pre and post hooks around it (eagerly, untraced)."""
-    import functools
-
-    @functools.wraps(compiled)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        global _quiet
-        if step_of is not None and _quiet == 0:
-            _optimizer_pre(step_of, args, kwargs)
-        _quiet += 1
-        try:
-            out = compiled(*args, **kwargs)
-        except BaseException:
-            rec = _rec
-            if step_of is not None and _quiet == 1 and rec is not None:
-                _guarded(rec.end, step_of)  # the step raised (its own error): phase closed
-            raise
-        finally:
-            _quiet -= 1
-        if step_of is not None and _quiet == 0:
-            _optimizer_post(step_of, args, kwargs)
-        return out
-
-    return call
+def _compiled_ctx() -> tuple[Any, Callable[[BaseException], None],
+                             Callable[[Any, str, Any], None]]:
+    """What compiled.py needs of this module when it runs: the recorder, the agent's
+    failure path and the undoable setattr."""
+    return _rec, _fail, _setattr
 
 
 # --- collectives --------------------------------------------------------------------
