@@ -42,6 +42,7 @@ RECORD_QUEUE = 50_000
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"rec": None, "sender": None, "error_reported": False}
+_parents_objects: list[Any] = []  # in a forked child: the parent's agent, kept (see below)
 
 
 def _inert_in_child() -> None:
@@ -52,6 +53,11 @@ def _inert_in_child() -> None:
     children start a fresh interpreter and never start an agent."""
     global _lock
     _lock = threading.Lock()  # it may have been held by another thread at the fork
+    # Kept, never freed here: the parent's recorder and sender own CUDA resources (timing
+    # events, the checksum's pinned buffer); freeing one in a forked child is a CUDA call,
+    # which CUDA answers with std::terminate (the worker aborts). They stay referenced
+    # for the child's life, which costs it nothing (copy-on-write pages it never touches).
+    _parents_objects.append((_state["rec"], _state["sender"]))
     _state["rec"] = None
     _state["sender"] = None
     # Only a process that installed the hooks has any to quiet: a fork of the collector

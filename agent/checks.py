@@ -442,6 +442,10 @@ class _PendingChecksum:
 # --- running observer (agent side, called by the hooks) ----------------------------------
 
 
+# Root modules the observer remembers (weakly); the dead are dropped first.
+MAX_MODELS = 16
+
+
 def _dead() -> None:
     return None
 
@@ -490,9 +494,12 @@ class StepObserver:
         self._off = False
         self._findings: deque[Finding] = deque()
         self._fired: set[str] = set()
-        self._models: list[Any] = []
-        self._ddp: Any = None
-        self.sync_src: Any = None  # the DDP module on_backward reads; None once judged
+        # The root modules and the DDP one, by weak reference: a model the script drops
+        # must be freed (an HPO loop, k-fold, pretraining then fine-tuning).
+        self._models: list[Callable[[], Any]] = []
+        self._ddp: Callable[[], Any] = _dead
+        # A weak reference to the DDP module on_backward reads; None once judged.
+        self.sync_src: Callable[[], Any] | None = None
         self.last_iter: Any = None  # the iterator of the last batch, until the step ends
         self._train_pass: Callable[[], Any] = _dead  # ref to the training pass's _sampler_iter
         # Per sampler seen feeding steps, by id(): (ref to the sampler, ref to its current
@@ -535,16 +542,20 @@ class StepObserver:
         if self._off:
             return
         try:
-            if any(m is module for m in self._models) or next(module.parameters(), None) is None:
+            if any(m() is module for m in self._models) \
+                    or next(module.parameters(), None) is None:
                 return
-            self._models.append(module)
+            self._models = [m for m in self._models if m() is not None][-MAX_MODELS + 1:]
+            self._models.append(_ref(module))
             for f in inspect_model(module, self.world_size, self.rank):
                 self._emit(f)
-            if self._ddp is None and _is_ddp(module):
-                self._ddp = self.sync_src = module
+            if self._ddp() is None and _is_ddp(module):
+                self._ddp = self.sync_src = _ref(module)
                 if module.find_unused_parameters and not module.static_graph:
                     self._unused_steps = 0
-            pending = _PendingChecksum.start(module)
+            # The checksum compares the ranks' first weights: a model learned after the
+            # facts went out (the next one of an HPO loop) is not summed.
+            pending = None if self._facts_sent else _PendingChecksum.start(module)
             if pending is not None:
                 self._checksums.append(pending)
                 if pending.value is None:  # polled on this thread at the next steps
@@ -567,7 +578,8 @@ class StepObserver:
         allreduces: it sets `require_forward_param_sync` from `require_backward_grad_sync`
         (False inside no_sync()). Reading the forward-time flag also catches a forward run
         outside no_sync() with only the backward inside, which still synchronizes."""
-        ddp = self.sync_src
+        src = self.sync_src
+        ddp = None if src is None else src()
         if ddp is not None:
             try:
                 if ddp.require_forward_param_sync:
@@ -691,7 +703,9 @@ class StepObserver:
         if self._bn_checked or self._batch is None or not self._models:
             return
         self._bn_checked = True
-        for module in self._models:
+        for module in (m() for m in self._models):
+            if module is None:
+                continue
             for f in inspect_batchnorm(module, self._batch, self.world_size, self.rank):
                 self._emit(f)
 
@@ -716,7 +730,11 @@ class StepObserver:
         iteration. DDP's own logger records the unused parameters' bytes for its first 10
         iterations; none in any of them means the flag only costs time (~7 us to read,
         on the host: no GPU sync)."""
-        stats = self._ddp._get_ddp_logging_data()
+        ddp = self._ddp()
+        if ddp is None:  # the DDP module was dropped: nothing left to judge
+            self._unused_steps = -1
+            return
+        stats = ddp._get_ddp_logging_data()
         unused = stats.get("unused_parameter_size")
         if unused is None:
             return  # no sampled iteration yet
@@ -739,7 +757,7 @@ class StepObserver:
         """An observer bug must not become the user's problem: stop observing."""
         self.error = exc
         self._off = True
-        self._ddp = self.sync_src = None
+        self._ddp, self.sync_src = _dead, None
         self._unused_steps = -1
 
 

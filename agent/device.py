@@ -18,10 +18,11 @@ The rules (docs/agent-api.md, "CUDA"):
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 # Objects the hooks saw that may hold the training device (root modules, the stepping
-# optimizer); a few are enough, the first CUDA one wins.
+# optimizer), by weak reference; a few are enough, the first CUDA one wins.
 MAX_SOURCES = 8
 
 
@@ -68,6 +69,17 @@ RULE_OFFLOAD_CURRENT = "current device (parameters on CPU: offload)"
 RULE_NO_MODEL = "current device (no model seen)"
 
 
+def live(sources: list[Any]) -> list[Any]:
+    """The sources still alive: the hooks hold them by weak reference (a model the script
+    dropped must be freed), a test may hand the objects themselves."""
+    out = []
+    for source in sources:
+        obj = source() if isinstance(source, weakref.ref) else source
+        if obj is not None:
+            out.append(obj)
+    return out
+
+
 def learn(torch: Any, sources: list[Any], tensor_index: int | None = None,
           settled: bool = True) -> tuple[int, str] | None:
     """The rank's device once the script uses CUDA, and the rule that chose it:
@@ -82,6 +94,7 @@ def learn(torch: Any, sources: list[Any], tensor_index: int | None = None,
     None before the script's first CUDA use (and, for 2, before `settled`)."""
     if not cuda_in_use(torch):
         return None
+    sources = live(sources)
     for source in sources:
         index = index_of(source)
         if index is not None:

@@ -54,12 +54,13 @@ to count the captures in progress (the recorder makes no CUDA call while one is)
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 from threading import get_ident as _get_ident
 from time import perf_counter_ns
 from typing import Any
 
-from . import device, gcwatch, recorder
+from . import compiled, device, gcwatch, recorder
 from .checks import StepObserver
 from .recorder import BACKWARD, DATALOADER, FORWARD, H2D, NO_PHASE, OPTIMIZER, SYNC, Recorder
 
@@ -69,6 +70,15 @@ MAX_ROOT_CLASSES = 8
 # Root forwards learned without any optimizer step (an evaluation loop, or a framework
 # that steps later): learning stops here so the per-module wrapper does not stay on.
 MAX_LEARNING_FORWARDS = 64
+# Root modules remembered (weakly) at once; dead ones are dropped to make room.
+MAX_ROOTS = 32
+# Steps of another optimizer in a row, without one of the step optimizer's, after which
+# that other optimizer closes the steps: the first one is still alive (held by the
+# script, a scheduler, a results list) but no longer trains. Above 1, so that a GAN's two
+# optimizers stepping in turn keep the first; 4, so that at most 3 steps of a new model
+# merge into one before it is learned. A step optimizer that was garbage collected is
+# replaced at the next step of any optimizer.
+RELEARN_OTHER_STEPS = 4
 
 _rec: Recorder | None = None
 _obs: StepObserver | None = None  # the setup checks (checks.py), fed by the same hooks
@@ -88,32 +98,49 @@ _in_autograd: Callable[[], bool] = bool  # this thread runs a backward (bound at
 _DYNAMO = "torch._dynamo"
 _modules = sys.modules
 _undo: list[Callable[[], None]] = []
+_parents_objects: list[Any] = []  # in a forked child: the parent's recorder and observer
 _learning = False
 _finish_pending = False  # the first step closed inside a root forward: finish after it
 _depth = 0  # module calls open on the training thread while learning
 _learning_forwards = 0
-_roots: list[Any] = []
+# Everything learned about the user's objects is held weakly (docs/agent-api.md, "What
+# the agent holds"): a script that trains one model, drops it and trains another (an HPO
+# loop, k-fold, pretraining then fine-tuning) must get the first one's memory back.
+_roots: list[Callable[[], Any]] = []  # the root modules learned, weakly
+_wrapped: list[type] = []  # root classes whose __call__ is timed (at most MAX_ROOT_CLASSES)
 _grad_order: list[Any] = []  # learning: parameters in the order their gradients were ready
 _grad_probes: list[Any] = []  # learning: temporary hooks on the roots' parameters
-_step_optimizer: Any = None
+
+
+def _no_ref() -> Any:
+    """The step optimizer's reference before one is learned."""
+    return None
+
+
+_step_ref: Callable[[], Any] = _no_ref  # the step optimizer, weakly
+# Steps of other optimizers since the step optimizer's last one: at RELEARN_OTHER_STEPS
+# the step optimizer is re-learned (the job moved on to another optimizer).
+_other_steps = 0
 _BACKWARD_OWNER = object()
 _scaler_mark = 0  # the step count at the last GradScaler.update (a skipped step shows)
 _end_learning_patch: Callable[[], None] = lambda: None  # noqa: E731 - restores Module.__call__
+_start_learning_patch: Callable[[], None] = lambda: None  # noqa: E731 - wraps it again
 
 
 def install(rec: Recorder, torch: Any, on_error: Callable[[BaseException], None],
             observer: StepObserver | None = None) -> None:
-    global _rec, _on_error, _learning, _step_optimizer, _obs, _is_compiling
+    global _rec, _on_error, _learning, _obs, _is_compiling
     global _finish_pending, _depth, _learning_forwards, _scaler_mark
-    global _in_autograd, _dynamo_compiling, _compile_flags
+    global _in_autograd, _dynamo_compiling, _compile_flags, _step_ref, _other_steps
     _rec, _on_error, _obs = rec, on_error, observer
-    _learning, _step_optimizer, _finish_pending = True, None, False
+    _learning, _step_ref, _finish_pending, _other_steps = True, _no_ref, False, 0
     _scaler_mark = rec.step
     _depth = _learning_forwards = 0
     _is_compiling = _compiling_probe(torch)
     _dynamo_compiling, _compile_flags = _dynamo_probe(torch, _is_compiling)
     _in_autograd = _autograd_probe(torch)
     _roots.clear()
+    _wrapped.clear()
     _grad_order.clear()
     _grad_probes.clear()
     _patch_dataloader(torch)
@@ -145,9 +172,15 @@ def go_inert() -> None:
     """Every wrapper passes straight through from now on (a forked child's state):
     nothing is restored or removed, which would touch the parent's objects' copies."""
     global _rec, _obs, _learning
+    _parents_objects.append((_rec, _obs))  # never freed in the child (agent/__init__.py)
     _rec = None
     _obs = None
     _learning = False
+
+
+def _live_roots() -> list[Any]:
+    """The learned root modules still alive."""
+    return [root for root in (ref() for ref in _roots) if root is not None]
 
 
 def _fail(exc: BaseException) -> None:
@@ -313,38 +346,66 @@ def _learn_roots(torch: Any) -> None:
     original = module_cls.__call__
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        global _depth
         if _is_compiling() or not _learning:
             return original(self, *args, **kwargs)
-        rec = _rec
-        if rec is not None and _get_ident() != rec.thread and not _admit(rec, FORWARD):
-            return original(self, *args, **kwargs)  # another thread's module
-        if _depth or rec is None or rec.active == DATALOADER:  # a module in a collate_fn
-            _depth += 1
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                _depth -= 1
-        _depth = 1
-        try:
-            _learn(self)
-            return _timed(rec, FORWARD, self, original, self, *args, **kwargs)
-        finally:
-            _depth = 0
-            if _finish_pending and _learning:
-                _finish_learning_guarded()
+        return _learning_call(original, self, args, kwargs)
 
-    global _end_learning_patch
+    global _end_learning_patch, _start_learning_patch
     _setattr(module_cls, "__call__", __call__)
     _end_learning_patch = lambda: setattr(module_cls, "__call__", original)  # noqa: E731
+    _start_learning_patch = lambda: setattr(module_cls, "__call__", __call__)  # noqa: E731
+
+
+def _learning_call(original: Callable[..., Any], module: Any, args: tuple,
+                   kwargs: dict) -> Any:
+    """A module call while learning: the outermost one is a root, learned and timed as
+    forward; the ones inside it pass through. Also the timed root classes' path while the
+    agent re-learns (a new step optimizer: `_relearn`), so that a new model of a class
+    already timed is learned too."""
+    global _depth
+    rec = _rec
+    if rec is not None and _get_ident() != rec.thread and not _admit(rec, FORWARD):
+        return original(module, *args, **kwargs)  # another thread's module
+    if _depth or rec is None or rec.active == DATALOADER or _compiled_code(module):
+        _depth += 1  # a module inside a root, in a collate_fn, or a compiled graph's
+        try:
+            return original(module, *args, **kwargs)
+        finally:
+            _depth -= 1
+    _depth = 1
+    try:
+        _learn(module)
+        return _timed(rec, FORWARD, module, original, module, *args, **kwargs)
+    finally:
+        _depth = 0
+        if _finish_pending and _learning:
+            _finish_learning_guarded()
+
+
+def _compiled_code(module: Any) -> bool:
+    """A torch.fx GraphModule: the code torch.compile generated (an aot_eager compiled
+    optimizer step runs one inside the optimizer phase), never the user's root."""
+    return type(module).__module__.startswith("torch.fx")
+
+
+def _weak(obj: Any) -> Callable[[], Any]:
+    """A weak reference to a user's object (modules and optimizers allow one); a strong
+    one only for an object that cannot be weakly referenced."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 def _learn(root: Any) -> None:
     global _learning_forwards
     try:
         _learning_forwards += 1
-        if not any(r is root for r in _roots):
-            _roots.append(root)
+        if not any(r() is root for r in _roots):
+            if len(_roots) >= MAX_ROOTS:
+                _roots[:] = [r for r in _roots if r() is not None]
+            if len(_roots) < MAX_ROOTS:
+                _roots.append(_weak(root))
             _add_device_source(root)
             _probe_gradients(root)
             if _obs is not None:
@@ -359,8 +420,16 @@ def _add_device_source(obj: Any) -> None:
     """The optimizer that steps and the root modules hold the parameters whose device
     the rank trains on; the recorder reads them only at a step boundary (device.py)."""
     rec = _rec
-    if rec is not None and len(rec.device_sources) < device.MAX_SOURCES:
-        rec.device_sources.append(obj)
+    if rec is None:
+        return
+    sources = rec.device_sources  # weak references (device.learn reads through them)
+    if len(sources) >= device.MAX_SOURCES:
+        sources[:] = [ref for ref in sources if ref() is not None]
+    if len(sources) < device.MAX_SOURCES:
+        try:
+            sources.append(weakref.ref(obj))
+        except TypeError:  # not a module or optimizer: it holds no device anyway
+            pass
 
 
 def _schedule_finish() -> None:
@@ -390,20 +459,34 @@ def _finish_learning() -> None:
     global _learning, _finish_pending
     _learning = _finish_pending = False
     _end_learning_patch()  # (uninstall puts it back again: harmless)
-    classes = list(dict.fromkeys(type(root) for root in _roots))
-    for cls in classes[:MAX_ROOT_CLASSES]:
-        _wrap_call(cls)
+    roots = _live_roots()
+    _roots[:] = [r for r in _roots if r() is not None]
+    for cls in dict.fromkeys(type(root) for root in roots):
+        if cls not in _wrapped and len(_wrapped) < MAX_ROOT_CLASSES:
+            _wrapped.append(cls)
+            _wrap_call(cls)
     if _rec is not None:
-        _rec.parallel = parallel_kind(_roots)
+        _rec.parallel = parallel_kind(roots)
         if _rec.parallel == "ddp":
-            _rec.grad_bytes = gradient_bytes(_roots)
-            _rec.ddp_group = _ddp_group(_roots)
+            _rec.grad_bytes = gradient_bytes(roots)
+            _rec.ddp_group = _ddp_group(roots)
     while _grad_probes:
         _grad_probes.pop().remove()
     if _grad_order:
         handle = _grad_order[0].register_post_accumulate_grad_hook(_on_first_grad)
         _undo.append(handle.remove)
     _grad_order.clear()
+
+
+def _relearn() -> None:
+    """A new step optimizer (the first one was dropped, or stopped stepping): learn the
+    roots again until its next step, as at the start (a new model, maybe of a new class,
+    whose parameters need the backward/sync split's hook)."""
+    global _learning, _learning_forwards, _finish_pending
+    if _learning:
+        return
+    _learning, _learning_forwards, _finish_pending = True, 0, False
+    _start_learning_patch()
 
 
 def _ddp_group(roots: list[Any]) -> str:
@@ -463,6 +546,8 @@ def _wrap_call(cls: type) -> None:
         if rec is None or (_DYNAMO in _modules and (_dynamo_compiling()
                                                     or _compile_flags._is_compiling_flag)):
             return original(self, *args, **kwargs)
+        if _learning:  # re-learning (a new step optimizer): this instance may be new
+            return _learning_call(original, self, args, kwargs)
         if rec.check_threads and _get_ident() != rec.thread and not _admit(rec, FORWARD):
             return original(self, *args, **kwargs)
         try:
@@ -527,7 +612,8 @@ def _on_first_grad(param: Any) -> None:
         obs = _obs  # once per backward that reaches the model's parameters
         if obs is not None and obs.sync_src is not None:  # obs.on_backward(), written out
             try:
-                if obs.sync_src.require_forward_param_sync:
+                ddp = obs.sync_src()  # a weak reference: None once the job dropped it
+                if ddp is not None and ddp.require_forward_param_sync:
                     obs.synced += 1
             except Exception as exc:  # the observer's own failure: it turns itself off
                 obs._fail(exc)
@@ -586,7 +672,7 @@ def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
-    global _step_optimizer
+    global _other_steps
     rec = _rec
     if rec is None:
         return
@@ -596,20 +682,41 @@ def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
             and not _admit(rec, OPTIMIZER):
         return
     try:
-        if _step_optimizer is None:
-            _step_optimizer = optimizer
-            _add_device_source(optimizer)  # before the close: a lazy recorder reads it there
-            gcwatch.arm()  # GC pauses count from the first step (gcwatch.py), once
-        if optimizer is _step_optimizer and not rec.explicit_steps:
+        relearn = False
+        step_opt = _step_ref()
+        if optimizer is not step_opt:
+            _other_steps += 1
+            if step_opt is None or _other_steps >= RELEARN_OTHER_STEPS:
+                # (with explicit steps no step closes here to end a new learning)
+                relearn = _adopt(optimizer) and not rec.explicit_steps
+                step_opt = optimizer
+        elif _other_steps:
+            _other_steps = 0
+        if optimizer is step_opt and not rec.explicit_steps:
             rec.end_step(optimizer)  # end(optimizer), then close_step(), in one call
             if _learning:
                 _schedule_finish()
         else:
             rec.end(optimizer)
+        if relearn:  # after the close: learning runs until the new optimizer's next step
+            _relearn()
         if _obs is not None:  # every optimizer: a GAN's two each judge their backward
             _obs.on_optimizer_step()
     except Exception as exc:
         _fail(exc)
+
+
+def _adopt(optimizer: Any) -> bool:
+    """`optimizer` closes the steps from now on (held weakly). True when it replaces
+    another one (dropped, or idle while this one stepped): the roots are re-learned."""
+    global _step_ref, _other_steps
+    first = _step_ref is _no_ref
+    _step_ref = _weak(optimizer)
+    _other_steps = 0
+    _add_device_source(optimizer)  # before the close: a lazy recorder reads it there
+    if first:
+        gcwatch.arm()  # GC pauses count from the first step (gcwatch.py), once
+    return not first
 
 
 def _hook_optimizer(torch: Any) -> None:
@@ -619,6 +726,17 @@ def _hook_optimizer(torch: Any) -> None:
     post = opt.register_optimizer_step_post_hook(_optimizer_post)
     _undo.append(pre.remove)
     _undo.append(post.remove)
+    # torch.compile(opt.step): the hooks invisible to Dynamo, the step still closed
+    # (compiled.py; nothing changes until the script first calls torch.compile).
+    compiled.install(torch, opt, pre.id, post.id, _optimizer_pre, _optimizer_post,
+                     _dynamo_compiling, _compiled_ctx)
+
+
+def _compiled_ctx() -> tuple[Any, Callable[[BaseException], None],
+                             Callable[[Any, str, Any], None]]:
+    """What compiled.py needs of this module when it runs: the recorder, the agent's
+    failure path and the undoable setattr."""
+    return _rec, _fail, _setattr
 
 
 # --- collectives --------------------------------------------------------------------

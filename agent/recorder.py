@@ -181,8 +181,8 @@ class Recorder:
         self.in_group: str | None = None
         self.last_step_t = perf_counter_ns()
         self.last_wall = 0  # the last step's wall time, ns
-        # What the hooks saw that may hold the training device (device.py): only a
-        # LazyCudaRecorder reads them, at step boundaries.
+        # What the hooks saw that may hold the training device (device.py), as weak
+        # references: only a LazyCudaRecorder reads them, at step boundaries.
         self.device_sources: list[Any] = []
         self.device_tensor: int | None = None  # the CUDA index of the first batch moved there
         # Progress and health, read by the heartbeat thread:

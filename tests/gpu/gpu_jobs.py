@@ -46,6 +46,10 @@ EVIDENCE_ORDER: tuple[tuple[str, float, str], ...] = (
     ("test_gpu_ddp.py::test_forked_dataloader_workers_with_the_agent_on_cuda", 50,
      "forked workers after CUDA"),
     ("test_gpu_streams.py::test_fsdp2_on_one_gpu[cpu-offload]", 60, "offload"),
+    ("test_gpu_compiled_step.py::test_compiled_optimizer_step[fullgraph]", 40,
+     "a fullgraph-compiled optimizer step (issue 40, 6)"),
+    ("test_gpu_compiled_step.py::test_compiled_optimizer_step[adamw-inductor]", 90,
+     "the compiled-optimizer recipe (a first inductor compile)"),
     ("test_gpu_capture.py::test_compile_reduce_overhead", 120,
      "cudagraph trees (a first torch.compile takes a minute)"),
 )
@@ -94,6 +98,21 @@ def one_gpu_env() -> dict[str, str]:
     """Every rank of every job on one GPU: the first one this process may use."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
     return {"CUDA_VISIBLE_DEVICES": visible or "0"}
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (else
+    nvidia-smi's indices): for the tests that need two. No CUDA call."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+               if v.strip()]
+    if visible:
+        return visible
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
 
 
 def run_gpu(tmp_path: Path, script: str, *traceml_args: str, nproc: int = 1,

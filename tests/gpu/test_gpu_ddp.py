@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_jobs import assert_healthy, run_gpu, timed
+from gpu_jobs import assert_healthy, run_gpu, timed, visible_gpus
 
 pytestmark = pytest.mark.gpu
 
@@ -72,12 +72,17 @@ def test_forked_dataloader_workers_with_the_agent_on_cuda(tmp_path):
 
 
 def test_no_set_device_learns_the_device_from_the_model(tmp_path):
-    """model.to(f"cuda:{local_rank}") (modulo the one GPU) and no set_device: the device
-    is learned from the parameters, and every phase is timed there."""
+    """model.to(f"cuda:{local_rank}") and no set_device: the device is learned from the
+    parameters, and every phase is timed there. On one GPU the current device (0) and
+    the model's are the same, so the test could not fail: it needs two (issue 40, 8)."""
+    gpus = visible_gpus()
+    if len(gpus) < 2:
+        pytest.skip("needs two GPUs: on one, the model's device is the current device")
     job = run_gpu(tmp_path, "ddp_gpu.py", nproc=2, name="noset",
-                  script_args=("--backend", "gloo", "--steps", str(STEPS), "--no-set-device"))
+                  script_args=("--backend", "gloo", "--steps", str(STEPS), "--no-set-device"),
+                  env={"CUDA_VISIBLE_DEVICES": ",".join(gpus[:2])})
     doc = assert_healthy(job, nproc=2, steps=STEPS)
-    assert "current device 0, model on cuda:0" in job.logs, job.tail()
+    assert "current device 0, model on cuda:1" in job.logs, job.tail()
     for r in doc["ranks"]:
-        assert r["device"] == "cuda:0", r
+        assert r["device"] == f"cuda:{r['rank']}", r
         timed(r["phase_ms"], "forward", "backward", "sync", "optimizer")

@@ -38,6 +38,9 @@ def test_fsdp2_on_one_gpu(tmp_path, offload):
     assert doc["collector"]["records"] >= STEPS, doc["collector"]
     print(f"\nFSDP2 {'offload' if offload else 'on GPU'}: timing faults "
           f"{rank['timing_faults']}, device rule {rank['device_rule']!r}")
+    # Every pair on the step stream (issue 40, 1): a fault is a failed pair or a change
+    # of step stream, a few at most; unbounded, this test could not fail (issue 40, 8).
+    assert rank["timing_faults"] <= STEPS // 10, rank
     if offload:  # which rule chose the device is said, in the summary and on the terminal
         assert "offload" in (rank["device_rule"] or ""), rank
         assert f"timed on the device chosen by: {rank['device_rule']}" in job.stdout

@@ -1,0 +1,64 @@
+"""An optimizer step compiled with torch.compile, trained on one GPU (issue 40, item 6).
+
+PyTorch's compiled-optimizer recipe: `torch.compile(opt.step)` over AdamW with a tensor
+learning rate (inductor fuses the update), or, with --fullgraph, a plain SGD step that
+Dynamo can trace whole (torch's own optimizers break their graph on purpose, so
+fullgraph=True fails for them with or without traceml). Every step must still be
+counted, and nothing of traceml's may break the graph or raise here. Knows nothing about
+traceml. --device cpu tries the loop without a GPU (the "eager" backend).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from torch import nn
+
+
+class PlainSGD(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--fullgraph", action="store_true")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    args = p.parse_args()
+
+    if args.device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 10)).to(device)
+    if args.fullgraph:
+        opt: torch.optim.Optimizer = PlainSGD(model.parameters())
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+    backend = "inductor" if device.type == "cuda" else "eager"
+    step = torch.compile(opt.step, backend=backend, fullgraph=args.fullgraph)
+    x = torch.randn(256, 512, device=device)
+    y = torch.randint(0, 10, (256,), device=device)
+    for _ in range(args.steps):
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        step()
+    print(f"done {args.steps} steps, loss {loss.item():.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
