@@ -30,3 +30,25 @@ def test_fsdp_input_straggler_is_named_not_the_rank_that_waits_for_it(tmp_path):
     assert abs(rank0["forward"]["median"] - rank1["forward"]["median"]) < 10, medians
     for phases in (rank0, rank1):
         assert phases["backward"]["median"] > 0 and phases["optimizer"]["median"] > 0
+
+
+def test_grad_hooks_fire_on_fsdp2s_sharded_parameters(tmp_path):
+    """The agent splits backward from sync at autograd's last gradient, seen by a
+    post-accumulate-grad hook. A reading of FSDP2 predicted such hooks never fire on its
+    sharded DTensor parameters (issue 40); on torch 2.13 they do (FSDP2 runs them once it
+    has reduce-scattered each gradient): checked here, on CPU/gloo, 2 ranks."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from jobs import free_ports
+
+    script = Path(__file__).parent / "fsdp_grad_hooks.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_ports(1)), str(script)],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
+    assert lines == ["rank 0: DTensor 12 calls 12 expected",
+                     "rank 1: DTensor 12 calls 12 expected"], done.stdout
