@@ -115,11 +115,12 @@ FILE_S = {
     "test_e2e_capture.py": 31, "test_web_view.py": 28, "test_slurm.py": 27,
     "test_dashboard.py": 25, "test_native_stacks.py": 24, "test_e2e_stalls.py": 24,
     "test_phase_table.py": 22, "test_e2e_explicit_api.py": 20, "test_metrics.py": 18,
-    "test_layers.py": 18, "test_web_lock.py": 14, "test_e2e_fsdp.py": 14,
+    "test_layers.py": 18, "test_web_lock.py": 14, "test_e2e_fsdp.py": 25,
     "test_run_folders.py": 13, "test_relay.py": 12, "test_handover_exit.py": 12,
     # Files of 2026-11-27/28 (fresh-clone run 3, a loaded machine: scaled by ~0.75).
     "test_e2e_memory.py": 92, "test_e2e_replay.py": 80, "test_e2e_imbalance.py": 60,
     "test_e2e_restarts.py": 70, "test_security_drain.py": 40, "test_e2e_advice.py": 60,
+    "test_e2e_two_models.py": 25, "test_compiled_step.py": 15,
 }
 
 
