@@ -43,17 +43,15 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 from msgspec.structs import asdict, force_setattr
 
 from . import vocab
+from .findings import Finding, facts_from_wire
 from .sanitize import clean_line, clean_text
-
-if TYPE_CHECKING:
-    from .checks import Finding
 
 # 3: the wire is described by the msgspec Structs below (same msgpack maps as 2, whose
 # fields it keeps); 2 added steps `forced`, hello `auto`, heartbeat `framework` and
@@ -164,10 +162,10 @@ class StepRecord:
 @dataclass(frozen=True, slots=True)
 class CheckReport:
     """A checks message as the collector reads it: findings and facts, validated against
-    the checks this version knows (checks.Finding.from_wire, facts_from_wire)."""
+    the checks this version knows (findings.py: Finding.from_wire, facts_from_wire)."""
 
     findings: tuple[Finding, ...]
-    facts: dict[str, Any] | None  # checks.facts_from_wire
+    facts: dict[str, Any] | None  # findings.facts_from_wire
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,7 +383,7 @@ class Goodbye(_Wire, tag="goodbye", kw_only=True, frozen=True):
 
 
 class Checks(_Wire, tag="checks", kw_only=True, frozen=True):
-    # Validated against the checks this version knows (checks.Finding.from_wire).
+    # Validated against the checks this version knows (findings.Finding.from_wire).
     findings: Annotated[list[dict[Short, str | list[int]]],
                         Meta(max_length=MAX_FINDINGS)] = []
     facts: dict[Short, float | int | str | None] | None = None
@@ -548,8 +546,6 @@ def _phases(raw: list[str]) -> tuple[str, ...]:
 
 
 def _checks(wire: Checks) -> CheckReport:
-    from .checks import Finding, facts_from_wire
-
     try:
         return CheckReport(tuple(Finding.from_wire(f) for f in wire.findings),
                            None if wire.facts is None else facts_from_wire(wire.facts))

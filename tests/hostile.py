@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from traceml_agent import protocol
-from traceml_agent.checks import CHECKS
+from traceml_agent.findings import CHECKS
 from traceml_agent.protocol import PHASES, Identity, ProtocolError, decode
 from traceml_agent.sanitize import clean_line
 

@@ -21,18 +21,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from traceml_agent import checks
+from traceml_agent import checks, findings
 from traceml_agent.checks import (
     ACCUMULATION_CONFIRM_STEPS,
     FIND_UNUSED_STEPS,
-    Finding,
     StepObserver,
-    facts_from_wire,
     inspect_batchnorm,
     inspect_loader,
     inspect_model,
     param_checksum,
 )
+from traceml_agent.findings import Finding, facts_from_wire
 from traceml_agent.vocab import format_ranks
 from traceml_tui.judge.setup_checks import compare_checksums, compare_devices, merge_findings
 
@@ -498,7 +497,7 @@ def test_format_ranks(ranks, text):
 def test_wire_round_trip_and_validation():
     f = checks.finding("uneven-shards", (3,), "x" * 500)
     wire = f.to_wire()
-    assert len(wire["evidence"]) == checks.MAX_TEXT and wire["ranks"] == [3]
+    assert len(wire["evidence"]) == findings.MAX_TEXT and wire["ranks"] == [3]
     assert Finding.from_wire(wire) == f
     for bad in (None, {**wire, "extra": 1}, {**wire, "severity": "bad"},
                 {**wire, "ranks": [-1]}, {**wire, "ranks": "0"}, {**wire, "fix": "y" * 201}):

@@ -33,6 +33,6 @@ def test_example_makes_exactly_its_mistake(tmp_path, name):
 
 
 def test_every_finding_id_has_an_example():
-    from traceml_agent.checks import CHECKS
+    from traceml_agent.findings import CHECKS
 
     assert set(CASES) == set(CHECKS) | {"clean"}

@@ -293,7 +293,7 @@ async def test_a_slow_node_and_a_silent_node_are_named():
 
 
 async def test_setup_checks_are_counted_and_c_shows_evidence_and_fix():
-    from traceml_agent.checks import Finding
+    from traceml_agent.findings import Finding
     from traceml_tui.view.dashboard.screens import ChecksScreen
 
     found = Finding("no-distributed-sampler", "critical", (0, 1),

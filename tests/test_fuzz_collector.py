@@ -366,7 +366,7 @@ def _big_steps(rank: int, pid: int) -> bytes:
 
 def _findings(rank: int, pid: int, seq: int) -> bytes:
     from traceml_agent import protocol
-    from traceml_agent.checks import CHECKS, MAX_FINDING_RANKS
+    from traceml_agent.findings import CHECKS, MAX_FINDING_RANKS
 
     ident = protocol.Identity(rank, rank, 0, "flood", pid, WORLD)
     ids = sorted(CHECKS)

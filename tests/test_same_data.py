@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from traceml_agent.checks import NO_DISTRIBUTED_SAMPLER, StepObserver, finding
+from traceml_agent.checks import StepObserver
 from traceml_agent.datadigest import DIGEST_BATCHES, BatchDigest, dataset_digest, digest_of
+from traceml_agent.findings import NO_DISTRIBUTED_SAMPLER, finding
 from traceml_tui.judge.same_data import judge_same_data
 from traceml_tui.judge.setup_checks import ChecksBoard
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from traceml_agent.checks import Finding
+from traceml_agent.findings import Finding
 from traceml_agent.protocol import CollRow
 from traceml_tui.collect.canned import StaticSource, make_hang_state, make_state, with_history
 from traceml_tui.view.dashboard import DashboardApp

@@ -33,3 +33,13 @@ def test_the_package_keeps_the_recorders_no_phase():
     from traceml_agent import recorder
 
     assert traceml_agent._NO_PHASE == recorder.NO_PHASE
+
+
+def test_the_wire_and_the_judge_load_no_detector():
+    """Decoding a checks message and judging the findings need the checks' words
+    (findings.py), not the 700 lines of detectors that run inside a rank (checks.py)."""
+    for module in ("traceml_agent.protocol", "traceml_tui.judge.state"):
+        loaded = _loaded(module)
+        assert "traceml_agent.findings" in loaded
+        runtime = [m for m in loaded if m.rsplit(".", 1)[-1] in RUNTIME]
+        assert not runtime, (module, runtime)

@@ -12,7 +12,7 @@ import random
 
 from msgspec.structs import replace
 
-from traceml_agent.checks import Finding
+from traceml_agent.findings import Finding
 from traceml_agent.protocol import (
     NO_HEARTBEAT,
     PHASES,

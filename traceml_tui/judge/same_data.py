@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from traceml_agent.checks import MAX_TEXT, NO_DISTRIBUTED_SAMPLER, Finding
 from traceml_agent.datadigest import DIGEST_BATCHES
+from traceml_agent.findings import MAX_TEXT, NO_DISTRIBUTED_SAMPLER, Finding
 from traceml_agent.vocab import CRITICAL, INFO, format_ranks
 
 # The samplers that read their dataset in order: the same dataset gives the same first
@@ -48,7 +48,7 @@ def judge_same_data(f: Finding, facts: Mapping[int, Mapping[str, Any]]) -> Findi
     """The merged no-distributed-sampler finding `f` as the ranks' digests prove it:
     critical with the proof, dropped when they prove each rank reads its own data, else a
     hint saying what was not seen (module docstring's table). `facts`: rank -> its facts
-    (checks.facts_from_wire), for any ranks; only those in `f.ranks` are read."""
+    (findings.facts_from_wire), for any ranks; only those in `f.ranks` are read."""
     if f.id != NO_DISTRIBUTED_SAMPLER or len(f.ranks) < 2:
         return f
     mine = {r: facts.get(r, {}) for r in f.ranks}

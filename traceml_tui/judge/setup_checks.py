@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from traceml_agent.checks import (
+from traceml_agent.findings import (
     FIND_UNUSED_UNNEEDED,
     MAX_TEXT,
     PARAMS_DIFFER,

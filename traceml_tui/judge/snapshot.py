@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from traceml_agent.checks import Finding
+from traceml_agent.findings import Finding
 from traceml_agent.protocol import NO_HEARTBEAT, Heartbeat, NcclState, Sys
 
 from . import collectives as coll
