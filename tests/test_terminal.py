@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jobs import ROOT, alive, kill_all, traceml, wait_for
+from jobs import ROOT, alive, kill_all, live_ranks_steps, traceml, wait_for
 from traceml_agent.vocab import LIVE_SNAPSHOT_JSON
 
 FAULTY = Path(__file__).resolve().parent / "faulty_ddp.py"
@@ -120,13 +120,11 @@ def test_closing_the_terminal_stops_the_job_and_leaves_a_record_and_no_process(
     run_dir = out / "hup"
     term.type(traceml_cmd(out, "hup", "--steps", "100000"))
 
-    def stepping() -> bool:
-        try:
-            return json.loads((run_dir / LIVE_SNAPSHOT_JSON).read_text())["run"]["steps"] >= 20
-        except (OSError, ValueError, KeyError):
-            return False
+    def stepping() -> bool:  # every rank's 20 steps received (run.steps is the newest's)
+        steps = live_ranks_steps(run_dir)
+        return len(steps) == 2 and min(steps) >= 20
 
-    wait_for(stepping, 90, "the job to make 20 steps")
+    wait_for(stepping, 90, "each rank to report 20 steps")
     wait_for(lambda: "rank" in term.screen(), 30, "the dashboard to draw")
     t_hup = time.monotonic()
     term.kill()  # the terminal goes: SIGHUP to its processes
