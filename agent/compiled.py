@@ -35,11 +35,23 @@ def install(torch: Any, opt: Any, pre_key: int, post_key: int, pre: Hook, post: 
             ) -> None:
     """Wrap torch.compile; at its first call, put compile-aware versions of the agent's
     optimizer hooks (`pre`, `post`, registered under `pre_key`/`post_key` in torch's
-    global tables) in their places. `ctx()` gives (recorder, fail, setattr) of hooks.py."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    if not callable(disable):
+    global tables) in their places. `ctx()` gives (recorder, fail, setattr) of hooks.py.
+
+    Nothing is wrapped by Dynamo before that first call: with the hooks wrapped by
+    `torch.compiler.disable` at the agent's start, a plain DDP job that never compiles
+    (examples/faults/restart_job.py, 3 ranks on gloo) hung at exit in 4 runs of 6 beside a
+    CPU hog, 0 of 6 without: gloo's worker thread, freeing its last work (and the Python
+    context torch stashes for every backward), waited for the GIL that the main thread
+    held while freeing DDP's process group and joining that thread."""
+    if not callable(getattr(getattr(torch, "compiler", None), "disable", None)):
         return
-    pre_off, post_off = disable(pre), disable(post)
+    off: list[Hook] = []  # pre and post, disabled for Dynamo: made at the first compile
+
+    def pre_off(optimizer: Any, args: Any, kwargs: Any) -> None:
+        off[0](optimizer, args, kwargs)
+
+    def post_off(optimizer: Any, args: Any, kwargs: Any) -> None:
+        off[1](optimizer, args, kwargs)
 
     def compiled_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
         if _quiet:
@@ -57,11 +69,17 @@ def install(torch: Any, opt: Any, pre_key: int, post_key: int, pre: Hook, post: 
 
     entries = ((getattr(opt, "_global_optimizer_pre_hooks", None), pre_key, compiled_pre),
                (getattr(opt, "_global_optimizer_post_hooks", None), post_key, compiled_post))
-    _patch_compile(torch, entries, pre, post, ctx)
+
+    def first_compile() -> None:
+        disable = torch.compiler.disable
+        off.extend((disable(pre), disable(post)))
+
+    _patch_compile(torch, entries, pre, post, ctx, first_compile)
 
 
 def _patch_compile(torch: Any, entries: tuple[tuple[Any, int, Hook], ...], pre: Hook,
-                   post: Hook, ctx: Callable[[], tuple[Any, Any, Any]]) -> None:
+                   post: Hook, ctx: Callable[[], tuple[Any, Any, Any]],
+                   first_compile: Callable[[], None]) -> None:
     original = getattr(torch, "compile", None)
     if not callable(original):
         return
@@ -81,6 +99,7 @@ def _patch_compile(torch: Any, entries: tuple[tuple[Any, int, Hook], ...], pre: 
         try:
             if not swapped:
                 swapped.append(True)
+                first_compile()
                 for table, key, hook in entries:
                     if table is not None and key in table:
                         table[key] = hook

@@ -136,3 +136,34 @@ def test_compile_still_returns_a_module_for_a_model(agent):
     model = nn.Linear(8, 8)
     compiled = torch.compile(model, backend="eager")
     assert isinstance(compiled, nn.Module) and compiled.weight is model.weight
+
+
+def test_nothing_of_dynamo_is_wrapped_before_the_first_compile(monkeypatch):
+    """Fresh-clone run 7: the agent wrapped its hooks with torch.compiler.disable at its
+    start, and restart_job.py (3 ranks, DDP on gloo) then hung at exit in 4 runs of 6
+    beside a CPU hog, 0 of 6 with the wrapping made at the first torch.compile (gloo's
+    worker thread, freeing its last work and the Python context torch stashes for every
+    backward, waited for the GIL the main thread held while joining it). A job that
+    never compiles runs the plain hooks, untouched by Dynamo."""
+    calls: list[object] = []
+    real = torch.compiler.disable
+
+    def spy(fn=None, *args, **kwargs):
+        calls.append(fn)
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "disable", spy)
+    rec = Recorder(deque(maxlen=1_000))
+    hooks.install(rec, torch, print)
+    try:
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+        assert calls == []
+        torch.compile(opt.step, backend="eager")
+        assert len(calls) == 2  # the pre and post hooks, at the first compile
+    finally:
+        hooks.uninstall()
+        torch._dynamo.reset()
