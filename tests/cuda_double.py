@@ -509,3 +509,21 @@ def background_batches(loader: Any, depth: int = 2) -> Iterator[Any]:
         if item is done:
             return
         yield item
+
+
+def installed_double(monkeypatch: Any) -> Iterator[CudaDouble]:
+    """torch.cuda replaced by a 2-device double (pinned memory too) for a test, the
+    agent's hooks and capture count reset after it: the body of the CUDA tests' `cuda`
+    fixture (`yield from installed_double(monkeypatch)`)."""
+    import torch
+    import torch._dynamo  # noqa: F401 - optimizers import it on first use, with the real cuda
+
+    from traceml_agent import hooks, recorder
+
+    double = CudaDouble(devices=2)
+    monkeypatch.setattr(torch, "cuda", double)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    patch_pinned_memory(monkeypatch, double)
+    yield double
+    hooks.uninstall()
+    recorder._captures = 0

@@ -17,8 +17,8 @@ from cuda_double import (
     CudaDouble,
     background_batches,
     backward_on_device_thread,
+    installed_double,
     on_device,
-    patch_pinned_memory,
 )
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -43,15 +43,7 @@ MS = 1_000_000
 
 @pytest.fixture
 def cuda(monkeypatch):
-    import torch._dynamo  # noqa: F401 - as in test_cuda_path: optimizers import it
-
-    double = CudaDouble(devices=2)
-    monkeypatch.setattr(torch, "cuda", double)
-    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
-    patch_pinned_memory(monkeypatch, double)
-    yield double
-    hooks.uninstall()
-    recorder._captures = 0
+    yield from installed_double(monkeypatch)
 
 
 def agent(errors: list, observer: StepObserver | None = None

@@ -13,25 +13,17 @@ from collections import deque
 
 import pytest
 import torch
-from cuda_double import CudaDouble, on_device, patch_pinned_memory
+from cuda_double import CudaDouble, installed_double, on_device
 from torch import nn
 
-from traceml_agent import hooks, recorder
+from traceml_agent import hooks
 from traceml_agent.checks import StepObserver
 from traceml_agent.recorder import FORWARD, OPTIMIZER, CudaRecorder, LazyCudaRecorder
 
 
 @pytest.fixture
 def cuda(monkeypatch):
-    import torch._dynamo  # noqa: F401 - as in test_cuda_path: optimizers import it
-
-    double = CudaDouble(devices=2)
-    monkeypatch.setattr(torch, "cuda", double)
-    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
-    patch_pinned_memory(monkeypatch, double)
-    yield double
-    hooks.uninstall()
-    recorder._captures = 0
+    yield from installed_double(monkeypatch)
 
 
 def _model(cls: type = nn.Sequential) -> nn.Module:
