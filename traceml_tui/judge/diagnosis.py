@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from math import isfinite
 from typing import NamedTuple, TypeGuard
 
@@ -459,6 +459,9 @@ class WindowStats:
     # The ranks' windows lined up step by step, compared when a rule asks (imbalance.py);
     # without them (table tests, offline use) the rules read the medians alone.
     spreads: Spreads
+    # What a rule computed that others ask for too (the periodic stall: its own rule, and
+    # the stragglers and INPUT-BOUND weighing their cost against it), once per evaluation.
+    memo: dict[str, Diagnosis | None] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, ranks: Table, active: str | None, fsdp: bool,
@@ -586,6 +589,14 @@ def _input_bound(w: WindowStats) -> Diagnosis | None:
 
 
 def _periodic_stall(w: WindowStats) -> Diagnosis | None:
+    """PERIODIC STALL (periodic_stall) with the smaller causes it outweighs in its text;
+    asked by several rules in one evaluation, computed once."""
+    if "stall" not in w.memo:
+        w.memo["stall"] = _periodic_stall_of(w)
+    return w.memo["stall"]
+
+
+def _periodic_stall_of(w: WindowStats) -> Diagnosis | None:
     d = periodic_stall(w.stalls, w.active, len(w.ranks))
     if d is None:
         return d
