@@ -118,9 +118,9 @@ def _rss_bytes() -> int | None:
         os.close(fd)
 
 
-def _schedstat(tid: int) -> tuple[int, int] | None:
-    """Nanoseconds thread `tid` of this process ran on a CPU, and spent runnable but
-    waiting for one (the run queue), from the scheduler's statistics:
+def _schedstat(tid: int) -> tuple[int, int, int] | None:
+    """Nanoseconds thread `tid` of this process ran on a CPU and spent runnable but
+    waiting for one (the run queue), and its timeslices, from the scheduler's statistics:
     /proc/self/task/TID/schedstat is "on-CPU ns, run-queue ns, timeslices". None where
     the kernel has none."""
     try:
@@ -129,7 +129,7 @@ def _schedstat(tid: int) -> tuple[int, int] | None:
         return None
     try:
         fields = os.read(fd, 128).split()
-        return int(fields[0]), int(fields[1])
+        return int(fields[0]), int(fields[1]), int(fields[2])
     except (OSError, ValueError, IndexError):
         return None
     finally:
@@ -259,10 +259,12 @@ class ThreadSchedule:
         if times is None:  # no schedstat here, or the thread ended
             self._tid = self._mark = None
             return None
-        ran, waited = times
-        if ran == 0 and waited == 0:  # "0 0 0": a kernel that keeps no times per thread
+        ran, waited, slices = times
+        if ran == 0 and waited == 0 and slices == 0:  # a kernel that keeps no times per thread
             self._mark = None
             return None
+        # "0 0 1" is a thread that just started and has not been charged a tick yet (3 of
+        # 200 fresh threads on this VM): a true zero, a valid mark.
         mark, self._mark = self._mark, (ran, waited, now)
         if mark is None or now <= mark[2]:
             return None

@@ -265,9 +265,22 @@ def test_a_kernel_that_keeps_no_thread_times_sends_none(monkeypatch):
     never ran nor waited; a share of 0 % from them would read as a fact."""
     from traceml_agent import sysmetrics
 
-    monkeypatch.setattr(sysmetrics, "_schedstat", lambda tid: (0, 0))
+    monkeypatch.setattr(sysmetrics, "_schedstat", lambda tid: (0, 0, 0))
     schedule, me = ThreadSchedule(), threading.get_ident()
     assert [schedule.shares(me, t) for t in (1.0, 2.0, 3.0)] == [None, None, None]
+
+
+def test_a_thread_not_yet_charged_a_tick_is_a_true_zero(monkeypatch):
+    """A thread that has just started reads "0 0 1" until the kernel charges it (3 fresh
+    threads of 200 here): one timeslice, so a real zero and a valid first mark. Taken
+    for a kernel without accounting, the next interval read nothing (CI, stop 45)."""
+    from traceml_agent import sysmetrics
+
+    reads = iter([(0, 0, 1), (600_000_000, 300_000_000, 40)])
+    monkeypatch.setattr(sysmetrics, "_schedstat", lambda tid: next(reads))
+    schedule, me = ThreadSchedule(), threading.get_ident()
+    assert schedule.shares(me, 1.0) is None  # the first mark
+    assert schedule.shares(me, 2.0) == (pytest.approx(0.6), pytest.approx(0.3))
 
 
 def test_a_sampler_failure_leaves_the_other_figures(monkeypatch):
