@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 
 import torch
+from rank_device import rank_device
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -31,14 +31,8 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = p.parse_args()
 
-    if args.device == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        amp_dtype = torch.float16
-    else:
-        device = torch.device("cpu")
-        amp_dtype = torch.bfloat16
+    device = rank_device(args.device)
+    amp_dtype = torch.float16 if args.device == "cuda" else torch.bfloat16
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(args.dim, 2048), nn.ReLU(), nn.Linear(2048, 2048),
                           nn.ReLU(), nn.Linear(2048, 10)).to(device)

@@ -11,9 +11,9 @@ traceml. --device cpu tries the loop without a GPU (the "eager" backend).
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
+from rank_device import rank_device
 from torch import nn
 
 
@@ -36,12 +36,7 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = p.parse_args()
 
-    if args.device == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = rank_device(args.device)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 10)).to(device)
     if args.fullgraph:

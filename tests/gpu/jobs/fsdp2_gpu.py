@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 
 import torch
 import torch.distributed as dist
+from rank_device import rank_device
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
@@ -28,13 +28,10 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = p.parse_args()
 
-    local_rank = int(os.environ["LOCAL_RANK"])
+    device = rank_device(args.device)
     if args.device == "cuda":
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
     else:
-        device = torch.device("cpu")
         dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)

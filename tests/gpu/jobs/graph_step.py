@@ -17,10 +17,10 @@ falls: the replays train). Knows nothing about traceml.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
+from rank_device import rank_device
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -39,9 +39,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=4096)
     args = p.parse_args()
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
+    device = rank_device()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(args.dim, args.hidden), nn.ReLU(),
                           nn.Linear(args.hidden, args.hidden), nn.ReLU(),

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from rank_device import rank_device
 from torch import nn
 
 
@@ -29,9 +30,7 @@ def main() -> None:
     p.add_argument("--max-seconds", type=float, default=120.0)
     args = p.parse_args()
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
+    device = rank_device()
     held = torch.ones(args.hold_mb * 2**20, dtype=torch.uint8, device=device)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10)).to(device)

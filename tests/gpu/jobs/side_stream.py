@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 
 import torch
 import torch.distributed as dist
+from rank_device import rank_device
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
@@ -66,9 +66,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=1024)
     args = p.parse_args()
 
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
+    device = rank_device()
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
