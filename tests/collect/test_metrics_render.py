@@ -16,7 +16,7 @@ from prometheus_client.utils import floatToGoString
 from traceml_tui.collect import metrics
 from traceml_tui.collect.canned import T0, make_state, make_view
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BEFORE = "36da305"  # the last commit with the prometheus_client collector
 
 SCRIPT = r'''

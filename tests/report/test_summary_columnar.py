@@ -16,7 +16,7 @@ from old_code import old_tree, run_json, without_new_sentences
 from traceml_tui.judge.windows import WindowBlock, whole_window_stats
 from traceml_tui.report import summary
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BEFORE = "36da305"  # the last commit with per-rank summary rows
 
 # Builds each canned state, then its summary (live file and final record, JSON at both

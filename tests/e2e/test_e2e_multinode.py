@@ -253,7 +253,7 @@ def test_nodes_without_a_shared_folder_or_secret_start_at_once(tmp_path, first):
     progress = tmp_path / "progress"
     script = ("--steps", "140", "--step-ms", "10", "--progress", str(progress),
               "--slow-input-ranks", "2,3", "--slow-ms", "30")
-    faulty = Path(__file__).resolve().parent / "faulty_ddp.py"
+    faulty = Path(__file__).resolve().parents[1] / "support" / "faulty_ddp.py"
 
     def node(k: int) -> subprocess.Popen:
         return spawn_traceml("run", str(faulty), "--nnodes", "2", "--node-rank", str(k),

@@ -22,7 +22,7 @@ import pytest
 
 from traceml_tui.report import trace_analysis as ta
 
-TRACES = Path(__file__).parent / "data" / "traces"
+TRACES = Path(__file__).parents[1] / "data" / "traces"
 GPU = TRACES / "gpu_handwritten.json"
 RANK0 = TRACES / "cpu_rank0.json"
 RANK1 = TRACES / "cpu_rank1.json.gz"  # the input straggler: its dataset sleeps 2 ms a sample

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 # The contract itself (docs/spec): one schema file, the one every summary is checked against.
-SCHEMA = Path(__file__).resolve().parents[1] / "docs" / "spec" / "summary.schema.json"
+SCHEMA = Path(__file__).resolve().parents[2] / "docs" / "spec" / "summary.schema.json"
 JOB_TIMEOUT_S = 240
 
 
@@ -182,3 +182,13 @@ def wait_for(condition, timeout: float, what: str = "the job") -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
+
+
+def ptrace_allowed() -> bool:
+    """Whether this process may ptrace its jobs' ranks (py-spy's native stacks): Yama's
+    scope below 2, or 2 as root. (Shared by test_native_stacks and test_e2e_hang_record.)"""
+    try:
+        scope = int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text())
+    except (OSError, ValueError):
+        return True
+    return scope < 2 or (scope == 2 and os.geteuid() == 0)

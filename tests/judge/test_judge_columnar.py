@@ -18,9 +18,9 @@ from old_code import env, old_tree, without_new_sentences
 
 from traceml_agent import vocab
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OLD = "36da305"  # the last per-rank judgement
-CASES = Path(__file__).resolve().parent / "columnar_cases.py"
+CASES = Path(__file__).resolve().parents[1] / "support" / "columnar_cases.py"
 WHERE = ("import traceml_tui.judge.state as s, traceml_agent as a; "
          "print(s.__file__); print(a.__file__)")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from traceml_agent import vocab
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ROW = '    Phase("checkpoint", "ckpt", OTHER_WORK),\n'
 
 # Run inside the scratch copy: what a user sees and where the code came from.
@@ -78,7 +78,8 @@ def add_row(vocab_py: Path) -> None:
 def test_a_new_phase_is_one_table_row(tmp_path):
     copy = scratch_copy(tmp_path / "repo")
     add_row(copy / "agent" / "vocab.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(copy), str(copy / "tests")]),
+    support = copy / "tests" / "support"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(copy), str(support)]),
            "PYTHONDONTWRITEBYTECODE": "1"}
 
     check = subprocess.run([sys.executable, "-c", CHECK], cwd=copy, env=env,
@@ -100,7 +101,8 @@ def test_a_new_phase_is_one_table_row(tmp_path):
     # column changes every screenshot by design.
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-         "tests/test_dashboard.py", "tests/test_diagnosis.py", "tests/test_hang.py"],
+         "tests/view/test_dashboard.py", "tests/judge/test_diagnosis.py",
+         "tests/judge/test_hang.py"],
         cwd=copy, env=env, capture_output=True, text=True, timeout=300)
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
     assert " passed" in tests.stdout and "failed" not in tests.stdout, tests.stdout[-2000:]

@@ -17,7 +17,7 @@ import psutil
 # whichever pytest loaded last owns the name "conftest".
 GRACE_VAR = "TRACEML_TEST_LEAK_GRACE_S"
 
-CONFTEST = Path(__file__).resolve().parent / "conftest.py"
+CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 
 LEAKY = """
 import subprocess

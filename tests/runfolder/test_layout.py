@@ -12,7 +12,7 @@ from traceml_agent import vocab
 from traceml_tui.runfolder import layout
 from traceml_tui.runfolder.layout import RunFolder
 
-PACKAGE = Path(__file__).resolve().parent.parent / "traceml_tui"
+PACKAGE = Path(__file__).resolve().parents[2] / "traceml_tui"
 
 # The names of a run folder's files, as vocab and layout.py write them.
 NAME_CONSTANTS = {"SECRET_KEY", "SECRET_FILE", "COLLECTOR_JSON", "COLLECTOR_LOG",

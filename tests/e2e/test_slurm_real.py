@@ -125,7 +125,7 @@ def test_srun_runs_traceml_as_a_job_step(slurm, tmp_path):
          "--out", str(out), "--headless", "--", "--scenario", "input", "--rank", "1",
          "--delay-ms", "25", "--steps", "50"],
         env={**slurm, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
-        cwd=Path(__file__).resolve().parents[1])
+        cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
     (run_dir,) = out.iterdir()
     assert run_dir.name.startswith("ddp_toy-slurm")  # named after the Slurm job
@@ -152,7 +152,7 @@ def test_sbatch_of_the_example_script(slurm, tmp_path):
     done = subprocess.run(["sbatch", "--wait", f"--output={tmp_path}/slurm-%j.out",
                            str(batch)], env={**slurm, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=Path(__file__).resolve().parents[2])
     logs = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert done.returncode == 0, done.stderr + logs[-3000:]
     job_id = done.stdout.split()[-1]
@@ -171,7 +171,7 @@ def test_srun_on_two_nodes_names_the_slow_rank(slurm, tmp_path):
          "--out", str(out), "--headless", "--", "--scenario", "input", "--rank", "1",
          "--delay-ms", "25", "--steps", "50"],
         env={**slurm, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
-        cwd=Path(__file__).resolve().parents[1])
+        cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
     (run_dir,) = out.iterdir()
     doc = json.loads((run_dir / "final_summary.json").read_text())

@@ -5,17 +5,15 @@ stack from outside with `py-spy dump --native`, and the hang report shows it."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
-from pathlib import Path
 
 import pytest
 from test_requests import control
 from test_state import ident, steps  # noqa: F401 - helpers of the state tests
 
-from jobs import EXAMPLES, kill_session, spawn_traceml, wait_for
+from jobs import EXAMPLES, kill_session, ptrace_allowed, spawn_traceml, wait_for
 from traceml_agent.requests import NativeStack, RequestError, decode_control, encode_control
 from traceml_tui.collect.collector import Collector
 from traceml_tui.judge.ingest import NATIVE_THREAD
@@ -61,14 +59,6 @@ def test_a_native_stack_request_is_checked_and_kept_for_the_process_it_came_from
     assert name == NATIVE_THREAD and "\x1b" not in text  # cleaned like any rank text
     state.ingest(steps(1, range(3, 4)), now=0.0)  # it steps again: the stall is over
     assert state.ranks[1].stacks == ()
-
-
-def ptrace_allowed() -> bool:
-    try:
-        scope = int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text())
-    except (OSError, ValueError):
-        return True
-    return scope < 2 or (scope == 2 and os.geteuid() == 0)
 
 
 @pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy is not installed")

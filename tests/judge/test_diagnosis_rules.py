@@ -14,7 +14,7 @@ from traceml_agent import vocab
 from traceml_tui.judge import cost
 from traceml_tui.judge import diagnosis as dx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "diagnosis.md"
 
 

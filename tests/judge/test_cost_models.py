@@ -18,7 +18,7 @@ from traceml_tui.judge import cost
 from traceml_tui.judge import diagnosis as dx
 from traceml_tui.judge.windows import nan_medians
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_priced_labels_and_their_pricing_derive_from_the_rules():

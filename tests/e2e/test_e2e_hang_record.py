@@ -13,14 +13,21 @@ from pathlib import Path
 
 import netns
 import pytest
-from test_native_stacks import ptrace_allowed
 
-from jobs import EXAMPLES, free_ports, kill_session, spawn_traceml, validate_schema, wait_for
+from jobs import (
+    EXAMPLES,
+    free_ports,
+    kill_session,
+    ptrace_allowed,
+    spawn_traceml,
+    validate_schema,
+    wait_for,
+)
 from traceml_tui.judge.ingest import NATIVE_THREAD
 
 pytestmark = pytest.mark.e2e
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "support"
 
 
 def _live(run_dir: Path) -> dict:

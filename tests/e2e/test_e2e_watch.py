@@ -25,7 +25,7 @@ from traceml_tui.view.client import ViewClient, resolve_target
 from traceml_tui.view.dashboard import DashboardApp
 
 pytestmark = pytest.mark.e2e
-FAULTY = Path(__file__).resolve().parent / "faulty_ddp.py"
+FAULTY = Path(__file__).resolve().parents[1] / "support" / "faulty_ddp.py"
 
 
 async def test_watch_a_real_run_sees_all_ranks_and_quitting_leaves_it_running(tmp_path):

@@ -18,7 +18,7 @@ from jobs import validate_schema
 from traceml_tui.report import summary
 from traceml_tui.runfolder import summary_model as model
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 DOC = DATA / "rich_summary.json"
 GOLDEN = DATA / "rich_summary.txt"
 

@@ -43,7 +43,7 @@ def test_grad_hooks_fire_on_fsdp2s_sharded_parameters(tmp_path):
 
     from jobs import free_ports
 
-    script = Path(__file__).parent / "fsdp_grad_hooks.py"
+    script = Path(__file__).parents[1] / "support" / "fsdp_grad_hooks.py"
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_ports(1)), str(script)],

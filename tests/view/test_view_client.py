@@ -168,7 +168,7 @@ def test_nothing_a_fake_collector_says_reaches_the_terminal_raw():
 
     view, detail = _hostile_view()
     # A summary the model accepts (its unknown keys ignored), its strings hostile.
-    summary = json.loads((Path(__file__).parent / "data" / "rich_summary.json").read_text())
+    summary = json.loads((Path(__file__).parents[1] / "data" / "rich_summary.json").read_text())
     summary["run"]["name"] = _EVIL
     summary["run"][_EVIL] = [_EVIL, {"stack": f"a\n{_EVIL}"}]
     summary["diagnosis"]["summary"] = f"a\n{_EVIL}"

@@ -43,7 +43,7 @@ from traceml_tui.view.client import ViewClient, resolve_target
 
 pytestmark = pytest.mark.e2e
 
-FAULTY = Path(__file__).resolve().parent / "faulty_ddp.py"
+FAULTY = Path(__file__).resolve().parents[1] / "support" / "faulty_ddp.py"
 # A fault may slow the job by this much at most before we call it hurt: the 2-core test
 # machine drifts by 20-40% from minute to minute, so this is "within noise", not a budget.
 SPEED_TOLERANCE = 0.30

@@ -314,7 +314,7 @@ def test_nan_medians_per_column_match_median():
 def test_one_median_for_the_collector():
     """The median is windows.median (and nan_medians over arrays): no module of the
     collector or the agent imports statistics, calls numpy's nan-median or writes its own."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     found = []
     for path in sorted([*(root / "traceml_tui").rglob("*.py"), *(root / "agent").rglob("*.py")]):
         own = path == root / "traceml_tui" / "judge" / "windows.py"

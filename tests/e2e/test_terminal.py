@@ -23,7 +23,7 @@ import pytest
 from jobs import ROOT, alive, kill_all, live_ranks_steps, traceml, wait_for
 from traceml_agent.vocab import LIVE_SNAPSHOT_JSON
 
-FAULTY = Path(__file__).resolve().parent / "faulty_ddp.py"
+FAULTY = Path(__file__).resolve().parents[1] / "support" / "faulty_ddp.py"
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
