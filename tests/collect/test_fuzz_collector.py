@@ -1,7 +1,7 @@
 """Fuzz the collector: hostile traffic never crashes it, never grows it, never costs the record.
 
 The main test starts a real collector process (`python -m traceml_tui.collect.collector`, plain
-loopback mode) and sends 100,000 hostile messages to its ingest socket (tests/hostile.py:
+loopback mode) and sends 100,000 hostile messages to its ingest socket (tests/support/hostile.py:
 random bytes, truncated and mangled msgpack, every field swapped for anything msgpack can
 carry, NaN and infinities, huge numbers, strings, arrays and nesting, unknown versions and
 kinds, ranks out of range, extension types, other runs' messages, multi-frame sends),

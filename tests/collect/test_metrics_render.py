@@ -56,7 +56,7 @@ json.dump(out, sys.stdout)
 
 
 # Families added since BEFORE, which its collector did not have: the memory's
-# (docs/diagnosis.md, "Memory growth"; tests/test_memory.py parses them).
+# (docs/diagnosis.md, "Memory growth"; tests/judge/test_memory.py parses them).
 ADDED = ("traceml_rank_rss_bytes", "traceml_rank_gpu_memory_bytes",
          "traceml_rank_memory_growth_bytes_per_second", "traceml_rank_memory_limit_seconds")
 

@@ -4,7 +4,7 @@ node's ranks from node 0; a relay that nothing reaches, or whose handshakes with
 all fail, says so on its node's terminal (RelayProcess's `say`, which the launcher prints).
 
 A real collector and a real relay process, as `traceml run` starts them; the "ranks" are
-DEALER sockets with the run's keys (as in tests/test_relay.py). Load only on loopback,
+DEALER sockets with the run's keys (as in tests/collect/test_relay.py). Load only on loopback,
 bounded in count, every socket closed at the end.
 """
 

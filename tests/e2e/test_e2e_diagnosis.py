@@ -147,5 +147,5 @@ def test_a_straggler_that_recovers_is_cleared_within_10_steps_or_2_s(tmp_path):
 
 
 # A rank 0 checkpoint read as PERIODIC STALL (label, period, gap, share, unmoved medians,
-# the printed line): tests/test_e2e_stalls.py, whose 'every 20 steps' job is the same kind
+# the printed line): tests/e2e/test_e2e_stalls.py, whose 'every 20 steps' job is the same kind
 # of run (one job there asserts what this module's 4-rank job did).

@@ -4,7 +4,7 @@ exactly what it kept of the record.
 Each test breaks one thing with real processes (a SIGKILLed or restarted collector, a
 killed or frozen viewer, a crashing rank, a scheduler's SIGTERM, an unwritable or full
 run folder, a taken port) and compares what traceml kept against what the job really
-did. The job is tests/faulty_ddp.py, which writes its own per-step record (a wall-clock
+did. The job is tests/support/faulty_ddp.py, which writes its own per-step record (a wall-clock
 time per optimizer step and rank) outside traceml, so "what was lost" is measured, not
 assumed.
 

@@ -1,6 +1,6 @@
 """Attempts of a job torchrun restarts (judge/attempts.py), offline: RunState fed with real
 wire messages (encoded, then decoded) as a restart sends them, and the summary built from
-its snapshot. tests/test_e2e_restarts.py runs the same with torchrun."""
+its snapshot. tests/e2e/test_e2e_restarts.py runs the same with torchrun."""
 
 from __future__ import annotations
 

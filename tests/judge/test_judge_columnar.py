@@ -1,6 +1,6 @@
 """The columnar judgement (judge/timings.py: one table of every rank's timings, the rules
 over arrays) against the per-rank judgement it replaced (36da305, a RankTiming per rank):
-the same canned states (tests/columnar_cases.py) evaluated live by both, in processes of
+the same canned states (tests/support/columnar_cases.py) evaluated live by both, in processes of
 their own, and every verdict and figure compared: labels, ranks, summaries, unrounded
 gaps and shares, what-ifs, hang reports, hidden ranks, the time chart, the timeline and
 the whole-window verdict of a full snapshot."""
@@ -65,7 +65,7 @@ def test_the_columnar_judgement_gives_the_per_rank_verdicts_and_figures(world, t
     before = json.loads(without_new_sentences(json.dumps(before)))
     # The cases reach every label: the comparison covers the rules, not one of them (but
     # those added since the per-rank judgement, which has no rule for them: LOAD
-    # IMBALANCE reads the steps one by one, tests/test_imbalance.py).
+    # IMBALANCE reads the steps one by one, tests/judge/test_imbalance.py).
     shown = {t["shown"]["label"] for case in after.values() for t in case["ticks"]}
     assert shown == set(vocab.LABELS) - {vocab.LOAD_IMBALANCE}
     # Changed on purpose since: a straggler's victims still waiting for its old steps in

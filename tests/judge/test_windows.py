@@ -1,6 +1,6 @@
 """Bounded windows: quantiles, phase alignment, the memory budget that sizes each rank's
 window, and the vectorised block checked against the pure-Python rings it replaced
-(tests/window_reference.py) on random traffic."""
+(tests/support/window_reference.py) on random traffic."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Canned states evaluated live, dumped as JSON: run under two versions of the collector
-(tests/test_judge_columnar.py), the dumps must be identical.
+(tests/judge/test_judge_columnar.py), the dumps must be identical.
 
-Usage: python tests/columnar_cases.py WORLD_SIZE  (prints one JSON document)
+Usage: python tests/support/columnar_cases.py WORLD_SIZE  (prints one JSON document)
 
 Only APIs that both the per-rank judgement (36da305) and the columnar one have are used:
 canned.make_state / make_hang_state, RunState.ingest / evaluate / snapshot, and a few

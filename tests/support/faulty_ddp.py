@@ -1,4 +1,4 @@
-"""A small DDP job (CPU, gloo) that keeps its own record, for tests/test_faults.py.
+"""A small DDP job (CPU, gloo) that keeps its own record, for tests/e2e/test_faults.py.
 
 The fault tests ask what traceml kept against what the job really did, so the job
 must say what it did without traceml: every rank appends "STEP WALL_TIME" to

@@ -1,6 +1,6 @@
 """Do post-accumulate-grad hooks fire on FSDP2's sharded (DTensor) parameters? The agent's
 backward/sync boundary (hooks.py: autograd's last gradient) is such a hook. Prints one
-line per rank: the parameters' type, hook calls and parameters (tests/test_e2e_fsdp.py)."""
+line per rank: the parameters' type, hook calls and parameters (tests/e2e/test_e2e_fsdp.py)."""
 
 import os
 

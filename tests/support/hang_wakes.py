@@ -1,5 +1,5 @@
 """A gloo job on the agent's explicit API whose stuck rank wakes on Ctrl-C, for
-tests/test_e2e_hang_record.py.
+tests/e2e/test_e2e_hang_record.py.
 
 Rank --hang-rank sleeps forever inside `with traceml_agent.step()` at --hang-at-step
 while the others wait for it in an all_reduce. Ctrl-C wakes it: the KeyboardInterrupt

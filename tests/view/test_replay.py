@@ -2,7 +2,7 @@
 record written with the real step-log writer, replayed through the collector's judge;
 the cursor's keys on it and on a live dashboard (pause, back to live); the SVG snapshots
 of the replay screen inside the straggler's episode and after it. The real jobs (ended,
-crashed, collector killed, the README's demo) are tests/test_e2e_replay.py's."""
+crashed, collector killed, the README's demo) are tests/e2e/test_e2e_replay.py's."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 without the token, holding connections that send a request line and stop, cannot keep the
 owner out of `traceml watch --web`, nor write the owner's terminal full of tracebacks.
 
-A real server (tests/webview.py), started at a soft descriptor limit of 256 (the user's
+A real server (tests/support/webview.py), started at a soft descriptor limit of 256 (the user's
 1,024 in the issue, lower so fewer connections exhaust it); load only on loopback, bounded
 in count, every socket closed at the end.
 """

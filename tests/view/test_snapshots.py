@@ -1,6 +1,6 @@
 """SVG snapshot tests of every screen (pytest-textual-snapshot) on canned, fixed-clock
-states: what a user sees, compared with the reviewed pictures in tests/__snapshots__.
-After an intended change of the look: pytest tests/test_snapshots.py --snapshot-update,
+states: what a user sees, compared with the reviewed pictures in tests/view/__snapshots__.
+After an intended change of the look: pytest tests/view/test_snapshots.py --snapshot-update,
 then look at the new SVGs before committing them."""
 
 from __future__ import annotations
