@@ -13,7 +13,7 @@ turns every line break into a space.
 Fast, since it runs in the agent: a string that is printable (str.isprintable, in C:
 every character above is non-printable) is returned as is; only the others go through
 one precompiled translate table. The format characters are listed as ranges rather than
-found by a scan of unicodedata at import (0.1 s); tests/test_sanitize.py checks that the
+found by a scan of unicodedata at import (0.1 s); tests/agent/test_sanitize.py checks that the
 list covers every Cf, Zl and Zp character of the running Python's Unicode database.
 """
 

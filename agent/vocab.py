@@ -3,7 +3,7 @@
 Every layer imports them from here (the agent, the collector, the view model, the
 dashboard, the summary's readers), so a word cannot drift between the process that
 writes it and the one that reads it. A phase is one row of PHASE_TABLE (plus the hook
-that times it): tests/test_phase_table.py adds one that way.
+that times it): tests/view/test_phase_table.py adds one that way.
 This module is the bottom layer: it imports nothing of the product and nothing
 heavy (the agent loads it inside every rank).
 """

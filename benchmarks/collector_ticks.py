@@ -1,8 +1,9 @@
 """The collector's periodic work at N ranks, in-process and without traffic: one live
 evaluation (every rank's recent window, the hang check, the diagnosis), a full snapshot
 (every rank's whole window) and the live snapshot file's content (snapshot + summary +
-JSON), from a state holding --steps steps of every rank (tests/canned.py: synthetic records through
-the real protocol and RunState). CPU milliseconds, median of 5. One JSON line.
+JSON), from a state holding --steps steps of every rank (traceml_tui/collect/canned.py:
+synthetic records through the real protocol and RunState). CPU milliseconds, median of 5.
+One JSON line.
 
 Usage: python benchmarks/collector_ticks.py [--ranks N] [--steps K]
 """

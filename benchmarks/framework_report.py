@@ -1,4 +1,4 @@
-"""What the product reports for each training framework of tests/test_e2e_frameworks.py.
+"""What the product reports for each training framework of tests/e2e/test_e2e_frameworks.py.
 
 The same cases (3 ranks, gloo, 200 optimizer steps, rank 1 compute-slow for steps
 30-89, rank 2 input-slow for 110-169), run under `traceml run`, one JSON line each:

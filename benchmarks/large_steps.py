@@ -3,7 +3,7 @@
 
 A Collector (its real _receive: decode, ownership, ingest, step log) on a 2-rank run gets
 steps messages of --records records (default 9,000: ~0.75 MiB, a key holder's flood in
-tests/test_security_drain.py), either from another connection than the rank's (refused:
+tests/collect/test_security_drain.py), either from another connection than the rank's (refused:
 not_owner) or as the rank's own next batch (taken). The per-message path is the same code
 with steps_columns.LARGE_BYTES out of reach. Prints one JSON line per case: CPU ms per
 message, median of --rounds rounds of --messages messages, both paths in each round.

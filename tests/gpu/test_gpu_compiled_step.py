@@ -3,7 +3,7 @@
 `torch.compile(opt.step)` traces Optimizer.step's wrapper, where torch calls the global
 step hooks: the agent's must be invisible to Dynamo (no graph break of its own, nothing
 raised with fullgraph=True) and every compiled step must still close a step, timed on
-the device. The CPU version (eager and aot_eager backends): tests/test_compiled_step.py.
+the device. The CPU version (eager and aot_eager backends): tests/agent/test_compiled_step.py.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ BATCH_BYTES = MAX_MESSAGE_BYTES
 PENDING_BYTES = 32 << 20  # held between ticks; past it rank messages are dropped, counted
 UPSTREAM_HWM = 64  # relay messages queued for node 0 (~13 s of ticks), then dropped
 # Per rank connection, messages queued in libzmq before we take them: the collector's own
-# bound (collector.MAX_RECV_HWM, measured there; tests/test_relay.py keeps them equal).
+# bound (collector.MAX_RECV_HWM, measured there; tests/collect/test_relay.py keeps them equal).
 LOCAL_HWM = 16
 MAX_ROUTES = 4_096  # local connections remembered (a node runs a few dozen ranks at most)
 LINGER_MS = 1_000  # at exit, how long the last batch may take to leave

@@ -7,7 +7,7 @@ With no viewer attached (a headless or detached run) no view is built: ~8 ms a t
 from its own thread, which may not touch the state: with one the view is built every
 tick (`eager`). A viewer may also ask for one rank's
 detail, a deep-trace capture, or the summary so far. Whatever a viewer sends, it gets
-exactly one reply and can never end the record (tests/test_properties.py).
+exactly one reply and can never end the record (tests/collect/test_properties.py).
 """
 
 from __future__ import annotations

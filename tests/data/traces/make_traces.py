@@ -1,4 +1,4 @@
-"""Record the real CPU traces that tests/test_trace_analysis.py reads.
+"""Record the real CPU traces that tests/report/test_trace_analysis.py reads.
 
     python tests/data/traces/make_traces.py
 

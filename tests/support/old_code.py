@@ -1,0 +1,69 @@
+"""An earlier commit's collector and agent, to compare the code before a rewrite with the
+code after it on the same inputs: extracted with `git archive` and run in a process of its
+own (a test skips, saying why, in a clone without that commit: a shallow one)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# Sentences a verdict has gained since the old code these tests compare with, removed
+# before comparing (the rest must match byte for byte): a straggler's age and its share of
+# steps behind (judge/imbalance.py, issue 39). Spaces match a wrapped line's break too.
+_SEEN = re.compile(r"\s(?:Seen\s+for\s+its\s+last\s+\d+\s+steps\s+\([\d.]+\s+s\);\s+b|B)"
+                   r"ehind\s+the\s+other\s+ranks\s+on\s+\d+%\s+of\s+the\s+last\s+\d+\.")
+
+
+# A periodic stall's advice is chosen from its evidence since (judge/advice.py): the text
+# after its loss is cut on both sides before comparing.
+_STALL_ADVICE = re.compile(r"(stalls\s+every\s+\d+\s+steps\s.*?of\s+its\s+time\s+since\s+step"
+                           r"\s+\d+\.)(?:[^\"\\\n]|\\.|\n(?=   ))*", re.S)
+
+
+def without_new_sentences(text: str) -> str:
+    """`text` less the sentences verdicts gained or changed since the old code (_SEEN,
+    _STALL_ADVICE): apply it to both sides of a comparison."""
+    return _STALL_ADVICE.sub(r"\1", _SEEN.sub("", text))
+
+
+def old_tree(commit: str, into: Path) -> Path:
+    """`commit`'s traceml_tui and agent, importable from `into` (the agent under the
+    package name it is installed as)."""
+    known = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT,
+                           capture_output=True)
+    if known.returncode != 0:
+        pytest.skip(f"commit {commit} is not in this clone's history (a shallow clone?)")
+    archive = subprocess.run(["git", "archive", "--format=tar", commit, "traceml_tui", "agent"],
+                             cwd=ROOT, capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    (into / "agent").rename(into / "traceml_agent")
+    return into
+
+
+def env(pythonpath: Path | None, drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """This environment with PYTHONPATH set to `pythonpath` (None: the installed code)."""
+    out = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and k not in drop}
+    if pythonpath is not None:
+        out["PYTHONPATH"] = str(pythonpath)
+    return out
+
+
+def run_json(script: str, pythonpath: Path | None, drop: tuple[str, ...] = ()) -> Any:
+    """What `script` prints as JSON, run by the code at `pythonpath` (None: this tree)."""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env(pythonpath, drop), cwd=pythonpath or ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
