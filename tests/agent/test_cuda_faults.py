@@ -12,6 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import traceml_agent
 from cuda_double import (
     AUTOGRAD_THREAD,
     CudaDouble,
@@ -20,10 +24,6 @@ from cuda_double import (
     installed_double,
     on_device,
 )
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
-
-import traceml_agent
 from traceml_agent import checks, hooks, recorder
 from traceml_agent.capture import Capturer
 from traceml_agent.checks import StepObserver

@@ -10,11 +10,11 @@ from collections import deque
 
 import pytest
 import torch
-from cuda_double import CudaDouble, on_device
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import traceml_agent
+from cuda_double import CudaDouble, on_device
 from traceml_agent import hooks, recorder
 from traceml_agent.recorder import (
     BACKWARD,

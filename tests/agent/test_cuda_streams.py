@@ -11,9 +11,9 @@ from collections import deque
 
 import pytest
 import torch
-from cuda_double import installed_double, on_device
 from torch import nn
 
+from cuda_double import installed_double, on_device
 from traceml_agent import hooks
 from traceml_agent.recorder import FORWARD, SYNC, CudaRecorder, LazyCudaRecorder
 

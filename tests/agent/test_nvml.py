@@ -12,10 +12,10 @@ from collections import deque
 
 import msgspec
 import pytest
-from cuda_double import CudaDouble, on_device
-from nvml_double import Board, NvmlDouble, bare, uuid
 from torch import nn
 
+from cuda_double import CudaDouble, on_device
+from nvml_double import Board, NvmlDouble, bare, uuid
 from traceml_agent import hooks, protocol, sysmetrics
 from traceml_agent.protocol import Identity, decode, encode
 from traceml_agent.recorder import LazyCudaRecorder

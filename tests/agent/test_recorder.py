@@ -11,8 +11,8 @@ from collections import deque
 from types import SimpleNamespace
 
 import pytest
-from cuda_double import CudaDouble
 
+from cuda_double import CudaDouble
 from traceml_agent import recorder as rmod
 from traceml_agent.recorder import (
     BACKWARD,

@@ -4,8 +4,8 @@ NVML double stands in for pynvml), and read by one parser only."""
 from __future__ import annotations
 
 import pytest
-from nvml_double import Board, NvmlDouble, uuid
 
+from nvml_double import Board, NvmlDouble, uuid
 from traceml_agent import checks
 from traceml_agent import visible_devices as vd
 

@@ -24,15 +24,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import hostile
 import msgpack
 import psutil
 import pytest
 import zmq
-from hostile import FOREIGN, MALFORMED, VALID, WORLD, Expected
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import hostile
+from hostile import FOREIGN, MALFORMED, VALID, WORLD, Expected
 from traceml_agent.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode
 from traceml_tui import viewmodel
 from traceml_tui.collect import view_build

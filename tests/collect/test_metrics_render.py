@@ -10,9 +10,9 @@ from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from old_code import old_tree, run_json
 from prometheus_client.utils import floatToGoString
 
+from old_code import old_tree, run_json
 from traceml_tui.collect import metrics
 from traceml_tui.collect.canned import T0, make_state, make_view
 

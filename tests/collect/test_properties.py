@@ -11,11 +11,11 @@ import json
 import re
 from pathlib import Path
 
-import hostile
 import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import hostile
 from jobs import validate_schema
 from traceml_agent.protocol import ProtocolError, decode
 from traceml_tui import viewmodel

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 # A path under tests/ ending in .py: words, slashes and a glob's star (`<layer>` in a
 # placeholder such as tests/<layer>/test_x.py is no path and does not match).
@@ -42,3 +44,21 @@ def test_every_tests_path_named_in_the_docs_and_comments_exists():
                 if not any(ROOT.glob(named)):
                     missing.append(f"{path.relative_to(ROOT)}:{line_no}: {named}")
     assert missing == [], "\n".join(missing)
+
+
+def test_every_test_module_imported_by_another_resolves_when_run_alone():
+    """A test module that imports another's fixtures (`from test_state import steps`) must
+    find it whichever file is run alone: in its own folder (pytest puts a test's folder
+    on the path) or in a folder of pyproject's `pythonpath`. Found by a full run only,
+    such an import fails for `pytest tests/judge/test_cpu_wait.py` (seen after the move)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))
+    on_path = [ROOT / p for p in config["tool"]["pytest"]["ini_options"]["pythonpath"]]
+    imported = re.compile(r"^\s*(?:from|import) (test_\w+)", re.M)
+    unresolved = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        for name in imported.findall(path.read_text("utf-8")):
+            if not any((folder / f"{name}.py").is_file() for folder in (path.parent, *on_path)):
+                unresolved.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert unresolved == [], "\n".join(unresolved)

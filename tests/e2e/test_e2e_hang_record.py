@@ -11,9 +11,9 @@ import signal
 import subprocess
 from pathlib import Path
 
-import netns
 import pytest
 
+import netns
 from jobs import (
     EXAMPLES,
     free_ports,

@@ -11,9 +11,9 @@ import subprocess
 import sys
 import time
 
-import netns
 import pytest
 
+import netns
 from jobs import free_ports, traceml
 from traceml_tui.judge import bandwidth as nm
 

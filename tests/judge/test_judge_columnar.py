@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from old_code import env, old_tree, without_new_sentences
 
+from old_code import env, old_tree, without_new_sentences
 from traceml_agent import vocab
 
 ROOT = Path(__file__).resolve().parents[2]

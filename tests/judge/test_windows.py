@@ -11,11 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import window_reference as ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from window_reference import Ring
 
+import window_reference as ref
 from traceml_tui.judge.windows import (
     MAX_WINDOW_STEPS,
     MIN_WINDOW_STEPS,
@@ -29,6 +28,7 @@ from traceml_tui.judge.windows import (
     quantiles,
     window_steps_for,
 )
+from window_reference import Ring
 
 NAN = math.nan
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
-from old_code import old_tree, run_json, without_new_sentences
 
+from old_code import old_tree, run_json, without_new_sentences
 from traceml_tui.judge.windows import WindowBlock, whole_window_stats
 from traceml_tui.report import summary
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import time
 
-import hostile
 import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import hostile
 from jobs import traceml, validate_schema
 from traceml_agent import protocol
 from traceml_agent.protocol import Identity, StepRecord

@@ -15,9 +15,10 @@ import argparse
 import math
 
 import torch
-from rank_device import rank_device
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from rank_device import rank_device
 
 INIT_SCALE = 2.0**16
 

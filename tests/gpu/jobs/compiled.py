@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from rank_device import rank_device
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from rank_device import rank_device
 
 
 def main() -> None:

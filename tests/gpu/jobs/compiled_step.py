@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from rank_device import rank_device
 from torch import nn
+
+from rank_device import rank_device
 
 
 class PlainSGD(torch.optim.Optimizer):

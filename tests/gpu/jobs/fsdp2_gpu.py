@@ -14,9 +14,10 @@ import gc
 
 import torch
 import torch.distributed as dist
-from rank_device import rank_device
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+from rank_device import rank_device
 
 
 def main() -> None:

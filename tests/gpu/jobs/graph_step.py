@@ -20,9 +20,10 @@ import argparse
 import time
 
 import torch
-from rank_device import rank_device
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from rank_device import rank_device
 
 
 def main() -> None:

@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 import torch
-from rank_device import rank_device
 from torch import nn
+
+from rank_device import rank_device
 
 
 def main() -> None:

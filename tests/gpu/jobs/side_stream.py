@@ -16,11 +16,12 @@ import gc
 
 import torch
 import torch.distributed as dist
-from rank_device import rank_device
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
+
+from rank_device import rank_device
 
 
 class Prefetcher:
