@@ -80,20 +80,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadscopereorder = False
 
 
-# Tests in files without a module mark that start a real job (`traceml run`, torchrun):
-# marked e2e here, so the quick loop `-m "not e2e"` starts no job.
-E2E_TESTS = {
-    "test_metrics.py": {"test_a_real_prometheus_scrapes_a_run_and_names_the_straggler"},
-    "test_native_stacks.py": {
-        "test_a_rank_stuck_in_c_holding_the_gil_is_named_with_its_native_frames"},
-    "test_run_folders.py": {"test_a_planted_run_folder_is_refused_not_adopted",
-                            "test_a_world_writable_folder_of_ours_is_refused_too",
-                            "test_a_new_run_folder_is_private",
-                            "test_watch_never_attaches_to_another_users_live_run"},
-    "test_security_collector.py": {"test_a_failed_metrics_bind_is_said_on_the_launchers_terminal"},
-    "test_slurm.py": {"test_one_srun_line_runs_two_nodes"},
-    "test_web_view.py": {"*"},
-}
+# Every test in tests/e2e/ starts a real job (`traceml run`, torchrun): marked e2e here
+# whatever its module says, so `-m "not e2e"` and `--ignore=tests/e2e` leave the same tests.
+E2E_DIR = Path(__file__).parent / "e2e"
 
 
 # What a file costs, to hand out the costliest first: its wall time in the whole suite (3
@@ -119,15 +108,14 @@ FILE_S = {
     "test_run_folders.py": 13, "test_relay.py": 12, "test_handover_exit.py": 12,
     # Files of 2026-11-27/28 (fresh-clone run 3, a loaded machine: scaled by ~0.75).
     "test_e2e_memory.py": 92, "test_e2e_replay.py": 80, "test_e2e_imbalance.py": 60,
-    "test_e2e_restarts.py": 70, "test_security_drain.py": 40, "test_e2e_advice.py": 60,
+    "test_e2e_restarts.py": 70, "test_security_drain_job.py": 40, "test_e2e_advice.py": 60,
     "test_e2e_two_models.py": 25, "test_compiled_step.py": 15,
 }
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        names = E2E_TESTS.get(item.path.name, set())
-        if "*" in names or getattr(item, "originalname", item.name) in names:
+        if item.path.is_relative_to(E2E_DIR):
             item.add_marker(pytest.mark.e2e)
     # The costliest files first, each file's tests in their order (module fixtures share
     # jobs): under xdist the long end-to-end files start early and the short files fill

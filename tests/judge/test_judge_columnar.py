@@ -46,7 +46,8 @@ def leaves(a: Any, b: Any, path: str = "") -> tuple[int, list[str]]:
     return 1, [] if same else [f"{path}: old {a!r:.160} new {b!r:.160}"]
 
 
-@pytest.mark.parametrize("world", [32, pytest.param(1024, marks=pytest.mark.e2e)])
+# 1,024 ranks: 12 s, a slow unit test (no job); in the quick loop with the rest of judge/.
+@pytest.mark.parametrize("world", [32, 1024])
 def test_the_columnar_judgement_gives_the_per_rank_verdicts_and_figures(world, tmp_path):
     old = old_tree(OLD, tmp_path)
     where = subprocess.run([sys.executable, "-c", WHERE], env=env(old), cwd=tmp_path,

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import socket
-
 import pytest
 
-from jobs import EXAMPLES, spawn_traceml
 from traceml_tui.launch.slurm import PORT_BASE, PORT_SPAN, SlurmError, expand_hostlist, from_env
 
 
@@ -57,36 +53,3 @@ def test_outside_srun_slurm_is_ignored():
 def test_several_tasks_per_node_are_refused_with_the_fix():
     with pytest.raises(SlurmError, match="--ntasks-per-node=1"):
         from_env({**STEP, "SLURM_STEP_TASKS_PER_NODE": "4(x4)"})
-
-
-def _slurm_job_id_with_free_ports() -> int:
-    """A job id whose derived ports (torchrun's, the collector's, the viewers') are free."""
-    for job_id in range(7100, 7100 + 200, 3):
-        port = PORT_BASE + job_id % PORT_SPAN
-        try:
-            for p in (port, port + 1, port + 2):
-                with socket.socket() as s:
-                    s.bind(("0.0.0.0", p))
-        except OSError:
-            continue
-        return job_id
-    pytest.skip("no free ports for a Slurm job id")
-
-
-def test_one_srun_line_runs_two_nodes(tmp_path):
-    """What srun does on a 2-node allocation, by hand: the same command on both "nodes",
-    only SLURM_NODEID differs; no node flags, no run name."""
-    job_id = _slurm_job_id_with_free_ports()
-    out = tmp_path / "runs"
-    base = {"SLURM_JOB_ID": str(job_id), "SLURM_STEP_ID": "0", "SLURM_NNODES": "2",
-            "SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_TASKS_PER_NODE": "1(x2)",
-            "SLURM_GPUS_ON_NODE": "2"}
-    args = ("run", str(EXAMPLES / "ddp_toy.py"), "--out", str(out), "--headless",
-            "--", "--steps", "40")
-    nodes = [spawn_traceml(*args, env={**base, "SLURM_NODEID": str(k)}) for k in (1, 0)]
-    results = [p.communicate(timeout=150) for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], results[1][1][-3000:]
-    run_dir = out / f"ddp_toy-slurm{job_id}"
-    doc = json.loads((run_dir / "final_summary.json").read_text())
-    assert doc["run"]["world_size"] == 4 and doc["run"]["nnodes"] == 2
-    assert [r["steps"] for r in doc["ranks"]] == [40] * 4

@@ -5,21 +5,16 @@ stack from outside with `py-spy dump --native`, and the hang report shows it."""
 from __future__ import annotations
 
 import json
-import shutil
-import signal
-import subprocess
 
 import pytest
 from test_requests import control
 from test_state import ident, steps  # noqa: F401 - helpers of the state tests
 
-from jobs import EXAMPLES, kill_session, ptrace_allowed, spawn_traceml, wait_for
 from traceml_agent.requests import NativeStack, RequestError, decode_control, encode_control
 from traceml_tui.collect.collector import Collector
 from traceml_tui.judge.ingest import NATIVE_THREAD
 from traceml_tui.judge.state import RunState
 from traceml_tui.launch.native_stacks import stuck_ranks
-from traceml_tui.report import summary
 
 
 def test_only_this_nodes_named_ranks_without_a_stack_are_dumped():
@@ -59,42 +54,3 @@ def test_a_native_stack_request_is_checked_and_kept_for_the_process_it_came_from
     assert name == NATIVE_THREAD and "\x1b" not in text  # cleaned like any rank text
     state.ingest(steps(1, range(3, 4)), now=0.0)  # it steps again: the stall is over
     assert state.ranks[1].stacks == ()
-
-
-@pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy is not installed")
-@pytest.mark.skipif(not ptrace_allowed(), reason="ptrace is forbidden here (Yama scope)")
-def test_a_rank_stuck_in_c_holding_the_gil_is_named_with_its_native_frames(tmp_path):
-    out = tmp_path / "runs"
-    job = spawn_traceml("run", str(EXAMPLES / "ddp_toy.py"), "--nproc-per-node", "2",
-                        "--headless", "--out", str(out), "--run-name", "native", "--",
-                        "--gil-hang-rank", "1", "--hang-at-step", "30", "--steps", "100000")
-    run_dir = out / "native"
-
-    def live() -> dict:
-        try:
-            return json.loads((run_dir / "live_snapshot.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def native_stack(doc: dict) -> str:
-        threads = ((doc.get("hang") or {}).get("stacks") or {}).get("1") or []
-        return next((t["stack"] for t in threads if t["thread"] == NATIVE_THREAD), "")
-
-    try:
-        wait_for(lambda: "pause" in native_stack(live()), 120, "rank 1's native stack")
-        doc = live()  # while the hang lasts: what a viewer and the record say
-    finally:
-        job.send_signal(signal.SIGINT)
-        try:
-            job.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            kill_session(job)
-            job.kill()
-    hang = doc["hang"]
-    assert doc["live_diagnosis"]["label"] == "HANG" and hang["ranks"] == [1], hang
-    assert hang["kind"] == "dead" and "rank 1 stopped reporting" in doc["live_diagnosis"]["summary"]
-    native = native_stack(doc)
-    assert "pause (libc" in native and "block_in_c_holding_the_gil" in native
-    text = summary.render_text(doc)
-    assert "Rank 1, taken from outside (py-spy --native), innermost call first:" in text
-    assert "pause (libc" in text
