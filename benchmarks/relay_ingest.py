@@ -89,6 +89,16 @@ def traffic(world: int, step_ms: float, seconds: float) -> tuple[list, list]:
     return [setup], ticks
 
 
+def _item(payload: bytes) -> object:
+    """A payload as the tree's relay sends it: heartbeats and sys samples in typed lists
+    where it has them (relay_columns.item_of), else plain steps as columns only."""
+    item_of = getattr(relay_columns, "item_of", None)
+    if item_of is not None:
+        return item_of(payload)
+    m = relay_columns.plain_steps(payload)
+    return payload if m is None else (m, payload)
+
+
 def frames(ticks: list, columns: bool) -> list[list[bytes]]:
     out, counts = [], {}
     for pending in ticks:
@@ -100,9 +110,8 @@ def frames(ticks: list, columns: bool) -> list[list[bytes]]:
             n = counts.get(node, 0)
             counts[node] = n + 1
             if columns:
-                batch = relay_columns.relay_batch(node, n, 0, routes, [
-                    p if (m := relay_columns.plain_steps(p)) is None else (m, p)
-                    for p in payloads])
+                batch = relay_columns.relay_batch(node, n, 0, routes,
+                                                  [_item(p) for p in payloads])
             else:
                 batch = RelayBatch(node, n, 0, routes, payloads)
             out.append([b"relay%d" % node, RELAY_TAG, encode_relay_batch(batch)])
