@@ -109,7 +109,7 @@ def relay_batch(node: int, batches: int, dropped: int, routes: list[int],
             payloads.append(mark)
             (beats if mark == BEAT_MARK else samples).append(Raw(raw))
             continue
-        (wire, phases), payload = item  # type: ignore[misc]
+        (wire, phases), payload = item
         g = group_of.get(phases)
         if g is None:
             if len(group_of) >= MAX_COLUMN_GROUPS:  # never with real agents: one list each
