@@ -638,6 +638,14 @@ class StepColumns(Struct, array_like=True, forbid_unknown_fields=True):
     rows: Annotated[list[StepRow], Meta(max_length=MAX_RELAY_BATCH)]
 
 
+# What a relayed heartbeat or sys sample's payload is in its batch (it travels in
+# RelayBatch.beats or .samples): 0xc1 is never used in msgpack, so no rank message is
+# either (a relay forwards no payload that is one of them).
+BEAT_MARK = b"\xc1h"
+SYS_MARK = b"\xc1s"
+RELAY_MARKS = (BEAT_MARK, SYS_MARK)
+
+
 # A relay's own counters: 2**40 batches is 35 years at a thousand a second; a count above
 # it is a forged one (lost_batches read 4.6e18 once, from a key holder's batch).
 MAX_RELAY_COUNT = 1 << 40
@@ -655,6 +663,11 @@ class RelayBatch(Struct, array_like=True, forbid_unknown_fields=True, omit_defau
     payloads: Annotated[list[bytes], Meta(max_length=MAX_RELAY_BATCH)]
     # The rows that empty payloads stand for, in order (absent from an older relay).
     cols: StepColumns | None = None
+    # Heartbeats and sys samples, each decoded and checked by its own Struct as part of
+    # the batch (one decode for all): BEAT_MARK and SYS_MARK payloads stand for the next
+    # of each, in order. The relay sends each as its rank's bytes (msgspec.Raw).
+    beats: Annotated[list[Heartbeat], Meta(max_length=MAX_RELAY_BATCH)] | None = None
+    samples: Annotated[list[Sys], Meta(max_length=MAX_RELAY_BATCH)] | None = None
 
 
 _RELAY_DECODER = msgspec.msgpack.Decoder(RelayBatch)
@@ -677,6 +690,9 @@ def decode_relay_batch(data: bytes) -> RelayBatch:
     rows = 0 if batch.cols is None else len(batch.cols.rows)
     if batch.payloads.count(b"") != rows:
         raise ProtocolError("a relay batch needs one column row per empty payload")
+    if (batch.payloads.count(BEAT_MARK) != len(batch.beats or ())
+            or batch.payloads.count(SYS_MARK) != len(batch.samples or ())):
+        raise ProtocolError("a relay batch needs one heartbeat or sample per mark")
     return batch
 
 
@@ -704,6 +720,24 @@ def decode_plain_steps(payload: bytes, max_records: int
         if not _record_ok(rec, n):
             return None
     return wire, phases
+
+
+def relayed_mark(payload: bytes) -> bytes | None:
+    """For a node relay: BEAT_MARK or SYS_MARK where `payload` is a heartbeat or sys
+    sample that decode() takes whole (so its bytes decode in the batch's typed list, and
+    one bad message never costs its batch), None for anything else (sent as it came)."""
+    try:
+        wire = decode_wire(payload)
+    except ProtocolError:
+        return None
+    if isinstance(wire, Heartbeat):
+        return BEAT_MARK
+    return SYS_MARK if isinstance(wire, Sys) else None
+
+
+def relayed_ok(wire: Heartbeat | Sys) -> bool:
+    """A relayed heartbeat or sample's checks beyond its Struct's (decode_wire's)."""
+    return wire.v == PROTOCOL_VERSION and wire.id.rank < wire.id.world_size
 
 
 def column_phases(group: StepGroup) -> tuple[str, ...]:

@@ -1,6 +1,8 @@
 """Node 0's receive path for relay batches, in-process: CPU per rank message, relays that
 send every payload as it came against relays that send plain steps as columns
-(protocol.StepColumns), paired in one process (alternating rounds, median of each).
+(protocol.StepColumns) and relays that also send heartbeats and sys samples in typed lists
+(RelayBatch.beats, .samples: `lists`), paired in one process (alternating rounds, median
+of each).
 
 The traffic is soak.py's (the agents' cadence at --ranks, 8 ranks a node, the relays'
 tick), batched as the relays batch it, then fed to a real Collector's receive path
@@ -89,7 +91,16 @@ def traffic(world: int, step_ms: float, seconds: float) -> tuple[list, list]:
     return [setup], ticks
 
 
-def frames(ticks: list, columns: bool) -> list[list[bytes]]:
+def _item(payload: bytes, lists: bool) -> object:
+    """A payload as a relay sends it: `lists`, heartbeats and sys samples in typed lists
+    (relay_columns.item_of, issue 43); else plain steps as columns only, as before."""
+    if lists:
+        return relay_columns.item_of(payload)
+    m = relay_columns.plain_steps(payload)
+    return payload if m is None else (m, payload)
+
+
+def frames(ticks: list, columns: bool, lists: bool = False) -> list[list[bytes]]:
     out, counts = [], {}
     for pending in ticks:
         for node, items in enumerate(pending):
@@ -100,16 +111,16 @@ def frames(ticks: list, columns: bool) -> list[list[bytes]]:
             n = counts.get(node, 0)
             counts[node] = n + 1
             if columns:
-                batch = relay_columns.relay_batch(node, n, 0, routes, [
-                    p if (m := relay_columns.plain_steps(p)) is None else (m, p)
-                    for p in payloads])
+                batch = relay_columns.relay_batch(node, n, 0, routes,
+                                                  [_item(p, lists) for p in payloads])
             else:
                 batch = RelayBatch(node, n, 0, routes, payloads)
             out.append([b"relay%d" % node, RELAY_TAG, encode_relay_batch(batch)])
     return out
 
 
-def run(world: int, setup: list, ticks: list, columns: bool) -> tuple[float, int]:
+def run(world: int, setup: list, ticks: list, columns: bool, lists: bool = False
+        ) -> tuple[float, int]:
     """CPU seconds of the receive path for the ticks' messages, and their count."""
     state = RunState("bench", world, math.ceil(world / PER_NODE), PER_NODE,
                      started_at=time.time())
@@ -120,7 +131,7 @@ def run(world: int, setup: list, ticks: list, columns: bool) -> tuple[float, int
             for f in frames(setup, columns):
                 coll._receive(f, time.monotonic())
             flush()
-            load = frames(ticks, columns)
+            load = frames(ticks, columns, lists)
             before = state.counters["messages"]
             t0 = time.process_time()
             for j in range(0, len(load), DRAIN):
@@ -147,9 +158,11 @@ def main() -> None:
     us: dict[str, list[float]] = {"payloads": []}
     if relay_columns is not None:
         us["columns"] = []
+        if hasattr(relay_columns, "item_of"):  # heartbeats and samples in typed lists
+            us["lists"] = []
     for _ in range(a.rounds):
         for mode in us:
-            cpu, n = run(a.ranks, setup, ticks, mode == "columns")
+            cpu, n = run(a.ranks, setup, ticks, mode != "payloads", mode == "lists")
             us[mode].append(cpu / n * 1e6)
     per_s = sum(len(items) for pending in ticks for items in pending) / a.seconds
     code = Path(sys.modules["traceml_tui"].__file__ or "").parent

@@ -143,6 +143,8 @@ def run_ranks(addr: str, world: int, per_node: int, step_ms: float, prefill: int
     presumed = None
     if not columns and relay_columns is not None:
         relay_columns.plain_steps = lambda payload: None
+        if hasattr(relay_columns, "relayed_mark"):  # nor heartbeats and samples in lists
+            relay_columns.relayed_mark = lambda payload: None
     elif relay_columns is not None:
         presumed = relay_columns.plain_steps = Presumed(relay_columns.plain_steps)
     nodes = math.ceil(world / per_node)

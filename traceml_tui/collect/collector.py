@@ -39,23 +39,28 @@ from msgspec.structs import replace
 
 from traceml_agent import keys
 from traceml_agent.protocol import (
+    BEAT_MARK,
     MAX_RELAY_BATCH_BYTES,
     RELAY_SELF_ROUTE,
     RELAY_STACKS_TAG,
     RELAY_TAG,
+    SYS_MARK,
     Capture,
+    Heartbeat,
     Message,
     ProtocolError,
     RelayStackRequest,
     RelayStacks,
     StepRow,
     Steps,
+    Sys,
     decode,
     decode_relay_batch,
     decode_relay_stacks,
     decode_wire,
     encode_relay_stacks,
     message,
+    relayed_ok,
 )
 from traceml_agent.requests import (
     LAUNCHER_OPS,
@@ -350,21 +355,47 @@ class Collector:
             return
         conn = frames[0]
         cols = batch.cols
-        if cols is None:
+        if cols is None and batch.beats is None and batch.samples is None:
             for route, payload in zip(batch.routes, batch.payloads, strict=True):
                 self._receive_one((conn, route), payload, mono)
         else:
-            # An empty payload stands for the next column row (protocol.StepColumns).
-            rows, opened, i = cols.rows, columns.open_groups(cols.groups, cols.rows), 0
+            # An empty payload stands for the next column row (protocol.StepColumns), a
+            # mark for the next heartbeat or sample (protocol.BEAT_MARK, SYS_MARK).
+            rows = () if cols is None else cols.rows
+            opened = [] if cols is None else columns.open_groups(cols.groups, cols.rows)
+            beats, samples = iter(batch.beats or ()), iter(batch.samples or ())
+            i = 0
             for route, payload in zip(batch.routes, batch.payloads, strict=True):
-                if payload:
-                    self._receive_one((conn, route), payload, mono)
-                else:
+                if not payload:
                     self._receive_row((conn, route), rows[i], opened[i], mono)
                     i += 1
+                elif payload == BEAT_MARK:
+                    self._receive_typed((conn, route), next(beats), mono)
+                elif payload == SYS_MARK:
+                    self._receive_typed((conn, route), next(samples), mono)
+                else:
+                    self._receive_one((conn, route), payload, mono)
         # Its counters after its payloads: they count only from the connection that relays
         # the node's ranks (a hello in this very batch included), not from any key holder.
         self.state.intake.relay_seen(batch.node, batch.batches, batch.dropped, mono, conn)
+
+    def _receive_typed(self, route: Route, wire: Heartbeat | Sys, mono: float) -> None:
+        """A relayed heartbeat or sys sample, decoded and checked by its Struct with its
+        batch (decode()'s other checks here): straight into its rank's record where the
+        rank is known on this connection (Intake.relayed), else taken as the message it
+        is. Neither meets rows waiting for the flush but as _take says."""
+        if not relayed_ok(wire):
+            self.state.intake.count_malformed()
+            return
+        rank = wire.id.rank
+        beat = isinstance(wire, Heartbeat)
+        if self.state.intake.relayed(wire, mono, route):
+            if beat and rank in self.pending.ranks:
+                self.pending.beat(rank)
+            self.routes[rank] = route
+            return
+        self._take(route, Message("heartbeat" if beat else "sys", wire.id, wire.seq, wire.t,
+                                  wire), mono)
 
     def _receive_row(self, route: Route, row: StepRow,
                      opened: tuple[columns.Group, int] | None, mono: float) -> None:

@@ -7,7 +7,8 @@ other node starts this relay (`python -m traceml_tui.collect.relay`), the node's
 to it over loopback, and node 0 receives one message per node per tick, carrying that
 node's rank messages (protocol.RELAY_TAG): unchanged, except plain steps messages, which
 the relay decodes and sends as packed columns (relay_columns.py), so node 0 ingests a
-drain's steps with array operations instead of decoding each message. The collector
+drain's steps with array operations instead of decoding each message, and heartbeats and
+sys samples, which the relay checks and sends in typed lists, decoded with the batch. The collector
 still validates every rank message and every column row itself, as strictly: a relay
 holds the same key as a rank, not more.
 
@@ -46,6 +47,7 @@ from traceml_agent.protocol import (
     MAX_MESSAGE_BYTES,
     MAX_RELAY_BATCH,
     MAX_RELAY_STACKS_BYTES,
+    RELAY_MARKS,
     RELAY_ROUTE,
     RELAY_SELF_ROUTE,
     RELAY_STACKS_TAG,
@@ -175,21 +177,24 @@ class Relay:
         return route
 
     def add(self, conn: bytes, payload: bytes) -> None:
-        """One rank message for the next batch: a plain steps message as a column row
-        (relay_columns.py), anything else as it came. An empty one is no message at all (an
-        empty payload stands for a column row on the wire): it is not forwarded."""
+        """One rank message for the next batch: a plain steps message as a column row, a
+        heartbeat or sys sample in its kind's list (relay_columns.py), anything else as it
+        came. An empty one or a mark is no message at all (on the wire they stand for a
+        column row, a heartbeat, a sample): it is not forwarded."""
         size = len(payload)
-        if not size:
+        if not size or payload in RELAY_MARKS:
             return
         if self._pending_bytes + size > PENDING_BYTES or size > MAX_MESSAGE_BYTES:
             self.dropped += 1
             return
         self._routes.append(self._route(conn))
-        msg = columns.plain_steps(payload)
-        self._payloads.append(payload if msg is None else (msg, payload))
-        if msg is not None and msg[0].id.world_size != self.world_size:
-            self.world_size = msg[0].id.world_size
-            self.tick_s = tick_s(self.world_size)
+        item = columns.item_of(payload)
+        self._payloads.append(item)
+        if isinstance(item, tuple) and not isinstance(item[0], bytes):
+            world_size = item[0][0].id.world_size
+            if world_size != self.world_size:
+                self.world_size = world_size
+                self.tick_s = tick_s(world_size)
         self._pending_bytes += size
 
     def on_local(self) -> None:

@@ -241,27 +241,9 @@ class Intake:
         if isinstance(body, Steps):
             self._steps(rs, msg, body)
         elif isinstance(body, Sys):
-            rs.sys = body
-            self._cpu_seen(rs, body)
-            self.state.memory.seen(ident.rank, msg.t, body)
-            # NVML health, beside a compute straggler's evidence (diagnosis reads its map)
-            gpu = (dx.GpuHealth.of(body.sample())
-                   if body.sm_clock_mhz is not None or body.throttle else None)
-            if gpu != rs.gpu:
-                rs.gpu = gpu
-                if rs.live is not None:  # the next evaluation reads it, steps or not
-                    rs.live = replace(rs.live, gpu=gpu)
-            if body.device:
-                rs.device = body.device
+            self._sample(rs, body)
         elif isinstance(body, Heartbeat):
-            if rs.key is None and body.key is not None:
-                rs.key = body.key  # an agent whose hello this collector missed
-            self._progress_seen(rs, body, now)
-            rs.heartbeat = body
-            if body.parallel in ("ddp", "fsdp") and self.state.parallel != "fsdp":
-                self.state.parallel = body.parallel
-            rs.since_step_at_msg_s = body.since_step_s or 0.0
-            self.state.framework = body.framework or self.state.framework
+            self._beat(rs, body, now)
         elif isinstance(body, Stacks):
             # They belong to the stall after the last step seen (a rank's messages arrive
             # in order): cleared when it steps again, so an old stall's stack is never
@@ -294,6 +276,50 @@ class Intake:
                 self.state.attempts.goodbye(ident.rank, body.exit_code, body.error,
                                       rs.last_step + 1, msg.t, now)
         return True
+
+    def relayed(self, body: Heartbeat | Sys, now: float, conn: object) -> bool:
+        """A heartbeat or sys sample from a relay's typed lists (protocol.RelayBatch), of a
+        rank known on this very connection as this very process: `message`'s effect, whose
+        checks of run, owner and process it passes as they stand. False for any other (a
+        new or restarted process, another connection's rank): ingest it as a message."""
+        ident = body.id
+        rs = self.state.ranks.get(ident.rank)
+        if (rs is None or rs.conn != conn or rs.ident.pid != ident.pid
+                or not self.state.min_world_size <= ident.world_size <= self.state.world_size):
+            return False
+        self.state.counters["messages"] += 1
+        rs.last_seen = now
+        if isinstance(body, Heartbeat):
+            self._beat(rs, body, now)
+        else:
+            self._sample(rs, body)
+        return True
+
+    def _sample(self, rs: RankState, body: Sys) -> None:
+        """A sys sample's figures: CPU share and wait, memory, GPU health, its device."""
+        rs.sys = body
+        self._cpu_seen(rs, body)
+        self.state.memory.seen(rs.ident.rank, body.t, body)
+        # NVML health, beside a compute straggler's evidence (diagnosis reads its map)
+        gpu = (dx.GpuHealth.of(body.sample())
+               if body.sm_clock_mhz is not None or body.throttle else None)
+        if gpu != rs.gpu:
+            rs.gpu = gpu
+            if rs.live is not None:  # the next evaluation reads it, steps or not
+                rs.live = replace(rs.live, gpu=gpu)
+        if body.device:
+            rs.device = body.device
+
+    def _beat(self, rs: RankState, body: Heartbeat, now: float) -> None:
+        """A heartbeat's news: progress, the agent's counts and state, since its step."""
+        if rs.key is None and body.key is not None:
+            rs.key = body.key  # an agent whose hello this collector missed
+        self._progress_seen(rs, body, now)
+        rs.heartbeat = body
+        if body.parallel in ("ddp", "fsdp") and self.state.parallel != "fsdp":
+            self.state.parallel = body.parallel
+        rs.since_step_at_msg_s = body.since_step_s or 0.0
+        self.state.framework = body.framework or self.state.framework
 
     def _attempt_seen(self, attempt: int | None, t: float, now: float) -> None:
         """A new process's hello names its attempt: one newer than the current closes it."""
