@@ -198,7 +198,8 @@ HOG = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    sum(
 @pytest.mark.skipif(not HAS_SCHEDSTAT, reason="this kernel keeps no scheduler statistics")
 def test_a_thread_sharing_its_core_with_busy_processes_is_seen_waiting():
     """The training thread pinned to one core beside two busy processes gets about a
-    third of it and waits the rest; a thread that mostly sleeps waits for nothing."""
+    third of it and waits the rest; a thread that mostly sleeps waits for nothing, or on
+    a box busy everywhere, far less."""
     core = max(os.sched_getaffinity(0))
     result: dict[str, tuple[float, float] | None] = {}
 
@@ -237,7 +238,9 @@ def test_a_thread_sharing_its_core_with_busy_processes_is_seen_waiting():
     busy, napping = result["busy"], result["napping"]
     assert busy is not None and napping is not None, result
     assert busy[1] > 0.4 and busy[0] + busy[1] <= 1.05, result  # waits most of its time
-    assert napping[1] < 0.1, result
+    # The napping thread waits only when it wakes on a busy box: at a load average of 6
+    # on 2 cores it waited 30 % of its second (fresh-clone run 13), the busy one 89 %.
+    assert napping[1] < 0.1 or napping[1] < busy[1] / 2, result
 
 
 def test_the_sampler_says_nothing_it_cannot_read_or_should_not_send():
