@@ -6,6 +6,7 @@ STRAGGLER's evidence. pynvml is the NVML double (nvml_double.py) in sys.modules.
 from __future__ import annotations
 
 import sys
+import time
 import types
 import typing
 from collections import deque
@@ -120,8 +121,8 @@ def test_a_driver_older_than_mig_lookup_by_uuid_is_walked(monkeypatch):
 def fake_time(monkeypatch) -> Clock:
     """The sampler's clock (the module's `time.monotonic`), advanced by the test."""
     clock = Clock()
-    monkeypatch.setattr(sysmetrics, "time", types.SimpleNamespace(monotonic=clock),
-                        raising=False)
+    fake = types.SimpleNamespace(monotonic=clock, process_time=time.process_time)
+    monkeypatch.setattr(sysmetrics, "time", fake, raising=False)
     return clock
 
 
@@ -385,7 +386,6 @@ def test_the_full_agent_sends_its_own_gpus_health(monkeypatch):
     the sys samples name the GPU by torch's UUID, with its health, and no CUDA call was
     made off the training thread."""
     import threading
-    import time
 
     import torch._dynamo  # noqa: F401 - as test_cuda_path's fixture
     import zmq
