@@ -16,6 +16,7 @@ from traceml_tui.judge import diagnosis as dx
 from traceml_tui.judge.state import LIVE_STEPS, RunState
 from traceml_tui.report import summary
 from traceml_tui.report.perfetto import DIAGNOSIS_PID, STEP_TID, build_trace, write_trace
+from traceml_tui.runfolder import summary_model as model
 from traceml_tui.runfolder.step_log import LoggedStep, StepLogWriter, read_steps
 
 T0 = 1_790_000_000.0
@@ -26,6 +27,17 @@ MS = (10.0, None, 20.0, 30.0, 5.0, 15.0, 20.0)
 def step(rank: int, n: int, t_end: float, phase_ms=MS, step_ms: float = 100.0,
          phases=PHASES) -> LoggedStep:
     return LoggedStep(rank, n, t_end, step_ms, tuple(phases), tuple(phase_ms))
+
+
+def run_summary(**parts) -> model.Summary:
+    """A summary holding only the given sections (the rest as a summary's defaults)."""
+    parts.setdefault("run", model.Run())
+    return model.Summary(diagnosis=model.Diagnosis(label=dx.BALANCED), step_ms=model.StepMs(),
+                         **{"ranks": [], **parts})
+
+
+def hosts(n: int) -> list[model.Rank]:
+    return [model.Rank(rank=r, host=f"node{r // 2}") for r in range(n)]
 
 
 def spans(trace: dict, pid: int, tid: int | None = None) -> list[dict]:
@@ -61,7 +73,7 @@ def test_one_step_is_laid_out_back_to_back_ending_at_t_end():
 
 def test_one_process_per_rank_named_and_sorted():
     records = [step(r, 0, T0 + 0.1) for r in (2, 0, 1)]
-    doc = {"ranks": [{"rank": r, "host": f"node{r // 2}"} for r in range(4)], "phases": PHASES}
+    doc = run_summary(ranks=hosts(4), phases=list(PHASES))
     trace = build_trace(records, doc)
     names = {pid: a["name"] for (pid, _), a in meta(trace, "process_name").items()}
     assert names == {0: "rank 0 (node0)", 1: "rank 1 (node0)", 2: "rank 2 (node1)",
@@ -115,23 +127,21 @@ def test_custom_phases_repeats_and_the_last_steps_bound():
 
 def test_episodes_and_hang_on_the_diagnosis_process():
     iso = summary.iso
-    doc = {
-        "run": {"name": "r", "started_at": iso(T0), "ended_at": iso(T0 + 60)},
-        "ranks": [{"rank": 0, "host": "h"}, {"rank": 1, "host": "h"}],
-        "timeline": [
-            {"label": dx.WARMUP, "rank": None, "phase": None, "severity": "info",
-             "start": iso(T0), "end": iso(T0 + 5), "start_step": 0, "end_step": 8,
-             "summary": "warming up"},
-            {"label": dx.INPUT_STRAGGLER, "rank": 1, "phase": "dataloader",
-             "severity": "warning", "start": iso(T0 + 5), "end": iso(T0 + 30),
-             "start_step": 8, "end_step": 200, "summary": "rank 1 waits for input"},
-            {"label": dx.HANG, "rank": 1, "phase": None, "severity": "critical",
-             "start": iso(T0 + 30), "end": None, "start_step": 200, "end_step": None,
-             "summary": "hung"},
+    doc = run_summary(
+        run=model.Run(name="r", started_at=iso(T0), ended_at=iso(T0 + 60)),
+        ranks=[model.Rank(rank=0, host="h"), model.Rank(rank=1, host="h")],
+        timeline=[
+            model.Episode(label=dx.WARMUP, severity="info", start=iso(T0), end=iso(T0 + 5),
+                          start_step=0, end_step=8, summary="warming up"),
+            model.Episode(label=dx.INPUT_STRAGGLER, rank=1, phase="dataloader",
+                          severity="warning", start=iso(T0 + 5), end=iso(T0 + 30),
+                          start_step=8, end_step=200, summary="rank 1 waits for input"),
+            model.Episode(label=dx.HANG, rank=1, severity="critical", start=iso(T0 + 30),
+                          start_step=200, summary="hung"),
         ],
-        "hang": {"kind": "collective", "ranks": [1], "since": iso(T0 + 30), "stalled_s": 30.0,
-                 "threshold_s": 20.0},
-    }
+        hang=model.Hang(kind="collective", ranks=[1], since=iso(T0 + 30), stalled_s=30.0,
+                        threshold_s=20.0),
+    )
     trace = build_trace([step(0, 1, T0 + 1.0), step(1, 1, T0 + 1.0)], doc)
     assert trace["otherData"]["epoch_base_s"] == T0  # the run's start is the earliest time
     episodes = spans(trace, DIAGNOSIS_PID, 1)
@@ -190,9 +200,9 @@ def test_step_log_round_trip_with_a_real_summary(tmp_path):
             now += 1.0
             state.evaluate(now)
     log.close()
-    doc = json.loads(json.dumps(summary.build(state.snapshot(now, 0.0, full=True),
-                                              summary.RunMeta(ended_at=now))))
-    assert [e["label"] for e in doc["timeline"]] == [dx.BALANCED, dx.INPUT_STRAGGLER]
+    doc = model.decode(summary.to_json(summary.build(state.snapshot(now, 0.0, full=True),
+                                                     summary.RunMeta(ended_at=now))))
+    assert [e.label for e in doc.timeline] == [dx.BALANCED, dx.INPUT_STRAGGLER]
 
     records = list(read_steps(tmp_path / "steps"))
     total = 2 * dx.MIN_STEPS + LIVE_STEPS

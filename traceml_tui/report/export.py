@@ -10,7 +10,6 @@ deep traces leave in RUN_DIR/traces/.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from traceml_agent.vocab import STEP_LOG_DIR
 from traceml_tui.runfolder import summary_model as model
@@ -24,7 +23,7 @@ class ExportError(Exception):
     """A run folder that cannot be exported: one line for the user."""
 
 
-def _summary_doc(run_dir: Path) -> dict[str, Any] | None:
+def _summary(run_dir: Path) -> model.Summary | None:
     """The run's summary read through the model (runfolder/summary_model.py), final or
     live; None when the run has neither (the steps still export). One that is there but
     is not a summary is the user's one-line error, not a trace silently missing its
@@ -34,7 +33,7 @@ def _summary_doc(run_dir: Path) -> dict[str, Any] | None:
         if not path.is_file():
             continue
         try:
-            return model.to_doc(model.load(path))
+            return model.load(path)
         except model.NotASummary as exc:
             raise ExportError(str(exc)) from None
     return None
@@ -51,7 +50,7 @@ def export_perfetto(run_dir: Path, out: Path, last_steps: int | None = None) -> 
     if not records:
         raise ExportError(f"the step log in {log_dir} is empty: no step was recorded")
     try:
-        perfetto.write_trace(out, records, _summary_doc(run_dir), last_steps_per_rank=last_steps)
+        perfetto.write_trace(out, records, _summary(run_dir), last_steps_per_rank=last_steps)
     except OSError as exc:
         raise ExportError(f"cannot write {out}: {exc.strerror or exc}") from None
     return {"ranks": len({r.rank for r in records}), "records": len(records)}

@@ -1,7 +1,8 @@
 """The whole job as one Chrome trace ("traceEvents" JSON) that ui.perfetto.dev opens.
 
-Built from the step log (traceml_tui/runfolder/step_log.py) and a summary document
-(final_summary.json or live_snapshot.json, same shape). In Perfetto:
+Built from the step log (traceml_tui/runfolder/step_log.py) and a run's summary, read
+through its model (final_summary.json or live_snapshot.json, runfolder/summary_model.py).
+In Perfetto:
 
   diagnosis            the diagnosis episodes as spans, the hang from its start;
                        a global marker (a line across every rank) where a label other
@@ -36,6 +37,7 @@ from typing import Any
 
 from traceml_agent.protocol import MAX_WORLD_SIZE, PHASES
 from traceml_tui.judge import diagnosis as dx
+from traceml_tui.runfolder import summary_model as model
 from traceml_tui.runfolder.folders import write_atomic_with
 from traceml_tui.runfolder.step_log import LoggedStep
 
@@ -48,28 +50,30 @@ RECONSTRUCTION_NOTE = ("phase spans are reconstructed: phases are measured durat
                        "back-to-back in PHASES order ending at each step's measured end")
 
 
-def build_trace(records: Iterable[LoggedStep], summary_doc: dict[str, Any] | None = None,
+def build_trace(records: Iterable[LoggedStep], run_summary: model.Summary | None = None,
                 *, last_steps_per_rank: int | None = None) -> dict[str, Any]:
-    """The Chrome trace document. `records` in any order; repeats of a step are dropped."""
-    doc = summary_doc or {}
+    """The Chrome trace document. `records` in any order; repeats of a step are dropped.
+    `run_summary`: the ranks' hosts, the declared phases, the episodes and the hang."""
     by_rank: dict[int, deque[LoggedStep]] = defaultdict(lambda: deque(maxlen=last_steps_per_rank))
     for rec in records:
         by_rank[rec.rank].append(rec)
-    hosts = {r["rank"]: r.get("host") for r in doc.get("ranks", ()) if "rank" in r}
-    phases = _phase_order(doc.get("phases", ()), by_rank.values())
+    doc = run_summary
+    hosts = {} if doc is None else {r.rank: r.host or None for r in doc.ranks}
+    phases = _phase_order(() if doc is None else doc.phases, by_rank.values())
     steps = {rank: _dedupe(recs) for rank, recs in by_rank.items()}
 
-    episodes = [e for e in doc.get("timeline", ()) if _epoch(e.get("start")) is not None]
-    hang = doc.get("hang") if _epoch((doc.get("hang") or {}).get("since")) else None
-    run = doc.get("run", {})
+    episodes = [] if doc is None else [e for e in doc.timeline if _epoch(e.start) is not None]
+    hang = doc.hang if doc is not None and doc.hang and _epoch(doc.hang.since) else None
+    run = None if doc is None else doc.run
     times = [min(_start(r) for r in recs) for recs in steps.values() if recs]
-    times += [_epoch(e["start"]) for e in episodes] + ([_epoch(hang["since"])] if hang else [])
-    times += [t for t in (_epoch(run.get("started_at")),) if t is not None]
+    times += [t for t in (_epoch(e.start) for e in episodes) if t is not None]
+    times += [t for t in (_epoch(hang.since if hang else None),
+                          _epoch(run.started_at if run else None)) if t is not None]
     # A whole second: epoch floats are only good to ~0.2 µs, and subtracting a whole
     # second adds no rounding of its own, so a span's start is never a hair below 0.
     base = float(math.floor(min(times, default=0.0)))
     ends = [recs[-1].t_end for recs in steps.values() if recs]
-    ends += [t for t in (_epoch(run.get("ended_at")),) if t is not None]
+    ends += [t for t in (_epoch(run.ended_at if run else None),) if t is not None]
     end = max(ends + times, default=base)
 
     def us(t: float) -> float:  # epoch seconds -> µs on the export's clock
@@ -84,18 +88,19 @@ def build_trace(records: Iterable[LoggedStep], summary_doc: dict[str, Any] | Non
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
-        "otherData": {"generator": "traceml", "run": run.get("name"), "epoch_base_s": base,
-                      "phases": list(phases), "note": RECONSTRUCTION_NOTE},
+        "otherData": {"generator": "traceml", "run": run.name if run else None,
+                      "epoch_base_s": base, "phases": list(phases),
+                      "note": RECONSTRUCTION_NOTE},
     }
 
 
 def write_trace(path: str | Path, records: Iterable[LoggedStep],
-                summary_doc: dict[str, Any] | None = None, *,
+                run_summary: model.Summary | None = None, *,
                 last_steps_per_rank: int | None = None) -> Path:
     """Build and write atomically (temp file in the same folder, then os.replace), streamed
     to the file so a large export is not held twice in memory."""
     path = Path(path)
-    trace = build_trace(records, summary_doc, last_steps_per_rank=last_steps_per_rank)
+    trace = build_trace(records, run_summary, last_steps_per_rank=last_steps_per_rank)
     write_atomic_with(path, lambda f: json.dump(trace, f, separators=(",", ":")))
     return path
 
@@ -185,8 +190,8 @@ def _rank_events(rank: int, recs: list[LoggedStep], phases: tuple[str, ...],
 # --- diagnosis -------------------------------------------------------------------------
 
 
-def _epoch(iso_time: Any) -> float | None:
-    if not isinstance(iso_time, str):
+def _epoch(iso_time: str | None) -> float | None:
+    if iso_time is None:
         return None
     try:
         return datetime.fromisoformat(iso_time).timestamp()
@@ -194,7 +199,12 @@ def _epoch(iso_time: Any) -> float | None:
         return None
 
 
-def _diagnosis_events(episodes: list[dict[str, Any]], hang: dict[str, Any] | None,
+def _episode_args(e: model.Episode) -> dict[str, Any]:
+    return {"severity": e.severity, "rank": e.rank, "phase": e.phase,
+            "start_step": e.start_step, "end_step": e.end_step, "summary": e.summary}
+
+
+def _diagnosis_events(episodes: list[model.Episode], hang: model.Hang | None,
                       us: Callable[[float], float], end: float) -> list[dict[str, Any]]:
     events = [_meta("process_name", DIAGNOSIS_PID, 0, name="diagnosis"),
               _meta("process_sort_index", DIAGNOSIS_PID, 0, sort_index=0),
@@ -202,20 +212,21 @@ def _diagnosis_events(episodes: list[dict[str, Any]], hang: dict[str, Any] | Non
               _meta("thread_name", DIAGNOSIS_PID, HANG_TID, name="hang")]
     track = _Track(DIAGNOSIS_PID, EPISODE_TID)
     markers = []
-    for e in sorted(episodes, key=lambda e: _epoch(e["start"])):
-        name = e["label"] + (f" rank {e['rank']}" if e.get("rank") is not None else "")
-        start, stop = us(_epoch(e["start"])), us(_epoch(e.get("end")) or end)
-        args = {k: e.get(k) for k in ("severity", "rank", "phase", "start_step", "end_step",
-                                      "summary")}
+    for e, begin in sorted(((e, _epoch(e.start) or 0.0) for e in episodes),
+                           key=lambda pair: pair[1]):
+        name = e.label + (f" rank {e.rank}" if e.rank is not None else "")
+        start, stop = us(begin), us(_epoch(e.end) or end)
+        args = _episode_args(e)
         track.span(name, start, stop, args)
-        if e["label"] not in _QUIET_LABELS:
+        if e.label not in _QUIET_LABELS:
             markers.append({"ph": "i", "s": "g", "name": name, "pid": DIAGNOSIS_PID,
                             "tid": EPISODE_TID, "ts": start, "args": args})
     events += track.events
-    if hang:
-        since = us(_epoch(hang["since"]))
-        name = f"HANG ({hang.get('kind')}): rank(s) {', '.join(map(str, hang.get('ranks', [])))}"
-        args = {k: hang.get(k) for k in ("kind", "ranks", "stalled_s", "threshold_s")}
+    if hang is not None:
+        since = us(_epoch(hang.since) or end)
+        name = f"HANG ({hang.kind}): rank(s) {', '.join(map(str, hang.ranks))}"
+        args = {"kind": hang.kind, "ranks": list(hang.ranks), "stalled_s": hang.stalled_s,
+                "threshold_s": hang.threshold_s}
         hang_track = _Track(DIAGNOSIS_PID, HANG_TID)
         hang_track.span(name, since, us(end), args)
         events += hang_track.events
