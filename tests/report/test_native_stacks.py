@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from msgspec.structs import replace
 from test_requests import control
 from test_state import ident, steps  # noqa: F401 - helpers of the state tests
 
@@ -15,14 +16,18 @@ from traceml_tui.collect.collector import Collector
 from traceml_tui.judge.ingest import NATIVE_THREAD
 from traceml_tui.judge.state import RunState
 from traceml_tui.launch.native_stacks import stuck_ranks
+from traceml_tui.runfolder import summary_model as model
 
 
 def test_only_this_nodes_named_ranks_without_a_stack_are_dumped():
-    doc = {"hang": {"ranks": [1, 2, 5], "stacks": {"2": []}, "since": "t"},
-           "ranks": [{"rank": 1, "node": 0, "pid": 11}, {"rank": 2, "node": 0, "pid": 12},
-                     {"rank": 3, "node": 0, "pid": 13}, {"rank": 5, "node": 1, "pid": 15}]}
-    assert stuck_ranks(doc, node=0) == [(1, 11)]
-    assert stuck_ranks({"hang": None, "ranks": doc["ranks"]}, node=0) == []
+    ranks = [model.Rank(rank=r, node=n, pid=pid)
+             for r, n, pid in ((1, 0, 11), (2, 0, 12), (3, 0, 13), (5, 1, 15), (6, 0, None))]
+    doc = model.Summary(run=model.Run(), diagnosis=model.Diagnosis(label="HANG"),
+                        step_ms=model.StepMs(), ranks=ranks,
+                        hang=model.Hang(kind="collective", ranks=[1, 2, 5, 6],
+                                        stacks={"2": []}, since="t"))
+    assert stuck_ranks(doc, node=0) == [(1, 11)]  # 6: no pid known
+    assert stuck_ranks(replace(doc, hang=None), node=0) == []
 
 
 def test_a_native_stack_request_is_checked_and_kept_for_the_process_it_came_from(tmp_path):

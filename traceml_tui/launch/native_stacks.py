@@ -20,7 +20,6 @@ machines without Yama, nor for a launcher run as root (common in ML containers).
 
 from __future__ import annotations
 
-import json
 import shutil
 import socket
 import subprocess
@@ -28,7 +27,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from msgspec.structs import replace
 
@@ -48,6 +46,7 @@ from traceml_agent.requests import (
     encode_control,
 )
 from traceml_tui.collect.lineage import descends_from, parent_pid  # noqa: F401 (re-exported)
+from traceml_tui.runfolder import summary_model as model
 from traceml_tui.runfolder.layout import RunFolder
 
 DUMP_TIMEOUT_S = 20.0
@@ -70,20 +69,16 @@ def dump(pid: int, py_spy: str | None = None) -> str | None:
     return done.stdout[:NATIVE_STACK_MAX]  # the collector refuses more
 
 
-def stuck_ranks(doc: dict[str, Any], node: int) -> list[tuple[int, int]]:
+def stuck_ranks(doc: model.Summary, node: int) -> list[tuple[int, int]]:
     """(rank, pid) of this node's ranks that a live snapshot's hang names and that sent
     no stack of their own."""
-    hang = doc.get("hang")
-    if not isinstance(hang, dict):
+    hang = doc.hang
+    if hang is None:
         return []
-    named = set(hang.get("ranks") or [])
-    have = set((hang.get("stacks") or {}).keys())
-    out = []
-    for r in doc.get("ranks") or []:
-        if (r.get("rank") in named and r.get("node") == node and str(r["rank"]) not in have
-                and isinstance(r.get("pid"), int) and r["pid"] > 0):
-            out.append((r["rank"], r["pid"]))
-    return out
+    named = set(hang.ranks)
+    return [(r.rank, r.pid) for r in doc.ranks
+            if r.rank in named and r.node == node and str(r.rank) not in hang.stacks
+            and r.pid is not None and r.pid > 0]
 
 
 class NativeStackWatcher(threading.Thread):
@@ -107,11 +102,11 @@ class NativeStackWatcher(threading.Thread):
         if self.py_spy is None:
             return
         while not self.stop.wait(POLL_S):
-            try:
-                doc = json.loads(RunFolder(self.run_dir).live.read_text())
-            except (OSError, ValueError):
+            try:  # bounded and validated: the folder is the user's, the file the collector's
+                doc = model.load(RunFolder(self.run_dir).live)
+            except (OSError, model.NotASummary):
                 continue
-            since = str((doc.get("hang") or {}).get("since"))
+            since = str(doc.hang.since if doc.hang else None)
             for rank, pid in stuck_ranks(doc, self.node):
                 if (rank, since) in self.done:
                     continue
