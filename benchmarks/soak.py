@@ -135,18 +135,46 @@ class Presumed:
         return self.plain
 
 
+class PresumedMark:
+    """The relays' check of a simulated heartbeat or sys sample (relay_columns.relayed_mark:
+    a whole decode, to know it travels in its kind's typed list) taken as its template's
+    kind, compared with the real check for the first CHECKED of them: as Presumed, the
+    decode each node's relay does on its own CPU, left out of the one core that simulates
+    every node."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.payload: Any = None
+        self.mark: bytes | None = None
+        self.checked = 0
+
+    def expect(self, payload: Any, kind: int) -> None:
+        self.payload = payload
+        self.mark = protocol.SYS_MARK if kind == 1 else protocol.BEAT_MARK
+
+    def __call__(self, payload: Any) -> Any:
+        if payload is not self.payload:
+            return self.real(payload)
+        if self.checked < CHECKED:
+            self.checked += 1
+            assert self.real(bytes(payload)) == self.mark, "presumed mark differs"
+        return self.mark
+
+
 def run_ranks(addr: str, world: int, per_node: int, step_ms: float, prefill: int,
               seconds: float, conn: Connection, columns: bool = True) -> None:
     """Every simulated rank, handing its messages to its node's real relay (`columns`
     False: relays that send every payload as it came, as before protocol.StepColumns)."""
     pin(OTHER_CORES)
-    presumed = None
+    presumed = marks = None
     if not columns and relay_columns is not None:
         relay_columns.plain_steps = lambda payload: None
         if hasattr(relay_columns, "relayed_mark"):  # nor heartbeats and samples in lists
             relay_columns.relayed_mark = lambda payload: None
     elif relay_columns is not None:
         presumed = relay_columns.plain_steps = Presumed(relay_columns.plain_steps)
+        if hasattr(relay_columns, "relayed_mark"):  # a tree whose relays list them
+            marks = relay_columns.relayed_mark = PresumedMark(relay_columns.relayed_mark)
     nodes = math.ceil(world / per_node)
     rng, slow = random.Random(7), world // 3
     # The agents' own cadence at this world size (agent/transport.py): a step batch every
@@ -207,6 +235,8 @@ def run_ranks(addr: str, world: int, per_node: int, step_ms: float, prefill: int
             payload = stamp(tpl[k][kind], seq[k], wall, step[k], rpm)
             if presumed is not None and kind == 0:
                 presumed.make(k, tpl[k][0][0], seq[k], wall, step[k], rpm, payload)
+            elif marks is not None and kind != 0:
+                marks.expect(payload, kind)
             relays[k // per_node].add(conns[k], payload)
             step[k] += rpm if kind == 0 else 0
             seq[k], i = seq[k] + 1, i + 1
@@ -216,6 +246,7 @@ def run_ranks(addr: str, world: int, per_node: int, step_ms: float, prefill: int
         time.sleep(0.005)
     tick_all(float("inf"))
     conn.send({"checked": 0 if presumed is None else presumed.checked,
+               "marks_checked": 0 if marks is None else marks.checked,
                "sent": sum(r.forwarded for r in relays), "generated": i, "target": total,
                "relay_dropped": sum(r.dropped for r in relays), "behind_s": behind,
                "batches": sum(r.batches for r in relays)})
@@ -352,6 +383,7 @@ def main() -> None:
         "malformed": counters["malformed"],
         "relay_columns": relay_columns is not None and not a.no_columns,
         "relay_checks_compared": gen.get("checked", 0),
+        "relay_marks_compared": gen.get("marks_checked", 0),
     }
     print(json.dumps(result), flush=True)
 

@@ -98,6 +98,7 @@ def test_a_hang_prints_each_ranks_last_collectives():
 
     from traceml_tui.judge.state import RunState
     from traceml_tui.report import summary
+    from traceml_tui.runfolder import summary_model as model
 
     state = RunState("run", world_size=2, started_at=T0)
     for rank in (0, 1):
@@ -110,7 +111,7 @@ def test_a_hang_prints_each_ranks_last_collectives():
                                    since_step_s=60.0)), now=0.0)
     state.evaluate(T0 + 60, mono_now=1.0)
     assert state.hang is not None
-    doc = summary.build(state.snapshot(T0 + 60, 1.0, full=True), summary.RunMeta())
+    doc = model.to_doc(summary.build(state.snapshot(T0 + 60, 1.0, full=True), summary.RunMeta()))
     text = summary.render_text(doc)
     assert "NCCL logs, each rank's last collectives:" in text
     assert "rank 0: last started AllReduce opCount 1e" in text

@@ -24,6 +24,7 @@ from traceml_tui.collect import view_build
 from traceml_tui.collect.canned import T0, make_state
 from traceml_tui.judge import diagnosis as dx
 from traceml_tui.report import summary
+from traceml_tui.runfolder import summary_model as model
 
 A100 = "NVIDIA A100-SXM4-80GB"
 H100 = "NVIDIA H100 80GB HBM3"
@@ -319,7 +320,7 @@ def test_the_live_label_summary_and_panel_show_the_throttled_gpu():
     assert "rank 2's GPU is throttled (hw thermal), SM clock 1410 MHz vs median 1980" \
         in live.summary
     snap = state.snapshot(T0 + 11, 12.0, full=True)
-    final = summary.build(snap, summary.RunMeta())
+    final = model.to_doc(summary.build(snap, summary.RunMeta()))
     assert "throttled (hw thermal)" in final["diagnosis"]["summary"]
     assert list(final["ranks"][2]["sys"]["throttle"]) == ["hw thermal"]
     view = view_build.build(snap)
@@ -337,7 +338,7 @@ def test_the_panel_says_why_gpu_figures_are_missing():
     panel = view_build.detail(snap, 1, view_build.build(snap), ())
     assert panel is not None and panel.gpu == ("GPU NVML not open: NVMLError_DriverNotLoaded "
                                                "(retry in 8 s)")
-    final = summary.build(snap, summary.RunMeta())
+    final = model.to_doc(summary.build(snap, summary.RunMeta()))
     assert final["ranks"][1]["sys"]["gpu_note"].startswith("NVML not open")
 
 

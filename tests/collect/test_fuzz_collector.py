@@ -40,6 +40,7 @@ from traceml_tui.collect.collector import TRANSPORT_FRAME_LIMIT as TRANSPORT_LIM
 from traceml_tui.judge.ingest import MAX_RUN_PHASES
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import summary
+from traceml_tui.runfolder import summary_model as model
 from traceml_tui.runfolder.layout import RunFolder
 
 N_HOSTILE = 100_000
@@ -285,7 +286,7 @@ def test_decode_and_ingest_raise_nothing_but_protocol_error(payloads):
     now = hostile.T0 + mono
     state.evaluate(now, mono + 60.0)  # a minute of silence: the hang check runs too
     snap = state.snapshot(now, mono + 60.0, full=True)
-    doc = summary.build(snap, summary.RunMeta(complete=False))
+    doc = model.to_doc(summary.build(snap, summary.RunMeta(complete=False)))
     json.dumps(doc, allow_nan=False)  # strict JSON: no NaN or infinity reached the record
     viewmodel.encode_view(view_build.build(snap, state.recent_steps))
     assert state.counters["messages"] + state.counters["foreign"] == decoded

@@ -23,6 +23,7 @@ from traceml_tui.collect import collector as collector_mod
 from traceml_tui.collect import view_build
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import summary
+from traceml_tui.runfolder import summary_model as model
 
 # C0 and C1 controls except newline (lines) and tab; DEL too. A terminal acts on these.
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -48,7 +49,7 @@ def test_the_summary_of_any_received_traffic_is_valid_strict_and_terminal_safe(p
                                                                                 complete):
     state, mono = state_from(payloads)
     snap = state.snapshot(hostile.T0 + mono, mono + 60.0, full=True)
-    doc = summary.build(snap, summary.RunMeta(complete=complete))
+    doc = model.to_doc(summary.build(snap, summary.RunMeta(complete=complete)))
     validate_schema(json.loads(json.dumps(doc, allow_nan=False)))
     text = summary.render_text(doc)
     assert not CONTROL.search(text), repr(CONTROL.search(text))

@@ -87,8 +87,8 @@ def test_each_attempt_keeps_its_steps_failure_and_episodes():
 
 def test_the_summary_leads_with_the_failed_attempt():
     state, mono = restarted()
-    doc = summary.build(state.snapshot(T0 + 100.0, mono, full=True),
-                        summary.RunMeta(exit_code=0, ended_at=T0 + 100.0))
+    doc = model.to_doc(summary.build(state.snapshot(T0 + 100.0, mono, full=True),
+                        summary.RunMeta(exit_code=0, ended_at=T0 + 100.0)))
     validate_schema(doc)
     from_doc(doc)  # the typed model reads it
     first = doc["attempts"][0]
@@ -122,8 +122,8 @@ def test_no_hang_while_torchrun_restarts_the_group():
 def test_a_run_with_restarts_allowed_and_no_failure_has_one_attempt():
     state = RunState("run", world_size=2, started_at=T0, max_restarts=1)
     mono = run_attempt(state, (100, 101), 0, 40, T0, 0.0)
-    doc = summary.build(state.snapshot(T0 + 50.0, mono, full=True),
-                        summary.RunMeta(exit_code=0, ended_at=T0 + 50.0))
+    doc = model.to_doc(summary.build(state.snapshot(T0 + 50.0, mono, full=True),
+                        summary.RunMeta(exit_code=0, ended_at=T0 + 50.0)))
     validate_schema(doc)
     assert [a["attempt"] for a in doc["attempts"]] == [1] and doc["restarts"] is None
     assert "attempt" not in summary.render_text(doc) and "restart" not in summary.render_text(doc)
@@ -249,8 +249,8 @@ def test_ranks_that_ended_without_a_word_are_named_not_blamed():
     state.ingest(goodbye(0, 100, 1, "RuntimeError: Connection reset by peer", T0 + 30.0),
                  mono)
     mono = run_attempt(state, (200, 201), 1, 20, T0 + 36.0, mono + 6.0)
-    doc = summary.build(state.snapshot(T0 + 100.0, mono, full=True),
-                        summary.RunMeta(exit_code=0, ended_at=T0 + 100.0))
+    doc = model.to_doc(summary.build(state.snapshot(T0 + 100.0, mono, full=True),
+                        summary.RunMeta(exit_code=0, ended_at=T0 + 100.0)))
     validate_schema(doc)
     assert doc["attempts"][0]["silent"] == [{"rank": 1, "step": 40}]
     lead = summary.render_text(doc).splitlines()[0]

@@ -23,6 +23,7 @@ from traceml_tui.judge import collectives as coll
 from traceml_tui.judge import diagnosis as dx
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import summary
+from traceml_tui.runfolder import summary_model as model
 
 T0 = 1_700_000_000.0
 
@@ -175,7 +176,7 @@ def test_collector_summary_and_comm_bound_name_the_dominant_collective():
     assert snap.final is not None and snap.final.label == dx.COMM_BOUND
     assert "all_gather on group r0-1" in snap.final.summary
     assert "all_gather on group r0-1" in snap.live.summary
-    doc = summary.build(snap, summary.RunMeta(command=["x"], exit_code=0))
+    doc = model.to_doc(summary.build(snap, summary.RunMeta(command=["x"], exit_code=0)))
     assert [(c["group"], c["op"]) for c in doc["collectives"]] == [
         ("r0-1", "all_gather"), ("world", "all_reduce")]
     text = summary.render_text(doc)

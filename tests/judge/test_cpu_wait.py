@@ -20,6 +20,7 @@ from traceml_tui.judge import diagnosis as dx
 from traceml_tui.judge.state import RunState
 from traceml_tui.judge.timings import ThreadCpu
 from traceml_tui.report import summary
+from traceml_tui.runfolder import summary_model as model
 
 T0 = 1_700_000_000.0
 HAS_SCHEDSTAT = os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat")
@@ -171,7 +172,7 @@ def test_the_collector_keeps_a_recent_average_and_one_over_the_run():
     table = state._live_table()
     assert table.cpu_run.tolist() == [pytest.approx(0.5)]
     assert table.cpu_wait.tolist() == [pytest.approx(0.4 - ThreadCpu.WEIGHT * 0.4)]
-    doc = summary.build(state.snapshot(T0 + 2, 2.0, full=True), summary.RunMeta())
+    doc = model.to_doc(summary.build(state.snapshot(T0 + 2, 2.0, full=True), summary.RunMeta()))
     row = doc["ranks"][0]
     assert (row["thread_cpu_pct"], row["cpu_wait_pct"]) == (50.0, 20.0)  # over the run
     assert row["sys"]["cpu_wait_pct"] is None  # the latest sample, as sent
@@ -186,7 +187,7 @@ def test_a_restarted_rank_starts_without_the_old_processs_shares():
     state.ingest(decode(encode("hello", again, 0, T0, run="cpu")), now=2.0)
     _steps(state, again, 0, 9)
     assert np.isnan(state._live_table().cpu_wait).all()  # not read for the new process
-    doc = summary.build(state.snapshot(T0 + 3, 3.0, full=True), summary.RunMeta())
+    doc = model.to_doc(summary.build(state.snapshot(T0 + 3, 3.0, full=True), summary.RunMeta()))
     assert doc["ranks"][0]["cpu_wait_pct"] is None
 
 

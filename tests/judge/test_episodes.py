@@ -188,11 +188,12 @@ def test_the_summary_and_the_time_chart_file_it_on_its_steps():
     from jobs import validate_schema
     from traceml_tui.collect.view_build import build as build_view
     from traceml_tui.report import summary
+    from traceml_tui.runfolder import summary_model as model
     from traceml_tui.view.dashboard.time_chart import episode_line
 
     state = _run(10.0, range(40, 100), 300, lag=20)
     snap = state.snapshot(state.timeline.clock.marks[-1][1] + 1.0, mono_now=0.0, full=True)
-    doc = summary.build(snap, summary.RunMeta(command=["x"], exit_code=0))
+    doc = model.to_doc(summary.build(snap, summary.RunMeta(command=["x"], exit_code=0)))
     validate_schema(doc)
     (e,) = [x for x in doc["timeline"] if x["label"] == STRAG]
     assert (e["start_step"], e["end_step"], e["rank"]) == (40, 99, SLOW)

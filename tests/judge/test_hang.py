@@ -258,6 +258,7 @@ def test_a_job_replaying_cuda_graphs_is_not_a_hang_and_says_why():
     Once the replays stop rising too, the threshold runs out and HANG is declared."""
     from traceml_tui.collect import view_build
     from traceml_tui.report import summary
+    from traceml_tui.runfolder import summary_model as model
     from traceml_tui.viewmodel import HIDDEN
 
     state, idents = _state_with_steps()
@@ -275,7 +276,7 @@ def test_a_job_replaying_cuda_graphs_is_not_a_hang_and_says_why():
     assert "timing device: parameters' device" in notes
     assert any("6100 CUDA graph replays" in n and "3 phases not timed in a capture" in n
                for n in notes), notes
-    doc = summary.build(snap, summary.RunMeta())
+    doc = model.to_doc(summary.build(snap, summary.RunMeta()))
     assert doc["hang"] is None
     assert [(r["steps_hidden"], r["replays"], r["capture_skips"]) for r in doc["ranks"]] == [
         (hang.REPLAYS, 6100, 3)] * 2
@@ -308,6 +309,7 @@ def test_records_the_collector_refused_are_counted_per_rank_and_shown():
     in the ingest counters, the rank's row of the summary and its text."""
     from traceml_agent.protocol import PHASES, decode, encode
     from traceml_tui.report import summary
+    from traceml_tui.runfolder import summary_model as model
 
     state, idents = _state_with_steps()
     records = [_record(s, 1_700_000_100.0 + s) for s in range(20, 30)]
@@ -315,7 +317,8 @@ def test_records_the_collector_refused_are_counted_per_rank_and_shown():
     state.ingest(decode(encode("steps", idents[1], 2, 1_700_000_100.0, phases=list(PHASES),
                                records=records)), now=3.0)
     assert state.ranks[1].steps == 29 and state.counters["bad_records"] == 1
-    doc = summary.build(state.snapshot(1_700_000_130.0, 4.0, full=True), summary.RunMeta())
+    doc = model.to_doc(summary.build(state.snapshot(1_700_000_130.0, 4.0, full=True),
+                                     summary.RunMeta()))
     assert doc["collector"]["bad_records"] == 1
     assert [r["bad_records"] for r in doc["ranks"]] == [0, 1]
     assert "refused 1 malformed step record(s) of rank(s) 1" in summary.render_text(doc)

@@ -8,6 +8,7 @@ import time
 from traceml_agent.protocol import PHASES, Identity, decode, encode
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import summary
+from traceml_tui.runfolder import summary_model as model
 
 T0 = 1_700_000_000.0
 _STEP_MS = {"dataloader": 5.0, "forward": 15.0, "backward": 20.0, "sync": 2.0}
@@ -61,7 +62,8 @@ def test_the_summary_keeps_the_latched_hang_after_ctrl_c_woke_the_stuck_rank():
     state.evaluate(T0 + t, mono_now=t + 0.5)
     assert state.hang is None  # live, the aftermath reads as the hang's end ...
     assert state.keep_latched_hang()  # ... the stop's record keeps the hang
-    doc = summary.build(state.snapshot(T0 + t + 1, t + 1, full=True), summary.RunMeta())
+    doc = model.to_doc(summary.build(state.snapshot(T0 + t + 1, t + 1, full=True),
+                                     summary.RunMeta()))
     assert (doc["diagnosis"]["label"], doc["diagnosis"]["rank"]) == ("HANG", 1)
     assert doc["hang"]["kind"] == "behind" and doc["hang"]["ranks"] == [1]
     assert "wait_forever" in doc["hang"]["stacks"]["1"][0]["stack"]
@@ -82,7 +84,8 @@ def test_a_stack_that_came_after_the_last_evaluation_is_kept_when_the_rank_wakes
     _steps(state, idents[0], 20, 20, now=t)
     state.evaluate(T0 + t, mono_now=t + 0.5)
     assert state.hang is None and state.keep_latched_hang()
-    doc = summary.build(state.snapshot(T0 + t + 1, t + 1, full=True), summary.RunMeta())
+    doc = model.to_doc(summary.build(state.snapshot(T0 + t + 1, t + 1, full=True),
+                                     summary.RunMeta()))
     assert "wait_forever" in doc["hang"]["stacks"]["1"][0]["stack"]
 
 
@@ -100,7 +103,8 @@ def test_the_hangs_the_exiting_ranks_stale_heartbeats_make_are_not_the_record():
         state.evaluate(T0 + t, mono_now=t + 0.5)  # no evaluation saw the step alone
         assert state.hang is not None and state.hang.culprits != (1,)  # the aftermath's
     assert state.keep_latched_hang()
-    doc = summary.build(state.snapshot(T0 + t + 1, t + 1, full=True), summary.RunMeta())
+    doc = model.to_doc(summary.build(state.snapshot(T0 + t + 1, t + 1, full=True),
+                                     summary.RunMeta()))
     assert (doc["diagnosis"]["label"], doc["diagnosis"]["rank"]) == ("HANG", 1)
     assert doc["hang"]["ranks"] == [1]
     assert "wait_forever" in doc["hang"]["stacks"]["1"][0]["stack"]
@@ -132,7 +136,8 @@ def test_the_latched_hang_survives_the_flush_of_a_gil_stuck_ranks_queued_steps()
         state.ingest(decode(encode("goodbye", i, 3, T0 + t, exit_code=1)), now=t)
     state.evaluate(T0 + t, mono_now=t + 0.5)
     assert state.keep_latched_hang()
-    doc = summary.build(state.snapshot(T0 + t + 1, t + 1, full=True), summary.RunMeta())
+    doc = model.to_doc(summary.build(state.snapshot(T0 + t + 1, t + 1, full=True),
+                                     summary.RunMeta()))
     assert (doc["diagnosis"]["label"], doc["diagnosis"]["rank"]) == ("HANG", 1), doc["diagnosis"]
     assert "block_in_c" in doc["hang"]["stacks"]["1"][0]["stack"]
 
@@ -145,7 +150,8 @@ def test_a_hang_that_resolved_itself_is_not_brought_back():
     state.evaluate(T0 + t, mono_now=t + 0.5)
     assert state.hang is None
     assert not state.keep_latched_hang()
-    doc = summary.build(state.snapshot(T0 + t + 1, t + 1, full=True), summary.RunMeta())
+    doc = model.to_doc(summary.build(state.snapshot(T0 + t + 1, t + 1, full=True),
+                                     summary.RunMeta()))
     assert doc["hang"] is None
 
 

@@ -14,6 +14,7 @@ from traceml_tui.judge import diagnosis as dx
 from traceml_tui.judge import memory as mem
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import summary
+from traceml_tui.runfolder import summary_model as model
 
 T0 = 1_700_000_000.0
 RNG = np.random.default_rng(7)
@@ -127,7 +128,8 @@ def _run(leak_mb_s: float, gpu: bool = False) -> RunState:
 
 
 def test_a_leaking_rank_is_named_with_its_rate_and_the_time_left():
-    doc = summary.build(_run(10.0).snapshot(T0 + 61, 61.0, full=True), summary.RunMeta())
+    doc = model.to_doc(summary.build(_run(10.0).snapshot(T0 + 61, 61.0, full=True),
+                                     summary.RunMeta()))
     m = doc["memory"]
     assert m["growing"] == [1]
     top = m["ranks"][0]
@@ -142,8 +144,8 @@ def test_a_leaking_rank_is_named_with_its_rate_and_the_time_left():
 
 
 def test_gpu_growth_is_timed_against_the_gpus_free_memory():
-    doc = summary.build(_run(50.0, gpu=True).snapshot(T0 + 61, 61.0, full=True),
-                        summary.RunMeta())
+    doc = model.to_doc(summary.build(_run(50.0, gpu=True).snapshot(T0 + 61, 61.0, full=True),
+                        summary.RunMeta()))
     top = doc["memory"]["ranks"][0]
     assert (top["rank"], top["growing"]) == (1, "gpu")
     free = 80_000.0 - (2000.0 + 50.0 * 59)
@@ -153,7 +155,8 @@ def test_gpu_growth_is_timed_against_the_gpus_free_memory():
 
 
 def test_ranks_that_hold_steady_are_said_to():
-    doc = summary.build(_run(0.0).snapshot(T0 + 61, 61.0, full=True), summary.RunMeta())
+    doc = model.to_doc(summary.build(_run(0.0).snapshot(T0 + 61, 61.0, full=True),
+                                     summary.RunMeta()))
     assert doc["memory"]["growing"] == [] and doc["memory"]["imbalance"] is None
     assert "Memory: steady on every rank (host RSS 300-300 MB)" in summary.render_text(doc)
 
@@ -267,7 +270,7 @@ def test_the_final_verdict_on_a_slow_rank_whose_memory_grows_says_so():
         for i in range(60):
             _ingest_sys(state, rank, T0 + i, rss_mb=300.0 + (10.0 * i if rank == 1 else 0),
                         mem_avail_mb=6000.0)
-    doc = summary.build(state.snapshot(T0 + 61, 61.0, full=True), summary.RunMeta())
+    doc = model.to_doc(summary.build(state.snapshot(T0 + 61, 61.0, full=True), summary.RunMeta()))
     d = doc["diagnosis"]
     assert d["rank"] == 1 and d["phase"] == "backward", d
     assert "Rank 1's host memory grew 440 MB (+600 MB/min)" in d["summary"], d["summary"]

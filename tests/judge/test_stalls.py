@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 import numpy as np
 import pytest
 from test_state import BALANCED_MS, steps
@@ -193,11 +192,11 @@ def test_the_summary_lists_the_ranks_that_lost_most_bounded():
     found = [f for r in sorted(book.stalling) if (f := book.finding(r, STEP, 200))]
     rows = stalls_json(found)
     assert len(rows) == STALLS_LISTED
-    assert [r["rank"] for r in rows[:3]] == [39, 38, 37]
-    assert rows[0] == {"rank": 39, "period": 20, "count": 10, "periodic_count": 10,
-                       "mean_excess_ms": 139.0, "phase": "wait", "lost_s": 1.39,
-                       "last_step": 200, "recurring": True}
-    lines = stall_lines(msgspec.convert(rows, list[model.StallRecord]))
+    assert [r.rank for r in rows[:3]] == [39, 38, 37]
+    assert model.plain(rows[0]) == {
+        "rank": 39, "period": 20, "count": 10, "periodic_count": 10, "mean_excess_ms": 139.0,
+        "phase": "wait", "lost_s": 1.39, "last_step": 200, "recurring": True}
+    lines = stall_lines(rows)
     assert lines[0] == "  Stalls: rank 39 every 20 steps, 10 times, about 139 ms each in wait: " \
                        "1.4 s lost"
     assert len(lines) == TEXT_STALLS + 1 and "more stalling ranks" in lines[-1]

@@ -51,7 +51,7 @@ for name, make in states.items():
     for kind, meta in (("live", summary.RunMeta(complete=False)),
                        ("final", summary.RunMeta(command=["train.py"], exit_code=0,
                                                  ended_at=T0 + 80.0))):
-        doc = summary.build(snap, meta)
+        doc = summary.build(snap, meta)  # a dict before the model was built directly
         out[f"{name} {kind}"] = [summary.to_json(doc), summary.to_json(doc, indent=2),
                                  summary.render_text(doc)]
 json.dump(out, sys.stdout)

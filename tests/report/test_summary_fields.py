@@ -51,7 +51,7 @@ def test_a_ranks_heartbeat_counters_reach_its_row():
                                    t=T0 + 5, step=rs.steps, replays=7, batches=40,
                                    timing_faults=3, capture_skips=2, late_steps=5)
     assert state.ingest(Message("heartbeat", rs.ident, 9, T0 + 5, beat), 5.0)
-    doc = summary.build(state.snapshot(T0 + 75.0, 5.5, full=True), summary.RunMeta())
+    doc = model.to_doc(summary.build(state.snapshot(T0 + 75.0, 5.5, full=True), summary.RunMeta()))
     row = json.loads(summary.to_json(doc))["ranks"][2]
     assert list(row)[-5:] == ["replays", "batches", "timing_faults", "capture_skips",
                               "late_steps"]

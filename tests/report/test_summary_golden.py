@@ -60,7 +60,8 @@ def test_the_launchers_fallback_summary_is_the_dict_paths_byte_for_byte(tmp_path
     doc["complete"] = False
     doc["run"].update(exit_code=code, failed_rank=failed_rank,
                       ended_at=summary.iso(request.ended_at), command=request.command)
-    doc["failure"] = summary.failure(doc["ranks"], meta)
+    failed = summary.rank_failure(model.load(folder.live).ranks, meta)
+    doc["failure"] = model.plain(failed)
 
     assert folder.summary_json.read_text() == summary.to_json(doc, indent=2)
     assert folder.summary_txt.read_text() == summary.render_text(doc)

@@ -46,7 +46,9 @@ def crashed_state(rank: int = 2, exit_code: int = 1, error: str | None = TRACEBA
 
 
 def doc_of(state, **meta) -> dict:
-    return summary.build(state.snapshot(T0 + 75.0, 0.5, full=True), summary.RunMeta(**meta))
+    """The summary as its JSON values (what a reader of the file sees)."""
+    return model.to_doc(summary.build(state.snapshot(T0 + 75.0, 0.5, full=True),
+                                      summary.RunMeta(**meta)))
 
 
 @pytest.mark.parametrize("state, meta", [
@@ -143,8 +145,9 @@ def test_a_rank_killed_by_a_signal_leads_by_its_signal_and_an_interrupted_run_ha
 def test_the_rank_that_failed_first_leads_the_others_follow():
     f = summary.failure_of([(0, 1, "RuntimeError: peer closed", 12), (1, 1, None, 12),
                             (2, 1, "x\nValueError: the cause", 12), (3, None, None, 12)], 2)
-    assert (f["rank"], f["error"], f["others"]) == (2, "ValueError: the cause", [0, 1])
-    assert f["summary"] == ("FAILED: rank 2 exited with code 1 after 12 steps: ValueError: "
+    assert f is not None
+    assert (f.rank, f.error, f.others) == (2, "ValueError: the cause", [0, 1])
+    assert f.summary == ("FAILED: rank 2 exited with code 1 after 12 steps: ValueError: "
                             "the cause (then rank(s) 0-1)")
 
 

@@ -120,7 +120,7 @@ class StaticSource:
     def summary(self) -> summary_model.Summary:
         state = self.states[min(self.index, len(self.states)) - 1]
         snap = state.snapshot(T0 + 75.0, 0.5, full=True)
-        return summary_model.from_doc(summary.build(snap, summary.RunMeta(complete=False)))
+        return summary.build(snap, summary.RunMeta(complete=False))
 
     def capture(self, ranks: list[int] | None = None, steps: int = 5) -> CaptureReply:
         self.captures.append((ranks, steps))

@@ -76,7 +76,6 @@ from traceml_tui.judge import ingest_columns as columns
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import ending, summary
 from traceml_tui.runfolder import exit_codes, folders
-from traceml_tui.runfolder import summary_model as model
 from traceml_tui.runfolder.layout import RunFolder
 from traceml_tui.runfolder.step_log import StepLogWriter
 
@@ -649,8 +648,8 @@ class Collector:
                       and not unseen),
             failed_rank=failed, extra=extra)
         with summary.gc_paused():
-            doc = model.from_doc(summary.build(  # typed once: the file, its text, the reply
-                self.state.snapshot(time.time(), time.monotonic(), full=True), meta))
+            doc = summary.build(  # one model: the file, its text, the reply
+                self.state.snapshot(time.time(), time.monotonic(), full=True), meta)
         note = "" if not unseen else (
             f"INCOMPLETE: no rank of node(s) {', '.join(map(str, unseen))} ever reported (its "
             f"relay or agents never reached node 0; its own terminal says why).\n")

@@ -204,7 +204,7 @@ def _failure(snap: Snapshot) -> str | None:
     stopped (Ctrl-C, SIGTERM) is not a failure."""
     f = failure_of([(r.rank, r.exit_code, r.error, r.steps) for r in snap.ranks
                     if r.exit_code not in STOP_EXIT_CODES])
-    return None if f is None else f["summary"]
+    return None if f is None else f.summary
 
 
 def cost_view(snap: Snapshot) -> CostView | None:

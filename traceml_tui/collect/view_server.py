@@ -132,8 +132,8 @@ class ViewServer:
         start = time.monotonic()
         if not self._summary or start >= self._summary_next:
             snap = self.state.snapshot(time.time(), start, full=True)
-            self._summary = summary_model.to_msgpack(summary_model.from_doc(
-                summary.build(snap, summary.RunMeta(complete=False))))
+            self._summary = summary_model.to_msgpack(
+                summary.build(snap, summary.RunMeta(complete=False)))
             done = time.monotonic()
             self._summary_next = done + SUMMARY_BACKOFF * (done - start)
         return self._summary

@@ -9,11 +9,10 @@ all hold steady do not make 16,384 rows saying so.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from traceml_agent.vocab import format_ranks
 from traceml_tui.judge.memory import MemoryTrend, growth_sentence, imbalance_of, worst_first
-from traceml_tui.runfolder.summary_model import Memory
+from traceml_tui.runfolder.summary_model import Memory, MemoryImbalance, MemoryRank
 
 MEMORY_LISTED = 32
 TEXT_GROWING = 4  # growing ranks named in the text summary
@@ -23,22 +22,21 @@ def _r(v: float | None, nd: int = 1) -> float | None:
     return None if v is None else round(v, nd)
 
 
-def memory_json(trends: Sequence[MemoryTrend]) -> dict[str, Any]:
-    """{"growing": [ranks], "imbalance": {...} | null, "ranks": [rows, worst first]}."""
+def memory_json(trends: Sequence[MemoryTrend]) -> Memory:
+    """The `memory` section: the growing ranks, the imbalance, the rows worst first."""
     rows = sorted(trends, key=worst_first)[:MEMORY_LISTED]
     over = imbalance_of(tuple(trends))
-    return {
-        "growing": sorted(t.rank for t in trends if t.growing),
-        "imbalance": None if over is None else {
-            "rank": over[0], "rss_mb": round(over[1], 1), "others_median_mb": round(over[2], 1),
-            "ratio": round(over[1] / over[2], 2) if over[2] > 0 else None},
-        "ranks": [{
-            "rank": t.rank, "rss_mb": _r(t.rss_mb), "rss_peak_mb": _r(t.rss_peak_mb),
-            "rss_rate_mb_min": _r(t.rss_rate_mb_min), "gpu_mb": _r(t.gpu_mb),
-            "gpu_rate_mb_min": _r(t.gpu_rate_mb_min), "growing": t.growing,
-            "rise_mb": _r(t.rise_mb), "headroom_mb": _r(t.headroom_mb),
-            "limit_in_s": _r(t.limit_in_s, 0)} for t in rows],
-    }
+    return Memory(
+        growing=sorted(t.rank for t in trends if t.growing),
+        imbalance=None if over is None else MemoryImbalance(
+            rank=over[0], rss_mb=round(over[1], 1), others_median_mb=round(over[2], 1),
+            ratio=round(over[1] / over[2], 2) if over[2] > 0 else None),
+        ranks=[MemoryRank(
+            rank=t.rank, rss_mb=_r(t.rss_mb), rss_peak_mb=_r(t.rss_peak_mb),
+            rss_rate_mb_min=_r(t.rss_rate_mb_min), gpu_mb=_r(t.gpu_mb),
+            gpu_rate_mb_min=_r(t.gpu_rate_mb_min), growing=t.growing,
+            rise_mb=_r(t.rise_mb), headroom_mb=_r(t.headroom_mb),
+            limit_in_s=_r(t.limit_in_s, 0)) for t in rows])
 
 
 def memory_lines(doc: Memory | None) -> list[str]:

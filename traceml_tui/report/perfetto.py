@@ -178,7 +178,7 @@ def _rank_events(rank: int, recs: list[LoggedStep], phases: tuple[str, ...],
         steps.span(f"step {rec.step}", round(end - rec.step_ms * 1000, 3), end,
                    {"step": rec.step, "step_ms": rec.step_ms})
         measured = dict(zip(rec.phases, rec.phase_ms, strict=False))
-        laid = [(p, measured[p]) for p in phases if measured.get(p) is not None]
+        laid = [(p, ms) for p in phases if (ms := measured.get(p)) is not None]
         t = end - sum(ms for _, ms in laid) * 1000
         for phase, ms in laid:
             start, t = t, t + ms * 1000

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -35,6 +35,7 @@ from traceml_tui.runfolder.layout import RunFolder
 from . import attempts as attempt_text
 
 SCHEMA_VERSION = "1"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -87,25 +88,33 @@ def _who(d: model.Diagnosis) -> str:
     return f"  rank {d.rank}" if d.rank is not None else ""
 
 
-def _episode(e: Episode, duration_s: float, world: int) -> dict[str, Any]:
-    return {"label": e.label, "rank": e.rank, "phase": e.phase, "severity": e.severity,
-            "start": iso(e.start), "end": iso(e.end), "start_step": e.start_step,
-            "end_step": e.end_step, "named_step": e.named_step,
-            "cleared_step": e.cleared_step, "summary": e.summary, "node": e.node,
-            **_lost(e.lost_s, duration_s, world), "attempt": e.attempt}
+def _typed(value: Any, kind: type[T]) -> T:
+    """A section another layer hands over as plain values (the judge's to_json, the
+    agent's to_wire, the launcher's extras), checked into the model's type once."""
+    return msgspec.convert(value, kind)
 
 
-def _lost(lost_s: float | None, duration_s: float, world: int) -> dict[str, Any]:
+def _episode(e: Episode, duration_s: float, world: int) -> model.Episode:
+    lost_s, lost_share, hours = _lost(e.lost_s, duration_s, world)
+    return model.Episode(
+        label=e.label, rank=e.rank, phase=e.phase, severity=e.severity, start=iso(e.start),
+        end=iso(e.end), start_step=e.start_step, end_step=e.end_step,
+        named_step=e.named_step, cleared_step=e.cleared_step, summary=e.summary,
+        node=e.node, lost_s=lost_s, lost_share=lost_share, gpu_hours_lost=hours,
+        attempt=e.attempt)
+
+
+def _lost(lost_s: float | None, duration_s: float, world: int
+          ) -> tuple[float | None, float | None, float | None]:
     """Job seconds lost, as a share of the run and in device-hours (every rank idles for
     them: seconds x world size / 3600)."""
     if lost_s is None:
-        return {"lost_s": None, "lost_share": None, "gpu_hours_lost": None}
-    return {"lost_s": round(lost_s, 3),
-            "lost_share": round(lost_s / duration_s, 4) if duration_s > 0 else None,
-            "gpu_hours_lost": round(lost_s * world / 3600.0, 4)}
+        return None, None, None
+    return (round(lost_s, 3), round(lost_s / duration_s, 4) if duration_s > 0 else None,
+            round(lost_s * world / 3600.0, 4))
 
 
-def _cost(snap: Snapshot, diagnosis: dx.Diagnosis, duration_s: float) -> dict[str, Any]:
+def _cost(snap: Snapshot, diagnosis: dx.Diagnosis, duration_s: float) -> model.Cost:
     """What the run's problems cost (the episodes' lost time summed) and what the job
     would do without the diagnosed one (cost.py; docs/diagnosis.md)."""
     lost = [e.lost_s for e in snap.timeline if e.lost_s is not None]
@@ -113,13 +122,16 @@ def _cost(snap: Snapshot, diagnosis: dx.Diagnosis, duration_s: float) -> dict[st
                snap.what_if if diagnosis is snap.live else None)
     if what_if is not None and what_if.label != diagnosis.label:
         what_if = None
-    return {**_lost(sum(lost) if lost else None, duration_s, snap.world_size),
-            "hours_unit": hours_unit(snap.ranks),
-            "what_if": None if what_if is None else what_if.to_json()}
+    lost_s, lost_share, hours = _lost(sum(lost) if lost else None, duration_s,
+                                      snap.world_size)
+    return model.Cost(lost_s=lost_s, lost_share=lost_share, gpu_hours_lost=hours,
+                      hours_unit=hours_unit(snap.ranks),
+                      what_if=None if what_if is None else _typed(what_if.to_json(),
+                                                                  model.WhatIf))
 
 
-def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
-    """The summary document. `snap` must be a full snapshot (whole-window quantiles)."""
+def build(snap: Snapshot, meta: RunMeta) -> model.Summary:
+    """The summary, as its model. `snap` must be a full snapshot (whole-window quantiles)."""
     # A hang at the end is the verdict; otherwise the whole window's diagnosis.
     diagnosis = snap.live if snap.live.label == dx.HANG else (snap.final or snap.live)
     step_medians = [(r.rank, r.step_ms.median) for r in snap.ranks
@@ -127,110 +139,112 @@ def build(snap: Snapshot, meta: RunMeta) -> dict[str, Any]:
     worst_rank, worst = (max(step_medians, key=lambda x: (x[1], -x[0]))
                          if step_medians else (None, None))
     duration_s = (meta.ended_at or snap.now) - snap.started_at
-    ranks = []
     rank_steps, step_q, phase_q = _rank_quantiles(snap)
     rates = _throughputs(rank_steps, [snap.batch_sizes.get(r.rank) for r in snap.ranks])
     heartbeat_fields = [name for name, _, _ in model.HEARTBEAT_FIELDS]  # the row's last
-    for i, (r, sys) in enumerate(zip(snap.ranks, _sys_rows(snap), strict=True)):
-        ranks.append({
-            "rank": r.rank, "local_rank": r.local_rank, "node": r.node, "host": r.host,
-            "pid": r.pid, "device": r.device or None, "reported": r.reported,
-            "steps": r.steps, "window_steps": r.window_steps,
-            "step_ms": step_q[i], "phase_ms": phase_q[i], "throughput": rates[i],
-            "sys": sys,
-            "exit_code": r.exit_code, "error": r.error, "dropped_records": r.dropped,
-            "progress": {"collectives": r.heartbeat.collectives, "phase": r.heartbeat.phase,
-                         "in_collective": r.heartbeat.in_collective, "since_step_s": _round(
-                             r.since_step_s, 2)},
-            "untimed": [{"phase": u.phase, "why": u.why} for u in r.untimed],
-            "agent_off": r.heartbeat.agent_off,
-            "bad_records": r.bad_records, "device_rule": r.heartbeat.device_rule,
-            "steps_hidden": r.steps_hidden, "agent_busy": r.heartbeat.agent_busy,
-            **_thread_cpu(r.cpu_over_run),
-            **{name: getattr(r.heartbeat, name) for name in heartbeat_fields},
-        })
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "complete": meta.complete,
-        "failure": failure(ranks, meta),
-        "run": {
+    ranks = [
+        model.Rank(
+            rank=r.rank, local_rank=r.local_rank, node=r.node, host=r.host, pid=r.pid,
+            device=r.device or None, reported=r.reported, steps=r.steps,
+            window_steps=r.window_steps, step_ms=step_q[i], phase_ms=phase_q[i],
+            throughput=rates[i], sys=sys, exit_code=r.exit_code, error=r.error,
+            dropped_records=r.dropped,
+            progress=model.Progress(
+                collectives=r.heartbeat.collectives, phase=r.heartbeat.phase,
+                in_collective=r.heartbeat.in_collective,
+                since_step_s=_round(r.since_step_s, 2)),
+            untimed=[model.Untimed(phase=u.phase, why=u.why) for u in r.untimed],
+            agent_off=r.heartbeat.agent_off, bad_records=r.bad_records,
+            device_rule=r.heartbeat.device_rule, steps_hidden=r.steps_hidden,
+            agent_busy=r.heartbeat.agent_busy, **_thread_cpu(r.cpu_over_run),
+            **{name: getattr(r.heartbeat, name) for name in heartbeat_fields})
+        for i, (r, sys) in enumerate(zip(snap.ranks, _sys_rows(snap), strict=True))]
+    attempts, restarts = _attempts(snap)
+    return model.Summary(
+        schema_version=SCHEMA_VERSION,
+        complete=meta.complete,
+        failure=rank_failure(ranks, meta),
+        run=_typed({
             "name": snap.run_name, "world_size": snap.world_size, "nnodes": snap.nnodes,
             "started_at": iso(snap.started_at), "ended_at": iso(meta.ended_at or snap.now),
             "duration_s": round(duration_s, 3),
             "exit_code": meta.exit_code, "failed_rank": meta.failed_rank,
             "command": list(meta.command), "steps": snap.total_steps,
             "ranks_reporting": snap.reporting, "parallel": snap.parallel, **meta.extra,
-        },
-        "phases": list(snap.phases),
-        "diagnosis": diagnosis.to_json(),
-        "cost": _cost(snap, diagnosis, duration_s),
-        "checks": [f.to_wire() for f in snap.checks],
-        "live_diagnosis": {**snap.live.to_json(), "since": iso(snap.live_since)},
-        "step_ms": {"median": _round(median([m for _, m in step_medians])),
-                    "worst": _round(worst), "worst_rank": worst_rank,
-                    "mean": _round(snap.mean_step_ms)},
-        "ranks": ranks,
-        "throughput": _job_throughput(ranks),
-        "timing": _timing(snap),
-        "timeline": [_episode(e, duration_s, snap.world_size) for e in snap.timeline],
-        "hang": _hang(snap),
-        "comm": _comm(snap),
-        "collectives": [c.to_json() for c in snap.collectives],
-        "stalls": stalls_json(snap.stalls),
-        "memory": memory_json(snap.memory),
-        "preflight": snap.preflight,
-        "collector": dict(snap.counters),
-        "relays": _relays(snap),
-        **_attempts(snap),
-    }
+        }, model.Run),
+        phases=list(snap.phases),
+        diagnosis=_typed(diagnosis.to_json(), model.Diagnosis),
+        cost=_cost(snap, diagnosis, duration_s),
+        checks=_typed([f.to_wire() for f in snap.checks], list[model.Check]),
+        live_diagnosis=_typed({**snap.live.to_json(), "since": iso(snap.live_since)},
+                              model.LiveDiagnosis),
+        step_ms=model.StepMs(median=_round(median([m for _, m in step_medians])),
+                             worst=_round(worst), worst_rank=worst_rank,
+                             mean=_round(snap.mean_step_ms)),
+        ranks=ranks,
+        throughput=_job_throughput(ranks),
+        timing=_timing(snap),
+        timeline=[_episode(e, duration_s, snap.world_size) for e in snap.timeline],
+        hang=_hang(snap),
+        comm=_comm(snap),
+        collectives=_typed([c.to_json() for c in snap.collectives], list[model.Collective]),
+        stalls=stalls_json(snap.stalls),
+        memory=memory_json(snap.memory),
+        preflight=None if snap.preflight is None else _typed(snap.preflight, model.Preflight),
+        collector=dict(snap.counters),
+        relays=_relays(snap),
+        attempts=attempts,
+        restarts=restarts,
+    )
 
 
-def _attempts(snap: Snapshot) -> dict[str, Any]:
+def _attempts(snap: Snapshot) -> tuple[list[model.Attempt], model.Restarts | None]:
     """`attempts`: each attempt torchrun ran (judge/attempts.py; empty outside torchrun's
     elastic agent), its steps, last verdict and failure; `restarts`: how many and what
     they cost (None: the job ran in one attempt)."""
-    rows: list[dict[str, Any]] = []
+    rows: list[model.Attempt] = []
     for a in snap.attempts:
         first = a.failures[0].rank if a.failures else None
-        rows.append({
-            "attempt": a.number, "started_at": iso(a.started_at), "ended_at": iso(a.ended_at),
-            "steps": a.steps, "rank_steps": [{"rank": r, "steps": n} for r, n in a.rank_steps],
-            "verdict": None if a.verdict is None else a.verdict.to_json(),
-            "failure": failure_of([(f.rank, f.exit_code, f.error, f.step) for f in a.failures],
-                                  first),
-            "restart_s": _round(a.restart_s, 3),
-            "silent": [{"rank": r, "step": n} for r, n in a.silent]})
+        rows.append(model.Attempt(
+            attempt=a.number, started_at=iso(a.started_at), ended_at=iso(a.ended_at),
+            steps=a.steps,
+            rank_steps=[model.RankSteps(rank=r, steps=n) for r, n in a.rank_steps],
+            verdict=None if a.verdict is None else _typed(a.verdict.to_json(),
+                                                          model.Diagnosis),
+            failure=failure_of([(f.rank, f.exit_code, f.error, f.step) for f in a.failures],
+                               first),
+            restart_s=_round(a.restart_s, 3),
+            silent=[model.SilentRank(rank=r, step=n) for r, n in a.silent]))
     if len(rows) < 2:
-        return {"attempts": rows, "restarts": None}
-    costs = [r["restart_s"] for r in rows if r["restart_s"] is not None]
-    return {"attempts": rows, "restarts": {
-        "count": rows[-1]["attempt"] - rows[0]["attempt"],
-        "restart_s": round(sum(costs), 3) if costs else None,
-        "dropped": rows[-1]["attempt"] - rows[0]["attempt"] + 1 - len(rows)}}
-
-
-QuantilesDoc = dict[str, float | None]  # {"median": ..., "p95": ...}
+        return rows, None
+    costs = [r.restart_s for r in rows if r.restart_s is not None]
+    return rows, model.Restarts(
+        count=rows[-1].attempt - rows[0].attempt,
+        restart_s=round(sum(costs), 3) if costs else None,
+        dropped=rows[-1].attempt - rows[0].attempt + 1 - len(rows))
 
 
 def _rank_quantiles(snap: Snapshot) -> tuple[
-        list[float | None], list[QuantilesDoc], list[dict[str, QuantilesDoc | None]]]:
+        list[float | None], list[model.Quantiles],
+        list[dict[str, model.Quantiles | None]]]:
     """Per rank of the snapshot: its step median as measured, then its step quantiles and
     {phase: quantiles} as the file has them, rounded; from the whole-window columns, the
-    rounding and the quantile objects made by column (issue 33), not per rank and value."""
+    rounding made by column (issue 33), not per rank and value."""
     whole: WholeWindow | None = snap.whole
     phases = snap.phases
     absent = [whole is None or r.rank not in whole.rows for r in snap.ranks]
     steps: list[float | None] = [None] * len(snap.ranks)
-    step_q: list[QuantilesDoc] = [{"median": None, "p95": None} if a else {} for a in absent]
-    phase_q: list[dict[str, QuantilesDoc | None]] = [
+    none = model.Quantiles()  # never changed: one object for every row without figures
+    step_q: list[model.Quantiles] = [none] * len(snap.ranks)
+    phase_q: list[dict[str, model.Quantiles | None]] = [
         dict.fromkeys(phases) if a else {} for a in absent]
     if whole is None:  # not a full snapshot: no whole-window figures
         return steps, step_q, phase_q
     assert whole.phases == tuple(phases)
     medians, p95s = rounded(whole.median), rounded(whole.p95)
     raw = whole.median[:, 0].tolist()
-    # Row by row: a rank's objects lie together, which the model's conversion reads faster.
-    by_row = [{ph: None if a is None else {"median": a, "p95": b}
+    quantiles = model.Quantiles
+    by_row = [{ph: None if a is None else quantiles(median=a, p95=b)
                for ph, a, b in zip(phases, m[1:], p[1:], strict=True)}
               for m, p in zip(medians, p95s, strict=True)]
     for i, r in enumerate(snap.ranks):
@@ -239,7 +253,7 @@ def _rank_quantiles(snap: Snapshot) -> tuple[
             step = raw[row]
             steps[i] = None if step != step else step
             # both None where the step is not measured
-            step_q[i] = {"median": medians[row][0], "p95": p95s[row][0]}
+            step_q[i] = quantiles(median=medians[row][0], p95=p95s[row][0])
             phase_q[i] = by_row[row]
     return steps, step_q, phase_q
 
@@ -248,25 +262,17 @@ def _rank_quantiles(snap: Snapshot) -> tuple[
 MAX_ERROR_LINE = 300
 
 
-def failure(ranks: list[dict[str, Any]], meta: RunMeta) -> dict[str, Any] | None:
-    """The summary's `failure` section from its rank rows (failure_of)."""
+def rank_failure(ranks: Sequence[model.Rank], meta: RunMeta) -> model.Failure | None:
+    """The summary's `failure` section from its rank rows (failure_of); also the
+    launcher's fallback summary's."""
     if meta.exit_code == INTERRUPTED_EXIT:
         return None
-    return failure_of([(r["rank"], r["exit_code"], r["error"], r["steps"]) for r in ranks],
+    return failure_of([(r.rank, r.exit_code, r.error, r.steps) for r in ranks],
                       meta.failed_rank)
 
 
-def rank_failure(ranks: Sequence[model.Rank], meta: RunMeta) -> model.Failure | None:
-    """`failure` of a summary read through the model (the launcher's fallback)."""
-    if meta.exit_code == INTERRUPTED_EXIT:
-        return None
-    found = failure_of([(r.rank, r.exit_code, r.error, r.steps) for r in ranks],
-                       meta.failed_rank)
-    return None if found is None else msgspec.convert(found, model.Failure)
-
-
 def failure_of(ranks: list[tuple[int, int | None, str | None, int]],
-               first: int | None = None) -> dict[str, Any] | None:
+               first: int | None = None) -> model.Failure | None:
     """The rank that failed first, what ended it (exit code or signal, its exception's
     last line) and after how many steps: what the summary, its text and the dashboard's
     banner lead with (issue 32, failures first). `ranks`: (rank, exit code, error,
@@ -287,23 +293,23 @@ def failure_of(ranks: list[tuple[int, int | None, str | None, int]],
     text = (f"FAILED: rank {rank} {how} after {steps} steps"
             + (f": {error}" if error else "")
             + (f" (then rank(s) {format_ranks(others)})" if others else ""))
-    return {"rank": rank, "exit_code": code, "signal": signame, "error": error,
-            "step": steps, "others": others, "summary": text}
+    return model.Failure(rank=rank, exit_code=code, signal=signame, error=error, step=steps,
+                         others=others, summary=text)
 
 
-def _relays(snap: Snapshot) -> dict[str, Any] | None:
+def _relays(snap: Snapshot) -> model.Relays | None:
     """The node relays (relay.py), when the run had any: which went silent, what they
     lost. A silent relay's node reads as silent ranks; this says why."""
     if not snap.relays:
         return None
-    return {"nodes": [r.node for r in snap.relays],
-            "silent": [r.node for r in snap.relays if r.silent],
-            "batches": sum(r.batches for r in snap.relays),
-            "lost_batches": sum(r.lost_batches for r in snap.relays),
-            "dropped": sum(r.dropped for r in snap.relays)}
+    return model.Relays(nodes=[r.node for r in snap.relays],
+                        silent=[r.node for r in snap.relays if r.silent],
+                        batches=sum(r.batches for r in snap.relays),
+                        lost_batches=sum(r.lost_batches for r in snap.relays),
+                        dropped=sum(r.dropped for r in snap.relays))
 
 
-def _comm(snap: Snapshot) -> dict[str, Any]:
+def _comm(snap: Snapshot) -> model.Comm:
     """The job's collective wait: the median rank's share of its step in sync, and per
     rank the achieved all-reduce bus bandwidth over its exposed sync time (where DDP's
     gradient bytes are known). docs/network.md explains the figures. From the whole
@@ -314,7 +320,7 @@ def _comm(snap: Snapshot) -> dict[str, Any]:
         if r.reported and (row := whole.rows.get(r.rank)) is not None
         and whole.medians[row][0] == whole.medians[row][0]]  # not NaN
     shares: list[float] = []
-    per_rank = []
+    per_rank: list[model.CommRank] = []
     if whole is not None and listed:
         at = np.array([row for _, row in listed], dtype=np.int64)
         step = whole.median[at, 0]
@@ -326,22 +332,25 @@ def _comm(snap: Snapshot) -> dict[str, Any]:
             nbytes = r.heartbeat.grad_bytes
             gbps = (dx.bus_gbps(nbytes, 0.0 if sync_ms != sync_ms else sync_ms,
                                 snap.world_size) if nbytes else None)
-            per_rank.append({"rank": r.rank, "sync_ms": shown, "bytes_per_step": nbytes or None,
-                             "busbw_gbps": _round(gbps)})
-    rates = [x["busbw_gbps"] for x in per_rank if x["busbw_gbps"] is not None]
-    return {"sync_share": _round(median(shares)) if shares else None,
-            "busbw_gbps": _round(median(rates)) if rates else None,
-            "preflight_busbw_gbps": snap.preflight_busbw, "ranks": per_rank}
+            per_rank.append(model.CommRank(rank=r.rank, sync_ms=shown,
+                                           bytes_per_step=nbytes or None,
+                                           busbw_gbps=_round(gbps)))
+    rates = [x.busbw_gbps for x in per_rank if x.busbw_gbps is not None]
+    return model.Comm(sync_share=_round(median(shares)) if shares else None,
+                      busbw_gbps=_round(median(rates)) if rates else None,
+                      preflight_busbw_gbps=(None if snap.preflight_busbw is None
+                                            else float(snap.preflight_busbw)),
+                      ranks=per_rank)
 
 
-def _sys_rows(snap: Snapshot) -> list[dict[str, Any]]:
+def _sys_rows(snap: Snapshot) -> list[model.RankSys]:
     """Each rank's latest system sample as its summary row has it (Sys.sample: its
     figures by name; floats to 2 places; not the device, the row has it), by column."""
     samples = [r.sys for r in snap.ranks]
     first = next((x for x in samples if x is not None), None)
     names = [] if first is None else [n for n in first.sample() if n != "device"]
     if not names:
-        return [{} for _ in samples]
+        return [model.RankSys() for _ in samples]
     columns = []
     for name in names:
         values = [None if x is None else getattr(x, name) for x in samples]
@@ -352,8 +361,9 @@ def _sys_rows(snap: Snapshot) -> list[dict[str, Any]]:
             else:
                 values = [_round(v, 2) if isinstance(v, float) else v for v in values]
         columns.append(values)
-    return [{} if x is None else dict(zip(names, row, strict=True))
-            for x, row in zip(samples, zip(*columns, strict=True), strict=True)]
+    row = model.RankSys
+    return [row() if x is None else row(**dict(zip(names, values, strict=True)))
+            for x, values in zip(samples, zip(*columns, strict=True), strict=True)]
 
 
 # A step shorter than a microsecond is not a measurement: no rate from it (1000 / 5e-324
@@ -361,46 +371,41 @@ def _sys_rows(snap: Snapshot) -> list[dict[str, Any]]:
 MIN_RATE_STEP_MS = 1e-3
 
 
-def _throughput(step_ms: float | None, batch: int | None) -> dict[str, float | None]:
-    """Steps per second from the median step; samples per second where the agent saw the
-    DataLoader's batch size (one batch per step; gradient accumulation makes it larger)."""
-    steps = None if not step_ms or step_ms < MIN_RATE_STEP_MS else 1000.0 / step_ms
-    samples = None if steps is None or batch is None else steps * batch
-    return {"steps_per_s": _round(steps, 3), "samples_per_s": _round(samples, 2),
-            "batch_size": batch}
-
-
 def _throughputs(step_ms: list[float | None], batch: list[int | None]
-                 ) -> list[dict[str, float | None]]:
-    """`_throughput` of every rank, the rates rounded by column."""
+                 ) -> list[model.Throughput]:
+    """Steps per second from each rank's median step; samples per second where the agent
+    saw the DataLoader's batch size (one batch per step; gradient accumulation makes it
+    larger). The rates rounded by column."""
     ms = np.array([np.nan if v is None else v for v in step_ms], dtype=float)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         steps = np.where(ms >= MIN_RATE_STEP_MS, 1000.0 / ms, np.nan)  # NaN: no rate
         samples = steps * np.array([np.nan if b is None else b for b in batch], dtype=float)
-    return [{"steps_per_s": s, "samples_per_s": x, "batch_size": b} for s, x, b in zip(
+    rate = model.Throughput
+    return [rate(steps_per_s=s, samples_per_s=x, batch_size=b) for s, x, b in zip(
         rounded(steps, 3), rounded(samples, 2), batch, strict=True)]
 
 
-def _job_throughput(ranks: list[dict[str, Any]]) -> dict[str, float | None]:
+def _job_throughput(ranks: list[model.Rank]) -> model.Throughput:
     """The job's rate: a synchronous job steps at its median rank's rate; samples add up
     over ranks (when every reporting rank's batch size is known)."""
-    live = [r["throughput"] for r in ranks if r["throughput"]["steps_per_s"]]
-    samples = [t["samples_per_s"] for t in live]
-    return {"steps_per_s": _round(median([t["steps_per_s"] for t in live]), 3),
-            "samples_per_s": (_round(sum(samples), 2)
-                              if samples and all(v is not None for v in samples) else None),
-            "ranks": len(live)}
+    live = [t for r in ranks if (t := r.throughput) is not None and t.steps_per_s]
+    samples = [t.samples_per_s for t in live]
+    return model.Throughput(
+        steps_per_s=_round(median([t.steps_per_s for t in live if t.steps_per_s]), 3),
+        samples_per_s=(_round(sum(v for v in samples if v is not None), 2)
+                       if samples and all(v is not None for v in samples) else None),
+        ranks=len(live))
 
 
-def _timing(snap: Snapshot) -> dict[str, Any]:
+def _timing(snap: Snapshot) -> model.Timing:
     """Which phases could not be timed, on which ranks and why (docs/frameworks.md)."""
     where: dict[tuple[str, str], list[int]] = {}
     for r in snap.ranks:
         for u in r.untimed:
             where.setdefault((u.phase, u.why), []).append(r.rank)
-    return {"complete": not where, "framework": snap.framework,
-            "untimed": [{"phase": phase, "why": why, "ranks": ranks}
-                        for (phase, why), ranks in sorted(where.items())]}
+    return model.Timing(complete=not where, framework=snap.framework,
+                        untimed=[model.UntimedPhase(phase=phase, why=why, ranks=ranks)
+                                 for (phase, why), ranks in sorted(where.items())])
 
 
 def _thread_cpu(over_run: tuple[float, float] | None) -> dict[str, float | None]:
@@ -411,28 +416,28 @@ def _thread_cpu(over_run: tuple[float, float] | None) -> dict[str, float | None]
             "cpu_wait_pct": round(100.0 * over_run[1], 1)}
 
 
-def _hang(snap: Snapshot) -> dict[str, Any] | None:
+def _hang(snap: Snapshot) -> model.Hang | None:
     """The evidence of a hang that was going on when the snapshot was taken."""
     report = snap.hang
     if report is None:
         return None
-    return {
-        "kind": report.kind, "ranks": list(report.culprits), "since": iso(snap.hang_since),
-        "stalled_s": round(report.stalled_s, 1), "threshold_s": round(report.threshold_s, 1),
-        "progress": [{"rank": r.rank, "host": r.host, "steps": r.steps,
-                      "phase": r.heartbeat.phase, "collectives": r.heartbeat.collectives,
-                      "in_collective": r.heartbeat.in_collective,
-                      "groups": dict(sorted(r.heartbeat.groups.items())),
-                      "in_group": r.heartbeat.in_group,
-                      "nccl": None if r.nccl is None else msgspec.to_builtins(r.nccl)}
-                     for r in snap.ranks if r.reported],
+    return model.Hang(
+        kind=report.kind, ranks=list(report.culprits), since=iso(snap.hang_since),
+        stalled_s=round(report.stalled_s, 1), threshold_s=round(report.threshold_s, 1),
+        progress=[model.HangProgress(
+            rank=r.rank, host=r.host, steps=r.steps, phase=r.heartbeat.phase,
+            collectives=r.heartbeat.collectives, in_collective=r.heartbeat.in_collective,
+            groups=dict(sorted(r.heartbeat.groups.items())), in_group=r.heartbeat.in_group,
+            nccl=None if r.nccl is None else _typed(msgspec.to_builtins(r.nccl), model.Nccl))
+            for r in snap.ranks if r.reported],
         # As taken during the hang: a rank woken by the stop (its step closed, its stack
         # cleared) keeps the stacks it had while stuck (state.hang_stacks).
-        "stacks": {str(rank): [{"thread": name, "stack": text} for name, text in stacks]
-                   for rank, stacks in sorted(
-                       {**{r.rank: r.stacks for r in snap.ranks if r.stacks},
-                        **snap.hang_stacks}.items())},
-    }
+        stacks={str(rank): [model.ThreadStack(thread=name, stack=text)
+                            for name, text in stacks]
+                for rank, stacks in sorted(
+                    {**{r.rank: r.stacks for r in snap.ranks if r.stacks},
+                     **snap.hang_stacks}.items())},
+    )
 
 
 # --- text ------------------------------------------------------------------------------
@@ -556,16 +561,16 @@ STALLS_LISTED = 32
 TEXT_STALLS = 4  # of them, in the text summary
 
 
-def stalls_json(found: Sequence[StallFinding]) -> list[dict[str, Any]]:
+def stalls_json(found: Sequence[StallFinding]) -> list[model.StallRecord]:
     """The `stalls` section: each stalling rank's stall log over the run (judge/stalls.py),
     most time lost first."""
     rows = sorted(found, key=lambda f: (-f.lost_ms, f.rank))[:STALLS_LISTED]
-    return [{"rank": f.rank, "period": f.period, "count": f.count,
-             "periodic_count": f.periodic_count if f.period else 0,
-             "mean_excess_ms": round(f.periodic_ms, 3), "phase": f.phase,
-             "lost_s": round(f.lost_ms / 1000.0, 3), "last_step": f.last_step,
-             "recurring": f.recent}
-            for f in rows]
+    return [model.StallRecord(
+        rank=f.rank, period=f.period, count=f.count,
+        periodic_count=f.periodic_count if f.period else 0,
+        mean_excess_ms=round(f.periodic_ms, 3), phase=f.phase,
+        lost_s=round(f.lost_ms / 1000.0, 3), last_step=f.last_step, recurring=f.recent)
+        for f in rows]
 
 
 def stall_lines(rows: Sequence[model.StallRecord]) -> list[str]:
