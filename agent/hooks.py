@@ -60,7 +60,7 @@ from threading import get_ident as _get_ident
 from time import perf_counter_ns
 from typing import Any
 
-from . import compiled, device, gcwatch, recorder
+from . import collective_names, compiled, device, gcwatch, recorder
 from .checks import StepObserver
 from .recorder import BACKWARD, DATALOADER, FORWARD, H2D, NO_PHASE, OPTIMIZER, SYNC, Recorder
 
@@ -517,8 +517,8 @@ def _ddp_group(roots: list[Any]) -> str:
     for root in roots:
         group = getattr(root, "process_group", None)
         if group is not None:
-            return _group_name(group)
-    return WORLD_GROUP
+            return collective_names.group_name(group)
+    return collective_names.WORLD_GROUP
 
 
 def gradient_bytes(roots: list[Any]) -> int:
@@ -771,134 +771,17 @@ def _compiled_ctx() -> tuple[Any, Callable[[BaseException], None],
 # (async_op=True) is timed only for its launch; its wait() lands in whichever phase
 # calls it.
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
-               "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list",
-               "barrier", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter",
-               "monitored_barrier", "all_reduce_coalesced", "all_gather_coalesced",
-               # Issued by the frameworks themselves, inside forward: DDP's buffer
-               # broadcast (broadcast_buffers=True with BatchNorm statistics) and FSDP2's
-               # all-gathers and reduce-scatters. Nested in forward/backward, their time
-               # goes to sync (the innermost phase). FSDP2 issues most of them with
-               # async_op=True: then only the launch is seen here, and the wait stays in
-               # the phase that waits (docs/fsdp.md).
-               "_broadcast_coalesced", "all_gather_single", "reduce_scatter_single")
-
-
-# Process groups named in the sequences a hang compares: the default group is "world",
-# another one its torch group_name. A job creating groups without end (one per step)
-# cannot grow the heartbeat: past MAX_GROUPS names, the rest count as "other".
-WORLD_GROUP = "world"
-MAX_GROUPS = 32
-_group_names: dict[int, str] = {}
-
-
-def _group_position(func: Any) -> int | None:
-    """Where a collective takes its process group positionally (`group`, or
-    `process_group` for DDP's `_broadcast_coalesced`), read once from its signature."""
-    import inspect
-
-    try:
-        names = list(inspect.signature(func).parameters)
-    except (TypeError, ValueError):  # a builtin without a signature
-        return 0 if getattr(func, "__name__", "") == "_broadcast_coalesced" else None
-    for key in ("group", "process_group"):
-        if key in names:
-            return names.index(key)
-    return None
-
-
-def _group_name(group: Any) -> str:
-    """The group's name, the same on every rank: "world", or its sorted global ranks
-    ("r0,2", "r0-3,8-11"), or, when that is long, their count and a hash of the list."""
-    if group is None:
-        return WORLD_GROUP
-    name = _group_names.get(id(group))
-    if name is None:
-        if len(_group_names) >= MAX_GROUPS:
-            return "other"
-        try:
-            import torch.distributed as dist
-
-            if group is dist.GroupMember.WORLD:
-                name = WORLD_GROUP
-            else:
-                name = ranks_name(dist.get_process_group_ranks(group))
-        except Exception:
-            try:
-                name = "g" + str(group.group_name)
-            except Exception:
-                name = f"group{len(_group_names)}"
-        _group_names[id(group)] = name = name[:64]
-    return name
-
-
-def ranks_name(ranks: Any) -> str:
-    """A group named by its sorted global ranks, contiguous runs folded: "r0-3,8"; past
-    40 characters "<n>r#<8 hex of sha1>" (the same list gives the same name anywhere)."""
-    import hashlib
-
-    ordered = sorted(int(r) for r in ranks)
-    runs: list[str] = []
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        runs.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    name = "r" + ",".join(runs)
-    if len(name) <= 40:
-        return name
-    digest = hashlib.sha1(",".join(map(str, ordered)).encode()).hexdigest()[:8]
-    return f"{len(ordered)}r#{digest}"
-
-
-# Where each collective takes the tensor(s) it sends (positional): its bytes are this
-# rank's input. Absent: not known (an object collective pickles); barriers send none.
-_DATA_ARG = {"all_reduce": 0, "broadcast": 0, "reduce": 0, "gather": 0,
-             "all_reduce_coalesced": 0, "all_gather": 1, "all_gather_into_tensor": 1,
-             "all_gather_single": 1, "reduce_scatter": 1, "reduce_scatter_tensor": 1,
-             "reduce_scatter_single": 1, "all_to_all": 1, "all_to_all_single": 1,
-             "scatter": 1, "broadcast_coalesced": 1, "all_gather_coalesced": 1,
-             "barrier": None, "monitored_barrier": None}
-_DATA_KWARGS = ("tensor", "input_tensor", "input", "tensors", "input_tensor_list")
-
-
-def _nbytes(args: tuple, kwargs: dict, at: int | None) -> int:
-    """The bytes of a collective's input tensor(s); 0 for a barrier, -1 when not known."""
-    if at is None:
-        return 0
-    if at < 0:
-        return -1
-    if at < len(args):
-        data = args[at]
-    else:
-        data = next((kwargs[k] for k in _DATA_KWARGS if k in kwargs), None)
-    n = getattr(data, "nbytes", None)
-    if type(n) is int:
-        return n
-    if isinstance(data, (list, tuple)) and len(data) <= 4096:
-        total = 0
-        for t in data:
-            n = getattr(t, "nbytes", None)
-            if type(n) is not int:
-                return -1
-            total += n
-        return total
-    return -1
-
-
 def _patch_collectives(torch: Any) -> None:
     import torch.distributed as dist
 
-    for name in COLLECTIVES:
+    for name in collective_names.COLLECTIVES:
         original = getattr(dist, name, None)
         if original is None:
             continue
 
         def wrapper(*args: Any, __original: Any = original, __name: str = name.lstrip("_"),
-                    __at: int | None = _group_position(original),
-                    __src: int | None = _DATA_ARG.get(name.lstrip("_"), -1),
+                    __at: int | None = collective_names.group_position(original),
+                    __src: int | None = collective_names.DATA_ARG.get(name.lstrip("_"), -1),
                     **kwargs: Any) -> Any:
             if _is_compiling():
                 return __original(*args, **kwargs)
@@ -909,7 +792,7 @@ def _patch_collectives(torch: Any) -> None:
                 group = kwargs.get("group", kwargs.get("process_group"))
                 if group is None and __at is not None and len(args) > __at:
                     group = args[__at]
-                gname = _group_name(group)
+                gname = collective_names.group_name(group)
                 rec.groups[gname] = rec.groups.get(gname, 0) + 1
             except Exception as exc:
                 _fail(exc)
@@ -935,7 +818,7 @@ def _patch_collectives(torch: Any) -> None:
                         rec.end(__original)
                     # Per call, accounted per step (recorder.account): exposed host time.
                     rec.account(gname, __name, phase, rec.t_mark - t0 if started else 0,
-                                _nbytes(args, kwargs, __src))
+                                collective_names.input_bytes(args, kwargs, __src))
                 except Exception as exc:
                     _fail(exc)
 

@@ -226,7 +226,7 @@ class Hello(_Wire, tag="hello", kw_only=True, frozen=True):
 class CollRow(Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
     """The collectives of one (process group, op, phase it was issued in) over the steps
     of one batch: calls, this rank's input bytes (None: not known for every call) and the
-    exposed wait in ms. Group names are the same on every rank (hooks.ranks_name)."""
+    exposed wait in ms. Group names are the same on every rank (collective_names.ranks_name)."""
 
     group: Short
     op: Short

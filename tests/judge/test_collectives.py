@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from traceml_agent import hooks
+from traceml_agent import collective_names, hooks
 from traceml_agent.protocol import PHASES, CollRow, Identity, ProtocolError, decode, encode
 from traceml_agent.recorder import MAX_COLL_KEYS, MEASURED, SYNC, Recorder
 from traceml_agent.transport import Sender
@@ -94,9 +94,10 @@ def test_a_step_keeps_at_most_k_keys_and_the_rest_as_other():
 
 
 def test_group_names_are_the_rank_lists_the_same_on_every_rank():
-    assert hooks.ranks_name([3, 1, 0, 2, 8]) == hooks.ranks_name([8, 2, 0, 1, 3]) == "r0-3,8"
-    long = hooks.ranks_name(range(0, 512, 2))
-    assert long == hooks.ranks_name(list(range(510, -1, -2)))
+    name = collective_names.ranks_name
+    assert name([3, 1, 0, 2, 8]) == name([8, 2, 0, 1, 3]) == "r0-3,8"
+    long = name(range(0, 512, 2))
+    assert long == name(list(range(510, -1, -2)))
     assert long.startswith("256r#") and len(long) <= 64
 
 

@@ -27,7 +27,7 @@ from . import diagnosis as dx
 MAX_GROUPS = 16
 MAX_KEYS = 64
 OTHER = "other"
-# The ops the agent wraps (hooks.COLLECTIVES, leading "_" dropped), DDP's gradient
+# The ops the agent wraps (collective_names.COLLECTIVES, leading "_" dropped), DDP's gradient
 # all-reduce and an unattributed gradient sync (another framework's reducer).
 OPS = frozenset({
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
