@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from plain_sgd import PlainSGD
 from torch import nn
 
 from traceml_agent import hooks
@@ -36,22 +37,6 @@ def agent() -> Iterator[tuple[Recorder, list[BaseException]]]:
     finally:
         hooks.uninstall()
         torch._dynamo.reset()
-
-
-class PlainSGD(torch.optim.Optimizer):
-    """An optimizer whose step Dynamo can trace whole (torch's own wrap theirs in
-    graph breaks of their own, so fullgraph=True fails for them with or without the
-    agent): the step hooks torch calls around it are traced with it."""
-
-    def __init__(self, params, lr: float = 0.01) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-group["lr"])
 
 
 def _graph_breaks() -> dict:

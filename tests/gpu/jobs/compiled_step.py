@@ -11,23 +11,16 @@ traceml. --device cpu tries the loop without a GPU (the "eager" backend).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from rank_device import rank_device
 
-
-class PlainSGD(torch.optim.Optimizer):
-    def __init__(self, params, lr: float = 1e-3) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-group["lr"])
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "support"))  # tests/support
+from plain_sgd import PlainSGD  # noqa: E402
 
 
 def main() -> None:
@@ -41,7 +34,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 1024), nn.GELU(), nn.Linear(1024, 10)).to(device)
     if args.fullgraph:
-        opt: torch.optim.Optimizer = PlainSGD(model.parameters())
+        opt: torch.optim.Optimizer = PlainSGD(model.parameters(), lr=1e-3)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
     backend = "inductor" if device.type == "cuda" else "eager"
