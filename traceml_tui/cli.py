@@ -412,8 +412,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     except CompareError as exc:
         print(f"traceml compare: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=2) if args.json else render(result), end="" if not args.json
-          else "\n")
+    print(json.dumps(result.to_json(), indent=2) if args.json else render(result),
+          end="" if not args.json else "\n")
     return 0
 
 

@@ -47,8 +47,8 @@ def test_a_fixed_straggler_reads_as_improved():
     old = summary("old", 40.0, [1.0, 30.0, 1.0], "INPUT STRAGGLER", 1)
     new = summary("new", 11.0, [1.0, 1.0, 1.0])
     result = compare(old, new)
-    assert result["verdict"] == "improved"
-    assert result["diagnosis"]["old"]["label"] == "INPUT STRAGGLER"
+    assert result.verdict == "improved"
+    assert result.diagnosis.old.label == "INPUT STRAGGLER"
     text = render(result)
     assert "INPUT STRAGGLER (rank 1) -> BALANCED" in text
     assert "verdict: IMPROVED" in text
@@ -92,7 +92,7 @@ def rated(name: str, world: int, steps_per_s: float, samples_per_s: float | None
 def test_scaling_efficiency_against_a_one_rank_baseline(world, samples, efficiency, assessment):
     base = rated("one", 1, 31.25, 2_000.0)
     result = compare(base, rated("many", world, 30.0, samples))
-    sc = result["scaling"]
+    sc = result.to_json()["scaling"]
     assert sc["basis"] == "samples/s" and sc["ideal"] == world
     assert sc["efficiency"] == pytest.approx(efficiency)
     assert sc["assessment"].startswith(assessment)
@@ -101,10 +101,10 @@ def test_scaling_efficiency_against_a_one_rank_baseline(world, samples, efficien
 
 
 def test_scaling_without_batch_sizes_uses_steps_times_ranks():
-    sc = compare(rated("one", 1, 20.0, None), rated("two", 2, 18.0, None))["scaling"]
+    sc = compare(rated("one", 1, 20.0, None), rated("two", 2, 18.0, None)).to_json()["scaling"]
     assert sc["basis"].startswith("steps/s x ranks")
     assert sc["efficiency"] == pytest.approx(0.9) and sc["expected"] == [0.90, 0.95]
 
 
 def test_no_scaling_section_when_the_new_run_is_not_larger():
-    assert compare(rated("a", 2, 20.0, 600.0), rated("b", 2, 21.0, 630.0))["scaling"] is None
+    assert compare(rated("a", 2, 20.0, 600.0), rated("b", 2, 21.0, 630.0)).scaling is None

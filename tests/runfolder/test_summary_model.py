@@ -83,7 +83,7 @@ def test_a_newer_file_with_unknown_keys_and_an_older_one_without_sections_both_r
                                                  "command")}
     s = model.decode(json.dumps(older))
     assert s.failure is None and s.cost is None and s.timeline == []
-    assert compare(s, model.decode(json.dumps(newer)))["verdict"] == "unchanged"
+    assert compare(s, model.decode(json.dumps(newer))).verdict == "unchanged"
 
 
 @pytest.mark.parametrize("text, why", [

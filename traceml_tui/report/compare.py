@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from traceml_agent.sanitize import clean_line
 from traceml_agent.vocab import (
     COMPUTE_PHASES,
@@ -41,6 +43,77 @@ COMPUTE = COMPUTE_PHASES
 
 class CompareError(Exception):
     """A summary that cannot be read: printed as one line."""
+
+
+# --- what a comparison says (`traceml compare --json` prints it in this order) -----------
+
+
+class MetricRow(msgspec.Struct, kw_only=True):
+    """One group's median ms a step in each run, its difference and relative change."""
+
+    old: float | None
+    new: float | None
+    delta: float | None
+    change: float | None
+
+
+class Verdicts(msgspec.Struct, kw_only=True):
+    """Each run's diagnosis: its label and whom it named."""
+
+    label: str
+    rank: int | None
+    phase: str | None
+
+
+class BothDiagnoses(msgspec.Struct, kw_only=True):
+    old: Verdicts
+    new: Verdicts
+
+
+class Prediction(msgspec.Struct, kw_only=True):
+    """OLD's what-if (the step without its culprit) against the step NEW measured."""
+
+    label: str
+    culprit: str | None
+    rank: int | None
+    node: int | None
+    phase: str | None
+    predicted_step_ms: float
+    measured_step_ms: float | None
+    error: float
+    weak: str | None
+    same_world: bool
+
+
+class Scaling(msgspec.Struct, kw_only=True):
+    """NEW on more ranks than OLD: its speedup and efficiency beside the guide's range."""
+
+    old_ranks: int
+    new_ranks: int
+    basis: str
+    old_rate: float | None
+    new_rate: float | None
+    speedup: float
+    ideal: float
+    efficiency: float
+    expected: list[float] | None
+    assessment: str
+
+
+class Comparison(msgspec.Struct, kw_only=True):
+    old: str
+    new: str
+    metrics: dict[str, MetricRow]
+    diagnosis: BothDiagnoses
+    verdict: str
+    noise_share: float
+    scaling: Scaling | None
+    prediction: Prediction | None
+
+    def to_json(self) -> dict[str, Any]:
+        """As plain JSON values, in the field order above (`--json`)."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
 
 
 def load(path: Path) -> Summary:
@@ -105,7 +178,7 @@ def verdict(old: float | None, new: float | None) -> str:
     return "unchanged"
 
 
-def compare(old: Summary | dict[str, Any], new: Summary | dict[str, Any]) -> dict[str, Any]:
+def compare(old: Summary | dict[str, Any], new: Summary | dict[str, Any]) -> Comparison:
     old, new = _typed(old), _typed(new)
     mo, mn = metrics(old), metrics(new)
     rows = {}
@@ -115,20 +188,16 @@ def compare(old: Summary | dict[str, Any], new: Summary | dict[str, Any]) -> dic
             continue  # neither run timed work outside input and compute
         delta = None if a is None or b is None else b - a
         pct = None if delta is None or not a else delta / a
-        rows[key] = {"old": _r(a), "new": _r(b), "delta": _r(delta),
-                     "change": None if pct is None else round(pct, 4)}
-    return {
-        "old": old.run.name, "new": new.run.name,
-        "metrics": rows,
-        "diagnosis": {"old": _diag(old), "new": _diag(new)},
-        "verdict": verdict(mo["step_ms"], mn["step_ms"]),
-        "noise_share": NOISE_SHARE,
-        "scaling": scaling(old, new),
-        "prediction": prediction(old, new),
-    }
+        rows[key] = MetricRow(old=_r(a), new=_r(b), delta=_r(delta),
+                              change=None if pct is None else round(pct, 4))
+    return Comparison(
+        old=old.run.name, new=new.run.name, metrics=rows,
+        diagnosis=BothDiagnoses(old=_diag(old), new=_diag(new)),
+        verdict=verdict(mo["step_ms"], mn["step_ms"]), noise_share=NOISE_SHARE,
+        scaling=scaling(old, new), prediction=prediction(old, new))
 
 
-def prediction(old: Summary, new: Summary) -> dict[str, Any] | None:
+def prediction(old: Summary, new: Summary) -> Prediction | None:
     """How close OLD's what-if (the step it predicted without its culprit: cost.py) came
     to the step NEW measured: for a run before a fix and the run after it."""
     w = old.cost.what_if if old.cost is not None else None
@@ -139,10 +208,10 @@ def prediction(old: Summary, new: Summary) -> dict[str, Any] | None:
         return None
     same = _world(old) == _world(new)
     error = (w.step_ms - measured) / measured
-    return {"label": w.label, "culprit": w.culprit, "rank": w.rank,
-            "node": w.node, "phase": w.phase,
-            "predicted_step_ms": w.step_ms, "measured_step_ms": _r(measured),
-            "error": round(error, 4), "weak": w.weak, "same_world": same}
+    return Prediction(label=w.label, culprit=w.culprit, rank=w.rank, node=w.node,
+                      phase=w.phase, predicted_step_ms=w.step_ms,
+                      measured_step_ms=_r(measured), error=round(error, 4), weak=w.weak,
+                      same_world=same)
 
 
 def _world(doc: Summary) -> int:
@@ -164,7 +233,7 @@ def expected_efficiency(ranks: int) -> tuple[float, float] | None:
     return EXPECTED_EFFICIENCY[max(rows)] if rows else None
 
 
-def scaling(old: Summary, new: Summary) -> dict[str, Any] | None:
+def scaling(old: Summary, new: Summary) -> Scaling | None:
     """When NEW runs on more ranks than OLD (e.g. a 1-rank baseline): its speedup and
     scaling efficiency, beside the range the DDP guide calls realistic."""
     wo, wn = _world(old), _world(new)
@@ -188,19 +257,20 @@ def scaling(old: Summary, new: Summary) -> dict[str, Any] | None:
         assessment = "above the realistic range"
     else:
         assessment = "within the realistic range"
-    return {"old_ranks": wo, "new_ranks": wn, "basis": basis, "old_rate": _r(a),
-            "new_rate": _r(b), "speedup": round(speedup, 3), "ideal": round(ideal, 3),
-            "efficiency": round(efficiency, 4),
-            "expected": None if expected is None else list(expected), "assessment": assessment}
+    return Scaling(old_ranks=wo, new_ranks=wn, basis=basis, old_rate=_r(a), new_rate=_r(b),
+                   speedup=round(speedup, 3), ideal=round(ideal, 3),
+                   efficiency=round(efficiency, 4),
+                   expected=None if expected is None else list(expected),
+                   assessment=assessment)
 
 
 def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 3)
 
 
-def _diag(doc: Summary) -> dict[str, Any]:
+def _diag(doc: Summary) -> Verdicts:
     d = doc.diagnosis
-    return {"label": d.label, "rank": d.rank, "phase": d.phase}
+    return Verdicts(label=d.label, rank=d.rank, phase=d.phase)
 
 
 LABELS = {"step_ms": "step time", "skew_ms": "worst-rank skew", "input_ms": "input",
@@ -208,43 +278,45 @@ LABELS = {"step_ms": "step time", "skew_ms": "worst-rank skew", "input_ms": "inp
           "wait_ms": "wait"}
 
 
-def render(result: dict[str, Any]) -> str:
-    lines = [f"traceml compare: {result['old']} -> {result['new']}", "",
+def render(result: Comparison) -> str:
+    lines = [f"traceml compare: {result.old} -> {result.new}", "",
              f"{'median ms per step':<24} {'old':>9} {'new':>9} {'change':>9}"]
-    for key, row in result["metrics"].items():
+    for key, row in result.metrics.items():
         def cell(v: float | None) -> str:
             return "-" if v is None else f"{v:.2f}"
-        change = "-" if row["change"] is None else f"{row['change']:+.1%}"
+        change = "-" if row.change is None else f"{row.change:+.1%}"
         name = LABELS.get(key, key.removesuffix("_ms"))
-        lines.append(f"{name:<24} {cell(row['old']):>9} {cell(row['new']):>9} {change:>9}")
-    d = result["diagnosis"]
-    def label(x: dict[str, Any]) -> str:
-        return x["label"] + (f" (rank {x['rank']})" if x["rank"] is not None else "")
-    lines += ["", f"diagnosis: {label(d['old'])} -> {label(d['new'])}"]
-    v = result["verdict"]
+        lines.append(f"{name:<24} {cell(row.old):>9} {cell(row.new):>9} {change:>9}")
+    d = result.diagnosis
+
+    def label(x: Verdicts) -> str:
+        return x.label + (f" (rank {x.rank})" if x.rank is not None else "")
+    lines += ["", f"diagnosis: {label(d.old)} -> {label(d.new)}"]
+    v = result.verdict
     explain = {"improved": "faster", "regressed": "slower",
                "unchanged": f"within noise (±{NOISE_SHARE:.0%})",
                "unknown": "step time missing in one summary"}[v]
     lines.append(f"verdict: {v.upper()}: step time {explain}")
-    p = result.get("prediction")
+    p = result.prediction
     if p:
-        who = (f"node {p['node']}" if p["culprit"] == "node" else
-               f"rank {p['rank']}" if p["culprit"] in ("rank", "stalls") else
-               f"{p['phase']} on every rank")
-        lines += ["", f"prediction: without {p['label']} ({who}) the old run predicted "
-                      f"{p['predicted_step_ms']:.2f} ms per step; the new run measured "
-                      f"{p['measured_step_ms']:.2f} ms ({p['error']:+.0%} off)"
-                  + ("" if p["same_world"] else "; the runs' world sizes differ")
-                  + (" [weak estimate]" if p["weak"] else "")]
-    sc = result.get("scaling")
+        who = (f"node {p.node}" if p.culprit == "node" else
+               f"rank {p.rank}" if p.culprit in ("rank", "stalls") else
+               f"{p.phase} on every rank")
+        measured = "-" if p.measured_step_ms is None else f"{p.measured_step_ms:.2f}"
+        lines += ["", f"prediction: without {p.label} ({who}) the old run predicted "
+                      f"{p.predicted_step_ms:.2f} ms per step; the new run measured "
+                      f"{measured} ms ({p.error:+.0%} off)"
+                  + ("" if p.same_world else "; the runs' world sizes differ")
+                  + (" [weak estimate]" if p.weak else "")]
+    sc = result.scaling
     if sc:
-        expected = ("" if sc["expected"] is None else
-                    f" (realistic for {sc['new_ranks']}: {sc['expected'][0]:.0%}-"
-                    f"{sc['expected'][1]:.0%})")
-        lines += ["", f"scaling {sc['old_ranks']} -> {sc['new_ranks']} ranks, by {sc['basis']}: "
-                      f"{sc['old_rate']:.1f} -> {sc['new_rate']:.1f}",
-                  f"  speedup {sc['speedup']:.2f}x of an ideal {sc['ideal']:.0f}x: efficiency "
-                  f"{sc['efficiency']:.0%}{expected}",
-                  f"  {sc['assessment']}"]
+        expected = ("" if sc.expected is None else
+                    f" (realistic for {sc.new_ranks}: {sc.expected[0]:.0%}-"
+                    f"{sc.expected[1]:.0%})")
+        lines += ["", f"scaling {sc.old_ranks} -> {sc.new_ranks} ranks, by {sc.basis}: "
+                      f"{sc.old_rate or 0.0:.1f} -> {sc.new_rate or 0.0:.1f}",
+                  f"  speedup {sc.speedup:.2f}x of an ideal {sc.ideal:.0f}x: efficiency "
+                  f"{sc.efficiency:.0%}{expected}",
+                  f"  {sc.assessment}"]
     # Every field came from the files given (anyone's): no escape sequence, no line break.
     return "\n".join(map(clean_line, lines)) + "\n"
