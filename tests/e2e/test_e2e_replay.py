@@ -18,6 +18,8 @@ import pytest
 
 from jobs import EXAMPLES, kill_session, live_ranks_steps, run_job, traceml, wait_for
 from traceml_tui.collect.replay import Replay, open_record
+from traceml_tui.runfolder.layout import RunFolder
+from traceml_tui.runfolder.step_log import read_steps
 from traceml_tui.view.dashboard.banner import Banner
 from traceml_tui.view.dashboard.replay_app import ReplayApp
 from traceml_tui.view.dashboard.status_bar import StatusBar
@@ -127,6 +129,14 @@ async def test_a_crashed_run_says_what_failed(tmp_path):
         assert "crashed:" in _texts(app)[1] and not app.state.finished
 
 
+def _logged_steps(run_dir: Path) -> int:
+    """The fewest steps any rank has in the run's step log so far."""
+    per_rank: dict[int, int] = {}
+    for rec in read_steps(RunFolder(run_dir).step_log):
+        per_rank[rec.rank] = per_rank.get(rec.rank, 0) + 1
+    return min(per_rank.values(), default=0)
+
+
 async def test_a_run_whose_collector_was_killed(tmp_path):
     out = tmp_path / "runs"
     proc = subprocess.Popen(
@@ -138,6 +148,10 @@ async def test_a_run_whose_collector_was_killed(tmp_path):
     run_dir = out / "orphan"
     try:
         wait_for(lambda: min(live_ranks_steps(run_dir) or [0]) >= 60, 120, "60 steps")
+        # The replay reads the step log, written once a second, not the live file: killed
+        # just after the live file said 60, the log held 54 (fresh-clone run 18, beside a
+        # CPU hog). The record keeps what reached the log before the kill.
+        wait_for(lambda: _logged_steps(run_dir) >= 60, 30, "60 steps in the step log")
         collector = json.loads((run_dir / "collector.json").read_text())["pid"]
         os.kill(collector, signal.SIGKILL)
         wait_for(lambda: (run_dir / "collector.log").exists(), 10, "the collector's end")
