@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from agent_installed import installed
 from torch import nn
 
 from traceml_agent import device, hooks
@@ -24,13 +24,8 @@ from traceml_agent.recorder import BACKWARD, FORWARD, OPTIMIZER, SYNC, Recorder
 
 @pytest.fixture
 def agent() -> Iterator[tuple[Recorder, list[BaseException]]]:
-    rec = Recorder(deque(maxlen=10_000))
-    errors: list[BaseException] = []
-    hooks.install(rec, torch, errors.append, StepObserver(0, 1))
-    try:
+    with installed(StepObserver(0, 1), maxlen=10_000) as (rec, errors, _):
         yield rec, errors
-    finally:
-        hooks.uninstall()
 
 
 class Head(nn.Module):

@@ -11,16 +11,15 @@ the module's own work.
 from __future__ import annotations
 
 import time
-from collections import deque
 
 import pytest
 import torch
 import torch.distributed as dist
+from agent_installed import installed
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from traceml_agent import hooks
-from traceml_agent.recorder import FORWARD, MEASURED, SYNC, Recorder
+from traceml_agent.recorder import FORWARD, MEASURED, SYNC
 
 BROADCAST_MS = 100.0  # far above a tiny forward even on a starved 2-core box (47 ms seen)
 
@@ -49,17 +48,11 @@ def test_ddps_buffer_broadcast_inside_forward_is_sync(group, monkeypatch):
     monkeypatch.setattr(dist, "_broadcast_coalesced", slow_broadcast)
     model = DDP(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    out: deque = deque()
-    errors: list = []
-    rec = Recorder(out)
-    hooks.install(rec, torch, errors.append, None)
-    try:
+    with installed() as (_, errors, out):
         for _ in range(6):
             model(torch.randn(16, 8)).sum().backward()
             opt.step()
             opt.zero_grad()
-    finally:
-        hooks.uninstall()
     assert errors == []
     # DDP's construction broadcasts once (before the agent here), then every forward.
     assert len(out) == 6 and len(spent) == 7

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from agent_installed import installed
 from plain_sgd import PlainSGD
 from torch import nn
 
@@ -29,13 +30,10 @@ def agent() -> Iterator[tuple[Recorder, list[BaseException]]]:
 
     torch._dynamo.reset()
     counters.clear()
-    rec = Recorder(deque(maxlen=10_000))
-    errors: list[BaseException] = []
-    hooks.install(rec, torch, errors.append, StepObserver(0, 1))
     try:
-        yield rec, errors
+        with installed(StepObserver(0, 1), maxlen=10_000) as (rec, errors, _):
+            yield rec, errors
     finally:
-        hooks.uninstall()
         torch._dynamo.reset()
 
 

@@ -26,9 +26,10 @@ from typing import Any
 import psutil
 import pytest
 import zmq
+from key_holder import rank_socket
 
 from jobs import wait_for
-from traceml_agent import keys, protocol
+from traceml_agent import protocol
 from traceml_agent.protocol import PHASES, Identity
 from traceml_tui.collect.relay import RelayProcess
 from traceml_tui.runfolder.summary_model import to_doc
@@ -48,11 +49,8 @@ def _messages(rank: int, node: int, steps: range) -> list[bytes]:
 
 
 def _rank_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    keys.secure_client(sock, keys.derive(SECRET))
-    sock.connect(address)
-    return sock
+    """A key holder: the run's client keys, as every rank has them."""
+    return rank_socket(ctx, address, SECRET)
 
 
 @contextmanager

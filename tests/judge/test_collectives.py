@@ -12,10 +12,11 @@ import msgspec
 import pytest
 import torch
 import torch.distributed as dist
+from agent_installed import installed
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from traceml_agent import collective_names, hooks
+from traceml_agent import collective_names
 from traceml_agent.protocol import PHASES, CollRow, Identity, ProtocolError, decode, encode
 from traceml_agent.recorder import MAX_COLL_KEYS, MEASURED, SYNC, Recorder
 from traceml_agent.transport import Sender
@@ -55,11 +56,7 @@ def test_a_step_keeps_each_group_and_op_with_its_bytes_and_phase(group):
 
     model = DDP(Net())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    out: deque = deque()
-    errors: list = []
-    rec = Recorder(out)
-    hooks.install(rec, torch, errors.append, None)
-    try:
+    with installed() as (rec, errors, out):
         for _ in range(3):
             model(torch.randn(4, 8)).sum().backward()
             gathered = [torch.empty(256)]
@@ -67,8 +64,6 @@ def test_a_step_keeps_each_group_and_op_with_its_bytes_and_phase(group):
             dist.all_gather(gathered, torch.ones(256), group=metrics)
             opt.step()
             opt.zero_grad()
-    finally:
-        hooks.uninstall()
     assert errors == []
     tables = list(rec.coll_out)
     assert len(tables) == 3 and len(out) == 3

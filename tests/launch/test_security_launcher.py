@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from key_holder import rank_socket
 
 from jobs import EXAMPLES, wait_for
 from traceml_agent import keys, protocol
@@ -34,11 +35,7 @@ def _opts(**kw) -> options.RunOptions:
 
 def _rank_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
     """A key holder: the run's client keys, as every rank has them."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    keys.secure_client(sock, keys.derive(SECRET))
-    sock.connect(address)
-    return sock
+    return rank_socket(ctx, address, SECRET)
 
 
 def _request(ctx: zmq.Context, address: str, request: dict) -> dict:
