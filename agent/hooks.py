@@ -774,6 +774,7 @@ def _compiled_ctx() -> tuple[Any, Callable[[BaseException], None],
 def _patch_collectives(torch: Any) -> None:
     import torch.distributed as dist
 
+    group_name, input_bytes = collective_names.group_name, collective_names.input_bytes
     for name in collective_names.COLLECTIVES:
         original = getattr(dist, name, None)
         if original is None:
@@ -792,7 +793,7 @@ def _patch_collectives(torch: Any) -> None:
                 group = kwargs.get("group", kwargs.get("process_group"))
                 if group is None and __at is not None and len(args) > __at:
                     group = args[__at]
-                gname = collective_names.group_name(group)
+                gname = group_name(group)
                 rec.groups[gname] = rec.groups.get(gname, 0) + 1
             except Exception as exc:
                 _fail(exc)
@@ -818,7 +819,7 @@ def _patch_collectives(torch: Any) -> None:
                         rec.end(__original)
                     # Per call, accounted per step (recorder.account): exposed host time.
                     rec.account(gname, __name, phase, rec.t_mark - t0 if started else 0,
-                                collective_names.input_bytes(args, kwargs, __src))
+                                input_bytes(args, kwargs, __src))
                 except Exception as exc:
                     _fail(exc)
 
