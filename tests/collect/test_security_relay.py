@@ -102,40 +102,38 @@ def test_idle_connections_from_another_user_do_not_blind_the_relay(collector, tm
     # left open: room for them, whatever came before (a worker at 1,024 ran out once).
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = len(os.listdir("/proc/self/fd")) + IDLE + 256
-    room = nullcontext() if soft >= need else _soft_limit(min(need, hard))
-    try:
-        room.__enter__()  # left in `finally`, after the sockets are closed
-        wait_for(lambda: "relay for node 1: tcp://" in (tmp_path / "relay.log").read_text(),
-                 30, "the relay to start")
-        for _ in range(IDLE):  # another local user: connects, says nothing
-            sock = socket.socket()
-            sock.setblocking(False)
-            sock.connect_ex(("127.0.0.1", relay.port))
-            idle.append(sock)
-        time.sleep(1.0)  # the relay accepts them (or fails to)
-        before, t0 = _cpu_s(relay.proc.pid), time.monotonic()
-        rank = _rank_socket(ctx, relay.address)  # then this node's rank starts
-        for frame in _messages(1, 1, range(40)):
-            rank.send(frame)
+    with nullcontext() if soft >= need else _soft_limit(min(need, hard)):
+        try:
+            wait_for(lambda: "relay for node 1: tcp://" in (tmp_path / "relay.log").read_text(),
+                     30, "the relay to start")
+            for _ in range(IDLE):  # another local user: connects, says nothing
+                sock = socket.socket()
+                sock.setblocking(False)
+                sock.connect_ex(("127.0.0.1", relay.port))
+                idle.append(sock)
+            time.sleep(1.0)  # the relay accepts them (or fails to)
+            before, t0 = _cpu_s(relay.proc.pid), time.monotonic()
+            rank = _rank_socket(ctx, relay.address)  # then this node's rank starts
+            for frame in _messages(1, 1, range(40)):
+                rank.send(frame)
 
-        def seen() -> bool:
-            return [r["steps"] for r in to_doc(viewer.summary())["ranks"]][1:] == [40]
+            def seen() -> bool:
+                return [r["steps"] for r in to_doc(viewer.summary())["ranks"]][1:] == [40]
 
-        # Well inside libzmq's 30 s handshake default (the idle ones' hold before).
-        wait_for(seen, 15, "node 1's rank through its relay while idle connections wait")
-        busy = (_cpu_s(relay.proc.pid) - before) / (time.monotonic() - t0)
-        assert busy < 0.5, f"the relay spent {busy:.0%} of a core while blinded"
-        # The refusals are said on the node's terminal (at powers of two, not per socket).
-        wait_for(lambda: any("did not complete the handshake" in line for line in relay.said),
-                 30, f"the refusals said on the node's terminal: {relay.said}")
-        assert len(relay.said) <= 12, relay.said
-    finally:
-        for sock in idle:
-            sock.close()
-        ctx.destroy(linger=0)
-        viewer.close()
-        relay.stop()
-        room.__exit__(None, None, None)
+            # Well inside libzmq's 30 s handshake default (the idle ones' hold before).
+            wait_for(seen, 15, "node 1's rank through its relay while idle connections wait")
+            busy = (_cpu_s(relay.proc.pid) - before) / (time.monotonic() - t0)
+            assert busy < 0.5, f"the relay spent {busy:.0%} of a core while blinded"
+            # The refusals are said on the node's terminal (at powers of two, not per socket).
+            wait_for(lambda: any("did not complete the handshake" in line for line in relay.said),
+                     30, f"the refusals said on the node's terminal: {relay.said}")
+            assert len(relay.said) <= 12, relay.said
+        finally:
+            for sock in idle:
+                sock.close()
+            ctx.destroy(linger=0)
+            viewer.close()
+            relay.stop()
 
 
 def test_a_relay_that_no_rank_reaches_says_so(collector, tmp_path):
