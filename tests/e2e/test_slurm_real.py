@@ -116,16 +116,22 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
             _stop_munge()
 
 
+def _srun_straggler(slurm: dict, out: Path, nodes: int, nproc: int
+                    ) -> subprocess.CompletedProcess:
+    """One srun line: `traceml run` of the toy with rank 1 slow on input, on `nodes` nodes."""
+    return subprocess.run(
+        ["srun", f"-N{nodes}", "--ntasks-per-node=1", sys.executable, "-m", "traceml_tui", "run",
+         str(EXAMPLES / "ddp_toy.py"), "--nproc-per-node", str(nproc), "--master-addr",
+         "127.0.0.1", "--out", str(out), "--headless", "--", "--scenario", "input", "--rank",
+         "1", "--delay-ms", "25", "--steps", "50"],
+        env={**slurm, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
+        cwd=Path(__file__).resolve().parents[2])
+
+
 def test_srun_runs_traceml_as_a_job_step(slurm, tmp_path):
     """One srun line: the run is named after the Slurm job and the straggler is found."""
     out = tmp_path / "runs"
-    done = subprocess.run(
-        ["srun", "-N1", "--ntasks-per-node=1", sys.executable, "-m", "traceml_tui", "run",
-         str(EXAMPLES / "ddp_toy.py"), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--out", str(out), "--headless", "--", "--scenario", "input", "--rank", "1",
-         "--delay-ms", "25", "--steps", "50"],
-        env={**slurm, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
-        cwd=Path(__file__).resolve().parents[2])
+    done = _srun_straggler(slurm, out, nodes=1, nproc=2)
     assert done.returncode == 0, done.stderr[-3000:]
     (run_dir,) = out.iterdir()
     assert run_dir.name.startswith("ddp_toy-slurm")  # named after the Slurm job
@@ -165,13 +171,7 @@ def test_sbatch_of_the_example_script(slurm, tmp_path):
 def test_srun_on_two_nodes_names_the_slow_rank(slurm, tmp_path):
     """One srun line on two nodes: one traceml run per node, one job, one summary."""
     out = tmp_path / "runs"
-    done = subprocess.run(
-        ["srun", "-N2", "--ntasks-per-node=1", sys.executable, "-m", "traceml_tui", "run",
-         str(EXAMPLES / "ddp_toy.py"), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-         "--out", str(out), "--headless", "--", "--scenario", "input", "--rank", "1",
-         "--delay-ms", "25", "--steps", "50"],
-        env={**slurm, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
-        cwd=Path(__file__).resolve().parents[2])
+    done = _srun_straggler(slurm, out, nodes=2, nproc=1)
     assert done.returncode == 0, done.stderr[-3000:]
     (run_dir,) = out.iterdir()
     doc = json.loads((run_dir / "final_summary.json").read_text())
