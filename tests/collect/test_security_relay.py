@@ -55,14 +55,33 @@ def _rank_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
 
 @contextmanager
 def _soft_limit(soft: int) -> Iterator[None]:
-    """Children started inside inherit this soft descriptor limit (the user's 1,024 in the
-    issue, lower here so fewer connections exhaust it)."""
+    """This process's soft descriptor limit raised to `soft` while inside."""
     before = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, before[1]))
     try:
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
+
+@contextmanager
+def _children_soft_limit(soft: int) -> Iterator[None]:
+    """Children started inside begin with this soft descriptor limit (the user's 1,024 in the
+    issue, lower here so fewer connections exhaust it). Set in the child between fork and
+    exec, never in this process: a worker whose earlier tests left more than `soft`
+    descriptors open could not even make the pipe that starts the child (CI, stop 45)."""
+    popen = subprocess.Popen
+
+    def limited(*args: Any, **kwargs: Any) -> subprocess.Popen:
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        kwargs["preexec_fn"] = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        return popen(*args, **kwargs)
+
+    subprocess.Popen = limited  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        subprocess.Popen = popen  # type: ignore[misc]
 
 
 @pytest.fixture
@@ -93,7 +112,7 @@ def test_idle_connections_from_another_user_do_not_blind_the_relay(collector, tm
     the node's ranks waited out libzmq's 30 s handshakes of the idle ones, node 0 never saw
     the node, and its terminal said nothing. Now the relay raises its limit, gives an idle
     handshake 5 s, and says the refusals on its node's terminal."""
-    with _soft_limit(256):
+    with _children_soft_limit(256):
         relay = RelayProcess(collector["ingest"], 1, SECRET, None, tmp_path / "relay.log")
     ctx = zmq.Context()
     viewer = ViewClient(collector["view"], timeout_s=10, secret=SECRET)
