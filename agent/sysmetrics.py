@@ -250,6 +250,14 @@ class ThreadSchedule:
         self._tid: int | None = None  # its kernel id
         self._mark: tuple[int, int, float] | None = None
 
+    def prime(self, ident: int | None, now: float) -> None:
+        """The first mark for thread `ident` as soon as it is known, not at the next
+        sample: a job that trains a second or two still gets one interval read (the
+        final sample's, Sender.run), or none would tell its starved rank from a slow
+        one. A mark already taken for it is kept."""
+        if ident is not None and (ident != self._ident or self._mark is None):
+            self.shares(ident, now)
+
     def shares(self, ident: int | None, now: float) -> tuple[float, float] | None:
         """(ran, waited) of thread `ident` since the last call; None: the first call, a
         thread that cannot be read, or a kernel that keeps no CPU time for it."""
@@ -350,6 +358,13 @@ class SystemSampler:
             return None
 
     # --- sampling -------------------------------------------------------------------
+
+    def prime(self, training_thread: int | None) -> None:
+        """ThreadSchedule.prime: one read of /proc the first time a thread is known."""
+        try:
+            self._schedule.prime(training_thread, time.monotonic())
+        except Exception:  # whatever this platform lacks, the samples still go
+            pass
 
     def sample(self, training_thread: int | None = None, stepped: bool = True
                ) -> dict[str, Any]:

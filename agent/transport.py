@@ -41,6 +41,10 @@ SYS_INTERVAL_S = 1.0  # system samples (CPU, memory, GPU), up to 1,024 ranks
 SCALE_RANKS = 1024
 MAX_SEND_INTERVAL_S = 1.0
 LARGE_SYS_INTERVAL_S = 5.0
+# At exit, the last interval's system sample is sent when it is at least this long: a
+# job shorter than two samples has no other (its CPU wait, diagnosis.cpu_evidence), and
+# a shorter tail is too few scheduler ticks to be a share.
+FINAL_SYS_MIN_S = 0.25
 
 
 def send_interval_s(world_size: int) -> float:
@@ -153,10 +157,11 @@ class Sender(threading.Thread):
         wake = min(interval, HEARTBEAT_INTERVAL_S / 4)
         try:
             self._send("hello", **self.hello, key=self.key)
-            next_steps = next_sys = next_beat = 0.0
+            next_steps = next_sys = next_beat = last_sys = 0.0
             sys_step = -1  # the step count at the last sys sample
             while not self._stopped.acquire(timeout=wake):
                 now = time.monotonic()
+                sampler.prime(getattr(self.rec, "thread", None))
                 if now >= next_steps:
                     next_steps = now + interval
                     self._send_steps()
@@ -172,12 +177,15 @@ class Sender(threading.Thread):
                     step = getattr(self.rec, "step", 0)
                     self._send("sys", **sampler.sample(getattr(self.rec, "thread", None),
                                                        step != sys_step))
-                    sys_step = step
+                    sys_step, last_sys = step, now
                 if now >= next_beat:
                     next_beat = now + HEARTBEAT_INTERVAL_S
                     self._heartbeat()
             self._send_steps()
             self._send_checks()
+            step = getattr(self.rec, "step", 0)
+            if step != sys_step and time.monotonic() - last_sys >= FINAL_SYS_MIN_S:
+                self._send("sys", **sampler.sample(getattr(self.rec, "thread", None), True))
             # The last counters (the advice's GC and loader evidence grew since the last
             # beat: up to a second of a short run), without the stuck-rank stacks.
             self._heartbeat(final=True)

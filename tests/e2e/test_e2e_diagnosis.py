@@ -3,6 +3,8 @@ injected each, asserting the diagnosis a user would read in final_summary.json."
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from jobs import Finished, run_job, validate_schema
 
 pytestmark = pytest.mark.e2e
+HAS_SCHEDSTAT = os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat")
 
 # scenario, expected label, expected rank, expected phase
 CASES = [
@@ -59,6 +62,22 @@ def scenario_job(tmp_path_factory) -> Callable[[str], Finished]:
 ALONE = {"balanced", "compute-all", "forward", "batch"}
 
 
+# Jobs whose ranks do the same work. Beside a process busy on one of the machine's cores
+# (another test's job, a CPU hog), one rank's thread can wait for its core: it is then
+# truly behind, and a straggler said to be its host's cores is the right verdict, one
+# sending the user to look for model-side work the wrong one (fresh-clone run 22).
+EVEN = {"balanced", "compute-all"}
+
+
+def _a_straggler_its_cores_made(doc: dict) -> None:
+    d = doc["diagnosis"]
+    assert d["label"] in ("COMPUTE STRAGGLER", "STRAGGLER") and d["rank"] is not None, d
+    assert "for a CPU core" in d["summary"] and "model-side work" not in d["summary"], d
+    waits = {r["rank"]: r["cpu_wait_pct"] for r in doc["ranks"]}
+    others = [w for r, w in waits.items() if r != d["rank"] and w is not None]
+    assert others and (waits[d["rank"]] or 0.0) > min(others), waits  # beyond a neighbour
+
+
 @pytest.mark.parametrize(("scenario", "label", "rank", "phase"),
                          [pytest.param(*c, id=c[0], marks=[pytest.mark.alone] * (c[0] in ALONE))
                           for c in CASES])
@@ -68,17 +87,22 @@ def test_injected_problem_is_diagnosed(scenario_job, scenario, label, rank, phas
     doc = job.summary
     validate_schema(doc)
     d = doc["diagnosis"]
-    assert (d["label"], d["rank"]) == (label, rank), d
-    if phase is not None:
-        assert d["phase"] == phase, d
-    elif scenario in ("batch", "contended"):
-        assert d["phase"] in ("forward", "backward"), d
+    if scenario in EVEN and (d["label"], d["rank"]) != (label, rank):
+        _a_straggler_its_cores_made(doc)
+    else:
+        assert (d["label"], d["rank"]) == (label, rank), d
+        if phase is not None:
+            assert d["phase"] == phase, d
+        elif scenario in ("batch", "contended"):
+            assert d["phase"] in ("forward", "backward"), d
     # Every rank reported every step, and every standard phase is in the document.
     assert [r["steps"] for r in doc["ranks"]] == [80, 80, 80]
+    if HAS_SCHEDSTAT:  # a job of 1-3 s still has its ranks' CPU waits (the final sample)
+        assert all(r["cpu_wait_pct"] is not None for r in doc["ranks"]), doc["ranks"]
     assert {"dataloader", "h2d", "forward", "backward", "sync", "optimizer", "wait"} <= set(
         doc["phases"])
     # The text summary printed at the end names the same diagnosis.
-    assert f"Diagnosis: {label}" in job.stdout
+    assert f"Diagnosis: {d['label']}" in job.stdout
 
 
 def test_a_straggler_on_an_oversubscribed_core_is_said_to_wait_for_it(scenario_job):

@@ -85,6 +85,41 @@ def test_an_input_straggler_on_a_starved_core_gets_the_cpu_evidence_too():
     assert d.label == dx.INPUT_STRAGGLER and "for a CPU core" in d.summary, d.summary
 
 
+def both(cpu: dict[int, tuple[float | None, float | None]], input_gap: float,
+         compute_gap: float) -> list[dx.RankTiming]:
+    """Rank 3 behind in its input by `input_gap` ms and in backward by `compute_gap`."""
+    rows = ranks(cpu, phase="dataloader", gap=input_gap)
+    rows[3].phase_ms["backward"] += compute_gap
+    return rows
+
+
+# (name, the ranks' CPU shares, input gap, compute gap, the label, whether the CPU is said).
+# Rank 3's input is slow by itself (a sleep, storage); its backward waits for a core or
+# not. "Both are uneven" sends the user to the model for a gap its host's cores made.
+BOTH = [
+    ("its cores explain the smaller compute gap", {3: (0.40, 0.30)}, 30.0, 12.0,
+     dx.INPUT_STRAGGLER, True),
+    ("its cores explain the larger compute gap", {3: (0.40, 0.30)}, 12.0, 30.0,
+     dx.COMPUTE_STRAGGLER, True),
+    ("its cores wait as the others': both its own", {}, 30.0, 12.0, dx.STRAGGLER, False),
+    ("its waits not read: both, as measured", {3: NOT_READ}, 30.0, 12.0, dx.STRAGGLER, False),
+    ("just under half the compute gap: both its own", {3: (0.40, 0.0955)}, 30.0, 12.0,
+     dx.STRAGGLER, False),
+]
+
+
+@pytest.mark.parametrize("name, cpu, input_gap, compute_gap, label, said", BOTH,
+                         ids=[c[0] for c in BOTH])
+def test_a_compute_gap_its_cores_explain_is_not_called_uneven_work(name, cpu, input_gap,
+                                                                    compute_gap, label, said):
+    d = dx.diagnose(both(cpu, input_gap, compute_gap))
+    assert (d.label, d.rank) == (label, 3), d
+    assert ("for a CPU core" in d.summary) == said, d.summary
+    named = input_gap if label == dx.INPUT_STRAGGLER else compute_gap
+    if label != dx.STRAGGLER:  # the gap named is that phase group's alone
+        assert d.gap_ms == pytest.approx(named), d
+
+
 def _with_gpus(rows: list[dx.RankTiming], gpus: dict[int, dx.GpuHealth]) -> list[dx.RankTiming]:
     return [dx.RankTiming(r.rank, r.steps, r.step_ms, r.phase_ms, cpu_run=r.cpu_run,
                           cpu_wait=r.cpu_wait, gpu=gpus[r.rank]) for r in rows]
@@ -262,6 +297,20 @@ def test_the_sampler_says_nothing_it_cannot_read_or_should_not_send():
         assert all(0.0 <= v <= 100.0 for v in second), second
     sum(range(200_000))
     assert shares(training_thread=me, stepped=False) == (None, None)  # no step: not sent
+
+
+@pytest.mark.skipif(not HAS_SCHEDSTAT, reason="this kernel keeps no scheduler statistics")
+def test_a_thread_primed_when_first_known_is_read_at_the_next_sample():
+    """The sender primes the training thread as soon as the recorder knows it, so the
+    first sample after is already a share (a job of a second or two has one or two)."""
+    sampler, me = SystemSampler(), threading.get_ident()
+    sampler.prime(me)
+    sum(range(200_000))
+    sampler.prime(me)  # a mark already taken is kept: the interval is still the whole
+    first = sampler.sample(training_thread=me)
+    # A spinning thread runs or waits for a core all the interval, however busy the box.
+    assert first["thread_cpu_pct"] is not None and first["cpu_wait_pct"] is not None, first
+    assert first["thread_cpu_pct"] + first["cpu_wait_pct"] > 50.0, first
 
 
 def test_a_kernel_that_keeps_no_thread_times_sends_none(monkeypatch):

@@ -516,10 +516,15 @@ def _warmup(w: WindowStats) -> Diagnosis | None:
 
 
 def _straggler_in_both(w: WindowStats) -> Diagnosis | None:
-    """Behind in input and in compute: the larger gap names the rank (one rank: both)."""
+    """Behind in input and in compute: the larger gap names the rank (one rank: both).
+    A compute gap its rank's CPU wait explains (cpu_evidence) is its host's cores, not
+    uneven work: "both are uneven" would send the user to the model for it, so the larger
+    of the two is named alone, with its own evidence."""
     inp, cmp = w.input_gap, w.compute_gap
     if inp is None or cmp is None:
         return None
+    if cpu_evidence(w.ready, cmp.rank, cmp.gap_ms) is not None:
+        return _input_straggler(w) if inp.gap_ms >= cmp.gap_ms else _compute_straggler(w)
     worst = inp if inp.gap_ms >= cmp.gap_ms else cmp
     phases = INPUT_PHASES + w.compute
     gap = inp.gap_ms + cmp.gap_ms if inp.rank == cmp.rank else worst.gap_ms
