@@ -51,6 +51,12 @@ RECENT_PERIODS = 2.0
 # median, 75th and 90th percentile of their excess, in turn) are tried alone.
 MAJOR_SHARE = 0.5
 MAJOR_QUANTILES = (50, 75, 90)
+# On a starved host the hiccups can outnumber the checkpoints ten to one (40 of 100 ms
+# beside four 1 s ones, fresh-clone run 24): no quantile reaches the checkpoints. So the
+# stalls above each break in their sizes (the next smaller under MAJOR_SHARE of the one
+# above it, at least STALL_MIN_COUNT above) are tried alone too, the largest breaks first,
+# at most MAX_BREAKS of them: a few fits per new stall.
+MAX_BREAKS = 4
 # Distinct phase names a log can code (a run has at most 24, state.MAX_RUN_PHASES).
 MAX_PHASE_CODES = 255
 
@@ -85,13 +91,26 @@ def rhythm(steps: np.ndarray, excess: np.ndarray) -> tuple[int, np.ndarray] | No
         return fit[0], every  # every gap keeps it: nothing more regular to find
     best = None if fit is None else (fit[1], len(steps), fit[0], every)
     if len(excess) > STALL_MIN_COUNT:
-        for floor in MAJOR_SHARE * np.percentile(excess, MAJOR_QUANTILES):
+        for floor in _floors(excess):
             keep = excess >= floor
             fit = _fit(steps[keep])
             n = int(keep.sum())
             if fit is not None and (best is None or (fit[1], n) > best[:2]):
                 best = (fit[1], n, fit[0], keep)
     return None if best is None else (best[2], best[3])
+
+
+def _floors(excess: np.ndarray) -> list[float]:
+    """Excess floors that set the larger stalls apart from the smaller: MAJOR_SHARE of
+    the MAJOR_QUANTILES, and each of the MAX_BREAKS widest breaks in their sizes."""
+    floors = [float(f) for f in MAJOR_SHARE * np.percentile(excess, MAJOR_QUANTILES)]
+    desc = np.sort(excess)[::-1]
+    above, below = desc[STALL_MIN_COUNT - 1:-1], desc[STALL_MIN_COUNT:]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(above > 0, below / above, 1.0)
+    breaks = np.nonzero(ratio < MAJOR_SHARE)[0]
+    widest = breaks[np.argsort(ratio[breaks], kind="stable")][:MAX_BREAKS]
+    return floors + [float(above[i]) for i in widest]
 
 
 @dataclass(frozen=True, slots=True)
