@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from relay_replay import as_columns, frames, outputs, rank_state, replay, slots
 
 from traceml_agent import protocol
 from traceml_agent.protocol import (
@@ -29,11 +29,9 @@ from traceml_agent.protocol import (
     StepRow,
     encode_relay_batch,
 )
-from traceml_tui import viewmodel
-from traceml_tui.collect import relay_columns, view_build
+from traceml_tui.collect import relay_columns
 from traceml_tui.collect.collector import Collector
 from traceml_tui.judge.state import RunState
-from traceml_tui.report import summary
 from traceml_tui.runfolder.layout import RunFolder
 from traceml_tui.runfolder.step_log import read_steps
 
@@ -122,89 +120,31 @@ def _stream() -> list[list[tuple[int, int, bytes]]]:
     return ticks
 
 
-def _batches(ticks: list, columns: bool) -> Iterator[list[list[bytes]]]:
-    """Per tick, each node's batch (as a relay's tick sends it), as ingest frames."""
-    counts: dict[int, int] = {}
-    for tick in ticks:
-        frames = []
-        for node in sorted({n for n, _, _ in tick}):
-            routes = [rt for n, rt, _ in tick if n == node]
-            payloads = [p for n, _, p in tick if n == node]
-            if columns:
-                items: list[relay_columns.Item] = [
-                    p if (m := relay_columns.plain_steps(p)) is None else (m, p)
-                    for p in payloads]
-                batch = relay_columns.relay_batch(node, counts.get(node, 0), 0, routes, items)
-            else:
-                batch = RelayBatch(node, counts.get(node, 0), 0, routes, payloads)
-            counts[node] = counts.get(node, 0) + 1
-            frames.append([b"relay%d" % node, RELAY_TAG, encode_relay_batch(batch)])
-        yield frames
-
-
 def _run(tmp: Path, columns: bool) -> dict[str, Any]:
     state = RunState("cols", WORLD, nnodes=3, nproc_per_node=PER_NODE, started_at=T0,
                      window_steps=WINDOW)
     coll = Collector(tmp, state)
     try:
-        rows = 0
-        for t, frames in enumerate(_batches(_stream(), columns)):
-            mono = 100.0 + t * 0.2
-            for f in frames:
-                cols = protocol.decode_relay_batch(f[2]).cols
-                rows += 0 if cols is None else len(cols.rows)
-                coll._receive(f, mono)
-            if t % 3 == 2:  # a drain: a few ticks of batches, then the flush
-                coll.flush_columns()
-            if t in (20, 32):
-                coll.flush_columns()
-                state.evaluate(T0 + t, mono)
-        coll.flush_columns()
+        rows = []
+        replay(coll, state, frames(_stream(), as_columns if columns else None),
+               lambda t: 100.0 + t * 0.2, lambda t: t in (20, 32),
+               lambda b: rows.append(0 if b.cols is None else len(b.cols.rows)), T0)
         coll.step_log.flush()
         snap = state.snapshot(T0 + 50, 110.0, full=True)
         out = {
-            "counters": dict(state.counters),
-            "live": summary.to_json(summary.build(snap, summary.RunMeta(complete=False))),
-            "final": summary.to_json(summary.build(snap, summary.RunMeta(
-                command=["x"], exit_code=0, ended_at=T0 + 60))),
-            "view": viewmodel.encode_view(view_build.build(snap, state.recent_steps)),
-            "ranks": {r: _rank(state, r) for r in sorted(state.ranks)},
-            "stalls": {r: _slots(log) for r, log in state.stall_book.logs.items()},
+            **outputs(state, snap, T0 + 60),
+            "ranks": {r: rank_state(state, r) for r in sorted(state.ranks)},
+            "stalls": {r: slots(log) for r, log in state.stall_book.logs.items()},
             "relays": state._relay_snapshots(110.0),
         }
         logged: dict[int, list] = {}
         for rec in read_steps(RunFolder(tmp).step_log):
             logged.setdefault(rec.rank, []).append(rec)
         out["log"] = logged
-        out["columns_rows"] = rows
+        out["columns_rows"] = sum(rows)
         return out
     finally:
         coll.close()
-
-
-def _slots(obj: Any) -> dict[str, Any]:
-    out = {}
-    for name in type(obj).__slots__:
-        v = getattr(obj, name)
-        out[name] = v.tolist() if isinstance(v, np.ndarray) else v
-    return out
-
-
-def _rank(state: RunState, r: int) -> dict[str, Any]:
-    rs, b = state.ranks[r], state.block
-    fields = ("steps", "last_step", "last_seen", "last_step_at", "since_step_at_msg_s",
-              "dropped", "forced", "bad_records", "finished", "first_step", "first_step_at",
-              "stacks", "device")
-    out: dict[str, Any] = {f: getattr(rs, f) for f in fields}
-    out["pid"] = rs.ident.pid
-    # By name: a series' number is the order names first reached a window, which is not
-    # the same when some records wait for a flush (and nothing reads the numbers).
-    out["window"] = {name: np.nan_to_num(b.series[i][r], nan=-1.0).tolist()
-                     for name, i in [("", 0), *b.index.items()]}
-    out["step_no"] = b.step_no[r].tolist()
-    out["ring"] = (b.pos[r], b.count[r], sorted(b.known[r]), b.last_names[r])
-    out["heartbeat"] = rs.heartbeat.since_step_s
-    return out
 
 
 @pytest.fixture(scope="module")

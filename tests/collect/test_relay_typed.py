@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from test_relay_columns import _rank, _slots
+from relay_replay import frames, outputs, rank_state, replay, slots, steps_only
 
 from traceml_agent import protocol
 from traceml_agent.protocol import (
@@ -34,8 +34,7 @@ from traceml_agent.protocol import (
     RelayBatch,
     encode_relay_batch,
 )
-from traceml_tui import viewmodel
-from traceml_tui.collect import relay_columns, view_build
+from traceml_tui.collect import relay_columns
 from traceml_tui.collect.collector import Collector
 from traceml_tui.collect.relay import Relay
 from traceml_tui.judge.state import RunState
@@ -131,63 +130,28 @@ def _stream() -> list[list[tuple[int, int, bytes]]]:
     return ticks
 
 
-def _batches(ticks: list, typed: bool) -> Iterator[list[list[bytes]]]:
-    """Per tick, each node's batch as a relay's tick sends it; `typed`: as this version's
-    relay (relay_columns.item_of), else heartbeats and samples as they came."""
-    counts: dict[int, int] = {}
-    for tick in ticks:
-        frames = []
-        for node in sorted({n for n, _, _ in tick}):
-            routes = [rt for n, rt, _ in tick if n == node]
-            items: list[relay_columns.Item] = []
-            for n, _, p in tick:
-                if n != node:
-                    continue
-                item = relay_columns.item_of(p)
-                if not typed and isinstance(item, tuple) and isinstance(item[0], bytes):
-                    item = p
-                items.append(item)
-            batch = relay_columns.relay_batch(node, counts.get(node, 0), 0, routes, items)
-            counts[node] = counts.get(node, 0) + 1
-            frames.append([b"relay%d" % node, RELAY_TAG, encode_relay_batch(batch)])
-        yield frames
-
-
 def _run(tmp: Path, typed: bool) -> dict[str, Any]:
     state = RunState("typed", WORLD, nnodes=3, nproc_per_node=PER_NODE, started_at=T0,
                      window_steps=32)
     coll = Collector(tmp, state)
     try:
-        listed = 0
-        snaps = []
-        for t, frames in enumerate(_batches(_stream(), typed)):
-            mono = 100.0 + t * 1.0
-            for f in frames:
-                b = protocol.decode_relay_batch(f[2])
-                listed += len(b.beats or ()) + len(b.samples or ())
-                coll._receive(f, mono)
-            if t % 3 == 2:  # a drain: a few ticks of batches, then the flush
-                coll.flush_columns()
-            if t % 8 == 7 or t >= 44:
-                coll.flush_columns()
-                state.evaluate(T0 + t, mono)
-                snaps.append(state.snapshot(T0 + t, mono, full=True))
-        coll.flush_columns()
+        listed = []
+        snaps = replay(coll, state,
+                       frames(_stream(), relay_columns.item_of if typed else steps_only),
+                       lambda t: 100.0 + t * 1.0, lambda t: t % 8 == 7 or t >= 44,
+                       lambda b: listed.append(len(b.beats or ()) + len(b.samples or ())),
+                       T0)
         now, mono = T0 + 50, 100.0 + 50
         state.evaluate(now, mono)
         snap = state.snapshot(now, mono, full=True)
         return {
-            "counters": dict(state.counters),
-            "live": summary.to_json(summary.build(snap, summary.RunMeta(complete=False))),
-            "final": summary.to_json(summary.build(snap, summary.RunMeta(
-                command=["x"], exit_code=0, ended_at=now))),
-            "view": viewmodel.encode_view(view_build.build(snap, state.recent_steps)),
+            **outputs(state, snap, now),
             "ranks": {r: _typed_rank(state, r) for r in sorted(state.ranks)},
             "hang": state.hang,
             "snaps": [summary.to_json(summary.build(s, summary.RunMeta(complete=False)))
                       for s in snaps],
             "relays": state._relay_snapshots(mono),
-            "listed": listed,
+            "listed": sum(listed),
         }
     finally:
         coll.close()
@@ -195,14 +159,14 @@ def _run(tmp: Path, typed: bool) -> dict[str, Any]:
 
 def _typed_rank(state: RunState, r: int) -> dict[str, Any]:
     rs = state.ranks[r]
-    out = _rank(state, r)
+    out = rank_state(state, r)
     for name in ("heartbeat", "sys", "gpu", "key", "replays_at", "batches_at", "busy_since",
                  "conn"):
         out[name] = getattr(rs, name)
     cpu = state.live_cols.cpu
     out["cpu"] = (float(cpu.run[r]), float(cpu.wait[r]))
     series = state.memory.series.get(r)  # as text: NaN is not equal to itself
-    out["memory"] = None if series is None else repr(_slots(series) if hasattr(
+    out["memory"] = None if series is None else repr(slots(series) if hasattr(
         type(series), "__slots__") else {k: (v.tolist() if isinstance(v, np.ndarray) else v)
                                          for k, v in vars(series).items()})
     return out
