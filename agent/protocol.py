@@ -286,6 +286,10 @@ class Sys(_Wire, tag="sys", kw_only=True, frozen=True):
     # Memory this rank may still take before its limit: its cgroup's limit less the
     # cgroup's usage, or the host's available memory (sysmetrics.MemoryHeadroom).
     mem_avail_mb: Megabytes | None = None
+    # Sent as the process ends (Sender.run): only its thread shares are the training's,
+    # from the last sample to the last step; its other figures are not read (memory at
+    # exit is the teardown's), and it does not replace the rank's latest sample.
+    at_exit: bool = False
 
     def __post_init__(self) -> None:
         _clean_fields(self, lines=("device", "gpu_uuid", "gpu_note"))
@@ -293,7 +297,7 @@ class Sys(_Wire, tag="sys", kw_only=True, frozen=True):
     def sample(self) -> dict[str, Any]:
         """Its figures by name, without the envelope (a summary's per-rank row)."""
         return {name: getattr(self, name) for name in self.__struct_fields__
-                if name not in _ENVELOPE}
+                if name not in _ENVELOPE and name != "at_exit"}
 
 
 class Heartbeat(_Wire, tag="heartbeat", kw_only=True, frozen=True):

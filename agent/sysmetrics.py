@@ -243,20 +243,28 @@ class ThreadSchedule:
     thread (the one that opens forward, backward and optimizer) is read: it is the
     step's critical path on the host."""
 
-    __slots__ = ("_ident", "_tid", "_mark")
+    __slots__ = ("_ident", "_tid", "_mark", "_stepped")
 
     def __init__(self) -> None:
         self._ident: int | None = None  # the Python thread (threading.get_ident)
         self._tid: int | None = None  # its kernel id
         self._mark: tuple[int, int, float] | None = None
+        # The thread's times when it was last seen stepping (`stepped`): where the exit's
+        # interval ends, so that a teardown of seconds is not read as the training's.
+        self._stepped: tuple[int, int, float] | None = None
 
     def prime(self, ident: int | None, now: float) -> None:
         """The first mark for thread `ident` as soon as it is known, not at the next
         sample: a job that trains a second or two still gets one interval read (the
-        final sample's, Sender.run), or none would tell its starved rank from a slow
-        one. A mark already taken for it is kept."""
+        exit's, `to_last_step`), or none would tell its starved rank from a slow one. A
+        mark already taken for it is kept."""
         if ident is not None and (ident != self._ident or self._mark is None):
             self.shares(ident, now)
+
+    def stepped(self, ident: int | None, now: float) -> None:
+        """Thread `ident` was seen to step just now: its times are kept (not a mark)."""
+        if ident is not None and ident == self._ident and self._mark is not None:
+            self._stepped = self._read(now)
 
     def shares(self, ident: int | None, now: float) -> tuple[float, float] | None:
         """(ran, waited) of thread `ident` since the last call; None: the first call, a
@@ -265,24 +273,40 @@ class ThreadSchedule:
             self._ident, self._mark = ident, None
             self._tid = next((t.native_id for t in threading.enumerate()
                               if t.ident == ident), None) if ident is not None else None
+        mark, self._mark, self._stepped = self._mark, self._read(now), None
+        return _between(mark, self._mark)
+
+    def to_last_step(self, min_s: float = 0.0) -> tuple[float, float] | None:
+        """(ran, waited) from the last mark to when the thread was last seen stepping;
+        None unless it stepped at least `min_s` after the mark."""
+        mark, end = self._mark, self._stepped
+        if mark is None or end is None or end[2] - mark[2] < min_s:
+            return None
+        return _between(mark, end)
+
+    def _read(self, now: float) -> tuple[int, int, float] | None:
         if self._tid is None:
             return None
         times = _schedstat(self._tid)
         if times is None:  # no schedstat here, or the thread ended
-            self._tid = self._mark = None
+            self._tid = None
             return None
         ran, waited, slices = times
         if ran == 0 and waited == 0 and slices == 0:  # a kernel that keeps no times per thread
-            self._mark = None
             return None
         # "0 0 1" is a thread that just started and has not been charged a tick yet (3 of
         # 200 fresh threads on this VM): a true zero, a valid mark.
-        mark, self._mark = self._mark, (ran, waited, now)
-        if mark is None or now <= mark[2]:
-            return None
-        span = (now - mark[2]) * 1e9
-        return (min(1.0, max(0.0, (ran - mark[0]) / span)),
-                min(1.0, max(0.0, (waited - mark[1]) / span)))
+        return ran, waited, now
+
+
+def _between(mark: tuple[int, int, float] | None, end: tuple[int, int, float] | None
+             ) -> tuple[float, float] | None:
+    """The shares of the wall time from `mark` to `end` a thread ran and waited."""
+    if mark is None or end is None or end[2] <= mark[2]:
+        return None
+    span = (end[2] - mark[2]) * 1e9
+    return (min(1.0, max(0.0, (end[0] - mark[0]) / span)),
+            min(1.0, max(0.0, (end[1] - mark[1]) / span)))
 
 
 class SystemSampler:
@@ -359,12 +383,31 @@ class SystemSampler:
 
     # --- sampling -------------------------------------------------------------------
 
-    def prime(self, training_thread: int | None) -> None:
-        """ThreadSchedule.prime: one read of /proc the first time a thread is known."""
+    def prime(self, training_thread: int | None, stepped: bool = False) -> None:
+        """ThreadSchedule.prime: one read of /proc the first time a thread is known; and
+        where the rank `stepped` since the last call, its times then (ThreadSchedule.
+        stepped: a read of /proc at most every wake of the sender while it trains)."""
         try:
-            self._schedule.prime(training_thread, time.monotonic())
+            now = time.monotonic()
+            self._schedule.prime(training_thread, now)
+            if stepped:
+                self._schedule.stepped(training_thread, now)
         except Exception:  # whatever this platform lacks, the samples still go
             pass
+
+    def exit_sample(self, min_s: float) -> dict[str, Any] | None:
+        """At the process's end, the training thread's shares from the last sample to its
+        last step, marked `at_exit`: the collector takes nothing else from it (memory at
+        exit is the teardown's, not the training's). None without such an interval of at
+        least `min_s`."""
+        try:
+            shares = self._schedule.to_last_step(min_s)
+        except Exception:
+            shares = None
+        if shares is None:
+            return None
+        return {"thread_cpu_pct": round(shares[0] * 100, 1),
+                "cpu_wait_pct": round(shares[1] * 100, 1), "at_exit": True}
 
     def sample(self, training_thread: int | None = None, stepped: bool = True
                ) -> dict[str, Any]:

@@ -41,9 +41,10 @@ SYS_INTERVAL_S = 1.0  # system samples (CPU, memory, GPU), up to 1,024 ranks
 SCALE_RANKS = 1024
 MAX_SEND_INTERVAL_S = 1.0
 LARGE_SYS_INTERVAL_S = 5.0
-# At exit, the last interval's system sample is sent when it is at least this long: a
-# job shorter than two samples has no other (its CPU wait, diagnosis.cpu_evidence), and
-# a shorter tail is too few scheduler ticks to be a share.
+# At exit, the training thread's CPU shares from the last sample to its last step are
+# sent when that interval is at least this long: a job shorter than two samples has no
+# other (its CPU wait, diagnosis.cpu_evidence), and a shorter one is too few scheduler
+# ticks to be a share.
 FINAL_SYS_MIN_S = 0.25
 
 
@@ -157,11 +158,13 @@ class Sender(threading.Thread):
         wake = min(interval, HEARTBEAT_INTERVAL_S / 4)
         try:
             self._send("hello", **self.hello, key=self.key)
-            next_steps = next_sys = next_beat = last_sys = 0.0
-            sys_step = -1  # the step count at the last sys sample
+            next_steps = next_sys = next_beat = 0.0
+            sys_step = wake_step = -1  # the step count at the last sys sample, last wake
             while not self._stopped.acquire(timeout=wake):
                 now = time.monotonic()
-                sampler.prime(getattr(self.rec, "thread", None))
+                step = getattr(self.rec, "step", 0)
+                sampler.prime(getattr(self.rec, "thread", None), step != wake_step)
+                wake_step = step
                 if now >= next_steps:
                     next_steps = now + interval
                     self._send_steps()
@@ -177,15 +180,16 @@ class Sender(threading.Thread):
                     step = getattr(self.rec, "step", 0)
                     self._send("sys", **sampler.sample(getattr(self.rec, "thread", None),
                                                        step != sys_step))
-                    sys_step, last_sys = step, now
+                    sys_step = step
                 if now >= next_beat:
                     next_beat = now + HEARTBEAT_INTERVAL_S
                     self._heartbeat()
             self._send_steps()
             self._send_checks()
-            step = getattr(self.rec, "step", 0)
-            if step != sys_step and time.monotonic() - last_sys >= FINAL_SYS_MIN_S:
-                self._send("sys", **sampler.sample(getattr(self.rec, "thread", None), True))
+            sampler.prime(getattr(self.rec, "thread", None), self.rec.step != wake_step)
+            last = sampler.exit_sample(FINAL_SYS_MIN_S) if self.rec.step != sys_step else None
+            if last is not None:
+                self._send("sys", **last)
             # The last counters (the advice's GC and loader evidence grew since the last
             # beat: up to a second of a short run), without the stuck-rank stacks.
             self._heartbeat(final=True)

@@ -123,6 +123,8 @@ def test_a_rank_of_a_huge_job_sends_less_often_but_loses_nothing(collector, monk
         # without it a job shorter than two samples has no CPU wait at all.
         last = [m.body for m in messages if m.kind == "sys"][-1]
         assert last.thread_cpu_pct is not None and last.cpu_wait_pct is not None, last
+        # ... and nothing else: memory at exit is the teardown's, not the training's.
+        assert last.at_exit and last.rss_mb is None and last.cpu_pct is None, last
     assert 3 <= count["heartbeat"] <= elapsed + 2, (count, elapsed)  # one a second + the last
     assert [r.step for r in _records(messages)[1]] == list(range(steps))
 

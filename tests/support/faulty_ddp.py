@@ -81,6 +81,10 @@ def main() -> None:
     p.add_argument("--slow-input-ranks", default="", metavar="R,R")
     p.add_argument("--slow-ms", type=float, default=25.0)
     p.add_argument("--break-agent-at", type=int, default=None, metavar="STEP")
+    # A test that must act while the job still runs, however slow the machine: the job
+    # runs up to --steps, or stops at the step written in this file once it appears (each
+    # rank reads it, so all stop at the same step; the test writes one far enough ahead).
+    p.add_argument("--stop-file", type=Path, default=None, metavar="FILE")
     args = p.parse_args()
 
     if args.ignore_sigterm:
@@ -106,7 +110,17 @@ def main() -> None:
 
     step, epoch = 0, 0
     t0 = time.perf_counter()
-    while step < args.steps:
+    last = args.steps
+
+    def stop_at() -> int:
+        if args.stop_file is None or last != args.steps or not args.stop_file.exists():
+            return last
+        try:
+            return min(args.steps, int(args.stop_file.read_text()))
+        except ValueError:  # being written: read again at the next step
+            return last
+
+    while step < last:
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
             if step == args.break_agent_at:
@@ -120,7 +134,8 @@ def main() -> None:
             step += 1
             if log is not None:
                 log.write(f"{step} {time.time():.6f}\n")
-            if step >= args.steps:
+            last = stop_at()
+            if step >= last:
                 break
         epoch += 1
     elapsed = time.perf_counter() - t0

@@ -49,9 +49,11 @@ def make_state(world_size: int = 8, nproc_per_node: int = 4, steps: int = 40,
                straggler: int | None = 2, phase: str = DATALOADER, extra_ms: float = 30.0,
                seed: int = 0, stale: tuple[int, ...] = (), hosts: str = "node",
                also_slow: tuple[int, ...] = (), silent_nodes: tuple[int, ...] = (),
-               findings: tuple[Finding, ...] = ()) -> RunState:
+               findings: tuple[Finding, ...] = (),
+               thread_cpu: tuple[float, float] | None = (60.0, 2.0)) -> RunState:
     """`also_slow`: more ranks as slow as the straggler (a whole node, say); ranks on
-    `silent_nodes` never report (a node that has not started)."""
+    `silent_nodes` never report (a node that has not started); `thread_cpu`: every
+    training thread's % of time on a CPU and waiting for one (None: not read)."""
     rng = random.Random(seed)
     nnodes = max(1, world_size // nproc_per_node)
     state = RunState("demo-run", world_size, nnodes, nproc_per_node, started_at=T0,
@@ -78,8 +80,12 @@ def make_state(world_size: int = 8, nproc_per_node: int = 4, steps: int = 40,
         batch = Steps(v=PROTOCOL_VERSION, id=ident, seq=0, t=T0, phases=list(PHASES),
                       records=[])
         state.ingest(Message("steps", ident, 0, T0, batch, PHASES, tuple(records)), 0.0)
+        # The training threads' shares on a CPU and waiting for one, as a job on cores of
+        # its own reads them: the straggler's advice then rests on a comparison, not on
+        # waits never read (diagnosis._CPU_UNREAD).
+        run, wait = thread_cpu or (None, None)
         sys = Sys(v=PROTOCOL_VERSION, id=ident, seq=1, t=T0, cpu_pct=95.0 + rank % 5,
-                  rss_mb=900.0 + rank)
+                  thread_cpu_pct=run, cpu_wait_pct=wait, rss_mb=900.0 + rank)
         state.ingest(Message("sys", ident, 1, T0, sys), 0.0)
         mine = tuple(f for f in findings if rank in f.ranks)
         if mine:

@@ -976,6 +976,8 @@ def _straggler(label: str, rank: int, phase: str | None, gap: float, share: floa
             advice = f"{advice}; {cpu}"
         else:
             advice = f"{cpu}; {health[0]}"
+    elif cpu_unread(ranks, rank):
+        advice = f"{advice}; {_CPU_UNREAD}"
     return Diagnosis(
         label, rank, phase, severity,
         f"Rank {rank}{on_host} spends {gap:.1f} ms more{where} than the median rank, "
@@ -1047,6 +1049,25 @@ def _cpu_explains(extra_ms: float, gap_ms: float) -> bool:
 _CPU_ADVICE = ("other work shares its cores (other processes, DataLoader workers, intra-op "
                "threads); give each rank cores of its own (taskset or numactl, fewer "
                "DataLoader workers, OMP_NUM_THREADS)")
+
+
+# Said beside a straggler's advice when its CPU wait cannot be compared (not read yet: the
+# first share comes a sample after the training thread is known; or too few other ranks
+# read): the model-side advice alone would be a confident guess (a rank of a 2-core box
+# beside a busy process was sent to look for model-side work at step 12).
+_CPU_UNREAD = ("how long its training thread waited for a core was not read: other work "
+               "sharing its cores is not ruled out")
+
+
+def cpu_unread(ranks: Table, rank: int) -> bool:
+    """Whether the culprit's CPU wait cannot be compared with the median rank's: its own
+    share not read, or too few of the others' (cpu_evidence says nothing either way)."""
+    t = Timings.of(ranks)
+    i = t.row(rank)
+    if i is None:
+        return True
+    waited = _ready_waits(t)[0]
+    return not waited[i] == waited[i] or _usual_wait(waited, np.arange(len(t)) != i) is None
 
 
 def cpu_evidence(ranks: Table, rank: int, gap_ms: float) -> str | None:

@@ -296,9 +296,12 @@ class Intake:
         return True
 
     def _sample(self, rs: RankState, body: Sys) -> None:
-        """A sys sample's figures: CPU share and wait, memory, GPU health, its device."""
-        rs.sys = body
+        """A sys sample's figures: CPU share and wait, memory, GPU health, its device.
+        The one sent at a process's end brings only its training thread's shares."""
         self._cpu_seen(rs, body)
+        if body.at_exit:
+            return
+        rs.sys = body
         self.state.memory.seen(rs.ident.rank, body.t, body)
         # NVML health, beside a compute straggler's evidence (diagnosis reads its map)
         gpu = (dx.GpuHealth.of(body.sample())
