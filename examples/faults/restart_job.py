@@ -14,6 +14,7 @@ none needed).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 from datetime import timedelta
@@ -63,6 +64,13 @@ def main() -> None:
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
+    # Leave together, then free what holds the group before destroying it (as
+    # examples/ddp_toy.py does): a rank tearing gloo down while a peer still sends, or a
+    # group left to the interpreter's teardown, can abort a finished rank ("terminate
+    # called without an active exception": fresh-clone run 28's restarted attempt).
+    dist.barrier()
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
 
 

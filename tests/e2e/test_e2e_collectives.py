@@ -27,8 +27,13 @@ def test_a_second_groups_all_gather_is_named_beside_ddps_all_reduce(tmp_path):
         assert c["exposed_ms_per_step"] > 0 and 0 < c["share_of_sync"] < 1
     assert gather["bytes_per_step"] == 4 * (1 << 18)  # the script's 256k floats
     assert reduce["bytes_per_step"] > 0
-    # The two hold the job's sync time between them (the rest: DDP's buffer broadcast).
-    assert gather["share_of_sync"] + reduce["share_of_sync"] > 0.9
+    # The two hold the job's sync time between them; the rest is DDP's broadcast of its
+    # module states, once at its construction (~10 ms of a 30-step job's sync beside a
+    # busy process: 14 %, fresh-clone run 28), and nothing else.
+    rest = [c for c in doc["collectives"] if c is not gather and c is not reduce]
+    assert all(c["op"].startswith("broadcast") and c["count_per_step"] < 0.1 for c in rest), rest
+    assert gather["share_of_sync"] + reduce["share_of_sync"] > 0.7, doc["collectives"]
+    assert sum(c["share_of_sync"] for c in doc["collectives"]) > 0.95, doc["collectives"]
     text = (job.run_dir / "final_summary.txt").read_text()
     assert "all_gather on group r0-1 (outside phases)" in text
     assert "all_reduce on group world (in backward)" in text
