@@ -281,6 +281,41 @@ def test_torchrun_restarting_the_group_replaces_a_quiet_rank():
     assert not state.ingest(_steps(0, range(10, 20), 1000), 5.0, OWN)  # now the stranger
 
 
+def _goodbye_of(rank: int, pid: int, code: int) -> Any:
+    return decode(encode("goodbye", ident(rank, pid), 3, 0.0, exit_code=code, error=None,
+                         steps=0))
+
+
+@pytest.mark.parametrize("first", ["its peer", "itself"])
+def test_a_killed_rank_is_replaced_whichever_rank_of_the_restart_speaks_first(first):
+    """Fresh-clone run 30: a rank SIGKILLed (no goodbye), its peers failed with a goodbye;
+    torchrun restarted the group. When a peer's hello opened attempt 2 first, the killed
+    rank's new hello was compared with the run's attempt (already 2), was not "newer", and
+    the new process was refused for the whole attempt: its steps lost, a false HANG in the
+    record. The claim is judged against the rank's own record's attempt. Near misses: a
+    hello of the old attempt is still refused; a newer one waits until the old connection
+    is quiet."""
+    state = RunState("r", WORLD, max_restarts=1)
+    conns = {r: (f"rank{r}".encode(), None) for r in range(WORLD)}
+    new = {r: (f"new{r}".encode(), None) for r in range(WORLD)}
+    for r in range(WORLD):
+        assert state.ingest(_hello_of(r, 1000 + r, KEY, attempt=0), 0.0, conns[r])
+        assert state.ingest(_steps(r, range(10), 1000 + r), 0.5, conns[r])
+    assert state.ingest(_goodbye_of(0, 1000, 1), 1.0, conns[0])  # rank 1 killed at 0.5
+    order = [0, 1] if first == "its peer" else [1, 0]
+    for r in order:  # the restart, 1.5 s after rank 1's last word: not quiet yet
+        state.ingest(_hello_of(r, 2000 + r, OTHER_KEY, attempt=1), 2.0, new[r])
+    assert state.attempts.number == 2
+    assert state.ranks[1].ident.pid == 1001  # a claim only while the old one may speak
+    # A process of the old attempt (or a key holder) claiming it: refused, quiet or not.
+    assert not state.ingest(_hello_of(1, 3000, OTHER_KEY, attempt=0), 9.0, OTHER)
+    # The new process's next word, once the old connection is quiet: the rank is its.
+    assert state.ingest(_beat_of(1, 2001, OTHER_KEY), 0.5 + RANK_QUIET_S + 0.1, new[1])
+    assert state.ranks[1].ident.pid == 2001 and state.ranks[1].attempt == 2
+    assert state.ingest(_steps(1, range(5), 2001), 4.0, new[1])
+    assert state.ranks[1].steps == 5
+
+
 def test_an_agent_without_a_key_is_taken_back_by_pid_once_quiet():
     """An agent of before keys (no key in its hello or heartbeats) reconnects by pid, as
     it did: nothing better is known of it."""

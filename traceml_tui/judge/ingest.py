@@ -202,7 +202,7 @@ class Intake:
             return False
         rs = self.state.ranks.get(ident.rank)
         if rs is not None and conn is not None and rs.conn != conn:
-            if not self.state.owners.may_take_over(rs, msg, now, conn, self.state.attempts.rises):
+            if not self.state.owners.may_take_over(rs, msg, now, conn):
                 self.state.counters["not_owner"] += 1
                 return False
             if rs.ident.pid == ident.pid:  # the same process, reconnected

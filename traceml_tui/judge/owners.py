@@ -29,6 +29,7 @@ class Owned(Protocol):
     key: str | None
     finished: bool
     last_seen: float
+    attempt: int  # the attempt its process belongs to (1-based)
 
 
 class Owners:
@@ -60,11 +61,12 @@ class Owners:
             return True
         return check(ident.pid)
 
-    def may_take_over(self, rs: Owned, msg: Message, now: float, conn: object,
-                      newer_attempt: Callable[[int | None], bool]) -> bool:
+    def may_take_over(self, rs: Owned, msg: Message, now: float, conn: object) -> bool:
         """A message for a rank that reports on another connection (module docstring).
         While the rank is alive every such message is refused: a key holder cannot
-        replace it. `newer_attempt`: whether a hello's attempt is newer than the run's."""
+        replace it. A hello's attempt is compared with the rank's own record's, not the
+        run's: the restarted group's other ranks may have opened the new attempt first
+        (a rank killed without a goodbye is then still in the old one)."""
         rank, pid = msg.ident.rank, msg.ident.pid
         quiet = rs.finished or now - rs.last_seen >= RANK_QUIET_S
         if rs.ident.pid == pid:
@@ -74,7 +76,12 @@ class Owners:
             return quiet
         body = msg.body
         if isinstance(body, Hello) and self.of_job(msg.ident, conn):
-            self.claims[rank] = (conn, pid, newer_attempt(body.attempt))
+            newer = body.attempt is not None and body.attempt + 1 > rs.attempt
+            held = self.claims.get(rank)
+            # A claim that can never succeed (the rank lives and the hello names no newer
+            # attempt) does not displace one that can: a stale hello erases no restart.
+            if newer or rs.finished or held is None or not held[2]:
+                self.claims[rank] = (conn, pid, newer)
         claim = self.claims.get(rank)
         if claim is None or claim[:2] != (conn, pid):
             return False
