@@ -123,28 +123,11 @@ def spawn_traceml(*args: str, env: dict[str, str] | None = None,
 
 def free_ports(count: int) -> int:
     """The first of `count` consecutive free TCP ports (torchrun's, the collector's, the
-    viewers' for a multi-node run)."""
-    import socket
+    viewers' for a multi-node run): the product's choice, outside the ephemeral range that
+    every outgoing connection on the host draws from (launch/ports.py)."""
+    from traceml_tui.launch import ports
 
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            held = []
-            for port in range(base, base + count):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("0.0.0.0", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no block of free ports")
+    return ports.free_ports(count)
 
 
 def run_job(tmp_path: Path, script: str, *args: str, nproc: int = 3, name: str = "job",

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -12,6 +11,8 @@ from pathlib import Path
 
 from traceml_tui.runfolder import folders
 from traceml_tui.runfolder.layout import RunFolder
+
+from . import ports
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's own default, for multi-node runs
 WRITE_PROBE_BYTES = 64 << 10
@@ -70,12 +71,6 @@ class RunOptions:
         return RunFolder(run_dir, self.node_rank if self.multinode else None)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def prepare_run_dir(opts: RunOptions) -> tuple[str, Path]:
     if opts.run_name:
         name = opts.run_name
@@ -118,21 +113,12 @@ def prepare_run_dir(opts: RunOptions) -> tuple[str, Path]:
 
 
 def master_port(opts: RunOptions) -> int:
-    port = opts.master_port or (_free_port() if not opts.multinode else DEFAULT_MASTER_PORT)
-    if opts.node_rank == 0 and not _port_free(port):  # torchrun's store listens here
+    port = opts.master_port or (ports.free_ports() if not opts.multinode
+                                else DEFAULT_MASTER_PORT)
+    if opts.node_rank == 0 and not ports.is_free(port):  # torchrun's store listens here
         raise LaunchError(f"port {port} (torchrun's master port) is in use on this host; "
                           f"choose another --master-port")
     return port
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
 
 
 def torchrun_command(opts: RunOptions, port: int, then: list[str]) -> list[str]:
