@@ -113,6 +113,12 @@ DRAIN_TAKE_BYTES = 1 << 20
 # this many times as long as the last took, so writing never takes more than a tenth of
 # the core from ingest (16,384 ranks: ~1.4 s a write, one every ~15 s; 1,024: every 2 s).
 SNAPSHOT_BACKOFF = 9.0
+# The live file's whole-window part (every rank's window sorted per series, the verdict
+# over it, its cost: about half a write) is recomputed at most this often; the counters,
+# steps, live verdict and timeline every write. A window is hundreds of steps: its
+# quantiles barely move in 10 s, and the file says when they were taken
+# (run.window_stats_at). The final record's is always fresh.
+WINDOW_REFRESH_S = 10.0
 # Messages queued inside ZeroMQ for the collector cost up to one 8 KiB receive buffer each
 # (measured: 1,024 peers x 100 queued 170-byte messages held 643 MiB), and the limit is per
 # connection. So the per-connection limit comes from a total budget: past it, messages
@@ -525,7 +531,8 @@ class Collector:
     def write_live(self) -> None:
         try:
             with summary.gc_paused():
-                snap = self.state.snapshot(time.time(), time.monotonic(), full=True)
+                snap = self.state.snapshot(time.time(), time.monotonic(), full=True,
+                                           window_max_age_s=WINDOW_REFRESH_S)
                 text = summary.to_json(summary.build(snap, summary.RunMeta(complete=False)))
                 del snap  # freed here, while no collection can run
             descriptors.write_anyway(  # whatever the sockets hold, the record is written

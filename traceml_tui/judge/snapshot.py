@@ -132,6 +132,25 @@ class WholeWindow:
         return None if m != m else Quantiles(m, self.p95s[row][0])
 
 
+@dataclass(frozen=True, slots=True)
+class WindowPart:
+    """A full snapshot's whole-window part: every rank's whole-window statistics, the
+    diagnosis over them and what it costs. The costliest part of a snapshot (a sort of
+    every rank's window per series), and it moves slowly (a window is hundreds of steps):
+    the live file reuses it for up to `RunState.snapshot`'s `window_max_age_s`, and says
+    when it was computed (summary `run.window_stats_at`)."""
+
+    at: float  # wall time it was computed
+    mono: float  # collector's clock, for its age
+    key: tuple[int, ...]  # what it covers (ranks, attempt, restarts, phases): reused only
+    whole: WholeWindow
+    untimed: Mapping[int, tuple[dx.Untimed, ...]]
+    final: dx.Diagnosis
+    final_what_if: cost.WhatIf | None
+    mean_step_ms: float | None
+    stalls: tuple[StallFinding, ...]
+
+
 class PhaseRow(Mapping[str, "Quantiles | None"]):
     """One rank's whole-window phase quantiles, read from the columns when asked for."""
 
@@ -203,6 +222,9 @@ class Snapshot:
     # old, memory.LIVE_EVERY_S)
     memory: tuple[MemoryTrend, ...] = ()
     whole: WholeWindow | None = None  # full snapshots: every rank's whole-window statistics
+    # When the whole-window part (`whole`, `final`, `final_what_if`, `mean_step_ms`,
+    # `stalls`) was computed, where it is older than `now` (a live file's, WindowPart)
+    window_at: float | None = None
     # Under torchrun's elastic agent: every kept attempt, the current one last (attempts.py)
     attempts: tuple[Attempt, ...] = ()
 

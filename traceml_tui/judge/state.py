@@ -40,6 +40,7 @@ from .snapshot import (
     RelaySnapshot,
     Snapshot,
     WholeWindow,
+    WindowPart,
 )
 from .stalls import StallBook, StallFinding
 from .timeline import Timeline
@@ -115,6 +116,7 @@ class RunState:
         # "fsdp" once any rank reports an FSDP model: collectives then run inside forward
         # and backward, and the diagnosis compares only the phases without them.
         self.parallel: str | None = None
+        self._part: WindowPart | None = None  # the last full snapshot's (snapshot)
         self.checks = ChecksBoard(world_size)
         self.hangs = hang.HangLatch()  # the hang on display, its stacks, the last ended
         self.framework: str | None = None  # named in the hint when timing is incomplete
@@ -474,12 +476,17 @@ class RunState:
             return d
         return coll.with_evidence(d, self._collective_stats())
 
-    def snapshot(self, now: float, mono_now: float, full: bool = False) -> Snapshot:
+    def snapshot(self, now: float, mono_now: float, full: bool = False,
+                 window_max_age_s: float = 0.0) -> Snapshot:
         """Freeze the state. `full` adds whole-window quantiles and the final diagnosis
-        (costlier: used for the snapshot file and the summary, not every live tick)."""
+        (costlier: used for the snapshot file and the summary, not every live tick);
+        `window_max_age_s`: that part may be reused for so long (WindowPart), while the
+        ranks, their run and its covering do not change."""
         shown = self.live.shown if self.live is not None else self.evaluate(now)
+        part = self._window_part(mono_now, window_max_age_s) if full else None
         # Full: every rank's whole window, in one pass per series, kept as columns.
-        whole, untimed = self._whole_window() if full else (None, {})
+        whole, untimed = ((part.whole, part.untimed) if part is not None
+                          else self._whole_window() if full else (None, {}))
         none: Mapping[str, Quantiles | None] = MappingProxyType({p: None for p in self.phases})
         cols = {p: i for i, p in enumerate(self.phases, 1)}
         # Every rank's live timings, read from the live columns at once (no RankTiming).
@@ -493,11 +500,10 @@ class RunState:
         ranks = tuple(self._rank_snapshot(r, mono_now, whole, untimed.get(r), none, cols, lives,
                                           cpu)
                       for r in range(self.world_size))
-        aligned = (self.block.aligned(list(self.ranks), cost.steps_to_read(
-            len(self.ranks), self.window_steps, self.window_steps)) if full else None)
-        final = self._full_diagnosis(ranks, whole, aligned) if whole is not None else None
+        if whole is not None and part is None:
+            part = self._new_window_part(now, mono_now, ranks, whole, untimed)
         trends = self.memory.trends(None if full else mono_now)
-        final = None if final is None else memory_evidence(final, trends)
+        final = None if part is None else memory_evidence(part.final, trends)
         return Snapshot(
             run_name=self.run_name, world_size=self.world_size, nnodes=self.nnodes,
             started_at=self.started_at, now=now, phases=tuple(self.phases), ranks=ranks,
@@ -512,15 +518,43 @@ class RunState:
             relays=self._relay_snapshots(mono_now), what_if=self.timeline.what_if,
             history=self.timeline.history.view(),
             collectives=self._collective_stats(),
-            stalls=tuple(self.stall_findings()) if full else (),
+            stalls=() if part is None else part.stalls,
             memory=trends,
-            final_what_if=(None if final is None or aligned is None
-                           or final.label not in cost.COSTED_LABELS
-                           else cost.what_if(final, aligned, self.parallel == "fsdp")),
-            mean_step_ms=None if aligned is None else cost.job_step_ms(aligned),
-            whole=whole, attempts=self.attempts.attempts(
+            final_what_if=None if part is None else part.final_what_if,
+            mean_step_ms=None if part is None else part.mean_step_ms,
+            whole=whole, window_at=None if part is None or part.at >= now else part.at,
+            attempts=self.attempts.attempts(
                 {r: rs.steps for r, rs in self.ranks.items() if rs.attempt == self.attempts.number},
                 shown, tuple(self.timeline)))
+
+    def _window_key(self) -> tuple[int, ...]:
+        """What a whole-window part covers: a rank added or restarted, a new attempt or a
+        new phase makes it another."""
+        return (len(self.ranks), self.attempts.number, self.counters["restarts"],
+                len(self.phases))
+
+    def _window_part(self, mono_now: float, max_age_s: float) -> WindowPart | None:
+        """The last full snapshot's whole-window part, if it may serve (WindowPart)."""
+        part = self._part
+        if (part is None or max_age_s <= 0 or not 0 <= mono_now - part.mono < max_age_s
+                or part.key != self._window_key()):
+            return None
+        return part
+
+    def _new_window_part(self, now: float, mono_now: float, ranks: tuple[RankSnapshot, ...],
+                         whole: WholeWindow, untimed: Mapping[int, tuple[dx.Untimed, ...]]
+                         ) -> WindowPart:
+        aligned = self.block.aligned(list(self.ranks), cost.steps_to_read(
+            len(self.ranks), self.window_steps, self.window_steps))
+        final = self._full_diagnosis(ranks, whole, aligned)
+        self._part = WindowPart(
+            at=now, mono=mono_now, key=self._window_key(), whole=whole, untimed=untimed,
+            final=final,
+            final_what_if=(None if aligned is None or final.label not in cost.COSTED_LABELS
+                           else cost.what_if(final, aligned, self.parallel == "fsdp")),
+            mean_step_ms=None if aligned is None else cost.job_step_ms(aligned),
+            stalls=tuple(self.stall_findings()))
+        return self._part
 
     def _whole_window(self) -> tuple[WholeWindow, dict[int, tuple[dx.Untimed, ...]]]:
         """Every reporting rank's whole window in one pass per series, and the phases each

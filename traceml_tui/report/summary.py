@@ -171,6 +171,7 @@ def build(snap: Snapshot, meta: RunMeta) -> model.Summary:
             "exit_code": meta.exit_code, "failed_rank": meta.failed_rank,
             "command": list(meta.command), "steps": snap.total_steps,
             "ranks_reporting": snap.reporting, "parallel": snap.parallel, **meta.extra,
+            **({} if snap.window_at is None else {"window_stats_at": iso(snap.window_at)}),
         }, model.Run),
         phases=list(snap.phases),
         diagnosis=_typed(diagnosis.to_json(), model.Diagnosis),

@@ -108,6 +108,10 @@ class Run(_S, kw_only=True):
     native_stack_refused: int | UnsetType = UNSET  # native stacks refused (launcher)
     collector_restarted: CollectorRestarted | UnsetType = UNSET
     nodes_never_seen: list[int] | UnsetType = UNSET
+    # In the live file: when its whole-window statistics (step_ms, the ranks' quantiles,
+    # the diagnosis and its cost) were taken, where older than the file (they are
+    # refreshed every collector.WINDOW_REFRESH_S; counters and steps every write)
+    window_stats_at: str | UnsetType = UNSET
 
 
 class StepMs(_S, kw_only=True):
