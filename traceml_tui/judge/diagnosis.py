@@ -517,13 +517,13 @@ def _warmup(w: WindowStats) -> Diagnosis | None:
 
 def _straggler_in_both(w: WindowStats) -> Diagnosis | None:
     """Behind in input and in compute: the larger gap names the rank (one rank: both).
-    A compute gap its rank's CPU wait explains (cpu_evidence) is its host's cores, not
+    A compute gap its rank's CPU wait explains (cpu_wait) is its host's cores, not
     uneven work: "both are uneven" would send the user to the model for it, so the larger
     of the two is named alone, with its own evidence."""
     inp, cmp = w.input_gap, w.compute_gap
     if inp is None or cmp is None:
         return None
-    if cpu_evidence(w.ready, cmp.rank, cmp.gap_ms) is not None:
+    if cpu_wait(w.ready, cmp.rank, cmp.gap_ms).explains is not None:
         return _input_straggler(w) if inp.gap_ms >= cmp.gap_ms else _compute_straggler(w)
     worst = inp if inp.gap_ms >= cmp.gap_ms else cmp
     phases = INPUT_PHASES + w.compute
@@ -967,7 +967,8 @@ def _straggler(label: str, rank: int, phase: str | None, gap: float, share: floa
     if health is not None:  # the GPU first when it sets this rank apart, else beside
         text, distinct = health
         advice = f"{text}; {_GPU_ADVICE}" if distinct else f"{advice}; {text}"
-    cpu = cpu_evidence(ranks, rank, gap)
+    wait = cpu_wait(ranks, rank, gap)
+    cpu = wait.explains
     if cpu is not None:  # its cores explain the gap: said first, unless its GPU sets it
         # apart (a slow GPU's rank syncs longest, and a sync's spin adds to its CPU wait)
         if health is None:
@@ -976,7 +977,7 @@ def _straggler(label: str, rank: int, phase: str | None, gap: float, share: floa
             advice = f"{advice}; {cpu}"
         else:
             advice = f"{cpu}; {health[0]}"
-    elif cpu_unread(ranks, rank):
+    elif not wait.read:
         advice = f"{advice}; {_CPU_UNREAD}"
     return Diagnosis(
         label, rank, phase, severity,
@@ -1059,20 +1060,19 @@ _CPU_UNREAD = ("how long its training thread waited for a core was not read: oth
                "sharing its cores is not ruled out")
 
 
-def cpu_unread(ranks: Table, rank: int) -> bool:
-    """Whether the culprit's CPU wait cannot be compared with the median rank's: its own
-    share not read, or too few of the others' (cpu_evidence says nothing either way)."""
-    t = Timings.of(ranks)
-    i = t.row(rank)
-    if i is None:
-        return True
-    waited = _ready_waits(t)[0]
-    return not waited[i] == waited[i] or _usual_wait(waited, np.arange(len(t)) != i) is None
+@dataclass(frozen=True, slots=True)
+class CpuWait:
+    """What a straggler's CPU wait says about its gap, in one reading: `explains` (the
+    evidence, said in place of the model-side advice) where its cores explain
+    CPU_WAIT_EXPLAINS of the gap; `read` False where it cannot be compared with the
+    median rank's (its own share not read, or too few of the others': _CPU_UNREAD)."""
+
+    read: bool
+    explains: str | None = None
 
 
-def cpu_evidence(ranks: Table, rank: int, gap_ms: float) -> str | None:
-    """What the culprit's CPU says about a straggler; None unless its cores explain
-    CPU_WAIT_EXPLAINS of the gap, or where too few waits were read to say.
+def cpu_wait(ranks: Table, rank: int, gap_ms: float) -> CpuWait:
+    """The culprit's CPU wait against the median rank's (CpuWait).
 
     Compared as the share of its ready time (on a CPU or waiting for one) the training
     thread waited: on an evenly busy host every thread waits that share, so a rank with
@@ -1081,17 +1081,17 @@ def cpu_evidence(ranks: Table, rank: int, gap_ms: float) -> str | None:
     t = Timings.of(ranks)
     i = t.row(rank)
     if i is None:
-        return None
+        return CpuWait(read=False)
     waited, run_ms, wait_ms = _ready_waits(t)
     usual = _usual_wait(waited, np.arange(len(t)) != i)
     if usual is None or not waited[i] == waited[i]:
-        return None
+        return CpuWait(read=False)
     mine = float(wait_ms[i])
     if not _cpu_explains(mine - float(run_ms[i]) * usual / (1.0 - usual), gap_ms):
-        return None
-    return (f"its training thread waited {mine:.1f} ms of each step for a CPU core, "
-            f"{waited[i]:.0%} of the time it was ready to run against {usual:.0%} on the "
-            f"median rank: {_CPU_ADVICE}")
+        return CpuWait(read=True)
+    return CpuWait(True, f"its training thread waited {mine:.1f} ms of each step for a CPU "
+                         f"core, {waited[i]:.0%} of the time it was ready to run against "
+                         f"{usual:.0%} on the median rank: {_CPU_ADVICE}")
 
 
 def node_cpu_evidence(ranks: Table, members: Sequence[int], gap_ms: float) -> str | None:
