@@ -174,6 +174,31 @@ def test_the_last_keyframe_gives_the_records_verdict(tmp_path, verdict, shown):
     assert (last.label, last.rank, last.summary.replace("\ufffd", "")) == shown
 
 
+@pytest.mark.parametrize(("sample", "read"), [
+    ({"cpu_pct": 98.0, "rss_mb": 900.0, "thread_cpu_pct": 60.0, "cpu_wait_pct": 2.0}, True),
+    (None, False),  # an older record without samples: the replay cannot say
+    ({"cpu_pct": 98.0, "thread_cpu_pct": 60.0, "cpu_wait_pct": 500.0}, False),  # not a share
+])
+def test_the_last_keyframe_judges_with_the_records_last_samples(tmp_path, sample, read):
+    """A replay used to say of the run's straggler that its CPU wait "was not read" at
+    the end, where the record (judged with the ranks' samples) said nothing of the kind:
+    the step log keeps no samples. The last keyframe now takes each rank's last sample
+    from the summary, validated as the wire's; one out of bounds is not taken."""
+    run = write_record(tmp_path / "run", steps=160, slow=(2, 40, 1000))
+    doc = json.loads(RunFolder(run).summary_json.read_text())
+    for r in doc["ranks"]:
+        if sample is not None:
+            r["sys"] = dict(sample)
+    RunFolder(run).summary_json.write_text(json.dumps(doc))
+    replay = loaded(run)
+    before, last = replay.view(len(replay) - 2), replay.view(len(replay) - 1)
+    assert (before.label, before.rank) == (last.label, last.rank) == ("INPUT STRAGGLER", 2)
+    assert "was not read" in before.summary  # no samples before the end
+    assert ("was not read" not in last.summary) is read, last.summary
+    rss = {row.rank: row.rss_mb for row in last.rows}
+    assert (rss[2] == 900.0) is (sample is not None and "rss_mb" in sample)
+
+
 def test_a_folder_not_ones_own_is_refused_in_one_line(tmp_path):
     run = write_record(tmp_path / "shared")
     os.chmod(run, 0o777)  # anyone could have written its record

@@ -8,8 +8,9 @@ collector's own `view_build.build`: the view at a keyframe is what the live dash
 showed then (the banner's label as it read then, the heat rows, the worst-rank panel, the
 episodes so far), not a second, approximate implementation.
 
-What the step log does not hold, the replay cannot show: system samples (CPU, memory, GPU),
-setup checks, stacks, collectives, heartbeats. So no hang is re-detected from the steps
+What the step log does not hold, the replay cannot show: system samples (CPU, memory, GPU;
+the last keyframe takes each rank's last one from the summary), setup checks, stacks,
+collectives, heartbeats. So no hang is re-detected from the steps
 (a silence in the log is no proof of one); the summary's own record of a hang is shown on
 the last keyframe, as the summary says it. The last keyframe carries the run's ending (exit
 code, the first failure) from final_summary.json, or says that there is none.
@@ -34,10 +35,19 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 from msgspec.structs import replace
 
-from traceml_agent.protocol import Identity, StepGroup, StepRow
+from traceml_agent.protocol import (
+    PROTOCOL_VERSION,
+    Identity,
+    Message,
+    ProtocolError,
+    StepGroup,
+    StepRow,
+    Sys,
+)
 from traceml_agent.sanitize import clean_line
 from traceml_agent.vocab import HANG
 from traceml_tui.collect import view_build
@@ -380,6 +390,7 @@ class _Builder:
         steps brought), and the keyframe with the run's end."""
         rec = self.rec
         self._flush()
+        self._last_samples(self.now)
         ended = _epoch(((rec.summary or {}).get("run") or {}).get("ended_at"))
         now = self.now
         for _ in range(END_TICKS):
@@ -391,6 +402,33 @@ class _Builder:
         self.state.evaluate(now)
         self._keep(now, finished=True, rec=rec)
         return self.frames
+
+
+    def _last_samples(self, t: float) -> None:
+        """Each rank's last system sample as the record keeps it (its `ranks[].sys`),
+        validated as the wire's: the step log holds none, and the run's end was judged
+        with them (a straggler's CPU wait, a rank's memory). Before the end, the
+        keyframes have no samples, and a straggler's CPU wait reads as not read."""
+        doc = self.rec.summary or self.rec.live or {}
+        for row in doc.get("ranks") or ():
+            if not isinstance(row, dict) or not isinstance(row.get("sys"), dict):
+                continue
+            rank = row.get("rank")
+            if not isinstance(rank, int) or rank not in self.state.ranks:
+                continue
+            ident = self._ident(rank)
+            fields = {k: v for k, v in row["sys"].items() if k in _SAMPLE_FIELDS}
+            try:
+                body = msgspec.convert({**fields, "v": PROTOCOL_VERSION,
+                                        "id": msgspec.to_builtins(ident), "seq": 0, "t": t},
+                                       Sys)
+            except (msgspec.ValidationError, ProtocolError):
+                continue  # a record edited by hand, or another version's: not shown
+            self.seq += 1
+            self.state.ingest(Message("sys", ident, self.seq, t, body), t)
+
+
+_SAMPLE_FIELDS = frozenset(Sys.__struct_fields__) - {"v", "id", "seq", "t", "at_exit"}
 
 
 def _ending(view: RunView, rec: Record) -> RunView:
