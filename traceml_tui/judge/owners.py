@@ -43,8 +43,9 @@ class Owners:
         # cannot take a rank before the real one says hello (of_job).
         self.of_the_job: Callable[[int], bool] | None = None
         # A hello for a live rank from another connection: that connection may take the
-        # rank over once the rank's own has gone quiet (one claim per rank, the newest):
-        # (its connection, pid, whether its hello named a newer attempt).
+        # rank over once the rank's own has gone quiet (one claim per rank: the newest
+        # that could succeed): (its connection, pid, whether its hello named a newer
+        # attempt than the rank's record).
         self.claims: dict[int, tuple[object, int, bool]] = {}
 
     def of_job(self, ident: Identity, conn: object) -> bool:
