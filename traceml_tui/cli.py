@@ -194,8 +194,8 @@ def _node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-addr", "--master_addr", default=None, metavar="HOST",
                    help="node 0's address (default 127.0.0.1; under srun, the first host)")
     p.add_argument("--master-port", "--master_port", type=_port, default=None, metavar="P",
-                   help="torchrun's port on node 0 (default: a free one on one node, "
-                        "29500 on several)")
+                   help="torchrun's port on node 0 (default: a free one outside the kernel's "
+                        "ephemeral range on one node, 29500 on several)")
 
 
 def _split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
