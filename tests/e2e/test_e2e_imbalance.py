@@ -4,6 +4,8 @@ real `traceml run` jobs of examples/ddp_toy.py (torchrun, gloo, CPU)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from jobs import run_job, validate_schema
@@ -49,7 +51,10 @@ def test_a_fixed_straggler_in_a_noisy_job_is_still_named(tmp_path):
     assert job.returncode == 0, job.stderr[-3000:]
     d = job.summary["diagnosis"]
     assert (d["label"], d["rank"]) == ("COMPUTE STRAGGLER", 1), d
-    assert "behind the other ranks on" in d["summary"]
+    # How often it was behind, said with or without a streak on the newest steps (the
+    # jitter may end it: the sentence then starts with "Behind"; fresh-clone run 32).
+    behind = re.search(r"[Bb]ehind the other ranks on (\d+)% of the last", d["summary"])
+    assert behind and int(behind.group(1)) > 50, d["summary"]
 
 
 def test_a_clear_straggler_on_slow_steps_is_named_within_eight_steps(tmp_path):
