@@ -17,6 +17,7 @@ of 1,024: snapshot writes failed with EMFILE and the record ended incomplete. So
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import resource
 import signal
@@ -121,6 +122,19 @@ def limit_handshake(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
 
 
+_MONITORS = itertools.count()
+
+
+def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """The socket's monitor (a PAIR receiving its events) on an inproc address of its
+    own. pyzmq's default names the address by the socket's descriptor, which the kernel
+    hands out again once a socket closes: the next socket's monitor then failed with
+    "Address already in use" while the closed one's endpoint was still being released
+    (two collectors one after the other in one process: a fresh-clone run)."""
+    addr = f"inproc://traceml-monitor-{os.getpid()}-{next(_MONITORS)}"
+    return sock.get_monitor_socket(events, addr=addr)
+
+
 class HandshakeCounter:
     """Connections that failed or timed out in the handshake, on the sockets watched."""
 
@@ -134,7 +148,7 @@ class HandshakeCounter:
         """Before the socket is handed to another thread (monitoring is set up on it).
         A socket has one monitor: with `on_event`, every event it reports (those
         counted here and `events`) goes to it too (connections.ConnectionCap)."""
-        self.monitors.append(sock.get_monitor_socket(FAILED | events))
+        self.monitors.append(monitor_socket(sock, FAILED | events))
         self.others.append(on_event)
 
     def drain(self) -> int:

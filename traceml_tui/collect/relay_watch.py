@@ -17,6 +17,8 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .descriptors import monitor_socket
+
 # A rank of this node should reach the relay within this long of its start: torchrun
 # starts the ranks at once and the agent connects on import (a slow `import torch` and
 # a shared filesystem take tens of seconds, not minutes).
@@ -37,8 +39,8 @@ class RelayWatch:
                  say: Callable[[str], None], started: float,
                  ranks_wait_s: float = RANKS_WAIT_S) -> None:
         """Before the sockets are used: the monitors must see their first events."""
-        self._local = local.get_monitor_socket(FAILED)
-        self._up = up.get_monitor_socket(FAILED | SUCCEEDED)
+        self._local = monitor_socket(local, FAILED)
+        self._up = monitor_socket(up, FAILED | SUCCEEDED)
         self.address, self.upstream = address, upstream
         self.say = say
         self.started = started
