@@ -225,3 +225,89 @@ def test_a_real_label_after_a_dated_episode_stays(step_ms):
     # No culprit: dated by its evaluation, after the window and the confirming ticks.
     late = LIVE_STEPS + (dx.CONFIRM_TICKS + 1) * round(500 / step_ms)
     assert labels[-1][0] == dx.BALANCED and 250 <= labels[-1][1] <= 250 + late, state.timeline
+
+
+# --- one episode, one cause ------------------------------------------------------------
+
+def _cpu_samples(state: RunState, seq: int, t: float, culprit_wait: float) -> None:
+    """Every rank's sys sample: its training thread ran 10% of the interval; rank 2
+    waited `culprit_wait` % for a core, the others 3 %."""
+    for rank, rs in state.ranks.items():
+        state.ingest(decode(encode("sys", rs.ident, seq, t, cpu_pct=35.0,
+                                   thread_cpu_pct=10.0,
+                                   cpu_wait_pct=culprit_wait if rank == 2 else 3.0)), 0.0)
+
+
+def _cause_run(held: int) -> tuple[dx.Diagnosis, list]:
+    """Rank 2 behind in backward, its cores not the cause (waits 2 %); then its waits
+    rise (85 %) until the banner says its cores are the cause, which then holds for
+    `held` more evaluations."""
+    from traceml_tui.collect.canned import T0, make_state
+
+    state = make_state(world_size=8, straggler=2, phase="backward")
+    t = T0 + 10
+    shown = state.evaluate(t)
+    assert shown.label == STRAG and shown.rank == 2 and shown.cause is None
+    for _ in range(40):  # the shares are smoothed: a few samples before they tell
+        t += 1
+        _cpu_samples(state, int(t), t, 85.0)
+        shown = state.evaluate(t)
+        if shown.cause == dx.CORES:
+            break
+    assert shown.cause == dx.CORES and "for a CPU core" in shown.summary  # words at once
+    for _ in range(held - 1):
+        t += 1
+        _cpu_samples(state, int(t), t, 85.0)
+        shown = state.evaluate(t)
+    return shown, [e for e in state.timeline if e.label == STRAG]
+
+
+@pytest.mark.parametrize(("held", "episodes_of_rank_2"), [
+    (dx.CAUSE_CONFIRM_TICKS, 2),  # its cores took over and stayed: a second episode
+    (dx.CAUSE_CONFIRM_TICKS - 1, 1),  # not quite long enough: one
+])
+def test_a_rank_slowed_by_another_cause_is_a_new_episode(held, episodes_of_rank_2):
+    """Seen beside a CPU hog: a rank's injected straggle and then its starved cores were
+    filed as one COMPUTE STRAGGLER episode with the first one's words. The banner's words
+    follow the evidence at once; the timeline opens a new episode, with the cores'
+    advice, once the new cause has held CAUSE_CONFIRM_TICKS evaluations."""
+    shown, filed = _cause_run(held)
+    assert shown.label == STRAG and shown.rank == 2
+    assert len(filed) == episodes_of_rank_2, [(e.start_step, e.summary[-60:]) for e in filed]
+    assert "for a CPU core" not in filed[0].summary
+    if episodes_of_rank_2 == 2:
+        assert "for a CPU core" in filed[1].summary and filed[0].end is not None
+        assert filed[1].rank == 2 and filed[1].end is None
+
+
+def _shown(cause: str | None, rank: int = 2, label: str = STRAG) -> dx.Diagnosis:
+    return dx.Diagnosis(label, rank, "backward", dx.WARNING, "", cause=cause)
+
+
+C, N = dx.CORES, None
+K = dx.CAUSE_CONFIRM_TICKS
+
+
+@pytest.mark.parametrize(("causes", "changed_at"), [
+    ([C] * K, K - 1),  # held K evaluations: changed on the K-th
+    ([C] * (K - 1), None),
+    ([C, N] * K, None),  # the CPU wait's noise around its threshold: never
+    ([C] * (K - 1) + [N] + [C] * (K - 1), None),  # a break starts the count again
+    ([N] * (2 * K), None),  # the same cause as the episode's
+])
+def test_a_new_cause_must_hold_before_it_is_an_episode(causes, changed_at):
+    from traceml_tui.judge.timeline import Timeline
+
+    timeline = Timeline(0.0, 64)
+    timeline.episode_dx = _shown(None)  # the open episode: rank 2, its own work
+    got = [timeline.cause_changed(_shown(c)) for c in causes]
+    assert (got.index(True) if True in got else None) == changed_at
+
+
+def test_another_culprit_is_not_a_change_of_cause():
+    """A new rank or label is a new subject (settle's CONFIRM_TICKS), not counted here."""
+    from traceml_tui.judge.timeline import Timeline
+
+    timeline = Timeline(0.0, 64)
+    timeline.episode_dx = _shown(None)
+    assert not any(timeline.cause_changed(_shown(C, rank=3)) for _ in range(2 * K))

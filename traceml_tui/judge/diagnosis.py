@@ -97,6 +97,14 @@ FORCED_SHARE = 0.05
 FORCED_MIN = 3
 # Consecutive evaluations a new live label must win before it replaces the old one.
 CONFIRM_TICKS = 2
+# Consecutive evaluations a new cause for the shown label's culprit must hold (its own
+# CPU wait explains its gap, or no longer does) before the timeline opens a new episode
+# for it: one episode is one cause with one advice, and the CPU wait is noisy around its
+# threshold (CPU_WAIT_EXPLAINS). The banner's words follow at once, as its evidence does.
+CAUSE_CONFIRM_TICKS = 6
+# A straggler's cause, where its evidence names one the advice follows: its cores (its
+# training thread waited for a CPU long enough to explain the gap, cpu_wait).
+CORES = "cores"
 # The steps of a rank's live window (judge/state.py's LIVE_STEPS, the banner's): a clear
 # straggler's streak is looked for only where one can fit in them (_streak_possible).
 LIVE_WINDOW_STEPS = 32
@@ -294,11 +302,16 @@ class Diagnosis:
     # The phases it compared across ranks (a straggler's group: cost.py prices its gap
     # there); empty for labels judged on something else. Not part of the JSON.
     phases: tuple[str, ...] = ()
+    # What its evidence says caused it, where the advice follows that (CORES), else None:
+    # one episode is one cause (Timeline.cause_changed). Not part of the JSON (the
+    # summary's words say it).
+    cause: str | None = None
 
     @property
     def subject(self) -> tuple[str, str, int | None]:
         """What the label is about: a node when a whole node is behind (its worst rank may
-        change from tick to tick without anything changing for the user), else a rank."""
+        change from tick to tick without anything changing for the user), else a rank.
+        Its cause may change under it (a new episode, not a new label: Timeline.cause)."""
         if self.node is not None:
             return (self.label, "node", self.node)
         return (self.label, "rank", self.rank)
@@ -960,7 +973,8 @@ def _straggler(label: str, rank: int, phase: str | None, gap: float, share: floa
             f"Every rank on node {node} (ranks {listed}{on_host}) spends about {gap:.1f} ms "
             f"more{where} than the median rank, {share:.0%} of the {step_ms:.1f} ms step that "
             f"every rank waits for: {found}{_NODE_ADVICE[label]}.",
-            gap_ms=gap, gap_share=share, node=node, node_ranks=members, phases=tuple(phases))
+            gap_ms=gap, gap_share=share, node=node, node_ranks=members, phases=tuple(phases),
+            cause=None if cpus is None else CORES)
     on_host = f" (host {host})" if host else ""
     health = gpu_evidence(ranks, rank) if label == COMPUTE_STRAGGLER else None
     advice = _ADVICE[label]
@@ -984,7 +998,8 @@ def _straggler(label: str, rank: int, phase: str | None, gap: float, share: floa
         f"Rank {rank}{on_host} spends {gap:.1f} ms more{where} than the median rank, "
         f"{share:.0%} of the {step_ms:.1f} ms step that every rank waits for: {advice}."
         f"{_seen(spreads, rank, gap, phases)}",
-        gap_ms=gap, gap_share=share, phases=tuple(phases))
+        gap_ms=gap, gap_share=share, phases=tuple(phases),
+        cause=None if cpu is None else CORES)
 
 
 _GPU_ADVICE = ("check its cooling, power limit and clocks (nvidia-smi -q -d "

@@ -378,7 +378,8 @@ class RunState:
         shown = self.live.shown
         newest, fsdp = self.newest_step(), self.parallel == "fsdp"
         self.timeline.clock.mark(newest, now)
-        if before is None or shown.subject != before.subject:
+        if (before is None or shown.subject != before.subject
+                or self.timeline.cause_changed(shown)):
             hang_since = self.hang_since if self.hang is not None else None
             self.timeline.new_episode(shown, now if hang_since is None else hang_since,
                                       newest, self.attempts.number, len(self.ranks),

@@ -48,6 +48,7 @@ class Timeline:
         self.lost_mark = -1
         self.episode_dx: dx.Diagnosis | None = None
         self.what_if: cost.WhatIf | None = None
+        self.cause_wins = 0  # evaluations in a row the shown cause differed from the open one
 
     # A sequence of its episodes, oldest first.
     def __len__(self) -> int:
@@ -110,6 +111,18 @@ class Timeline:
             self.episodes[-1] = replace(last, lost_s=(last.lost_s or 0.0) + lost_ms / 1000.0)
 
     # --- episodes -----------------------------------------------------------------------
+
+    def cause_changed(self, shown: dx.Diagnosis) -> bool:
+        """Whether the shown label, about the open episode's culprit, has held another
+        cause (Diagnosis.cause) for CAUSE_CONFIRM_TICKS evaluations in a row: a rank slowed
+        first by its own work, then by its cores (or the other way) is two episodes,
+        each with its advice. A cause that comes and goes with the CPU wait's noise is not."""
+        opened = self.episode_dx
+        if opened is None or opened.subject != shown.subject or opened.cause == shown.cause:
+            self.cause_wins = 0
+            return False
+        self.cause_wins += 1
+        return self.cause_wins >= dx.CAUSE_CONFIRM_TICKS
 
     def evidence(self, d: dx.Diagnosis, ranks: int, read: Aligned, fsdp: bool
                  ) -> tuple[cost.Savings, np.ndarray, np.ndarray] | None:
@@ -175,6 +188,7 @@ class Timeline:
         self.live_since = now
         self.lost_mark = mark
         self.episode_dx = d
+        self.cause_wins = 0
         at = self.clock.time_of(start, now) if start != step else now
         self.episodes.append(Episode(d.label, d.rank, d.phase, d.severity, min(at, now), None,
                                      start, None, d.summary, d.node, lost_s=lost or None,
