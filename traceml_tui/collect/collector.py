@@ -72,6 +72,7 @@ from traceml_agent.requests import (
     decode_control,
     encode_reply,
 )
+from traceml_agent.transport import send_interval_s
 from traceml_tui.judge import ingest_columns as columns
 from traceml_tui.judge.state import RunState
 from traceml_tui.report import ending, summary
@@ -91,11 +92,9 @@ from .view_server import ViewServer
 
 EVAL_INTERVAL_S = 0.5  # live diagnosis cadence: a change shows within ~1-2 s
 # With thousands of ranks one evaluation (diagnosis + the viewers' frozen state, built
-# when a viewer asks: view_server.py) costs
-# ~170 ms at 4,096 ranks and ~0.9 s at 16,384: ticks are spaced at least this many times
-# their cost apart, so they never take more than a sixth of the collector's core from
-# ingest (the dashboard then refreshes every ~0.9 s at 4,096 ranks, ~5 s at 16,384;
-# every 0.5 s up to ~1,024).
+# when a viewer asks: view_server.py) costs tens of ms at 4,096 ranks and ~130-150 ms at
+# 16,384: ticks are spaced at least this many times their cost apart, so they never take
+# more than a fifth of the collector's core from ingest.
 EVAL_BACKOFF = 5.0
 SNAPSHOT_INTERVAL_S = 2.0  # how much a crash of this process can lose, at most
 FINISH_GRACE_S = 3.0  # at the end, how long to wait for ranks' last batches
@@ -147,6 +146,16 @@ CONTROL_KEY_CHARS = 64
 MAX_STACK_ASKS = 64  # culprits of one hang whose stacks are asked of their relays
 
 
+def eval_interval_s(world_size: int) -> float:
+    """Seconds between live evaluations at least: EVAL_INTERVAL_S, or the agents' send
+    interval where it is longer (agent/transport.send_interval_s: past ~5,000 ranks a rank
+    sends its steps every 0.5-1 s). A rank's window changes once per send interval, and an
+    evaluation costs the same whatever changed: twice per interval judged mostly the same
+    windows again (16,384 ranks: a fifth of the collector's core, where one a second is
+    a seventh). A change then shows within a batch interval and one more."""
+    return max(EVAL_INTERVAL_S, send_interval_s(world_size))
+
+
 def recv_hwm(world_size: int) -> int:
     return min(MAX_RECV_HWM, max(MIN_RECV_HWM,
                                  RECV_BACKLOG_BYTES // QUEUED_MESSAGE_BYTES // max(1, world_size)))
@@ -160,6 +169,7 @@ class Collector:
         self.ctx: zmq.Context = zmq.Context.instance()
         self.auth: Any = None
         self.rejected_peers = 0  # handshakes refused: a peer without the run's keys
+        self.eval_interval_s = eval_interval_s(state.world_size)
         # Key holders' connections to the ingest port, at most so many open (connections.py).
         self.connections = ConnectionCap(
             cap_for(state.world_size),
@@ -287,7 +297,7 @@ class Collector:
                 self.views.refresh()
                 self.step_log.flush_if_due()
                 cost = time.monotonic() - now + viewed
-                next_eval = now + max(EVAL_INTERVAL_S, EVAL_BACKOFF * cost)
+                next_eval = now + max(self.eval_interval_s, EVAL_BACKOFF * cost)
             if now >= next_snap:
                 self.write_live()
                 done = time.monotonic()
