@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from msgspec import UNSET
 
+from traceml_agent import protocol
 from traceml_agent.protocol import PHASES, PROTOCOL_VERSION, Identity, Message, StepRecord, Steps
 from traceml_tui.collect.canned import BASE_MS, T0, make_state
 from traceml_tui.judge import diagnosis as dx
@@ -70,7 +71,11 @@ def test_a_rank_added_or_restarted_makes_the_part_anew():
     added, _ = _live_doc(state, T0 + 101.0, 1.0)
     assert added.whole is not first.whole and len(added.whole.rows) == 8
     assert added.window_at is None
-    state.counters["restarts"] += 1  # a rank's new process took its record
+    # Rank 5's new process says hello, through the real intake: its record is made anew.
+    ident = Identity(5, 1, 1, "node001", 2005, 8)
+    assert state.ingest(Message("hello", ident, 0, T0 + 101.5, protocol.Hello(
+        v=PROTOCOL_VERSION, id=ident, seq=0, t=T0 + 101.5, run="demo-run")), 1.5)
+    assert state.ranks[5].ident.pid == 2005
     restarted, _ = _live_doc(state, T0 + 102.0, 2.0)
     assert restarted.whole is not added.whole
     reused, _ = _live_doc(state, T0 + 103.0, 3.0)

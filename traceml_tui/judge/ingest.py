@@ -234,6 +234,7 @@ class Intake:
             rs = RankState(ident, self.state.block.view(ident.rank), conn=conn,
                            attempt=self.state.attempts.number)
             self.state.ranks[ident.rank] = rs
+            self.state.records_made += 1
             self.state.live_cols.cpu.forget(ident.rank)  # the old process's, if any
             self.state.owners.forget(ident.rank)
         rs.last_seen = now

@@ -151,6 +151,28 @@ class WindowPart:
     stalls: tuple[StallFinding, ...]
 
 
+class WindowPartCache:
+    """The last full snapshot's whole-window part, served again while it covers the same
+    rank records, attempt and phases (its `key`) and is younger than the caller allows."""
+
+    __slots__ = ("part",)
+
+    def __init__(self) -> None:
+        self.part: WindowPart | None = None
+
+    def serving(self, key: tuple[int, ...], mono_now: float, max_age_s: float
+                ) -> WindowPart | None:
+        part = self.part
+        if (part is None or max_age_s <= 0 or not 0 <= mono_now - part.mono < max_age_s
+                or part.key != key):
+            return None
+        return part
+
+    def keep(self, part: WindowPart) -> WindowPart:
+        self.part = part
+        return part
+
+
 class PhaseRow(Mapping[str, "Quantiles | None"]):
     """One rank's whole-window phase quantiles, read from the columns when asked for."""
 

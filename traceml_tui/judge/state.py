@@ -41,6 +41,7 @@ from .snapshot import (
     Snapshot,
     WholeWindow,
     WindowPart,
+    WindowPartCache,
 )
 from .stalls import StallBook, StallFinding
 from .timeline import Timeline
@@ -116,7 +117,10 @@ class RunState:
         # "fsdp" once any rank reports an FSDP model: collectives then run inside forward
         # and backward, and the diagnosis compares only the phases without them.
         self.parallel: str | None = None
-        self._part: WindowPart | None = None  # the last full snapshot's (snapshot)
+        self.window_parts = WindowPartCache()  # the last full snapshot's (snapshot)
+        # Rank records made so far (Intake: a new process, a restart): what a whole-window
+        # part covers is the same while this, the attempt and the phases are.
+        self.records_made = 0
         self.checks = ChecksBoard(world_size)
         self.hangs = hang.HangLatch()  # the hang on display, its stacks, the last ended
         self.framework: str | None = None  # named in the hint when timing is incomplete
@@ -484,7 +488,8 @@ class RunState:
         `window_max_age_s`: that part may be reused for so long (WindowPart), while the
         ranks, their run and its covering do not change."""
         shown = self.live.shown if self.live is not None else self.evaluate(now)
-        part = self._window_part(mono_now, window_max_age_s) if full else None
+        part = (self.window_parts.serving(self._window_key(), mono_now, window_max_age_s)
+                if full else None)
         # Full: every rank's whole window, in one pass per series, kept as columns.
         whole, untimed = ((part.whole, part.untimed) if part is not None
                           else self._whole_window() if full else (None, {}))
@@ -529,18 +534,9 @@ class RunState:
                 shown, tuple(self.timeline)))
 
     def _window_key(self) -> tuple[int, ...]:
-        """What a whole-window part covers: a rank added or restarted, a new attempt or a
-        new phase makes it another."""
-        return (len(self.ranks), self.attempts.number, self.counters["restarts"],
-                len(self.phases))
-
-    def _window_part(self, mono_now: float, max_age_s: float) -> WindowPart | None:
-        """The last full snapshot's whole-window part, if it may serve (WindowPart)."""
-        part = self._part
-        if (part is None or max_age_s <= 0 or not 0 <= mono_now - part.mono < max_age_s
-                or part.key != self._window_key()):
-            return None
-        return part
+        """What a whole-window part covers: a rank record made (a rank added or
+        restarted), a new attempt (its old ranks leave) or a new phase makes it another."""
+        return (self.records_made, self.attempts.number, len(self.phases))
 
     def _new_window_part(self, now: float, mono_now: float, ranks: tuple[RankSnapshot, ...],
                          whole: WholeWindow, untimed: Mapping[int, tuple[dx.Untimed, ...]]
@@ -548,14 +544,13 @@ class RunState:
         aligned = self.block.aligned(list(self.ranks), cost.steps_to_read(
             len(self.ranks), self.window_steps, self.window_steps))
         final = self._full_diagnosis(ranks, whole, aligned)
-        self._part = WindowPart(
+        return self.window_parts.keep(WindowPart(
             at=now, mono=mono_now, key=self._window_key(), whole=whole, untimed=untimed,
             final=final,
             final_what_if=(None if aligned is None or final.label not in cost.COSTED_LABELS
                            else cost.what_if(final, aligned, self.parallel == "fsdp")),
             mean_step_ms=None if aligned is None else cost.job_step_ms(aligned),
-            stalls=tuple(self.stall_findings()))
-        return self._part
+            stalls=tuple(self.stall_findings())))
 
     def _whole_window(self) -> tuple[WholeWindow, dict[int, tuple[dx.Untimed, ...]]]:
         """Every reporting rank's whole window in one pass per series, and the phases each
