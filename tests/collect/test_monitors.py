@@ -37,9 +37,33 @@ def test_a_monitor_starts_whatever_descriptor_its_socket_reuses():
     assert _reuse(lambda s: monitor_socket(s, FAILED)) == 0
 
 
-def test_the_default_address_is_what_failed():
-    """The near miss, kept as the reason: pyzmq's own address collides on reuse."""
-    assert _reuse(lambda s: s.get_monitor_socket(FAILED)) > 0
+def _endpoints(monitor, n: int = 50) -> list[bytes]:
+    """The inproc address each of `n` sockets' monitors connects to, made one after the
+    other in one context."""
+    ctx = zmq.Context()
+    out = []
+    try:
+        for _ in range(n):
+            sock = ctx.socket(zmq.ROUTER)
+            mon = monitor(sock)
+            out.append((sock.FD, mon.getsockopt(zmq.LAST_ENDPOINT)))
+            mon.close(linger=0)
+            sock.close(linger=0)
+    finally:
+        ctx.term()
+    return out
+
+
+def test_the_default_address_names_the_descriptor_ours_never_repeats():
+    """The reason, without waiting for the race: pyzmq's own address is the socket's
+    descriptor, so it repeats whenever the kernel hands a descriptor out again (whether
+    the old endpoint is still being released then is timing: fresh-clone run 35 met it,
+    and a test that demanded the collision failed on run 38 when it did not come). Ours
+    never repeats."""
+    for fd, endpoint in _endpoints(lambda s: s.get_monitor_socket(FAILED)):
+        assert endpoint.decode().endswith(f"-{fd}")
+    ours = [endpoint for _, endpoint in _endpoints(lambda s: monitor_socket(s, FAILED))]
+    assert len(set(ours)) == len(ours)
 
 
 def test_the_monitor_still_reports_its_sockets_events():
