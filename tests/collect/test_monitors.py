@@ -8,9 +8,20 @@ that restarts its sockets, or to the soak's thousands of relays in one process."
 
 from __future__ import annotations
 
+import threading
+
 import zmq
 
 from traceml_tui.collect.descriptors import FAILED, monitor_socket
+
+
+def _term(ctx: zmq.Context) -> None:
+    """The context's term, failing the test (not stalling the suite) if it hangs: a run
+    of the suite waited on one for 20 minutes, its monitors closed before their sockets."""
+    done = threading.Thread(target=ctx.term, daemon=True)
+    done.start()
+    done.join(30)
+    assert not done.is_alive(), "zmq context term() hung"
 
 
 def _reuse(monitor) -> int:
@@ -25,11 +36,12 @@ def _reuse(monitor) -> int:
                 mon = monitor(sock)
             except zmq.ZMQError:
                 failed += 1
-            else:
+            else:  # the teardown pyzmq documents: monitoring off, the monitor, the socket
+                sock.disable_monitor()
                 mon.close(linger=0)
             sock.close(linger=0)
     finally:
-        ctx.term()
+        _term(ctx)
     return failed
 
 
@@ -47,10 +59,11 @@ def _endpoints(monitor, n: int = 50) -> list[bytes]:
             sock = ctx.socket(zmq.ROUTER)
             mon = monitor(sock)
             out.append((sock.FD, mon.getsockopt(zmq.LAST_ENDPOINT)))
+            sock.disable_monitor()
             mon.close(linger=0)
             sock.close(linger=0)
     finally:
-        ctx.term()
+        _term(ctx)
     return out
 
 
@@ -76,7 +89,8 @@ def test_the_monitor_still_reports_its_sockets_events():
         from zmq.utils.monitor import recv_monitor_message
 
         assert recv_monitor_message(mon)["event"] == zmq.EVENT_LISTENING
+        server.disable_monitor()
         mon.close(linger=0)
         server.close(linger=0)
     finally:
-        ctx.term()
+        _term(ctx)

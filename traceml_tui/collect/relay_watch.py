@@ -39,6 +39,7 @@ class RelayWatch:
                  say: Callable[[str], None], started: float,
                  ranks_wait_s: float = RANKS_WAIT_S) -> None:
         """Before the sockets are used: the monitors must see their first events."""
+        self._watched = (local, up)
         self._local = monitor_socket(local, FAILED)
         self._up = monitor_socket(up, FAILED | SUCCEEDED)
         self.address, self.upstream = address, upstream
@@ -92,5 +93,14 @@ class RelayWatch:
             self.say("this node's ranks reach its relay now")
 
     def close(self) -> None:
-        for mon in (self._local, self._up):
+        """Before the watched sockets close (on their thread): monitoring stopped on each
+        first, then its monitor closed. A monitor closed while its socket still reports
+        (the upstream socket lingers for the last batch) can leave libzmq's I/O thread
+        sending an event nobody takes, and the context's term() waiting for ever
+        (pyzmq #1554, libzmq #3575): a relay that never exits."""
+        for sock, mon in zip(self._watched, (self._local, self._up), strict=True):
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass  # already closed
             mon.close(linger=0)
