@@ -54,7 +54,10 @@ def test_memory_that_holds_names_no_rank(tmp_path, what, args):
     m = doc["memory"]
     assert m["growing"] == [] and m["imbalance"] is None, m
     assert sorted(r["rank"] for r in m["ranks"]) == [0, 1]
-    assert all(abs(r["rss_rate_mb_min"]) < 60 for r in m["ranks"]), m
+    # No growth in the trend. A fall is the process's own (fresh-clone run 40, beside a
+    # CPU hog: rank 0's RSS went from its 491 MB peak to 339, -84 MB/min): said as it was,
+    # and it names no rank.
+    assert all(r["rss_rate_mb_min"] < 60 for r in m["ranks"]), m
     if args:  # the warm-up's 180 MB was taken: the peak shows it, the trend does not
         assert all(r["rss_peak_mb"] >= 420 for r in m["ranks"]), m  # about 310 + 180
     assert "Memory: steady on every rank" in job.stdout
