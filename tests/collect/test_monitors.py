@@ -24,47 +24,31 @@ def _term(ctx: zmq.Context) -> None:
     assert not done.is_alive(), "zmq context term() hung"
 
 
-def _reuse(monitor) -> int:
-    """Sockets made, monitored and closed one after the other, 200 times, in one
-    context: how many monitors failed to start."""
+def _monitored(monitor, n: int = 200) -> tuple[int, list[tuple[int, bytes]]]:
+    """Sockets made, monitored and closed one after the other, `n` times, in one context:
+    how many monitors failed to start, and each started one's (descriptor, address)."""
     ctx = zmq.Context()
-    failed = 0
+    failed, started = 0, []
     try:
-        for _ in range(200):
+        for _ in range(n):
             sock = ctx.socket(zmq.ROUTER)
             try:
                 mon = monitor(sock)
             except zmq.ZMQError:
                 failed += 1
             else:  # the teardown pyzmq documents: monitoring off, the monitor, the socket
+                started.append((sock.FD, mon.getsockopt(zmq.LAST_ENDPOINT)))
                 sock.disable_monitor()
                 mon.close(linger=0)
             sock.close(linger=0)
     finally:
         _term(ctx)
-    return failed
+    return failed, started
 
 
 def test_a_monitor_starts_whatever_descriptor_its_socket_reuses():
-    assert _reuse(lambda s: monitor_socket(s, FAILED)) == 0
-
-
-def _endpoints(monitor, n: int = 50) -> list[bytes]:
-    """The inproc address each of `n` sockets' monitors connects to, made one after the
-    other in one context."""
-    ctx = zmq.Context()
-    out = []
-    try:
-        for _ in range(n):
-            sock = ctx.socket(zmq.ROUTER)
-            mon = monitor(sock)
-            out.append((sock.FD, mon.getsockopt(zmq.LAST_ENDPOINT)))
-            sock.disable_monitor()
-            mon.close(linger=0)
-            sock.close(linger=0)
-    finally:
-        _term(ctx)
-    return out
+    failed, started = _monitored(lambda s: monitor_socket(s, FAILED))
+    assert failed == 0 and len(started) == 200
 
 
 def test_the_default_address_names_the_descriptor_ours_never_repeats():
@@ -73,10 +57,12 @@ def test_the_default_address_names_the_descriptor_ours_never_repeats():
     the old endpoint is still being released then is timing: fresh-clone run 35 met it,
     and a test that demanded the collision failed on run 38 when it did not come). Ours
     never repeats."""
-    for fd, endpoint in _endpoints(lambda s: s.get_monitor_socket(FAILED)):
+    _, started = _monitored(lambda s: s.get_monitor_socket(FAILED), 50)  # some may collide
+    assert started
+    for fd, endpoint in started:
         assert endpoint.decode().endswith(f"-{fd}")
-    ours = [endpoint for _, endpoint in _endpoints(lambda s: monitor_socket(s, FAILED))]
-    assert len(set(ours)) == len(ours)
+    _, ours = _monitored(lambda s: monitor_socket(s, FAILED), 50)
+    assert len({endpoint for _, endpoint in ours}) == len(ours) == 50
 
 
 def test_the_monitor_still_reports_its_sockets_events():
