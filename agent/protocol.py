@@ -749,11 +749,6 @@ def column_phases(group: StepGroup) -> tuple[str, ...]:
     return _phases(group.phases)
 
 
-def steps_phases(wire: Steps) -> tuple[str, ...]:
-    """A steps message's phase names, checked as `message` checks them (ProtocolError)."""
-    return _phases(wire.phases)
-
-
 # --- stacks of a node's stuck ranks, taken by its launcher (docs/hangs.md) ------------------
 # A rank stuck in native code holding the GIL sends nothing, not even its own stack; only
 # its ancestor may ptrace it (Yama). So the collector asks the rank's node relay, on the

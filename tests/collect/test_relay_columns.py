@@ -29,7 +29,7 @@ from traceml_agent.protocol import (
     StepRow,
     encode_relay_batch,
 )
-from traceml_tui.collect import relay_columns, steps_columns
+from traceml_tui.collect import relay_columns
 from traceml_tui.collect.collector import Collector
 from traceml_tui.judge.state import RunState
 from traceml_tui.runfolder.layout import RunFolder
@@ -149,15 +149,8 @@ def _run(tmp: Path, columns: bool) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def both(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
-    """Old relays' payloads, each through the per-message path (the reference), and the
-    relays' columns."""
-    mp = pytest.MonkeyPatch()
-    try:
-        mp.setattr(steps_columns, "SMALL_AS_ROWS", False)
-        old = _run(tmp_path_factory.mktemp("messages"), False)
-    finally:
-        mp.undo()
-    return old, _run(tmp_path_factory.mktemp("columns"), True)
+    return (_run(tmp_path_factory.mktemp("messages"), False),
+            _run(tmp_path_factory.mktemp("columns"), True))
 
 
 def test_the_stream_exercises_the_rules(both: tuple[dict, dict]) -> None:

@@ -29,7 +29,6 @@ from traceml_agent.protocol import (
     StepRow,
     encode_relay_batch,
 )
-from traceml_tui.collect import steps_columns
 from traceml_tui.collect.collector import Collector
 from traceml_tui.judge import ingest_columns
 from traceml_tui.judge.state import RunState
@@ -117,16 +116,11 @@ def _batch(conn: int, held: list[tuple[dict[str, Any], int]], columns: bool) -> 
             encode_relay_batch(RelayBatch(0, 0, 0, routes, payloads, cols))]
 
 
-def _run(tmp: Path, events: list[dict[str, Any]], columns: bool, small: bool = False
-         ) -> dict[str, Any]:
-    """`columns`: the relay's columns; else each payload as it came, through the message
-    path (`small` False: the reference) or joined in the drain's columns (`small`)."""
+def _run(tmp: Path, events: list[dict[str, Any]], columns: bool) -> dict[str, Any]:
     state = RunState("fuzz", WORLD, nnodes=1, started_at=T0, window_steps=8)
     # The collector's receive path alone: a whole Collector per drawn stream binds sockets.
     coll = Collector.__new__(Collector)
     coll.state, coll.pending, coll.routes = state, ingest_columns.Pending(), {}
-    coll.drain_rows = steps_columns.DrainRows()
-    steps_columns.SMALL_AS_ROWS = small
     coll.step_log = StepLogWriter(tmp)
     held: dict[int, list] = {0: [], 1: []}
     seen: list[dict] = []
@@ -180,15 +174,11 @@ def test_columns_end_as_the_messages_they_stand_for(events: list[dict[str, Any]]
     saved = ingest_columns.MAX_PENDING_RECORDS
     ingest_columns.MAX_PENDING_RECORDS = bound
     try:
-        with (tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b,
-              tempfile.TemporaryDirectory() as c):
+        with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
             old = _run(Path(a), events, False)
             new = _run(Path(b), events, True)
-            rows = _run(Path(c), events, False, small=True)
     finally:
         ingest_columns.MAX_PENDING_RECORDS = saved
-        steps_columns.SMALL_AS_ROWS = True
-    for got in (new, rows):
-        assert got["counters"] == old["counters"]
-        assert got["ranks"] == old["ranks"]
-        assert got["log"] == old["log"]
+    assert new["counters"] == old["counters"]
+    assert new["ranks"] == old["ranks"]
+    assert new["log"] == old["log"]

@@ -26,7 +26,6 @@ def both(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     mp = pytest.MonkeyPatch()
     try:
         mp.setattr(steps_columns, "LARGE_BYTES", 1 << 40)
-        mp.setattr(steps_columns, "SMALL_AS_ROWS", False)
         old = _run(tmp_path_factory.mktemp("messages"), False)
         mp.setattr(steps_columns, "LARGE_BYTES", 0)
         new = _run(tmp_path_factory.mktemp("columns"), False)
@@ -35,35 +34,8 @@ def both(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     return old, new
 
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
-    """The same stream, every steps payload through the message path, then as ordinary
-    messages joined in their drain's columns (steps_columns.DrainRows)."""
-    mp = pytest.MonkeyPatch()
-    try:
-        mp.setattr(steps_columns, "LARGE_BYTES", 1 << 40)
-        mp.setattr(steps_columns, "SMALL_AS_ROWS", False)
-        old = _run(tmp_path_factory.mktemp("messages"), False)
-        mp.setattr(steps_columns, "SMALL_AS_ROWS", True)
-        taken = []
-        real = Collector._receive_small
-
-        def counted(self: Collector, route: Any, wire: Any, mono: float) -> bool:
-            took = real(self, route, wire, mono)
-            taken.append(took)
-            return took
-
-        mp.setattr(Collector, "_receive_small", counted)
-        new = _run(tmp_path_factory.mktemp("drain-rows"), False)
-    finally:
-        mp.undo()
-    assert sum(taken) > 300 and not all(taken), (sum(taken), len(taken))  # both ways taken
-    return old, new
-
-
-@pytest.mark.parametrize("pair", ["both", "small"], ids=["large", "drain-rows"])
-def test_steps_as_columns_leave_the_same_state_summary_view_and_log(pair, request) -> None:
-    old, new = request.getfixturevalue(pair)
+def test_large_steps_leave_the_same_state_summary_view_and_log(both: tuple[dict, dict]) -> None:
+    old, new = both
     assert new["counters"] == old["counters"]
     for name in ("duplicate_records", "absurd_steps", "restarts", "not_owner", "bad_records"):
         assert old["counters"][name] > 0, name
@@ -101,12 +73,9 @@ CASES = {
 }
 
 
-def _ingest(tmp: Path, large: bool | str, recs: list, monkeypatch: pytest.MonkeyPatch,
+def _ingest(tmp: Path, large: bool, recs: list, monkeypatch: pytest.MonkeyPatch,
             colls: bool = False, other_conn: bool = False) -> dict[str, Any]:
-    """`large`: True, every steps message as a large one; "small", joined in the drain's
-    columns; False, each through the message path."""
-    monkeypatch.setattr(steps_columns, "LARGE_BYTES", 0 if large is True else 1 << 40)
-    monkeypatch.setattr(steps_columns, "SMALL_AS_ROWS", large == "small")
+    monkeypatch.setattr(steps_columns, "LARGE_BYTES", 0 if large else 1 << 40)
     state = RunState("cols", 2, started_at=T0)
     coll = Collector(tmp, state)
     try:
@@ -131,21 +100,17 @@ def _ingest(tmp: Path, large: bool | str, recs: list, monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("colls", [False, True], ids=["plain", "with-colls"])
-@pytest.mark.parametrize("mode", [True, "small"], ids=["large", "drain-rows"])
-def test_each_refused_record_costs_itself_as_in_a_message(tmp_path, monkeypatch, case, colls,
-                                                          mode):
+def test_each_refused_record_costs_itself_as_in_a_message(tmp_path, monkeypatch, case, colls):
     recs = CASES[case]
     old = _ingest(tmp_path / "a", False, recs, monkeypatch, colls)
-    new = _ingest(tmp_path / "b", mode, recs, monkeypatch, colls)
+    new = _ingest(tmp_path / "b", True, recs, monkeypatch, colls)
     assert new == old
 
 
-@pytest.mark.parametrize("mode", [True, "small"], ids=["large", "drain-rows"])
-def test_another_connections_rank_is_refused_before_its_records_are_made(tmp_path, monkeypatch,
-                                                                         mode):
+def test_another_connections_rank_is_refused_before_its_records_are_made(tmp_path, monkeypatch):
     recs = CASES["good"]
     old = _ingest(tmp_path / "a", False, recs, monkeypatch, other_conn=True)
-    new = _ingest(tmp_path / "b", mode, recs, monkeypatch, other_conn=True)
+    new = _ingest(tmp_path / "b", True, recs, monkeypatch, other_conn=True)
     assert new == old and new["counters"]["not_owner"] == 1 and new["steps"] == 3
     from traceml_tui.judge import ingest_columns
 
@@ -157,7 +122,5 @@ def test_another_connections_rank_is_refused_before_its_records_are_made(tmp_pat
         return real(row, group, start)
 
     monkeypatch.setattr(ingest_columns, "message_of", spy)
-    _ingest(tmp_path / "c", mode, recs, monkeypatch, other_conn=True)
-    # Large: the rank's first message (a new process) only, not the refused one; an
-    # ordinary message is never made from columns.
-    assert made == ([1] if mode is True else [])
+    _ingest(tmp_path / "c", True, recs, monkeypatch, other_conn=True)
+    assert made == [1]  # the rank's first message (a new process): not the refused one

@@ -61,7 +61,6 @@ from traceml_agent.protocol import (
     encode_relay_stacks,
     message,
     relayed_ok,
-    steps_phases,
 )
 from traceml_agent.requests import (
     LAUNCHER_OPS,
@@ -229,8 +228,7 @@ class Collector:
         self.stacks_asked: dict[int, tuple[int, float | None]] = {}
         self.captures = DeepTraceBoard(self.run_dir)
         self.step_log = StepLogWriter(RunFolder(self.run_dir).step_log)
-        self.pending = columns.Pending()  # rows whose records wait for the flush
-        self.drain_rows = steps_columns.DrainRows()  # ordinary steps messages' records
+        self.pending = columns.Pending()  # relayed rows whose records wait for the flush
         self.views = ViewServer(self.view, state, self.captures, self.routes, self.pump.send)
         self.stopping = False
         self.done = False
@@ -434,7 +432,6 @@ class Collector:
         step log (judge/ingest_columns.py)."""
         if not self.pending.ranks:
             return
-        self.drain_rows.pack()
         for run in columns.flush(self.state, self.pending):
             self.step_log.append_columns(run.phases, run.rank, run.step, run.t_end,
                                          run.step_ms, run.values)
@@ -482,46 +479,12 @@ class Collector:
                     self._receive_large(route, wire, mono)
                     return
                 msg = message(wire)
-            elif steps_columns.maybe_small_steps(payload):
-                wire = decode_wire(payload)
-                if isinstance(wire, Steps) and self._receive_small(route, wire, mono):
-                    return
-                msg = message(wire)
             else:
                 msg = decode(payload)
         except ProtocolError:
             self.state.intake.count_malformed()
             return
         self._take(route, msg, mono)
-
-    def _receive_small(self, route: Route, wire: Steps, mono: float) -> bool:
-        """An ordinary steps message as a column row (steps_columns.DrainRows): taken at
-        once for its envelope, its records joined with the drain's others and checked
-        with them at the flush. False where it is not the plain next batch of a rank
-        known on this connection as this process: ingest it as a message. ProtocolError
-        where `message` would refuse it whole."""
-        rank = wire.id.rank
-        rs = self.state.ranks.get(rank)
-        if (rs is None or rs.conn != route or rs.ident.pid != wire.id.pid
-                or rs.first_step < 0):
-            return False
-        phases = steps_phases(wire)
-        if wire.forced is not None and len(wire.forced) != len(phases):
-            raise ProtocolError("forced must be a list with one count per phase")
-        group, records = self.drain_rows.group(phases)
-        row = StepRow(wire.id, wire.seq, wire.t, 0, len(wire.records), wire.dropped,
-                      wire.forced)
-        if not columns.take_row(self.state, self.pending, wire.id, route, mono, row, group,
-                                group.n):
-            return False
-        records.extend(wire.records)
-        group.n += row.n
-        self.routes[rank] = route
-        if wire.colls:
-            self.state.collectives.add(rank, wire.colls)
-        if self.pending.records >= columns.MAX_PENDING_RECORDS:
-            self.flush_columns()
-        return True
 
     def _receive_large(self, route: Route, wire: Steps, mono: float) -> None:
         """A large steps message (collect/steps_columns.py): as a relay's column row when

@@ -1,5 +1,5 @@
-"""Steps messages checked as columns: one vectorised pass, not a Python check per record
-(a large message: issue 42, finding 3; ordinary ones joined per drain: issue 43).
+"""A large steps message, checked as columns: one vectorised pass, not a Python check per
+record (issue 42, finding 3).
 
 A real agent sends a few records per message; a rank catching up, or a key holder, may
 send up to 20,000 in one 1 MiB message. protocol.decode checks each record in Python and
@@ -11,13 +11,6 @@ columns a node relay sends (protocol.StepGroup and StepRow), and checked and ing
 as relay columns are (judge/ingest_columns.py): 7.7 ms of CPU for a 0.69 MiB message the
 state refuses (another connection's rank: its records are never made into objects), 8.8
 ms for one it takes (18.2 and 33.0 before; benchmarks/large_steps.py).
-
-An ordinary message (a record or a few) of a rank known on its connection joins its
-drain's columns instead (`DrainRows`): its row taken at once, its records made into
-arrays with the drain's others at the flush, so numpy's per-call cost is paid per drain,
-not per message: 6.3 µs of CPU a message at 1,024 ranks sending directly, 8.3 through
-the message path (benchmarks/direct_steps.py). Any other (a rank's first, a restart,
-another connection's rank) takes the message path.
 
 The checks are protocol._record's, record by record, with array operations: a record
 of the wrong length, a step that is not an int in 0..MAX_COUNT, a time out of its
@@ -32,27 +25,17 @@ from itertools import repeat
 import numpy as np
 
 from traceml_agent.protocol import MAX_COUNT, ProtocolError, StepGroup, StepRow, Steps
-from traceml_tui.judge.ingest_columns import Group
 
 # Payloads at least this large are decoded here when they are steps messages: an agent's
 # ordinary message (~10 records, ~1 KiB) takes the per-message path, whose per-call cost
 # is lower for a few records.
 LARGE_BYTES = 16 << 10
 _STEPS = b"\xa5steps"  # "steps" as msgpack writes it (a fixstr of 5)
-# Ordinary steps messages of ranks known on their connection join their drain's columns
-# (DrainRows); False: each through the per-message path (the tests' reference).
-SMALL_AS_ROWS = True
 
 
 def maybe_steps(payload: bytes) -> bool:
     """Whether a payload may be a large steps message (only those are decoded here)."""
     return len(payload) >= LARGE_BYTES and _STEPS in payload
-
-
-def maybe_small_steps(payload: bytes) -> bool:
-    """Whether a payload under LARGE_BYTES may be a steps message for DrainRows (a goodbye
-    names its steps too: the decoded kind decides)."""
-    return SMALL_AS_ROWS and _STEPS in payload
 
 
 def columns_of(wire: Steps) -> tuple[StepRow, StepGroup]:
@@ -73,13 +56,8 @@ def _columns_of(wire: Steps) -> tuple[StepRow, StepGroup]:
     n = len(phases)
     if wire.forced is not None and len(wire.forced) != n:
         raise ProtocolError("forced must be a list with one count per phase")
-    row = StepRow(wire.id, wire.seq, wire.t, 0, len(wire.records), wire.dropped, wire.forced)
-    return row, _packed(phases, wire.records)
-
-
-def _packed(phases: list[str], raw: list[list[int | float | None]]) -> StepGroup:
-    """Records as one column group, every record kept in place, the bad ones invalid."""
-    width = 3 + len(phases)
+    width = 3 + n
+    raw = wire.records
     total = len(raw)
     lengths = set(map(len, raw))
     good = raw if lengths <= {width} else [r for r in raw if len(r) == width]
@@ -91,37 +69,12 @@ def _packed(phases: list[str], raw: list[list[int | float | None]]) -> StepGroup
         full = np.full((total, width), np.nan)
         full[at] = floats
         step, floats = full_step, full
-    return StepGroup(list(phases), step.astype("<i8").tobytes(),
-                     np.ascontiguousarray(floats[:, 1], "<f8").tobytes(),
-                     np.ascontiguousarray(floats[:, 2], "<f8").tobytes(),
-                     np.ascontiguousarray(floats[:, 3:], "<f8").tobytes())
-
-
-class DrainRows:
-    """The ordinary steps messages of one drain (under LARGE_BYTES, of ranks known on their
-    connection), their records joined per phase list: one array build per list at the
-    flush, where a message's own columns (`columns_of`) cost numpy's per-call overhead
-    for a record or two. A message's row is taken at once for its envelope
-    (ingest_columns.take_row) with its place in its list's group; `pack` makes the
-    groups' columns before the flush reads them, and starts the next drain's."""
-
-    def __init__(self) -> None:
-        self._lists: dict[tuple[str, ...], tuple[Group, list[list[int | float | None]]]] = {}
-
-    def group(self, phases: tuple[str, ...]) -> tuple[Group, list[list[int | float | None]]]:
-        """The drain's group for a phase list, and its records so far."""
-        got = self._lists.get(phases)
-        if got is None:
-            got = self._lists[phases] = (Group(phases, 0, _NO_COLUMNS), [])
-        return got
-
-    def pack(self) -> None:
-        for phases, (group, records) in self._lists.items():
-            group.src = _packed(list(phases), records)
-        self._lists.clear()
-
-
-_NO_COLUMNS = StepGroup([], b"", b"", b"", b"")
+    group = StepGroup(list(phases), step.astype("<i8").tobytes(),
+                      np.ascontiguousarray(floats[:, 1], "<f8").tobytes(),
+                      np.ascontiguousarray(floats[:, 2], "<f8").tobytes(),
+                      np.ascontiguousarray(floats[:, 3:], "<f8").tobytes())
+    row = StepRow(wire.id, wire.seq, wire.t, 0, total, wire.dropped, wire.forced)
+    return row, group
 
 
 def _arrays(records: list[list[int | float | None]], width: int
