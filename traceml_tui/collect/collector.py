@@ -150,9 +150,10 @@ def eval_interval_s(world_size: int) -> float:
     """Seconds between live evaluations at least: EVAL_INTERVAL_S, or the agents' send
     interval where it is longer (agent/transport.send_interval_s: past ~5,000 ranks a rank
     sends its steps every 0.5-1 s). A rank's window changes once per send interval, and an
-    evaluation costs the same whatever changed: twice per interval judged mostly the same
-    windows again (16,384 ranks: a fifth of the collector's core, where one a second is
-    a seventh). A change then shows within a batch interval and one more."""
+    evaluation costs the same whatever changed: more than one per interval judges mostly
+    the same windows again. (At 16,384 ranks today an evaluation costs ~180 ms, which
+    EVAL_BACKOFF already spaces ~0.9 s apart: this floor matters once it is cheaper.) A
+    change then shows within a batch interval and one more."""
     return max(EVAL_INTERVAL_S, send_interval_s(world_size))
 
 
