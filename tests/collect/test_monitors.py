@@ -12,7 +12,7 @@ import threading
 
 import zmq
 
-from traceml_tui.collect.descriptors import FAILED, monitor_socket
+from traceml_tui.collect.descriptors import FAILED, monitor_socket, stop_monitor
 
 
 def _term(ctx: zmq.Context) -> None:
@@ -36,10 +36,9 @@ def _monitored(monitor, n: int = 200) -> tuple[int, list[tuple[int, bytes]]]:
                 mon = monitor(sock)
             except zmq.ZMQError:
                 failed += 1
-            else:  # the teardown pyzmq documents: monitoring off, the monitor, the socket
+            else:
                 started.append((sock.FD, mon.getsockopt(zmq.LAST_ENDPOINT)))
-                sock.disable_monitor()
-                mon.close(linger=0)
+                stop_monitor(sock, mon)
             sock.close(linger=0)
     finally:
         _term(ctx)
@@ -75,8 +74,7 @@ def test_the_monitor_still_reports_its_sockets_events():
         from zmq.utils.monitor import recv_monitor_message
 
         assert recv_monitor_message(mon)["event"] == zmq.EVENT_LISTENING
-        server.disable_monitor()
-        mon.close(linger=0)
+        stop_monitor(server, mon)
         server.close(linger=0)
     finally:
         _term(ctx)

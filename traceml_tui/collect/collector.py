@@ -92,9 +92,10 @@ from .view_server import ViewServer
 
 EVAL_INTERVAL_S = 0.5  # live diagnosis cadence: a change shows within ~1-2 s
 # With thousands of ranks one evaluation (diagnosis + the viewers' frozen state, built
-# when a viewer asks: view_server.py) costs tens of ms at 4,096 ranks and ~130-150 ms at
-# 16,384: ticks are spaced at least this many times their cost apart, so they never take
-# more than a fifth of the collector's core from ingest.
+# when a viewer asks: view_server.py) costs tens of ms at 4,096 ranks and ~180 ms at
+# 16,384 (benchmarks/cost.pairs-1129b.out): ticks are spaced at least this many times
+# their cost apart, so they never take more than a fifth of the collector's core from
+# ingest.
 EVAL_BACKOFF = 5.0
 SNAPSHOT_INTERVAL_S = 2.0  # how much a crash of this process can lose, at most
 FINISH_GRACE_S = 3.0  # at the end, how long to wait for ranks' last batches

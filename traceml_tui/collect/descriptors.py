@@ -135,6 +135,18 @@ def monitor_socket(sock: zmq.Socket, events: int) -> zmq.Socket:
     return sock.get_monitor_socket(events, addr=addr)
 
 
+def stop_monitor(sock: zmq.Socket, mon: zmq.Socket) -> None:
+    """pyzmq's documented teardown, on the socket's own thread and before it closes:
+    monitoring off, then the monitor closed. A monitor closed while its socket still
+    reports can leave libzmq's I/O thread sending an event nobody takes, and the
+    context's term() waiting for ever (pyzmq #1554, libzmq #3575)."""
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass  # the socket is already closed: its monitoring ended with it
+    mon.close(linger=0)
+
+
 class HandshakeCounter:
     """Connections that failed or timed out in the handshake, on the sockets watched."""
 

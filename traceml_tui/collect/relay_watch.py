@@ -17,7 +17,7 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .descriptors import monitor_socket
+from .descriptors import monitor_socket, stop_monitor
 
 # A rank of this node should reach the relay within this long of its start: torchrun
 # starts the ranks at once and the agent connects on import (a slow `import torch` and
@@ -93,14 +93,7 @@ class RelayWatch:
             self.say("this node's ranks reach its relay now")
 
     def close(self) -> None:
-        """Before the watched sockets close (on their thread): monitoring stopped on each
-        first, then its monitor closed. A monitor closed while its socket still reports
-        (the upstream socket lingers for the last batch) can leave libzmq's I/O thread
-        sending an event nobody takes, and the context's term() waiting for ever
-        (pyzmq #1554, libzmq #3575): a relay that never exits."""
+        """Before the watched sockets close: the upstream one lingers for the last batch,
+        still reporting (descriptors.stop_monitor: else a relay that never exits)."""
         for sock, mon in zip(self._watched, (self._local, self._up), strict=True):
-            try:
-                sock.disable_monitor()
-            except zmq.ZMQError:
-                pass  # already closed
-            mon.close(linger=0)
+            stop_monitor(sock, mon)
