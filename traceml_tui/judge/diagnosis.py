@@ -646,14 +646,21 @@ def _comm_bound(w: WindowStats) -> Diagnosis | None:
         return None
     # Only the wait the ranks' own work does not explain is the network's: per step, a
     # rank waits for the slowest rank's own work before any transfer can finish.
+    # The network's share is taken of the step the job would have with every rank at the
+    # median rank's own work (cost.py's `imbalance` what-if): a spread that moves from
+    # rank to rank (a busy host slowing each rank in turn, uneven batches) lengthens the
+    # step with wait of its own, and two causes, each measured against a step the other
+    # lengthens, would hide each other: a job waiting 60-78 % of its step read BALANCED.
     spread = w.spreads.of(INPUT_PHASES + w.compute)
     rest = None if spread is None else spread.unexplained_sync()
+    moving_ms = None
     if spread is not None and rest is not None:
-        job = float(np.median(spread.job_ms))
-        own = median_of(rest) / job if job > 0 else share
+        moving_ms = float(spread.excess_ms().mean())
+        even = float(np.median(spread.job_ms)) - moving_ms
+        own = median_of(rest) / even if even > 0 else share
         if not w.over(own, COMM_BOUND_ENTER, COMM_BOUND_EXIT, COMM_BOUND):
             return None
-    return comm_bound(w.ready, share, w.step_ms, w.preflight_busbw)
+    return comm_bound(w.ready, share, w.step_ms, w.preflight_busbw, moving_ms)
 
 
 def _load_imbalance(w: WindowStats) -> Diagnosis | None:
@@ -764,10 +771,13 @@ def diagnose(ranks: Table, active: str | None = None,
 
 
 def comm_bound(ranks: Table, share: float, step_ms: float,
-               preflight_busbw: float | None) -> Diagnosis:
+               preflight_busbw: float | None, moving_ms: float | None = None) -> Diagnosis:
     """COMM-BOUND, with the achieved bus bandwidth per rank where the gradient bytes are
     known: bytes all-reduced per step over the rank's exposed sync time. Part of each
-    transfer overlaps backward, so this is an upper bound of what the slowest link did."""
+    transfer overlaps backward, so this is an upper bound of what the slowest link did.
+    `moving_ms`: what every rank waits per step, on average, for whichever rank's own
+    work is slowest on that step; said where it is material (the wait is not all the
+    network's, and "no rank is behind" alone would hide it)."""
     t = Timings.of(ranks)
     world = len(t)
     sync = t.column(SYNC)
@@ -789,11 +799,16 @@ def comm_bound(ranks: Table, share: float, step_ms: float,
             evidence += (f", against {preflight_busbw:.3g} GB/s measured by the preflight "
                          f"({mid / preflight_busbw:.0%} of it)")
         evidence += "."
+    moving = ""
+    if moving_ms is not None and moving_ms >= MIN_GAP_MS and moving_ms >= SKEW_EXIT * step_ms:
+        moving = (f" About {moving_ms:.1f} ms of each step's wait is for whichever rank's own "
+                  f"work is slowest on that step, a different rank from step to step (a busy "
+                  f"host slowing each in turn, or uneven batches); the rest is the network's.")
     return Diagnosis(
         COMM_BOUND, None, SYNC, WARNING,
         f"Every rank spends about {share:.0%} of its {step_ms:.1f} ms step waiting in "
         f"collectives ({sync_ms:.1f} ms of exposed sync) and no rank is behind: the job is "
-        f"communication-bound.{evidence} Try larger DDP buckets (bucket_cap_mb) and more "
+        f"communication-bound.{moving}{evidence} Try larger DDP buckets (bucket_cap_mb) and more "
         f"overlap (gradient accumulation with no_sync), find_unused_parameters=False, a "
         f"gradient compression hook (fp16/bf16, PowerSGD); check the interface the "
         f"backend uses (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) and the links: traceml "
