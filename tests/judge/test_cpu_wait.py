@@ -81,6 +81,32 @@ def test_a_stragglers_cpu_wait_is_named_when_its_cores_explain_the_gap(name, cpu
     assert ("waited for a core was not read" in d.summary) == unread, d.summary
 
 
+# (name, the ranks' CPU shares, whether the shared host is said beside the model-side
+# advice). Fresh-clone run 40: beside a CPU hog every rank of an even 3-rank job waited
+# 14-22 % of its ready time for a core, and rank 0, behind for 32 steps with a wait no
+# longer than its neighbours', was sent to "check its model-side work" alone.
+def shared(wait_share: float) -> tuple[float, float]:
+    return 0.40, 0.40 * wait_share / (1.0 - wait_share)
+
+
+SHARED = [
+    ("the others wait 14 %: the model-side advice alone", {r: shared(0.14) for r in range(4)},
+     False),
+    ("the others wait 16 %: the host's cores said", {r: shared(0.16) for r in range(4)}, True),
+    ("every rank starved alike", {r: (0.4, 0.6) for r in range(4)}, True),
+    ("only a bystander waits", {1: (0.40, 0.50)}, False),
+    ("its own cores explain it: the evidence, not the caveat", {3: (0.40, 0.30)}, False),
+]
+
+
+@pytest.mark.parametrize("name, cpu, said", SHARED, ids=[c[0] for c in SHARED])
+def test_a_straggler_on_a_host_whose_cores_are_shared_is_not_sent_to_the_model_alone(
+        name, cpu, said):
+    d = dx.diagnose(ranks(cpu))
+    assert (d.label, d.rank) == (dx.COMPUTE_STRAGGLER, 3)
+    assert ("the host's cores are shared" in d.summary) == said, d.summary
+
+
 def test_the_evidence_gives_the_wait_per_step_and_the_shares_of_ready_time():
     d = dx.diagnose(ranks({3: (0.40, 0.30)}))
     assert ("waited 30.0 ms of each step for a CPU core, 43% of the time it was ready to run "

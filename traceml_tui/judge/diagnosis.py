@@ -192,6 +192,17 @@ CLOCK_LOW_SHARE = 0.10
 # shares its cores. Half: the wait then accounts for most of what sets the rank apart,
 # and telling the user to look for extra model-side work would send them the wrong way.
 CPU_WAIT_EXPLAINS = 0.5
+# A straggler's cores do not explain its gap, but the other ranks' training threads (the
+# median one) waited for a core at least this share of the time they were ready to run:
+# the host's cores are shared (more runnable threads than cores: other ranks, their
+# communication threads, loader workers, another job), and on such a host a rank can
+# run slower for a stretch with no work of its own (a busier core, a busy SMT sibling,
+# a shared cache), which its own wait need not show. The model-side advice then says
+# so. A sixth of the ready time: measured on a 2-core box, 3 ranks of a compute-heavy
+# job waited 3-6 %, 3 tiny-model ranks on gloo 7-25 % (their communication threads share
+# the cores), the same beside a CPU hog 14-22 %, where rank 0 was sent to "check its
+# model-side work" for a stretch of 32 steps (fresh-clone run 40).
+HOST_SHARED_WAIT = 0.15
 
 
 def bus_gbps(nbytes: float, ms: float, world: int) -> float | None:
@@ -1008,6 +1019,12 @@ def _straggler(label: str, rank: int, phase: str | None, gap: float, share: floa
             advice = f"{cpu}; {health[0]}"
     elif not wait.read:
         advice = f"{advice}; {_CPU_UNREAD}"
+    elif wait.usual is not None and wait.usual >= HOST_SHARED_WAIT:
+        advice = (f"{advice}; but the host's cores are shared (the other ranks' training "
+                  f"threads waited for one {wait.usual:.0%} of the time they were ready to "
+                  f"run), and there a rank can fall behind with no more work of its own: "
+                  f"give each rank cores of its own (taskset or numactl, OMP_NUM_THREADS) "
+                  f"to tell")
     return Diagnosis(
         label, rank, phase, severity,
         f"Rank {rank}{on_host} spends {gap:.1f} ms more{where} than the median rank, "
@@ -1099,6 +1116,7 @@ class CpuWait:
 
     read: bool
     explains: str | None = None
+    usual: float | None = None  # the median other rank's share of ready time waited
 
 
 def cpu_wait(ranks: Table, rank: int, gap_ms: float) -> CpuWait:
@@ -1118,10 +1136,10 @@ def cpu_wait(ranks: Table, rank: int, gap_ms: float) -> CpuWait:
         return CpuWait(read=False)
     mine = float(wait_ms[i])
     if not _cpu_explains(mine - float(run_ms[i]) * usual / (1.0 - usual), gap_ms):
-        return CpuWait(read=True)
+        return CpuWait(read=True, usual=usual)
     return CpuWait(True, f"its training thread waited {mine:.1f} ms of each step for a CPU "
                          f"core, {waited[i]:.0%} of the time it was ready to run against "
-                         f"{usual:.0%} on the median rank: {_CPU_ADVICE}")
+                         f"{usual:.0%} on the median rank: {_CPU_ADVICE}", usual)
 
 
 def node_cpu_evidence(ranks: Table, members: Sequence[int], gap_ms: float) -> str | None:
