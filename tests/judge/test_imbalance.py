@@ -194,6 +194,23 @@ def test_a_spread_that_moves_does_not_hide_the_network(transfer_ms, label, movin
         assert sync >= 0.6, sync  # the wait the user sees: most of the step
 
 
+def test_a_few_very_slow_steps_do_not_shorten_every_step():
+    """The near miss on the other side: the fault's spread beside a short transfer (~30 %
+    of the even step), and one rank 60 ms behind on 3 steps of the window (a stall, a
+    straggler that recovered). Averaged over the window, those steps' wait would take
+    more than a whole typical step off every step's length; step by step it is none."""
+    n, steps = 3, 32
+    data = job(n, steps, np.full((n, steps), TINY["forward"]), comm_ms=2.0,
+               base={**TINY, "backward": 0.0})
+    data.phase_ms["backward"][:] = in_turns(n, steps, 1.5, (1.0, 4.0))
+    data.phase_ms["forward"][1, 10:13] += 60.0
+    data = job_from_phases(data, 2.0)
+    sync = float(np.median(data.phase_ms["sync"])) / float(np.median(data.step_ms))
+    assert sync >= 0.5, sync  # past COMM-BOUND's first gate
+    d = verdict(data)
+    assert d.label == dx.BALANCED, d
+
+
 def test_an_even_job_on_a_slow_network_says_nothing_of_a_moving_wait():
     n, steps = 4, 64
     d = verdict(job(n, steps, np.full((n, steps), 10.0), comm_ms=30.0))

@@ -666,8 +666,11 @@ def _comm_bound(w: WindowStats) -> Diagnosis | None:
     rest = None if spread is None else spread.unexplained_sync()
     moving_ms = None
     if spread is not None and rest is not None:
-        moving_ms = float(spread.excess_ms().mean())
-        even = float(np.median(spread.job_ms)) - moving_ms
+        moving = spread.excess_ms()
+        moving_ms = float(moving.mean())
+        # Step by step, then the median: a straggler's few slow steps left in the window
+        # are not taken off every step's length.
+        even = float(np.median(spread.job_ms - moving))
         own = median_of(rest) / even if even > 0 else share
         if not w.over(own, COMM_BOUND_ENTER, COMM_BOUND_EXIT, COMM_BOUND):
             return None
