@@ -211,6 +211,19 @@ def test_a_few_very_slow_steps_do_not_shorten_every_step():
     assert d.label == dx.BALANCED, d
 
 
+def test_a_stragglers_stretch_is_not_called_a_moving_wait():
+    """Fresh-clone run 44 (this change's first form): a transient straggler's 40 ms on a
+    third of the window, in a COMM-BOUND job of 8 ms steps, read "about 12.5 ms of each
+    step's wait is for whichever rank's own work is slowest, a different rank from step to
+    step": the mean of one rank's stretch, longer than the step, and not a spread that
+    moves. Said only where no rank is behind on most steps, at its typical step's size."""
+    n, steps = 3, 64
+    forward = np.full((n, steps), TINY["forward"])
+    forward[2, :20] += 40.0
+    d = verdict(job(n, steps, forward, comm_ms=6.0, base={**TINY, "backward": 1.0}))
+    assert d.label == dx.COMM_BOUND and "whichever rank" not in d.summary, d.summary
+
+
 def test_an_even_job_on_a_slow_network_says_nothing_of_a_moving_wait():
     n, steps = 4, 64
     d = verdict(job(n, steps, np.full((n, steps), 10.0), comm_ms=30.0))

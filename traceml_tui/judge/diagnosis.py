@@ -198,9 +198,12 @@ CPU_WAIT_EXPLAINS = 0.5
 # communication threads, loader workers, another job), and on such a host a rank can
 # run slower for a stretch with no work of its own (a busier core, a busy SMT sibling,
 # a shared cache), which its own wait need not show. The model-side advice then says
-# so. A sixth of the ready time: measured on a 2-core box, 3 ranks of a compute-heavy
-# job waited 3-6 %, 3 tiny-model ranks on gloo 7-25 % (their communication threads share
-# the cores), the same beside a CPU hog 14-22 %, where rank 0 was sent to "check its
+# so, where that usual wait, in ms a step, is CPU_WAIT_EXPLAINS of the gap or more (were
+# it to fall on one rank it would account for the gap as its own wait would): a gap far
+# larger (a sleeping loader's 30 ms beside others waiting 4 ms a step) is not the host's.
+# A sixth of the ready time: measured on a 2-core box, 3 ranks of a compute-heavy job
+# waited 3-6 %, 3 tiny-model ranks on gloo 7-25 % (their communication threads share the
+# cores), the same beside a CPU hog 14-22 %, where rank 0 was sent to "check its
 # model-side work" for a stretch of 32 steps (fresh-clone run 40).
 HOST_SHARED_WAIT = 0.15
 
@@ -667,13 +670,16 @@ def _comm_bound(w: WindowStats) -> Diagnosis | None:
     moving_ms = None
     if spread is not None and rest is not None:
         moving = spread.excess_ms()
-        moving_ms = float(moving.mean())
         # Step by step, then the median: a straggler's few slow steps left in the window
         # are not taken off every step's length.
         even = float(np.median(spread.job_ms - moving))
         own = median_of(rest) / even if even > 0 else share
         if not w.over(own, COMM_BOUND_ENTER, COMM_BOUND_EXIT, COMM_BOUND):
             return None
+        # Said as a spread that moves only where no rank is behind on most steps (a
+        # straggler's stretch in the window is not one), at its typical step's size.
+        if spread.fixed_culprit() is None:
+            moving_ms = float(np.median(moving))
     return comm_bound(w.ready, share, w.step_ms, w.preflight_busbw, moving_ms)
 
 
@@ -789,9 +795,9 @@ def comm_bound(ranks: Table, share: float, step_ms: float,
     """COMM-BOUND, with the achieved bus bandwidth per rank where the gradient bytes are
     known: bytes all-reduced per step over the rank's exposed sync time. Part of each
     transfer overlaps backward, so this is an upper bound of what the slowest link did.
-    `moving_ms`: what every rank waits per step, on average, for whichever rank's own
-    work is slowest on that step; said where it is material (the wait is not all the
-    network's, and "no rank is behind" alone would hide it)."""
+    `moving_ms`: what every rank waits on a typical step for whichever rank's own work
+    is slowest on that step, where that rank moves; said where it is material (the wait
+    is not all the network's, and "no rank is behind" alone would hide it)."""
     t = Timings.of(ranks)
     world = len(t)
     sync = t.column(SYNC)
@@ -815,9 +821,10 @@ def comm_bound(ranks: Table, share: float, step_ms: float,
         evidence += "."
     moving = ""
     if moving_ms is not None and moving_ms >= MIN_GAP_MS and moving_ms >= SKEW_EXIT * step_ms:
-        moving = (f" About {moving_ms:.1f} ms of each step's wait is for whichever rank's own "
-                  f"work is slowest on that step, a different rank from step to step (a busy "
-                  f"host slowing each in turn, or uneven batches); the rest is the network's.")
+        moving = (f" On a typical step about {moving_ms:.1f} ms of the wait is for whichever "
+                  f"rank's own work is slowest on that step, a different rank from step to "
+                  f"step (a busy host slowing each in turn, or uneven batches); the rest is "
+                  f"the network's.")
     return Diagnosis(
         COMM_BOUND, None, SYNC, WARNING,
         f"Every rank spends about {share:.0%} of its {step_ms:.1f} ms step waiting in "
@@ -1022,7 +1029,7 @@ def _straggler(label: str, rank: int, phase: str | None, gap: float, share: floa
             advice = f"{cpu}; {health[0]}"
     elif not wait.read:
         advice = f"{advice}; {_CPU_UNREAD}"
-    elif wait.usual is not None and wait.usual >= HOST_SHARED_WAIT:
+    elif wait.usual is not None:
         advice = (f"{advice}; but the host's cores are shared (the other ranks' training "
                   f"threads waited for one {wait.usual:.0%} of the time they were ready to "
                   f"run), and there a rank can fall behind with no more work of its own: "
@@ -1119,7 +1126,9 @@ class CpuWait:
 
     read: bool
     explains: str | None = None
-    usual: float | None = None  # the median other rank's share of ready time waited
+    # Where the cores are shared enough to matter (HOST_SHARED_WAIT): the median other
+    # rank's share of ready time waited; None otherwise.
+    usual: float | None = None
 
 
 def cpu_wait(ranks: Table, rank: int, gap_ms: float) -> CpuWait:
@@ -1139,7 +1148,10 @@ def cpu_wait(ranks: Table, rank: int, gap_ms: float) -> CpuWait:
         return CpuWait(read=False)
     mine = float(wait_ms[i])
     if not _cpu_explains(mine - float(run_ms[i]) * usual / (1.0 - usual), gap_ms):
-        return CpuWait(read=True, usual=usual)
+        others = wait_ms[(np.arange(len(t)) != i) & np.isfinite(wait_ms)]
+        usual_ms = median_of(others) if len(others) else float("nan")
+        shared = usual >= HOST_SHARED_WAIT and _cpu_explains(usual_ms, gap_ms)
+        return CpuWait(read=True, usual=usual if shared else None)
     return CpuWait(True, f"its training thread waited {mine:.1f} ms of each step for a CPU "
                          f"core, {waited[i]:.0%} of the time it was ready to run against "
                          f"{usual:.0%} on the median rank: {_CPU_ADVICE}", usual)
