@@ -251,6 +251,41 @@ def test_a_clear_straggler_is_named_from_its_newest_steps_when_steps_are_slow(st
         assert "Seen for its last 9 steps" in d.summary, d.summary
 
 
+def run46(upto: int) -> AlignedSteps:
+    """Fresh-clone run 46 (beside a CPU hog), from its step log: 3 ranks, ~300 ms of
+    forward; from step 36 rank 1's forward 150 ms longer; on step 43 rank 2 lost a core
+    for 85 ms. The 32-step window ending at step `upto`."""
+    steps = np.arange(upto - 31, upto + 1)
+    forward = np.full((3, len(steps)), 301.0)
+    forward[1, steps >= 36] += 150.0
+    forward[2, steps == 43] += 85.0
+    data = job(3, len(steps), forward, comm_ms=2.0, base={"dataloader": 1.0,
+                                                         "backward": 3.0, "optimizer": 1.0})
+    return AlignedSteps(data.ranks, steps, data.step_ms, data.phase_ms)
+
+
+@pytest.mark.parametrize("upto", [44, 46, 48])
+def test_a_bystanders_slow_step_does_not_restart_a_clear_stragglers_count(upto):
+    """Before, the count restarted at step 43 and rank 1 was named at step 51 (15 steps
+    after its onset; the test allows 14); it is named from the 8 steps 37-44 on."""
+    d = verdict(run46(upto), live=True)
+    assert (d.label, d.rank) == (dx.COMPUTE_STRAGGLER, 1), d
+
+
+def test_a_straggler_whose_gap_falls_under_the_floor_is_not_a_clear_one():
+    """The near miss: a step on which it was still the slowest but behind by less than
+    STREAK_FLOOR (both others lost 139 ms on step 43: a 2 % gap) is not a clear
+    straggler's step; the window's medians name it when they move."""
+    data = run46(46)
+    fwd = data.phase_ms["forward"].copy()
+    fwd[0, data.steps == 43] += 139.0
+    fwd[2, data.steps == 43] = 440.0
+    data = job_from_phases(AlignedSteps(data.ranks, data.steps, data.step_ms,
+                                        {**data.phase_ms, "forward": fwd}), 2.0)
+    spread = StepSpread.of(data, LOCAL)
+    assert spread is not None and spread.streak() is None
+
+
 def test_the_spread_counts_the_slowest_against_a_fair_share():
     s = StepSpread.of(job(4, 400, moving(4, 400, 30.0)), LOCAL)
     assert s is not None and s.fair == 0.25 and s.top == 1

@@ -200,7 +200,9 @@ CPU_WAIT_EXPLAINS = 0.5
 # a shared cache), which its own wait need not show. The model-side advice then says
 # so, where that usual wait, in ms a step, is CPU_WAIT_EXPLAINS of the gap or more (were
 # it to fall on one rank it would account for the gap as its own wait would): a gap far
-# larger (a sleeping loader's 30 ms beside others waiting 4 ms a step) is not the host's.
+# larger (a sleeping loader's 30 ms beside others waiting 4 ms a step) is not the host's;
+# and where the culprit's own time on a CPU or waiting for one exceeds the others' by half
+# the gap or more: a gap off the CPU (a sleep, I/O, a lock) no sharing of cores explains.
 # A sixth of the ready time: measured on a 2-core box, 3 ranks of a compute-heavy job
 # waited 3-6 %, 3 tiny-model ranks on gloo 7-25 % (their communication threads share the
 # cores), the same beside a CPU hog 14-22 %, where rank 0 was sent to "check its
@@ -1148,9 +1150,15 @@ def cpu_wait(ranks: Table, rank: int, gap_ms: float) -> CpuWait:
         return CpuWait(read=False)
     mine = float(wait_ms[i])
     if not _cpu_explains(mine - float(run_ms[i]) * usual / (1.0 - usual), gap_ms):
-        others = wait_ms[(np.arange(len(t)) != i) & np.isfinite(wait_ms)]
-        usual_ms = median_of(others) if len(others) else float("nan")
-        shared = usual >= HOST_SHARED_WAIT and _cpu_explains(usual_ms, gap_ms)
+        outside = (np.arange(len(t)) != i) & np.isfinite(wait_ms) & np.isfinite(run_ms)
+        usual_ms = median_of(wait_ms[outside]) if outside.any() else float("nan")
+        ready_ms = median_of(wait_ms[outside] + run_ms[outside]) if outside.any() else 0.0
+        # Only a gap of time on a CPU or waiting for one: a thread that neither ran nor
+        # waited longer than the others lost its time off the CPU (a sleep, I/O, a lock,
+        # the GPU), which no sharing of cores explains.
+        on_cpu = float(run_ms[i] + wait_ms[i]) - ready_ms
+        shared = (usual >= HOST_SHARED_WAIT and _cpu_explains(usual_ms, gap_ms)
+                  and _cpu_explains(on_cpu, gap_ms))
         return CpuWait(read=True, usual=usual if shared else None)
     return CpuWait(True, f"its training thread waited {mine:.1f} ms of each step for a CPU "
                          f"core, {waited[i]:.0%} of the time it was ready to run against "
