@@ -272,7 +272,8 @@ class StepSpread:
             return None
         i = int(who[0])
         gaps = self.gaps(i)[-need:]
-        share = gaps / self.job_ms[-need:]
+        with np.errstate(divide="ignore", invalid="ignore"):  # a 0 ms step: no share
+            share = gaps / self.job_ms[-need:]
         # A quarter of the step on a typical one of them and half that on every one: a
         # bystander's own slow step (descheduled on a busy host) narrows one step's gap
         # and, required on every step, restarted the count (fresh-clone run 46).
