@@ -25,16 +25,15 @@ def job(n: int, steps: int, forward: np.ndarray, comm_ms: float = 2.0,
     phase = {p: np.full((n, steps), base.get(p, 0.0)) for p in PHASES}
     phase["forward"] = forward
     phase["h2d"] = np.full((n, steps), np.nan)
-    local = sum(phase[p] for p in LOCAL)
-    phase["sync"] = local.max(axis=0)[None, :] - local + comm_ms
     phase["wait"] = np.full((n, steps), 0.3)
-    step = sum(np.nan_to_num(phase[p]) for p in PHASES)
-    return AlignedSteps(np.arange(n), np.arange(100, 100 + steps), step, phase)
+    return job_from_phases(AlignedSteps(np.arange(n), np.arange(100, 100 + steps),
+                                        np.zeros((n, steps)), phase), comm_ms)
 
 
 def job_from_phases(data: AlignedSteps, comm_ms: float) -> AlignedSteps:
-    """`data` with sync and the step recomputed from its local phases (after a test
-    changed one): the same synchronous job as `job`."""
+    """`data` with sync and the step made from its local phases (by `job`, and again
+    after a test changed one): every rank waits for the slowest's local work, plus the
+    transfer."""
     phase = dict(data.phase_ms)
     local = sum(np.nan_to_num(phase[p]) for p in LOCAL)
     phase["sync"] = local.max(axis=0)[None, :] - local + comm_ms

@@ -661,9 +661,9 @@ def _comm_bound(w: WindowStats) -> Diagnosis | None:
     if not w.over(share, COMM_BOUND_ENTER, COMM_BOUND_EXIT, COMM_BOUND):
         return None
     # Only the wait the ranks' own work does not explain is the network's: per step, a
-    # rank waits for the slowest rank's own work before any transfer can finish.
-    # The network's share is taken of the step the job would have with every rank at the
-    # median rank's own work (cost.py's `imbalance` what-if): a spread that moves from
+    # rank waits for the slowest rank's own work before any transfer can finish. Its
+    # share is of the step the job would have with every rank at the median rank's own
+    # work (cost.py's `imbalance` what-if): a spread that moves from
     # rank to rank (a busy host slowing each rank in turn, uneven batches) lengthens the
     # step with wait of its own, and two causes, each measured against a step the other
     # lengthens, would hide each other: a job waiting 60-78 % of its step read BALANCED.
@@ -1145,19 +1145,18 @@ def cpu_wait(ranks: Table, rank: int, gap_ms: float) -> CpuWait:
     if i is None:
         return CpuWait(read=False)
     waited, run_ms, wait_ms = _ready_waits(t)
-    usual = _usual_wait(waited, np.arange(len(t)) != i)
+    others = np.arange(len(t)) != i
+    usual = _usual_wait(waited, others)
     if usual is None or not waited[i] == waited[i]:
         return CpuWait(read=False)
     mine = float(wait_ms[i])
     if not _cpu_explains(mine - float(run_ms[i]) * usual / (1.0 - usual), gap_ms):
-        outside = (np.arange(len(t)) != i) & np.isfinite(wait_ms) & np.isfinite(run_ms)
-        usual_ms = median_of(wait_ms[outside]) if outside.any() else float("nan")
-        ready_ms = median_of(wait_ms[outside] + run_ms[outside]) if outside.any() else 0.0
-        # Only a gap of time on a CPU or waiting for one: a thread that neither ran nor
-        # waited longer than the others lost its time off the CPU (a sleep, I/O, a lock,
-        # the GPU), which no sharing of cores explains.
-        on_cpu = float(run_ms[i] + wait_ms[i]) - ready_ms
-        shared = (usual >= HOST_SHARED_WAIT and _cpu_explains(usual_ms, gap_ms)
+        # The shared host's caveat (HOST_SHARED_WAIT), for a gap of time on a CPU or
+        # waiting for one only: a thread that neither ran nor waited longer than the
+        # others lost its time off the CPU (a sleep, I/O, a lock), no sharing's doing.
+        read = others & np.isfinite(wait_ms) & np.isfinite(run_ms)  # the others read
+        on_cpu = float(run_ms[i] + wait_ms[i]) - median_of(wait_ms[read] + run_ms[read])
+        shared = (usual >= HOST_SHARED_WAIT and _cpu_explains(median_of(wait_ms[read]), gap_ms)
                   and _cpu_explains(on_cpu, gap_ms))
         return CpuWait(read=True, usual=usual if shared else None)
     return CpuWait(True, f"its training thread waited {mine:.1f} ms of each step for a CPU "
