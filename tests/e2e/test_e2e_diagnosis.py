@@ -65,14 +65,19 @@ ALONE = {"balanced", "compute-all", "forward", "batch"}
 # Jobs whose ranks do the same work. Beside a process busy on one of the machine's cores
 # (another test's job, a CPU hog), one rank's thread can wait for its core: it is then
 # truly behind, and a straggler said to be its host's cores is the right verdict, one
-# sending the user to look for model-side work the wrong one (fresh-clone run 22).
+# sending the user to look for model-side work alone the wrong one (fresh-clone run 22).
+# Where its own wait per step does not explain the gap (the step's shares cannot say in
+# which phase a thread waited: fresh-clone run 48), the shared host is said beside it.
 EVEN = {"balanced", "compute-all"}
 
 
 def _a_straggler_its_cores_made(doc: dict) -> None:
     d = doc["diagnosis"]
     assert d["label"] in ("COMPUTE STRAGGLER", "STRAGGLER") and d["rank"] is not None, d
-    assert "for a CPU core" in d["summary"] and "model-side work" not in d["summary"], d
+    if "for a CPU core" not in d["summary"]:
+        assert "the host's cores are shared" in d["summary"], d
+        return
+    assert "model-side work" not in d["summary"], d
     waits = {r["rank"]: r["cpu_wait_pct"] for r in doc["ranks"]}
     others = [w for r, w in waits.items() if r != d["rank"] and w is not None]
     assert others and (waits[d["rank"]] or 0.0) > min(others), waits  # beyond a neighbour
