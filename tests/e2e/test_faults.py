@@ -473,6 +473,27 @@ def test_rank_crash_leads_the_summary_its_text_and_the_printed_end(crashed: Fini
     assert printed[0].startswith(first), crashed.stdout[:2000]
 
 
+def test_a_rank_that_dies_at_exit_after_its_goodbye_is_the_failure(
+        tmp_path: Path, reaper: Reaper) -> None:
+    """Fresh-clone run 43: a rank's script returned (its goodbye said 0), then the process
+    aborted in gloo's teardown; torchrun failed the job, yet the record named no failure.
+    torchrun's word wins: the rank failed, at exit, after all its steps."""
+    proc = reaper.track(start_run(tmp_path / "runs", "atexit", "--steps", "20",
+                                  "--step-ms", "5", "--abort-at-exit-rank", "1", "--quiet"))
+    rc, stdout, stderr = finish(proc)
+    assert rc == 134, stderr[-3000:]  # 128 + SIGABRT, as a shell reads it
+    doc = json.loads((tmp_path / "runs" / "atexit" / "final_summary.json").read_text())
+    validate_schema(doc)
+    failure = doc["failure"]
+    assert failure is not None and (failure["rank"], failure["signal"], failure["step"]) == (
+        1, "SIGABRT", 20), failure
+    assert "after its script returned" in failure["summary"], failure
+    assert doc["run"]["failed_rank"] == 1 and doc["ranks"][0]["exit_code"] == 0
+    printed = [line for line in stdout.splitlines() if line.strip()]
+    assert printed[0].startswith("FAILED: rank 1 was killed by signal 6 (SIGABRT) after 20 "
+                                 "steps: died at exit"), stdout[:2000]
+
+
 # --- a scheduler's SIGTERM to a job that does not stop ------------------------------------
 
 

@@ -13,6 +13,8 @@ Faults it can inject:
   --ignore-sigterm                   every rank ignores SIGTERM (a job that will not stop)
   --quiet                            print nothing (a job whose output cannot fail it)
   --slow-input-ranks R,R --slow-ms M  those ranks take M ms more to get each batch
+  --abort-at-exit-rank R             rank R's script returns, then it aborts at exit
+                                     (SIGABRT after the agent's goodbye said 0)
   --break-agent-at S                 from step S the agent's recorder raises on every
                                      call (an agent bug): it must turn itself off, say
                                      so, and never be taken for a hang
@@ -21,7 +23,9 @@ Faults it can inject:
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
+import os
 import signal
 import time
 from pathlib import Path
@@ -81,6 +85,9 @@ def main() -> None:
     p.add_argument("--slow-input-ranks", default="", metavar="R,R")
     p.add_argument("--slow-ms", type=float, default=25.0)
     p.add_argument("--break-agent-at", type=int, default=None, metavar="STEP")
+    p.add_argument("--abort-at-exit-rank", type=int, default=None, metavar="R",
+                   help="rank R finishes its script, then aborts at interpreter exit (an "
+                        "atexit handler: after the agent's goodbye, as a C++ teardown does)")
     # A test that must act while the job still runs, however slow the machine: the job
     # runs up to --steps, or stops at the step written in this file once it appears (each
     # rank reads it, so all stop at the same step; the test writes one far enough ahead).
@@ -92,6 +99,8 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if args.abort_at_exit_rank == rank:
+        atexit.register(os.abort)  # runs after runpy returns, so after the goodbye
     log = None
     if args.progress is not None:
         args.progress.mkdir(parents=True, exist_ok=True)

@@ -119,6 +119,10 @@ SNAPSHOT_BACKOFF = 9.0
 # quantiles barely move in 10 s, and the file says when they were taken
 # (run.window_stats_at). The final record's is always fresh.
 WINDOW_REFRESH_S = 10.0
+# The error said for a rank whose goodbye reported exit code 0 and whom torchrun then saw
+# fail: its script had returned, and the process died at exit.
+DIED_AFTER_GOODBYE = ("died at exit, after its script returned: a crash in teardown (an "
+                      "atexit handler, a destructor, a library's thread)")
 # Messages queued inside ZeroMQ for the collector cost up to one 8 KiB receive buffer each
 # (measured: 1,024 peers x 100 queued 170-byte messages held 643 MiB), and the limit is per
 # connection. So the per-connection limit comes from a total budget: past it, messages
@@ -641,12 +645,17 @@ class Collector:
         failures = self.state.failures()
         root = request.root_cause
         if root is not None and root[0] in self.state.ranks:
-            # torchrun saw this rank fail first; a rank killed by a signal said no goodbye.
-            # A rank that said goodbye is already in `failures`, in the order the failures
-            # happened: keep that order (torchrun on one node knows only that node's ranks).
+            # torchrun saw this rank fail first; a rank killed by a signal said no goodbye,
+            # and one whose goodbye said 0 died after it, at exit (torchrun's word on
+            # whether it failed wins: fresh-clone run 43's SIGABRT in gloo's teardown left
+            # a record with no failure). A rank whose goodbye named a failure is already in
+            # `failures`, in the order the failures happened: keep that order (torchrun on
+            # one node knows only that node's ranks).
             rank, exitcode = root
             rs = self.state.ranks[rank]
-            if rs.exit_code is None:
+            if not rs.exit_code:
+                if rs.exit_code == 0 and rs.error is None:
+                    rs.error = DIED_AFTER_GOODBYE
                 rs.exit_code = exitcode
                 rank_code = 128 - exitcode if exitcode < 0 else exitcode
                 failures = [(rank, rank_code)] + [f for f in failures if f[0] != rank]
