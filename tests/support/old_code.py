@@ -33,7 +33,7 @@ _STALL_ADVICE = re.compile(r"(stalls\s+every\s+\d+\s+steps\s.*?of\s+its\s+time\s
 
 
 # A straggler whose CPU wait could not be compared says so after its advice (diagnosis.
-# _CPU_UNREAD, fresh-clone run 25's session).
+# evidence.CPU_UNREAD, fresh-clone run 25's session).
 _CPU_UNREAD = re.compile(r";\s+how\s+long\s+its\s+training\s+thread\s+waited\s+for\s+a\s+core"
                          r"\s+was\s+not\s+read:\s+other\s+work\s+sharing\s+its\s+cores\s+is\s+not"
                          r"\s+ruled\s+out")

@@ -82,7 +82,7 @@ def make_state(world_size: int = 8, nproc_per_node: int = 4, steps: int = 40,
         state.ingest(Message("steps", ident, 0, T0, batch, PHASES, tuple(records)), 0.0)
         # The training threads' shares on a CPU and waiting for one, as a job on cores of
         # its own reads them: the straggler's advice then rests on a comparison, not on
-        # waits never read (diagnosis._CPU_UNREAD).
+        # waits never read (evidence.CPU_UNREAD).
         run, wait = thread_cpu or (None, None)
         sys = Sys(v=PROTOCOL_VERSION, id=ident, seq=1, t=T0, cpu_pct=95.0 + rank % 5,
                   thread_cpu_pct=run, cpu_wait_pct=wait, rss_mb=900.0 + rank)

@@ -191,6 +191,9 @@ class Timings:
                           _none(float(self.cpu_wait[i])))
 
 
+Table = Timings | Sequence[RankTiming]  # what the rules accept (a sequence is converted)
+
+
 def median_of(values: np.ndarray, empty: float = 0.0) -> float:
     """`windows.median` of an array (finite values only), `empty` when there are none."""
     m = finite_median(values)
