@@ -39,11 +39,10 @@ from traceml_agent.vocab import COMPUTE_PHASES, INPUT_PHASES, SYNC, WAIT
 from .diagnosis import (
     FSDP_COMPUTE_PHASES,
     PRICED,
-    STALL_FACTOR,
-    STALL_MIN_MS,
     Diagnosis,
     compared_phases,
 )
+from .stalls import STALL_FACTOR, STALL_MIN_MS
 from .windows import AlignedSteps, nan_medians
 
 # Rank-steps the model reads at most per estimate: a what-if over 1,024 ranks' whole

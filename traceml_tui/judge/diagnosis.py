@@ -68,8 +68,25 @@ from .evidence import (
     ready_waits,
 )
 from .imbalance import STREAK_MIN_S, Spreads, StepSpread
-from .stalls import STALL_MIN_COUNT, StallFinding
+from .stalls import (  # noqa: F401 (re-exported)
+    STALL_FACTOR,
+    STALL_MIN_COUNT,
+    STALL_MIN_MS,
+    Stall,
+    StallFinding,
+    stall_of,
+    stall_threshold,
+    stall_thresholds,
+)
 from .timings import GpuHealth, RankTiming, Table, Timings, Untimed, median_of  # noqa: F401
+from .verdict import (  # noqa: F401 (re-exported: the judge's callers read them here)
+    CAUSE_CONFIRM_TICKS,
+    CONFIRM_TICKS,
+    CORES,
+    Diagnosis,
+    LiveLabel,
+    settle,
+)
 from .windows import AlignedSteps
 
 # --- thresholds (docs/diagnosis.md gives the reasoning) -------------------------------------
@@ -106,16 +123,6 @@ EXPECTED_PHASES = COMPUTE_PHASES
 # forced closes (an exception unwinding through a hook-less frame) are noise.
 FORCED_SHARE = 0.05
 FORCED_MIN = 3
-# Consecutive evaluations a new live label must win before it replaces the old one.
-CONFIRM_TICKS = 2
-# Consecutive evaluations a new cause for the shown label's culprit must hold (its own
-# CPU wait explains its gap, or no longer does) before the timeline opens a new episode
-# for it: one episode is one cause with one advice, and the CPU wait is noisy around its
-# threshold (CPU_WAIT_EXPLAINS). The banner's words follow at once, as its evidence does.
-CAUSE_CONFIRM_TICKS = 6
-# A straggler's cause, where its evidence names one the advice follows: its cores (its
-# training thread waited for a CPU long enough to explain the gap, cpu_wait).
-CORES = "cores"
 # The steps of a rank's live window (judge/state.py's LIVE_STEPS, the banner's): a clear
 # straggler's streak is looked for only where one can fit in them (_streak_possible).
 LIVE_WINDOW_STEPS = 32
@@ -148,13 +155,8 @@ def recent_steps_of(step_ms: np.ndarray) -> np.ndarray:
     out[known] = np.where(steps >= RECENT_MAX, RECENT_MAX,
                           np.maximum(RECENT_MIN, np.round(steps)))
     return out
-# Periodic stalls are invisible to medians: a few stalled steps in a window of many move
-# no median, yet each costs the whole job its length. A step is a stall when it takes at
-# least STALL_FACTOR times the rank's typical (median) step and STALL_MIN_MS more: a
-# doubled step is far outside a healthy job's step-to-step noise (a few percent), and the
-# floor keeps timer noise of sub-millisecond steps out.
-STALL_FACTOR = 2.0
-STALL_MIN_MS = 5.0
+
+
 # The label needs a rank's own stalls to recur with a period (stalls.STALL_MIN_COUNT of
 # them at least, stalls.PERIOD_*: the stall log keeps them over the whole run, whatever
 # the window's size) and to go on still (stalls.RECENT_PERIODS), costing the job at least
@@ -240,91 +242,6 @@ def _missing_why(n: int, window_steps: int, capture_skips: int, timing_faults: i
                 f"seen on only {n} of {window_steps} steps")
     seen = "never measured" if n == 0 else f"measured on only {n} of {window_steps} steps"
     return f"{'; '.join(causes)}: {seen}"
-
-
-@dataclass(frozen=True, slots=True)
-class Stall:
-    """One stalled step of one rank: how much longer than typical, and the phase that
-    holds most of that excess ("sync" on a rank that only waited for another)."""
-
-    step: int
-    excess_ms: float
-    phase: str
-
-
-def stall_threshold(typical_ms: float | None) -> float | None:
-    """The step time from which a step of this rank is a stall (None: not yet known)."""
-    if typical_ms is None or not typical_ms > 0:
-        return None
-    return max(STALL_FACTOR * typical_ms, typical_ms + STALL_MIN_MS)
-
-
-def stall_thresholds(typical_ms: np.ndarray) -> np.ndarray:
-    """`stall_threshold` of many ranks' typical steps at once (NaN: not yet known)."""
-    with np.errstate(invalid="ignore"):
-        known = typical_ms > 0
-    return np.where(known, np.maximum(STALL_FACTOR * typical_ms, typical_ms + STALL_MIN_MS),
-                    np.nan)
-
-
-def stall_of(step: int, step_ms: float, typical_ms: float, names: Sequence[str],
-             values: Sequence[float | None], typical: Mapping[str, float | None]) -> Stall:
-    """The stall in one step: its excess over the typical step, and the phase whose time
-    grew the most over its own median (an unmeasured phase grows by nothing)."""
-    best, grew = WAIT, float("-inf")
-    for name, value in zip(names, values, strict=False):
-        if value is None:
-            continue
-        extra = value - (typical.get(name) or 0.0)
-        if extra > grew:
-            best, grew = name, extra
-    return Stall(step, step_ms - typical_ms, best)
-
-
-@dataclass(frozen=True, slots=True)
-class Diagnosis:
-    label: str
-    rank: int | None
-    phase: str | None
-    severity: str
-    summary: str
-    # Evidence: the worst-vs-median gap, in ms and as a share of the median step.
-    gap_ms: float | None = None
-    gap_share: float | None = None
-    # Set when every rank of one node is behind (a host-level cause): its index and ranks.
-    node: int | None = None
-    node_ranks: tuple[int, ...] = ()
-    # PERIODIC STALL: the steps between the stalls (cost.py spreads their excess over them).
-    period: int | None = None
-    # The phases it compared across ranks (a straggler's group: cost.py prices its gap
-    # there); empty for labels judged on something else. Not part of the JSON.
-    phases: tuple[str, ...] = ()
-    # What its evidence says caused it, where the advice follows that (CORES), else None:
-    # one episode is one cause (Timeline.cause_changed). Not part of the JSON (the
-    # summary's words say it).
-    cause: str | None = None
-
-    @property
-    def subject(self) -> tuple[str, str, int | None]:
-        """What the label is about: a node when a whole node is behind (its worst rank may
-        change from tick to tick without anything changing for the user), else a rank.
-        Its cause may change under it (a new episode, not a new label: Timeline.cause)."""
-        if self.node is not None:
-            return (self.label, "node", self.node)
-        return (self.label, "rank", self.rank)
-
-    def to_json(self) -> dict:
-        return {
-            "label": self.label,
-            "rank": self.rank,
-            "phase": self.phase,
-            "severity": self.severity,
-            "summary": self.summary,
-            "gap_ms": None if self.gap_ms is None else round(self.gap_ms, 3),
-            "gap_share": None if self.gap_share is None else round(self.gap_share, 4),
-            "node": None if self.node is None else {"index": self.node,
-                                                   "ranks": list(self.node_ranks)},
-        }
 
 
 # --- helpers -----------------------------------------------------------------------------
@@ -1018,34 +935,3 @@ def _straggler(label: str, rank: int, phase: str | None, gap: float, share: floa
         f"{_seen(spreads, rank, gap, phases)}",
         gap_ms=gap, gap_share=share, phases=tuple(phases),
         cause=None if cpu is None else CORES)
-
-
-# --- hysteresis over time ------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class LiveLabel:
-    """The label on display and the challenger that must win CONFIRM_TICKS times to replace it."""
-
-    shown: Diagnosis
-    challenger: str | None = None
-    wins: int = 0
-
-
-def settle(live: LiveLabel | None, candidate: Diagnosis) -> LiveLabel:
-    """Advance the displayed label by one evaluation. A new label (or a new rank for the
-    same label) must win CONFIRM_TICKS evaluations in a row; the shown label's own
-    evidence refreshes at once. Leaving WARMUP needs no confirmation, nor does leaving
-    HANG: it is shown from progress, not a window (hang.py), and a step taken is its end;
-    kept for the confirming evaluations, it would be shown with no hang behind it."""
-    if live is None:
-        return LiveLabel(candidate)
-    if candidate.subject == live.shown.subject:
-        return LiveLabel(candidate)
-    if live.shown.label in (WARMUP, HANG):
-        return LiveLabel(candidate)
-    key = "|".join(map(str, candidate.subject))
-    wins = live.wins + 1 if live.challenger == key else 1
-    if wins >= CONFIRM_TICKS:
-        return LiveLabel(candidate)
-    return replace(live, challenger=key, wins=wins)

@@ -22,13 +22,22 @@ about 60 MB.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from traceml_agent.protocol import Heartbeat
-from traceml_agent.vocab import SYNC
+from traceml_agent.vocab import SYNC, WAIT
+
+# Periodic stalls are invisible to medians: a few stalled steps in a window of many move
+# no median, yet each costs the whole job its length. A step is a stall when it takes at
+# least STALL_FACTOR times the rank's typical (median) step and STALL_MIN_MS more: a
+# doubled step is far outside a healthy job's step-to-step noise (a few percent), and the
+# floor keeps timer noise of sub-millisecond steps out.
+STALL_FACTOR = 2.0
+STALL_MIN_MS = 5.0
 
 # Own stalls kept per rank, newest: enough for a period to be measured from many gaps,
 # and, at 10,000-step periods, a record of 2.5 million steps.
@@ -278,3 +287,41 @@ class StallBook:
         """The logs' array bytes (the bound the docstring states, measured)."""
         return sum(log.nbytes for log in self.logs.values())
 
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """One stalled step of one rank: how much longer than typical, and the phase that
+    holds most of that excess ("sync" on a rank that only waited for another)."""
+
+    step: int
+    excess_ms: float
+    phase: str
+
+
+def stall_threshold(typical_ms: float | None) -> float | None:
+    """The step time from which a step of this rank is a stall (None: not yet known)."""
+    if typical_ms is None or not typical_ms > 0:
+        return None
+    return max(STALL_FACTOR * typical_ms, typical_ms + STALL_MIN_MS)
+
+
+def stall_thresholds(typical_ms: np.ndarray) -> np.ndarray:
+    """`stall_threshold` of many ranks' typical steps at once (NaN: not yet known)."""
+    with np.errstate(invalid="ignore"):
+        known = typical_ms > 0
+    return np.where(known, np.maximum(STALL_FACTOR * typical_ms, typical_ms + STALL_MIN_MS),
+                    np.nan)
+
+
+def stall_of(step: int, step_ms: float, typical_ms: float, names: Sequence[str],
+             values: Sequence[float | None], typical: Mapping[str, float | None]) -> Stall:
+    """The stall in one step: its excess over the typical step, and the phase whose time
+    grew the most over its own median (an unmeasured phase grows by nothing)."""
+    best, grew = WAIT, float("-inf")
+    for name, value in zip(names, values, strict=False):
+        if value is None:
+            continue
+        extra = value - (typical.get(name) or 0.0)
+        if extra > grew:
+            best, grew = name, extra
+    return Stall(step, step_ms - typical_ms, best)
