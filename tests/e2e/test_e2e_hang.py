@@ -165,7 +165,12 @@ def test_a_killed_rank_is_reported_dead_not_as_a_straggler(tmp_path):
     validate_schema(doc)
     assert doc["run"]["failed_rank"] == 1
     assert doc["ranks"][1]["exit_code"] == -9
-    assert doc["diagnosis"]["label"] not in ("INPUT STRAGGLER", "COMPUTE STRAGGLER", "STRAGGLER")
+    # Its death makes no straggler. A surviving rank its own cores starved is one (a wait
+    # for a core that explains its gap, said as such: fresh-clone run 49, rank 2 waiting
+    # 74 % of its ready time against 39 % beside other tests' jobs), not the dead rank.
+    d = doc["diagnosis"]
+    if d["label"] in ("INPUT STRAGGLER", "COMPUTE STRAGGLER", "STRAGGLER"):
+        assert d["rank"] != 1 and "for a CPU core" in d["summary"], d
     assert "Rank 1 died: killed by signal 9 (SIGKILL)" in output
     # Failures first: the record and its text lead with the signal that ended rank 1.
     assert (doc["failure"]["rank"], doc["failure"]["signal"]) == (1, "SIGKILL")

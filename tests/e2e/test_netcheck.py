@@ -100,6 +100,36 @@ def test_a_node_that_never_comes_up_is_named(tmp_path):
     assert _doc(out, "alone")["missing"] == {"nodes": [1], "ranks": [1]}
 
 
+def _announce(tmp_path, job: subprocess.Popen, timeout_s: float, node_rank: int = 1):
+    from traceml_tui.launch import netcheck
+    from traceml_tui.launch.options import RunOptions
+
+    opts = RunOptions(script=tmp_path / "x.py", nnodes=2, node_rank=node_rank)
+    t0 = time.monotonic()
+    present = netcheck.nodes_came_up(opts, free_ports(1), timeout_s, tmp_path, job)
+    return present, time.monotonic() - t0
+
+
+def test_a_check_that_ended_before_the_announcement_is_not_a_missing_node(tmp_path):
+    """Fresh-clone run 49: on a loaded machine the 3-node check ran and ended (healthy)
+    before each node's announcer reached torchrun's store, and every node said "missing".
+    Once this node's torchrun has ended, its exit status speaks, not the store."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    present, took = _announce(tmp_path, ended, timeout_s=30.0)
+    assert present is None and took < 15.0, (present, took)
+
+
+def test_a_store_that_never_listens_while_torchrun_runs_is_node_0_missing(tmp_path):
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        present, took = _announce(tmp_path, running, timeout_s=3.0)
+    finally:
+        running.kill()
+        running.wait()
+    assert present == {} and took < 15.0, (present, took)
+
+
 NO_NETNS = netns.unavailable()
 
 

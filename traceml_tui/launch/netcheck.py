@@ -35,32 +35,49 @@ def torchrun(opts: RunOptions, port: int) -> list[str]:
     return torchrun_command(opts, port, ["-m", "traceml_tui.launch.netcheck_worker"])
 
 
-def nodes_came_up(opts: RunOptions, port: int, timeout_s: float, run_dir: Path
-                  ) -> dict[int, str] | None:
+# How long one attempt to reach torchrun's store waits: between attempts the announcer
+# looks whether torchrun has already ended (a job of 3 s can end before a loaded machine
+# has imported torch here, and its store with it).
+CONNECT_TRY_S = 2.0
+
+
+def nodes_came_up(opts: RunOptions, port: int, timeout_s: float, run_dir: Path,
+                  job: subprocess.Popen) -> dict[int, str] | None:
     """Every node's `traceml netcheck` announces its host in torchrun's store; node 0
     waits for all of them. torchrun's own rendezvous would wait for a missing node for
     many minutes without a word: this names it. Returns the nodes present when one is
-    missing (node 0 also writes that down), else None."""
+    missing (node 0 also writes that down), else None: also once this node's torchrun
+    (`job`) has ended, whose exit status then says what happened (every node came up
+    for a check that ran: fresh-clone run 49's healthy cluster read "missing" on all
+    three nodes when the check ended before their announcements reached its store)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     deadline = time.monotonic() + timeout_s
-    try:  # the client waits for node 0's torchrun to listen
-        store = dist.TCPStore(opts.master_addr, port, is_master=False,
-                              timeout=timedelta(seconds=timeout_s))
-    except Exception:
-        return {}
-    store.set(f"{NODE_KEY}{opts.node_rank}", socket.gethostname())
-    if opts.node_rank != 0:
-        return None
-    keys = [f"{NODE_KEY}{k}" for k in range(opts.nnodes)]
-    while time.monotonic() < deadline:
-        if store.check(keys):
+    store = None
+    while store is None:  # the client waits for node 0's torchrun to listen
+        try:
+            store = dist.TCPStore(opts.master_addr, port, is_master=False,
+                                  timeout=timedelta(seconds=CONNECT_TRY_S))
+        except Exception:
+            if job.poll() is not None:
+                return None
+            if time.monotonic() >= deadline:
+                return {}
+    try:
+        store.set(f"{NODE_KEY}{opts.node_rank}", socket.gethostname())
+        if opts.node_rank != 0:
             return None
-        time.sleep(0.2)
-    present = {k: store.get(keys[k]).decode() for k in range(opts.nnodes)
-               if store.check([keys[k]])}
+        keys = [f"{NODE_KEY}{k}" for k in range(opts.nnodes)]
+        while time.monotonic() < deadline:
+            if store.check(keys) or job.poll() is not None:
+                return None
+            time.sleep(0.2)
+        present = {k: store.get(keys[k]).decode() for k in range(opts.nnodes)
+                   if store.check([keys[k]])}
+    except Exception:  # the store went with its torchrun: the job's exit status says why
+        return None
     missing = [k for k in range(opts.nnodes) if k not in present]
     ranks = [r for k in missing for r in range(k * opts.nproc_per_node,
                                                 (k + 1) * opts.nproc_per_node)]
@@ -78,13 +95,18 @@ def check(opts: RunOptions, run_dir: Path, port: int, timeout_s: float = 120.0
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.Popen(torchrun(opts, port), env=env, start_new_session=True)
     try:
-        if opts.nnodes > 1 and nodes_came_up(opts, port, timeout_s, run_dir) is not None:
+        if opts.nnodes > 1 and nodes_came_up(opts, port, timeout_s, run_dir, proc) is not None:
             _stop(proc)
             if opts.node_rank != 0:
                 print(f"traceml netcheck: node 0 ({opts.master_addr}:{port}) did not come up "
                       f"within {timeout_s:.0f} s", file=sys.stderr)
                 return 3, None
-            return 3, json.loads(out.read_text())
+            try:
+                return 3, json.loads(out.read_text())
+            except (OSError, ValueError):  # its own torchrun never listened
+                print(f"traceml netcheck: this node's torchrun did not listen on "
+                      f"{opts.master_addr}:{port} within {timeout_s:.0f} s", file=sys.stderr)
+                return 3, None
         proc.wait()
     except BaseException:
         _stop(proc)
