@@ -179,6 +179,13 @@ def test_ranks_silent_behind_a_silent_relay_read_relay_lost_not_dead():
     assert hang.detect(ranks, 100.0, 5.0).kind == hang.DEAD
 
 
+def ranks_progress(state: RunState, mono_now: float):
+    from traceml_tui.judge import progress
+
+    return progress.of_ranks(state.ranks.values(), state.relays, state.waiting_routes,
+                             mono_now)
+
+
 def test_the_state_marks_ranks_behind_a_silent_relay():
     """Ranks whose messages came through node 1's relay, when that relay's batches stop."""
     from traceml_tui.judge import hang
@@ -187,9 +194,9 @@ def test_the_state_marks_ranks_behind_a_silent_relay():
     ident = Identity(1, 0, 1, "host1", 101, 2)
     state.intake.relay_seen(1, 0, 0, now=1.0)
     _steps(state, ident, 0, 19, now=1.0, conn=(b"relay-conn", 0))  # the relay's route 0
-    progress = {p.rank: p for p in state.progress(1.0 + 10.0)}
+    progress = {p.rank: p for p in ranks_progress(state, 1.0 + 10.0)}
     assert progress[1].node == 1 and progress[1].relay_silent
-    assert not {p.rank: p for p in state.progress(2.0)}[1].relay_silent
+    assert not {p.rank: p for p in ranks_progress(state, 2.0)}[1].relay_silent
     assert hang.RELAY_LOST == "relay lost"
 
 

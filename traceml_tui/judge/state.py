@@ -25,7 +25,7 @@ from traceml_agent.protocol import (
 )
 
 from . import collectives as coll
-from . import cost, hang
+from . import cost, hang, progress
 from . import diagnosis as dx
 from .attempts import AttemptBook
 from .hang import HangReport, Threads
@@ -34,7 +34,6 @@ from .memory import MemoryBook, memory_evidence
 from .owners import Owners
 from .setup_checks import ChecksBoard
 from .snapshot import (
-    RELAY_SILENT_S,
     PhaseRow,
     RankSnapshot,
     RelaySnapshot,
@@ -300,53 +299,6 @@ class RunState:
         return dx.untimed_phases(seen, window, rs.forced, rs.steps, rs.auto,
                                  hb.capture_skips, hb.timing_faults)
 
-    def _hang_check(self, mono_now: float, med: float | None
-                    ) -> tuple[hang.HangReport | None, dict[int, str]]:
-        """The hang report (None: no hang) and the ranks whose steps are not visible. While
-        every running rank stepped recently (hang.stepping) neither can name anything,
-        and no rank's progress is built."""
-        if self.attempts.restarting(mono_now):  # torchrun restarts the group: no hang
-            return None, {}
-        stalled = [0.0 if self._waiting(rs) else
-                   rs.since_step_at_msg_s + max(0.0, mono_now - rs.last_seen)
-                   for rs in self.ranks.values()
-                   if not rs.finished and rs.heartbeat.agent_off is None]
-        if hang.stepping(stalled, med, self.hang_after_s):
-            return None, {}
-        progress = self.progress(mono_now)
-        return (hang.detect(progress, med, self.hang_after_s),
-                hang.hidden_ranks(progress, med, self.hang_after_s))
-
-    def _waiting(self, rs: RankState) -> bool:
-        """Whether messages of the rank's connection wait in the collector's queue, not
-        yet read (`waiting_routes`, set by the collector before each evaluation): a
-        flood of other peers' messages delays its own, and it is not silent then."""
-        conn = rs.conn
-        return (bool(self.waiting_routes) and isinstance(conn, tuple) and len(conn) == 2
-                and conn[0] in self.waiting_routes)
-
-    def progress(self, mono_now: float) -> list[hang.RankProgress]:
-        out = []
-        silent_relays = {node for node, r in self.relays.items()
-                         if mono_now - r.last_seen > RELAY_SILENT_S}
-        for rs in self.ranks.values():
-            hb = rs.heartbeat
-            # Relayed (its route at a node relay is set) through a relay now silent.
-            relayed = isinstance(rs.conn, tuple) and len(rs.conn) == 2 and rs.conn[1] is not None
-            waiting = self._waiting(rs)  # its messages not yet read: not silent
-            out.append(hang.RankProgress(
-                rs.ident.rank, rs.ident.host, max(rs.steps, hb.step),
-                hb.collectives, hb.phase, hb.in_collective,
-                0.0 if waiting else rs.since_step_at_msg_s,
-                0.0 if waiting else max(0.0, mono_now - rs.last_seen), rs.finished,
-                hb.agent_off is not None, tuple(sorted(hb.groups.items())), hb.in_group,
-                None if rs.replays_at is None else max(0.0, mono_now - rs.replays_at),
-                None if rs.batches_at is None else max(0.0, mono_now - rs.batches_at),
-                hb.agent_busy,
-                0.0 if rs.busy_since is None else max(0.0, mono_now - rs.busy_since),
-                rs.ident.node, relayed and rs.ident.node in silent_relays))
-        return out
-
     def evaluate(self, now: float, mono_now: float | None = None) -> dx.Diagnosis:
         """One live evaluation: hang check, then the diagnosis of the recent window, and
         the timeline. Without `mono_now` (offline use) there is no hang check."""
@@ -358,7 +310,12 @@ class RunState:
         report = None
         if mono_now is not None:
             step_ms = timings.step_ms
-            report, self.hidden = self._hang_check(mono_now, finite_median(step_ms[step_ms != 0]))
+            if self.attempts.restarting(mono_now):  # torchrun restarts the group: no hang
+                report, self.hidden = None, {}
+            else:
+                report, self.hidden = progress.check(
+                    self.ranks, self.relays, self.waiting_routes, mono_now,
+                    finite_median(step_ms[step_ms != 0]), self.hang_after_s)
         steps = sum(rs.steps for rs in self.ranks.values())
         if self.hangs.holds(steps) and not self.hidden:
             # Latched: until a step completes somewhere, this is the same hang. Ranks that
