@@ -32,9 +32,9 @@ from .hang import HangReport, Threads
 from .ingest import Intake, RankState, Relay
 from .memory import MemoryBook, memory_evidence
 from .owners import Owners
+from .rank_snapshot import rank_snapshot
 from .setup_checks import ChecksBoard
 from .snapshot import (
-    PhaseRow,
     RankSnapshot,
     RelaySnapshot,
     Snapshot,
@@ -460,8 +460,9 @@ class RunState:
         over = (None if whole is None else
                 tuple(a.tolist() for a in live.cpu.over_run(np.arange(self.world_size))))
         cpu = (live.cpu.wait.tolist(), over)
-        ranks = tuple(self._rank_snapshot(r, mono_now, whole, untimed.get(r), none, cols, lives,
-                                          cpu)
+        get, hidden = self.ranks.get, self.hidden
+        ranks = tuple(rank_snapshot(r, get(r), self.nproc_per_node, hidden, mono_now, whole,
+                                    untimed.get(r), none, cols, lives, cpu)
                       for r in range(self.world_size))
         if whole is not None and part is None:
             part = self._new_window_part(now, mono_now, ranks, whole, untimed)
@@ -522,48 +523,3 @@ class RunState:
                    for row, rs in enumerate(reported) if maybe[row] or rs.forced}
         return WholeWindow.of([rs.ident.rank for rs in reported], tuple(self.phases),
                               stats), untimed
-
-    def _rank_snapshot(self, rank: int, mono_now: float, whole: WholeWindow | None,
-                       untimed: tuple[dx.Untimed, ...] | None,
-                       none: Mapping[str, Quantiles | None], cols: dict[str, int],
-                       lives: tuple[list[float], list[list[float]], list[str],
-                                    Mapping[int, tuple[dx.Untimed, ...]]],
-                       cpu: tuple[list[float], tuple[list[float], list[float]] | None]
-                       ) -> RankSnapshot:
-        """`whole`, `untimed`: the whole-window statistics, in a full snapshot; `none`:
-        every phase unmeasured; `cols`: phase -> its column in `whole`; `lives`: the live
-        columns (timings.Columns: step medians, phase medians, their phases, untimed);
-        `cpu`: every rank's training-thread CPU shares (timings.ThreadCpu: recent wait,
-        then run and wait over the run, in a full snapshot; NaN: not read)."""
-        rs = self.ranks.get(rank)
-        if rs is None:
-            return RankSnapshot(
-                rank=rank, local_rank=rank % self.nproc_per_node,
-                node=rank // self.nproc_per_node, host="", pid=0, reported=False, steps=0,
-                window_steps=0, step_ms=None, phase_ms=none,
-                live_step_ms=None, live_phase_ms={}, recent_step_ms=(), sys=None, idle_s=None,
-                since_step_s=None, exit_code=None, error=None, finished=False, dropped=0,
-                device="")
-        live_step = lives[0][rank]
-        # Over the whole window for the summary's verdict, as its medians are.
-        row = None if whole is None else whole.rows.get(rank)
-        step, phase_ms = ((None, none) if whole is None or row is None
-                          else (whole.step(row), PhaseRow(whole, row, cols)))
-        return RankSnapshot(
-            rank=rank, local_rank=rs.ident.local_rank, node=rs.ident.node, host=rs.ident.host,
-            pid=rs.ident.pid, reported=True, steps=rs.steps, window_steps=rs.window.count,
-            step_ms=step, phase_ms=phase_ms,
-            live_step_ms=None if live_step != live_step else live_step,
-            live_phase_ms={p: None if v != v else v
-                           for p, v in zip(lives[2], lives[1][rank], strict=True)},
-            recent_step_ms=(),
-            sys=rs.sys, idle_s=max(0.0, mono_now - rs.last_seen),
-            since_step_s=max(0.0, mono_now - rs.last_step_at) if rs.steps else None,
-            exit_code=rs.exit_code,
-            error=rs.error, finished=rs.finished, dropped=rs.dropped, device=rs.device,
-            heartbeat=rs.heartbeat, stacks=rs.stacks,
-            untimed=lives[3].get(rank, ()) if whole is None else untimed or (), nccl=rs.nccl,
-            bad_records=rs.bad_records, steps_hidden=self.hidden.get(rs.ident.rank),
-            cpu_wait=None if (wait := cpu[0][rank]) != wait else wait,  # NaN: not read
-            cpu_over_run=None if (over := cpu[1]) is None or (ran := over[0][rank]) != ran
-            else (ran, over[1][rank]))
