@@ -237,7 +237,7 @@ class ThreadSchedule:
 
     A rank whose cores are oversubscribed (other processes, too many DataLoader workers
     or intra-op threads) is slow because its thread waits its turn, not because it has
-    more work: these are the evidence that tells the two apart (diagnosis.cpu_evidence,
+    more work: these are the evidence that tells the two apart (judge/evidence.cpu_wait,
     which compares the share of its ready time a thread waited, so that a thread with
     more work on an evenly busy host is not taken for a starved one). Only the training
     thread (the one that opens forward, backward and optimizer) is read: it is the

@@ -43,7 +43,7 @@ MAX_SEND_INTERVAL_S = 1.0
 LARGE_SYS_INTERVAL_S = 5.0
 # At exit, the training thread's CPU shares from the last sample to its last step are
 # sent when that interval is at least this long: a job shorter than two samples has no
-# other (its CPU wait, diagnosis.cpu_evidence), and a shorter one is too few scheduler
+# other (its CPU wait, judge/evidence.cpu_wait), and a shorter one is too few scheduler
 # ticks to be a share.
 FINAL_SYS_MIN_S = 0.25
 

@@ -100,13 +100,14 @@ def test_a_node_that_never_comes_up_is_named(tmp_path):
     assert _doc(out, "alone")["missing"] == {"nodes": [1], "ranks": [1]}
 
 
-def _announce(tmp_path, job: subprocess.Popen, timeout_s: float, node_rank: int = 1):
+def _announce(tmp_path, job: subprocess.Popen, timeout_s: float, node_rank: int = 1,
+              port: int | None = None):
     from traceml_tui.launch import netcheck
     from traceml_tui.launch.options import RunOptions
 
     opts = RunOptions(script=tmp_path / "x.py", nnodes=2, node_rank=node_rank)
     t0 = time.monotonic()
-    present = netcheck.nodes_came_up(opts, free_ports(1), timeout_s, tmp_path, job)
+    present = netcheck.nodes_came_up(opts, port or free_ports(1), timeout_s, tmp_path, job)
     return present, time.monotonic() - t0
 
 
@@ -117,6 +118,28 @@ def test_a_check_that_ended_before_the_announcement_is_not_a_missing_node(tmp_pa
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
     present, took = _announce(tmp_path, ended, timeout_s=30.0)
+    assert present is None and took < 15.0, (present, took)
+
+
+def test_node_0_waiting_for_an_announcement_stops_when_its_check_ends(tmp_path):
+    """Node 0 reached the store and waits for node 1's announcement; its torchrun ends
+    (the check ran: every node came up): its exit status speaks, not the wait."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = free_ports(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    threading.Timer(1.0, job.kill).start()
+    try:
+        present, took = _announce(tmp_path, job, timeout_s=30.0, node_rank=0, port=port)
+    finally:
+        job.kill()
+        job.wait()
+        del store
     assert present is None and took < 15.0, (present, took)
 
 

@@ -168,7 +168,7 @@ def cpu_wait(ranks: Table, rank: int, gap_ms: float) -> CpuWait:
         # The shared host's caveat (HOST_SHARED_WAIT), unless the culprit's thread was
         # ready (on a CPU or waiting for one) for less of the step than the others: it
         # then lost its gap asleep (a sleep, I/O, a lock), no sharing's doing.
-        read = others & np.isfinite(wait_ms) & np.isfinite(run_ms)  # the others read
+        read = others & np.isfinite(waited)  # the others read (as _usual_wait counts them)
         ready = float(run_ms[i] + wait_ms[i]) - median_of(wait_ms[read] + run_ms[read])
         shared = (usual >= HOST_SHARED_WAIT and cpu_explains(median_of(wait_ms[read]), gap_ms)
                   and ready >= 0.0)

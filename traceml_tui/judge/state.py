@@ -96,7 +96,7 @@ class RunState:
         # Who may write each rank's record (owners.py).
         self.owners = Owners(nnodes)
         # The connections whose messages wait in the collector's queue at this
-        # evaluation (collect/ingest_pump.py): their ranks are not silent (_waiting).
+        # evaluation (collect/ingest_pump.py): their ranks are not silent (progress.waiting).
         self.waiting_routes: frozenset[object] = frozenset()
         self.live: dx.LiveLabel | None = None
         # Every rank's live timings (LIVE_STEPS) and newest few steps' (dx.recent_steps),

@@ -65,6 +65,7 @@ def nodes_came_up(opts: RunOptions, port: int, timeout_s: float, run_dir: Path,
                 return None
             if time.monotonic() >= deadline:
                 return {}
+            time.sleep(0.2)  # an error at once (a bad address) is not a reason to spin
     try:
         store.set(f"{NODE_KEY}{opts.node_rank}", socket.gethostname())
         if opts.node_rank != 0:
