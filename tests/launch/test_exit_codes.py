@@ -49,3 +49,47 @@ def test_a_second_goodbye_for_a_finished_rank_is_refused_and_codes_are_clamped()
     assert state.ranks[1].exit_code == 255
     assert not state.ingest(decode(encode("goodbye", ident, 2, 0.0, exit_code=0)), now=2.0)
     assert state.ranks[1].exit_code == 255  # the first word stands
+
+
+@pytest.mark.parametrize(("said", "error", "kept"), [
+    (None, None, (-9, None)),  # killed by a signal: no goodbye
+    (0, None, (-6, "died at exit")),  # its script returned, then it died (run 43)
+    (0, "earlier words", (-6, "earlier words")),
+    (3, "ValueError: x", None),  # its goodbye named its own failure: kept
+])
+def test_torchruns_first_failure_wins_over_a_goodbye_that_said_nothing_failed(
+        said, error, kept):
+    from traceml_tui.runfolder.exit_codes import root_cause_end
+
+    code = -9 if said is None else -6
+    end = root_cause_end(code, said, error)
+    if kept is None:
+        assert end is None
+    else:
+        assert end is not None and end[0] == kept[0]
+        assert (end[1] or "").startswith(kept[1] or ""), end
+
+
+def test_the_launchers_fallback_record_names_a_rank_that_died_after_its_goodbye(tmp_path):
+    """The collector gone, the launcher promotes its last snapshot: a rank whose goodbye
+    said 0 and that torchrun saw die is the failure there too, as in the collector's."""
+    import json
+    from pathlib import Path
+
+    from traceml_agent.requests import Finish
+    from traceml_tui.launch.launcher import _fallback_summary
+    from traceml_tui.runfolder.layout import RunFolder
+
+    doc = json.loads((Path(__file__).parents[1] / "data" / "rich_summary.json").read_text())
+    for r in doc["ranks"]:  # every rank said goodbye with 0
+        r["exit_code"], r["error"] = 0, None
+    doc["failure"] = None
+    doc.pop("attempts"), doc.pop("restarts")
+    folder = RunFolder(tmp_path)
+    folder.live.write_text(json.dumps(doc))
+    reply = _fallback_summary(tmp_path, Finish(torchrun_exit=1, root_cause=(1, -6),
+                                               command=["python", "train.py"]))
+    written = json.loads(folder.summary_json.read_text())
+    assert (written["failure"]["rank"], written["failure"]["signal"]) == (1, "SIGABRT")
+    assert "died at exit, after its script returned" in written["failure"]["summary"]
+    assert (reply.exit_code, reply.failed_rank) == (134, 1)

@@ -119,10 +119,6 @@ SNAPSHOT_BACKOFF = 9.0
 # quantiles barely move in 10 s, and the file says when they were taken
 # (run.window_stats_at). The final record's is always fresh.
 WINDOW_REFRESH_S = 10.0
-# The error said for a rank whose goodbye reported exit code 0 and whom torchrun then saw
-# fail: its script had returned, and the process died at exit.
-DIED_AFTER_GOODBYE = ("died at exit, after its script returned: a crash in teardown (an "
-                      "atexit handler, a destructor, a library's thread)")
 # Messages queued inside ZeroMQ for the collector cost up to one 8 KiB receive buffer each
 # (measured: 1,024 peers x 100 queued 170-byte messages held 643 MiB), and the limit is per
 # connection. So the per-connection limit comes from a total budget: past it, messages
@@ -653,12 +649,10 @@ class Collector:
             # one node knows only that node's ranks).
             rank, exitcode = root
             rs = self.state.ranks[rank]
-            if not rs.exit_code:
-                if rs.exit_code == 0 and rs.error is None:
-                    rs.error = DIED_AFTER_GOODBYE
-                rs.exit_code = exitcode
-                rank_code = 128 - exitcode if exitcode < 0 else exitcode
-                failures = [(rank, rank_code)] + [f for f in failures if f[0] != rank]
+            end = exit_codes.root_cause_end(exitcode, rs.exit_code, rs.error)
+            if end is not None:
+                rs.exit_code, rs.error = end
+                failures = exit_codes.lead_with(failures, rank, exitcode)
         code, failed = exit_codes.job_exit_code(
             request.torchrun_exit, request.interrupted, failures)
         if request.exit_code is not None:

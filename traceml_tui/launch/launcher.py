@@ -37,7 +37,12 @@ from traceml_tui.report import ending, summary
 from traceml_tui.report.ending import EndReply
 from traceml_tui.runfolder import folders
 from traceml_tui.runfolder import summary_model as model
-from traceml_tui.runfolder.exit_codes import job_exit_code, process_exit_code
+from traceml_tui.runfolder.exit_codes import (
+    job_exit_code,
+    lead_with,
+    process_exit_code,
+    root_cause_end,
+)
 from traceml_tui.runfolder.layout import RunFolder
 
 from . import nccl_debug
@@ -352,15 +357,24 @@ def _fallback_summary(run_dir: Path, request: Finish) -> EndReply:
             "The collector stopped before it saved any record of this run.\n",
             f"no summary: the collector died without a usable snapshot ({exc}; see "
             f"{RunFolder(run_dir).collector_log})")
-    failures = [(r.rank, r.exit_code) for r in snap.ranks if r.exit_code]
+    ranks = list(snap.ranks)
+    failures = [(r.rank, r.exit_code) for r in ranks if r.exit_code]
+    if request.root_cause is not None:  # as the collector reads torchrun's root cause
+        rank, root_code = request.root_cause
+        row = next((i for i, r in enumerate(ranks) if r.rank == rank), None)
+        end = None if row is None else root_cause_end(root_code, ranks[row].exit_code,
+                                                      ranks[row].error)
+        if row is not None and end is not None:
+            ranks[row] = replace(ranks[row], exit_code=end[0], error=end[1])
+            failures = lead_with(failures, rank, root_code)
     code, failed_rank = job_exit_code(
         request.torchrun_exit, request.interrupted, failures)
     meta = summary.RunMeta(exit_code=code if request.exit_code is None else request.exit_code,
                            failed_rank=failed_rank)
     run = replace(snap.run, exit_code=meta.exit_code, failed_rank=failed_rank,
                   ended_at=summary.iso(request.ended_at), command=list(request.command))
-    doc = replace(snap, complete=False, run=run,  # the failure as the collector would lead
-                  failure=summary.rank_failure(snap.ranks, meta))
+    doc = replace(snap, complete=False, run=run, ranks=ranks,  # the failure leads, as
+                  failure=summary.rank_failure(ranks, meta))  # the collector's record
     return ending.summary_reply(run_dir, doc, lambda: summary.write_summary(run_dir, doc))
 
 
@@ -455,7 +469,7 @@ def _node_done(opts: RunOptions, run_dir: Path, request: Finish,
     with its own job's exit code, as torchrun on that node would, and says where node 0
     keeps the summary (its folder, as node 0 told through torchrun's store)."""
     root = request.root_cause
-    failures = [] if root is None else [(root[0], 128 - root[1] if root[1] < 0 else root[1])]
+    failures = [] if root is None else lead_with([], *root)
     code, failed = job_exit_code(request.torchrun_exit, request.interrupted, failures)
     code = code if request.exit_code is None else request.exit_code
     failed_text = "" if failed is None else f", rank {failed} failed"

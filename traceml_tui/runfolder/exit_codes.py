@@ -67,3 +67,30 @@ def process_exit_code(code: int | None, torchrun_rc: int | None) -> int:
     if torchrun_rc not in (None, 0) and not 1 <= code <= 255:
         return shell_exit_code(code, torchrun_rc)
     return code if 0 <= code <= 255 else shell_exit_code(code)
+
+
+# The error said for a rank whose goodbye reported exit code 0 and whom torchrun then saw
+# fail: its script had returned, and the process died at exit.
+DIED_AFTER_GOODBYE = ("died at exit, after its script returned: a crash in teardown (an "
+                      "atexit handler, a destructor, a library's thread)")
+
+
+def root_cause_end(root_code: int, said: int | None, error: str | None
+                   ) -> tuple[int, str | None] | None:
+    """What the record keeps of the rank torchrun saw fail first (`root_code`: its exit
+    code, a signal's negative), whose goodbye said `said` (None: it said none, as a rank
+    killed by a signal): (exit code, error), or None to keep the goodbye's, a failure the
+    rank named itself. A goodbye that said 0 followed by torchrun's failure is a death at
+    exit (fresh-clone run 43's SIGABRT in teardown): torchrun's word on whether the rank
+    failed wins, and the error says when it died."""
+    if said:
+        return None
+    return root_code, (DIED_AFTER_GOODBYE if said == 0 and error is None else error)
+
+
+def lead_with(failures: list[tuple[int, int]], rank: int, root_code: int
+              ) -> list[tuple[int, int]]:
+    """`failures` (rank, exit code) led by the rank torchrun saw fail first, its code as
+    the job's (a signal's as 128 + it); the others keep their order."""
+    code = 128 - root_code if root_code < 0 else root_code
+    return [(rank, code)] + [f for f in failures if f[0] != rank]
