@@ -1,0 +1,77 @@
+"""Where one live evaluation's time goes at N ranks, in-process (no traffic): the whole
+evaluation with nothing new and with every rank new (as after a tick in which every rank
+stepped), then its parts alone: the live refresh, the hang check, the diagnosis and the
+cost model's count. A state of synthetic records through the real protocol and RunState
+(traceml_tui/collect/canned.py). CPU milliseconds, median of 5. One JSON line.
+
+Usage: python benchmarks/evaluate_parts.py [--ranks N] [--steps K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from traceml_tui.collect.canned import make_state
+from traceml_tui.judge import diagnosis as dx
+from traceml_tui.judge import progress
+from traceml_tui.judge.windows import finite_median
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ranks", type=int, default=16384)
+    p.add_argument("--steps", type=int, default=100, help="steps per rank")
+    args = p.parse_args()
+    state = make_state(world_size=args.ranks, nproc_per_node=8, steps=args.steps,
+                       straggler=args.ranks // 3)
+    now, mono_now = 1_700_000_100.0, 0.5
+    state.evaluate(now, mono_now)
+
+    def cpu_ms(fn, setup=lambda: None) -> float:
+        times = []
+        for _ in range(5):
+            setup()  # not timed
+            t0 = time.process_time()
+            fn()
+            times.append((time.process_time() - t0) * 1000)
+        return round(statistics.median(times), 1)
+
+    def all_new() -> None:
+        for rs in state.ranks.values():
+            rs.dirty = True
+
+    timings = state._live_table()
+    shown = state.live.shown if state.live is not None else None
+    assert shown is not None
+    step_ms = timings.step_ms
+    med = finite_median(step_ms[step_ms != 0])
+
+    def diagnose() -> None:
+        state._gather = None  # nothing gathered by a refresh to reuse
+        dx.diagnose(timings, shown.label, state.parallel == "fsdp", state.framework,
+                    state._recent_timings, state.stall_findings(), state.preflight_busbw,
+                    state._live_steps)
+
+    def count_cost() -> None:
+        state._gather = None
+        state.timeline.count_cost(shown, state.newest_step(), len(state.ranks),
+                                  state._aligned, state.parallel == "fsdp")
+
+    print(json.dumps({
+        "ranks": args.ranks, "steps": args.steps, "label": shown.label,
+        "evaluate_nothing_new_ms": cpu_ms(lambda: state.evaluate(now, mono_now)),
+        "evaluate_all_new_ms": cpu_ms(lambda: state.evaluate(now, mono_now), all_new),
+        "live_refresh_ms": cpu_ms(lambda: state._refresh_live(keep=True), all_new),
+        "hang_check_ms": cpu_ms(lambda: progress.check(
+            state.ranks, state.relays, state.waiting_routes, mono_now, med,
+            state.hang_after_s)),
+        "diagnose_ms": cpu_ms(diagnose),
+        "count_cost_ms": cpu_ms(count_cost),
+    }))
+
+
+if __name__ == "__main__":
+    main()
