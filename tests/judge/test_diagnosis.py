@@ -628,8 +628,14 @@ def test_comm_bound_gives_the_achieved_bus_bandwidth_and_compares_the_preflight(
     assert dx.bus_gbps(100e6, sync_ms, 4) == pytest.approx(expected)
     d = diagnose(ranks, preflight_busbw=2 * expected)
     assert f"about {expected:.3g} GB/s of bus bandwidth" in d.summary, d.summary
-    assert "100.0 MB of gradients" in d.summary and "(50% of it)" in d.summary
+    assert "100 MB of gradients" in d.summary and "(50% of it)" in d.summary
     assert "NCCL_SOCKET_IFNAME" in d.summary and "traceml netcheck" in d.summary
+
+
+def test_a_small_models_gradients_are_said_in_kilobytes():
+    """A tiny model's 38 kB of gradients read "0.0 MB" (fresh-clone run 49's records)."""
+    d = diagnose(sync_share_ranks(0.8, comm_bytes=38_400))
+    assert "all-reduces 38.4 kB of gradients" in d.summary, d.summary
 
 
 @pytest.mark.parametrize("nbytes, ms, world", [(0, 5.0, 4), (1e6, 0.0, 4), (1e6, 5.0, 1)])

@@ -114,6 +114,15 @@ def mtu_mismatch(mtus: Mapping[int, int | None]) -> str | None:
             f"others {common}: frames are fragmented or dropped between them")
 
 
+def si_bytes(n: float) -> str:
+    """A byte count in decimal units, three significant digits ("38.4 kB", "1.6 MB"): a
+    small model's gradients are kilobytes, not "0.0 MB"."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
 def human_bytes(n: int) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:

@@ -55,7 +55,7 @@ from traceml_agent.vocab import (  # noqa: F401 (re-exported)
 # The labels, severities and phase groups are the product's vocabulary (vocab.py); they
 # are re-exported here because the rules below are where they get their meaning.
 from .advice import advise
-from .bandwidth import bus_factor
+from .bandwidth import bus_factor, si_bytes
 from .evidence import (
     CPU_ADVICE,
     CPU_UNREAD,
@@ -705,7 +705,7 @@ def comm_bound(ranks: Table, share: float, step_ms: float,
         slow = float(gbps.min())
         slow_rank = int(t.ranks[known][gbps == slow].min())
         mid = median_of(gbps)
-        evidence = (f" DDP all-reduces {nbytes / 1e6:.1f} MB of gradients per step: about "
+        evidence = (f" DDP all-reduces {si_bytes(nbytes)} of gradients per step: about "
                     f"{mid:.3g} GB/s of bus bandwidth over the exposed wait (lowest: rank "
                     f"{slow_rank}, {slow:.3g} GB/s)")
         if preflight_busbw:

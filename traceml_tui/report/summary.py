@@ -23,6 +23,7 @@ from traceml_agent import nccl_log
 from traceml_agent.sanitize import clean_line
 from traceml_agent.vocab import SYNC, format_ranks
 from traceml_tui.judge import diagnosis as dx
+from traceml_tui.judge.bandwidth import si_bytes
 from traceml_tui.judge.snapshot import Episode, Snapshot, WholeWindow, hours_unit
 from traceml_tui.judge.stalls import StallFinding
 from traceml_tui.judge.windows import median
@@ -599,7 +600,7 @@ def collective_lines(rows: Sequence[model.Collective]) -> list[str]:
     out = ["  Collectives (per step; exposed wait, share of all sync):"]
     for c in rows[:TEXT_COLLECTIVES]:
         nbytes = c.bytes_per_step
-        size = "" if nbytes is None else f", {_bytes(nbytes)}"
+        size = "" if nbytes is None else f", {si_bytes(nbytes)}"
         share = c.share_of_sync
         where = "outside phases" if c.phase == "none" else f"in {c.phase}"
         out.append(f"    {c.op} on group {c.group} ({where}): "
@@ -609,13 +610,6 @@ def collective_lines(rows: Sequence[model.Collective]) -> list[str]:
     if len(rows) > TEXT_COLLECTIVES:
         out.append(f"    ... {len(rows) - TEXT_COLLECTIVES} more in final_summary.json")
     return out
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def _agent_lines(ranks: Sequence[model.Rank]) -> list[str]:
