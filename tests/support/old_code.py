@@ -39,9 +39,15 @@ _CPU_UNREAD = re.compile(r";\s+how\s+long\s+its\s+training\s+thread\s+waited\s+f
                          r"\s+ruled\s+out")
 
 
+# COMM-BOUND's gradient bytes are said in the unit that fits since (bandwidth.si_bytes:
+# "38.4 kB", not "0.0 MB"): the amount is cut on both sides.
+_GRAD_BYTES = re.compile(r"(DDP\s+all-reduces\s+)[\d.]+\s+[kMG]?B(\s+of\s+gradients)")
+
+
 def without_new_sentences(text: str) -> str:
     """`text` less the sentences verdicts gained or changed since the old code (_SEEN,
-    _STALL_ADVICE, _CPU_UNREAD): apply it to both sides of a comparison."""
+    _STALL_ADVICE, _CPU_UNREAD, _GRAD_BYTES): apply it to both sides of a comparison."""
+    text = _GRAD_BYTES.sub(r"\1\2", text)
     return _CPU_UNREAD.sub("", _STALL_ADVICE.sub(r"\1", _SEEN.sub("", text)))
 
 
