@@ -488,7 +488,9 @@ def test_a_rank_that_dies_at_exit_after_its_goodbye_is_the_failure(
     assert failure is not None and (failure["rank"], failure["signal"], failure["step"]) == (
         1, "SIGABRT", 20), failure
     assert "after its script returned" in failure["summary"], failure
-    assert doc["run"]["failed_rank"] == 1 and doc["ranks"][0]["exit_code"] == 0
+    # (Rank 0 may still be on its way out when torchrun, seeing rank 1 die, stops it: its
+    # own exit is not this test's; fresh-clone run 51.)
+    assert doc["run"]["failed_rank"] == 1
     printed = [line for line in stdout.splitlines() if line.strip()]
     assert printed[0].startswith("FAILED: rank 1 was killed by signal 6 (SIGABRT) after 20 "
                                  "steps: died at exit"), stdout[:2000]
