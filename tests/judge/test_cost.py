@@ -8,6 +8,7 @@ import pytest
 
 from traceml_tui.judge import cost
 from traceml_tui.judge import diagnosis as dx
+from traceml_tui.judge.timeline import LIVE_STEPS, Timeline
 from traceml_tui.judge.windows import AlignedSteps, WindowBlock
 
 N = 40  # steps
@@ -197,3 +198,68 @@ def test_aligned_marks_dropped_records_and_leaves_out_ranks_far_behind():
     # The slots before the drop are not where a gapless ring puts them: left out (NaN)
     # rather than attributed to the wrong step, until they leave the window.
     assert np.isnan(row[109])
+
+
+
+def _upto(full: AlignedSteps, newest: int, n: int) -> AlignedSteps:
+    """The newest `n` of `full`'s steps up to step `newest`."""
+    end = int(np.searchsorted(full.steps, newest)) + 1
+    cols = slice(max(0, end - n), end)
+    return AlignedSteps(full.ranks, full.steps[cols], full.step_ms[:, cols],
+                        {p: a[:, cols] for p, a in full.phase_ms.items()})
+
+
+def _count_run(ranks: int, d: dx.Diagnosis, full: AlignedSteps, switch_at: int | None = None
+               ) -> tuple[list[int], list, float]:
+    """Evaluations of a Timeline over `full`'s steps, one new step each, as a job of
+    `ranks` ranks: (steps read per evaluation, the what-if after each, the lost seconds
+    of the open episode). From step `switch_at` the label names another rank."""
+    tl = Timeline(0.0, 64)
+    asked: list[int] = []
+    at = {"newest": int(full.steps[0]) + 15}
+
+    def read(want: int, reuse: bool) -> AlignedSteps:
+        asked.append(want)
+        return _upto(full, at["newest"], want)
+
+    tl.new_episode(d, 0.0, at["newest"], 0, ranks, read, False)
+    asked.clear()
+    what_ifs = []
+    for newest in range(at["newest"] + 1, int(full.steps[-1]) + 1):
+        at["newest"] = newest
+        shown = d if switch_at is None or newest < switch_at else straggler(d.label, 1)
+        tl.count_cost(shown, newest, ranks, read, False)
+        what_ifs.append(tl.what_if)
+    return asked, what_ifs, tl.episodes[-1].lost_s or 0.0
+
+
+def test_past_the_budget_the_what_if_is_refreshed_less_often_and_no_step_goes_uncounted():
+    """At 16,384 ranks 32 steps of every rank are 8x VALUE_BUDGET: the what-if is computed
+    afresh every 8th evaluation (and says so), the others read only enough steps to count
+    the fresh one; the lost time is the one a small job's evaluations count."""
+    d, full = straggler(dx.INPUT_STRAGGLER, 2), job(dataloader={2: 30.0})
+    assert cost.what_if_every(4, LIVE_STEPS) == 1
+    assert cost.what_if_every(2048, LIVE_STEPS) == 1
+    assert cost.what_if_every(16384, LIVE_STEPS) == 8
+    small_reads, small_ifs, small_lost = _count_run(4, d, full)
+    large_reads, large_ifs, large_lost = _count_run(16384, d, full)
+    assert set(small_reads) == {LIVE_STEPS}  # each evaluation its what-if
+    assert large_reads == [LIVE_STEPS if i % 8 == 0 else cost.MIN_STEPS
+                           for i in range(len(large_reads))]
+    assert large_lost == pytest.approx(small_lost, rel=0.02) and small_lost > 0.024 * 24 * 0.9
+    assert all(w is not None for w in small_ifs + large_ifs)
+    assert "refreshed every 8 evaluations" in large_ifs[0].reasoning
+    assert "refreshed" not in small_ifs[0].reasoning
+    assert large_ifs[3] is large_ifs[0]  # held between refreshes
+    assert large_ifs[0].saving_ms == pytest.approx(small_ifs[0].saving_ms)
+
+
+def test_a_what_if_about_another_culprit_is_computed_at_once():
+    d = straggler(dx.INPUT_STRAGGLER, 2)
+    full = job(dataloader={2: lambda i: 30.0 if i < 20 else 0.0,
+                           1: lambda i: 0.0 if i < 20 else 30.0})
+    first = int(full.steps[0])
+    reads, ifs, _ = _count_run(16384, d, full, switch_at=first + 20)
+    switched = 20 - 16  # the evaluation of step first + 20
+    assert reads[switched] == LIVE_STEPS and ifs[switched].rank == 1
+    assert ifs[switched - 1].rank == 2

@@ -193,10 +193,19 @@ def summarize(d: Diagnosis, s: Savings, last: int | None = None) -> WhatIf | Non
                   now - saving, excess, paid, s.weak, text + ".")
 
 
-def steps_to_read(ranks: int, window: int, wanted: int) -> int:
+def steps_to_read(ranks: int, window: int, wanted: int, least: int = 4 * MIN_STEPS) -> int:
     """How many aligned steps to read for `wanted` of them: at most the window, and at
-    most VALUE_BUDGET values over all ranks (but never fewer than MIN_STEPS x 4)."""
-    return max(1, min(window, wanted, max(4 * MIN_STEPS, VALUE_BUDGET // max(1, ranks))))
+    most VALUE_BUDGET values over all ranks (but never fewer than `least`)."""
+    return max(1, min(window, wanted, max(least, VALUE_BUDGET // max(1, ranks))))
+
+
+def what_if_every(ranks: int, live_steps: int) -> int:
+    """Every how many evaluations the live what-if is computed afresh: each one while its
+    `live_steps` steps of every rank fit VALUE_BUDGET (2,048 ranks at 32 steps), past that
+    as often as the budget allows on average (16,384 ranks: every 8th). Between, the lost
+    time is still counted every evaluation, from only the steps taken since (Timeline):
+    the what-if is a mean over dozens of steps and moves slowly, the count is a sum."""
+    return max(1, -(-ranks * live_steps // VALUE_BUDGET))
 
 
 def job_step_ms(data: AlignedSteps) -> float | None:

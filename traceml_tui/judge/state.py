@@ -105,6 +105,10 @@ class RunState:
         self.recent_cols = Columns(world_size)
         # What this evaluation's refresh gathered, for the cost model's aligned steps.
         self._gather: Gather | None = None
+        # The ranks' windows lined up by step, as read in this evaluation (by the newest
+        # steps wanted, and whether the refresh's values served): the diagnosis's
+        # per-step rules and the cost model ask for the same steps.
+        self._reads: dict[tuple[int, bool], AlignedSteps | None] = {}
         # Episodes, their cost, the live what-if and the time chart's history.
         self.timeline = Timeline(started_at, self.window_steps)
         self.collectives = coll.CollectiveBook()  # which collective took the sync time
@@ -216,7 +220,7 @@ class RunState:
             return
         rows = np.fromiter((rs.ident.rank for rs in todo), np.int64, len(todo))
         stats = self.block.stats(rows, LIVE_STEPS, keep=keep)
-        self._gather = stats.gather
+        self._gather, self._reads = stats.gather, {}
         cols.put(rows, stats)
         self.recent_cols.fresh[rows] = False  # asked again only by a straggler rule
         at = dx.stall_thresholds(stats.median[:, 0]).tolist()  # set past warm-up (past)
@@ -259,8 +263,8 @@ class RunState:
         gathered), for the rules that compare the ranks one step at a time."""
         if not self.ranks:
             return None
-        return self.block.aligned(list(self.ranks), cost.steps_to_read(
-            len(self.ranks), self.window_steps, LIVE_STEPS), self._gather)
+        return self._aligned(cost.steps_to_read(len(self.ranks), self.window_steps,
+                                                LIVE_STEPS), True)
 
     def _recent_timings(self) -> Timings:
         """Every rank's newest few steps (dx.recent_steps), to see a straggler recover
@@ -305,6 +309,7 @@ class RunState:
         if self.attempts.waiting and any(rs.steps and rs.attempt == self.attempts.number
                                          for rs in self.ranks.values()):
             self.attempts.resumed(now)  # the restarted group stepped: what it cost
+        self._reads = {}
         timings = self._live_table()
         before = self.live.shown if self.live else None
         report = None
@@ -347,7 +352,8 @@ class RunState:
                                       self._aligned, fsdp)
         self.timeline.count_cost(shown, newest, len(self.ranks), self._aligned, fsdp)
         self.timeline.add_history(now, timings)
-        self._gather = None  # what the refresh gathered serves this evaluation only
+        # What the refresh gathered, and the reads, serve this evaluation only.
+        self._gather, self._reads = None, {}
         return shown
 
     def _keep_hang_stacks(self) -> None:
@@ -399,7 +405,11 @@ class RunState:
     def _aligned(self, want: int, reuse: bool) -> AlignedSteps | None:
         """The ranks' windows lined up by step, the newest `want` (timeline.Aligned);
         `reuse`: what this evaluation's refresh gathered may serve."""
-        return self.block.aligned(list(self.ranks), want, self._gather if reuse else None)
+        key = (want, reuse)
+        if key not in self._reads:
+            self._reads[key] = self.block.aligned(list(self.ranks), want,
+                                                  self._gather if reuse else None)
+        return self._reads[key]
 
     def recent_steps(self, rank: int) -> tuple[float, ...]:
         """The rank's last step times, oldest first (for a sparkline)."""

@@ -48,6 +48,10 @@ class Timeline:
         self.lost_mark = -1
         self.episode_dx: dx.Diagnosis | None = None
         self.what_if: cost.WhatIf | None = None
+        # What the what-if was last computed for (label, rank, node, phase), and how many
+        # evaluations ago: past ~2,000 ranks it is refreshed on a slower cadence.
+        self.what_if_key: tuple[object, ...] | None = None
+        self.what_if_age = 0
         self.cause_wins = 0  # evaluations in a row the shown cause differed from the open one
 
     # A sequence of its episodes, oldest first.
@@ -72,6 +76,7 @@ class Timeline:
         kept = tuple(self.episodes)
         self.episodes.clear()
         self.episode_dx, self.what_if, self.lost_mark = None, None, -1
+        self.what_if_key = None
         self.clock = StepClock()
         return kept
 
@@ -88,19 +93,41 @@ class Timeline:
                    fsdp: bool) -> None:
         """What the shown problem cost in the steps taken since the last evaluation (step
         by step, cost.py), added to the open episode; and its live what-if over the newest
-        LIVE_STEPS steps. Steps that left the window uncounted (evaluation backed off
+        LIVE_STEPS steps, computed afresh every cost.what_if_every evaluations (each one
+        below ~2,000 ranks; between, only the fresh steps are read, and the view says how
+        often it is refreshed). Steps that left the window uncounted (evaluation backed off
         longer than a window) are counted at the mean of the counted ones."""
         last = self.episodes[-1] if self.episodes else None
         if last is None or last.end is not None or shown.label not in cost.COSTED_LABELS:
-            self.what_if = None
+            self.what_if, self.what_if_key = None, None
             return
         fresh = newest - self.lost_mark
-        data = read(cost.steps_to_read(ranks, self.window_steps, max(LIVE_STEPS, fresh)), True)
+        every = cost.what_if_every(ranks, LIVE_STEPS)
+        key = (shown.label, shown.rank, shown.node, shown.phase)
+        due = key != self.what_if_key or self.what_if_age + 1 >= every
+        self.what_if_age += 1
+        if due:
+            want = cost.steps_to_read(ranks, self.window_steps, max(LIVE_STEPS, fresh))
+        elif fresh > 0:
+            need = max(cost.MIN_STEPS, fresh)  # as many as the what-if's read would count
+            want = cost.steps_to_read(ranks, self.window_steps, need,
+                                      least=min(need, 4 * cost.MIN_STEPS))
+        else:
+            return  # nothing taken since, and the what-if is recent enough
+        data = read(want, True)
         saved = None if data is None else cost.savings(shown, data, fsdp)
+        if due:
+            self.what_if_key, self.what_if_age = key, 0
         if data is None or saved is None:
-            self.what_if = None
+            if due:
+                self.what_if = None
             return
-        self.what_if = cost.summarize(shown, saved, LIVE_STEPS)
+        if due:
+            self.what_if = cost.summarize(shown, saved, LIVE_STEPS)
+            if self.what_if is not None and every > 1:
+                self.what_if = replace(self.what_if, reasoning=(
+                    f"{self.what_if.reasoning.rstrip('.')}; at {ranks:,} ranks refreshed "
+                    f"every {every} evaluations."))
         lost_ms, counted = saved.lost_ms_after(self.lost_mark)
         end = int(saved.steps[-1])
         missed = max(0, end - self.lost_mark - counted)
@@ -198,7 +225,7 @@ class Timeline:
         """The newest episode of `label` that began at `since` is open to the end again,
         and the episodes after it go: a hang the run's stop ended (state.py,
         keep_latched_hang) is the record's last word, not its aftermath."""
-        self.what_if = None
+        self.what_if, self.what_if_key = None, None
         kept = list(self.episodes)
         starts = [i for i, ep in enumerate(kept) if ep.label == label and ep.start == since]
         if starts:
