@@ -92,11 +92,13 @@ from .view_server import ViewServer
 
 EVAL_INTERVAL_S = 0.5  # live diagnosis cadence: a change shows within ~1-2 s
 # With thousands of ranks one evaluation (diagnosis + the viewers' frozen state, built
-# when a viewer asks: view_server.py) costs tens of ms at 4,096 ranks and ~180 ms at
-# 16,384 (benchmarks/cost.pairs-1129b.out): ticks are spaced at least this many times
-# their cost apart, so they never take more than a fifth of the collector's core from
-# ingest.
-EVAL_BACKOFF = 5.0
+# when a viewer asks: view_server.py) costs tens of ms at 4,096 ranks and ~150 ms at
+# 16,384 (benchmarks/README.md): ticks are spaced at least this many times their cost
+# apart, so they never take more than a tenth of the collector's core from ingest, as
+# the live file (SNAPSHOT_BACKOFF). Below ~4,000 ranks an evaluation costs less than a
+# tenth of its interval and this changes nothing; at 16,384 a change shows ~1.5 s after
+# its batch instead of ~1 s (a fifth, 5.0, until 2026-11-29: 14 % of a core there).
+EVAL_BACKOFF = 9.0
 SNAPSHOT_INTERVAL_S = 2.0  # how much a crash of this process can lose, at most
 FINISH_GRACE_S = 3.0  # at the end, how long to wait for ranks' last batches
 # With several nodes, other nodes' ranks end on their own clock (their torchrun may still
@@ -152,9 +154,9 @@ def eval_interval_s(world_size: int) -> float:
     interval where it is longer (agent/transport.send_interval_s: past ~5,000 ranks a rank
     sends its steps every 0.5-1 s). A rank's window changes once per send interval, and an
     evaluation costs the same whatever changed: more than one per interval judges mostly
-    the same windows again. (At 16,384 ranks today an evaluation costs ~180 ms, which
-    EVAL_BACKOFF already spaces ~0.9 s apart: this floor matters once it is cheaper.) A
-    change then shows within a batch interval and one more."""
+    the same windows again. (At 16,384 ranks an evaluation costs ~150 ms, which
+    EVAL_BACKOFF spaces ~1.5 s apart: this floor matters once it is cheaper.) A change
+    then shows within a batch interval and one more."""
     return max(EVAL_INTERVAL_S, send_interval_s(world_size))
 
 

@@ -78,7 +78,7 @@ MAX_KEYFRAMES = 240
 # than ~8 min, or a wide one with fewer keyframes): a label shows once it held for
 # CONFIRM_TICKS (2) evaluations (diagnosis.settle), so one lasting most of a keyframe
 # interval still shows. The collector itself spaces evaluations out on a wide job (its
-# EVAL_BACKOFF: ~5 s apart at 16,384 ranks), and they cost ~80 ms each there.
+# EVAL_BACKOFF: ~1.5 s apart at 16,384 ranks), and they cost ~80 ms each there.
 EVALS_PER_KEYFRAME = 4
 # When the record says when the run ended: evaluations every 0.5 s of it, as live, unless
 # that is more than MAX_EVALS (~1 ms each on a small job: a 33-minute run is judged every

@@ -476,7 +476,9 @@ class RunState:
                       for r in range(self.world_size))
         if whole is not None and part is None:
             part = self._new_window_part(now, mono_now, ranks, whole, untimed)
-        trends = self.memory.trends(None if full else mono_now)
+        # Judged afresh for the record; for a viewer or the live file at most every
+        # memory.LIVE_EVERY_S (their whole-window part is reused for longer still).
+        trends = self.memory.trends(None if full and not window_max_age_s else mono_now)
         final = None if part is None else memory_evidence(part.final, trends)
         return Snapshot(
             run_name=self.run_name, world_size=self.world_size, nnodes=self.nnodes,
