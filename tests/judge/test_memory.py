@@ -293,3 +293,19 @@ def test_a_read_judges_a_bounded_number_of_ranks_the_longest_waiting_first():
     book.seen(5, T0 + 30, Sys(v=1, id=Identity(5, 0, 0, "h", 1, n), seq=30, t=T0 + 30,
                               rss_mb=900.0))
     assert book.trends()[5].rss_mb == 900.0 and not book._dirty
+
+
+def test_the_live_file_reads_trends_as_a_viewer_does_and_the_record_afresh():
+    """The live file (a whole-window part that may be reused) judges the trends at most
+    every LIVE_EVERY_S, as a viewer does; the record judges them at the moment."""
+    state = _run(10.0)
+    first = state.snapshot(T0 + 61, 61.0, full=True, window_max_age_s=10.0)
+    _ingest_sys(state, 1, T0 + 61, rss_mb=300.0 + 10.0 * 61, mem_avail_mb=6000.0)
+    soon = state.snapshot(T0 + 62, 62.0, full=True, window_max_age_s=10.0)
+    assert soon.memory == first.memory  # within LIVE_EVERY_S: the same trends
+    record = state.snapshot(T0 + 62.5, 62.5, full=True)
+    assert record.memory[1].rss_mb == pytest.approx(300.0 + 10.0 * 61)
+    _ingest_sys(state, 1, T0 + 62, rss_mb=300.0 + 10.0 * 62, mem_avail_mb=6000.0)
+    later = state.snapshot(T0 + 61 + mem.LIVE_EVERY_S, 61.0 + mem.LIVE_EVERY_S, full=True,
+                           window_max_age_s=10.0)
+    assert later.memory[1].rss_mb == pytest.approx(300.0 + 10.0 * 62)
