@@ -94,7 +94,11 @@ def test_two_nodes_one_summary_with_the_slow_node_named(tmp_path, first):
     assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3]
     assert all(r["steps"] == 140 for r in doc["ranks"])
     d = doc["diagnosis"]
-    assert (d["label"], d["phase"]) == ("INPUT STRAGGLER", "dataloader")
+    # Node 1 is slow in input only; but 4 ranks and the suite's other jobs share 2 cores,
+    # and a rank of node 1 preempted in its backward is behind in compute too (measured,
+    # 1 run in ~10: rank 3's backward 3.8 ms against 1.1-1.5): then the label is the
+    # both-phases STRAGGLER, still naming node 1 and its dataloader first.
+    assert d["label"] in ("INPUT STRAGGLER", "STRAGGLER") and d["phase"] == "dataloader"
     assert d["rank"] in (2, 3) and d["node"] == {"index": 1, "ranks": [2, 3]}
     assert "Every rank on node 1" in d["summary"]
     assert doc["complete"] is True
@@ -104,7 +108,7 @@ def test_two_nodes_one_summary_with_the_slow_node_named(tmp_path, first):
     assert "relay for node 1" in (out / "mn" / "relay-node1.log").read_text()
     # Node 1 writes no summary of its own; it says where the job's is.
     assert "node 1: its ranks ended with exit code 0" in out1
-    assert "INPUT STRAGGLER" in out0
+    assert f"Diagnosis: {d['label']}  node 1" in out0
     assert sorted(p.name for p in (out / "mn" / "logs").iterdir()) == ["node0", "node1"]
 
 
