@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
-import time
 
-from traceml_tui import viewmodel  # noqa: E402
+from inprocess import MONO_NOW, NOW, canned_state, cpu_ms
+
+from traceml_tui import viewmodel
 from traceml_tui.collect import view_build
-from traceml_tui.collect.canned import make_state  # noqa: E402
 from traceml_tui.report import summary
 
 
@@ -27,19 +26,8 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=1024)
     p.add_argument("--steps", type=int, default=600, help="steps per rank (fills the window)")
     args = p.parse_args()
-    state = make_state(world_size=args.ranks, nproc_per_node=8, steps=args.steps,
-                       straggler=args.ranks // 3)
-    now = 1_700_000_100.0
-    mono_now = 0.5  # the canned ranks were last heard at 0.0: stepping, nothing stalled
-
-    def cpu_ms(fn, setup=lambda: None) -> float:
-        times = []
-        for _ in range(5):
-            setup()  # not timed
-            t0 = time.process_time()
-            fn()
-            times.append((time.process_time() - t0) * 1000)
-        return round(statistics.median(times), 1)
+    state = canned_state(args.ranks, args.steps)
+    now, mono_now = NOW, MONO_NOW
 
     def evaluate() -> None:
         for rs in state.ranks.values():

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
-from traceml_tui.collect.canned import make_state
+from inprocess import MONO_NOW, NOW, canned_state, cpu_ms
+
 from traceml_tui.judge import cost, progress
 from traceml_tui.judge import diagnosis as dx
 from traceml_tui.judge.timeline import LIVE_STEPS
@@ -27,19 +26,9 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=16384)
     p.add_argument("--steps", type=int, default=100, help="steps per rank")
     args = p.parse_args()
-    state = make_state(world_size=args.ranks, nproc_per_node=8, steps=args.steps,
-                       straggler=args.ranks // 3)
-    now, mono_now = 1_700_000_100.0, 0.5
+    state = canned_state(args.ranks, args.steps)
+    now, mono_now = NOW, MONO_NOW
     state.evaluate(now, mono_now)
-
-    def cpu_ms(fn, setup=lambda: None) -> float:
-        times = []
-        for _ in range(5):
-            setup()  # not timed
-            t0 = time.process_time()
-            fn()
-            times.append((time.process_time() - t0) * 1000)
-        return round(statistics.median(times), 1)
 
     def all_new() -> None:
         for rs in state.ranks.values():
