@@ -200,7 +200,6 @@ def test_aligned_marks_dropped_records_and_leaves_out_ranks_far_behind():
     assert np.isnan(row[109])
 
 
-
 def _upto(full: AlignedSteps, newest: int, n: int) -> AlignedSteps:
     """The newest `n` of `full`'s steps up to step `newest`."""
     end = int(np.searchsorted(full.steps, newest)) + 1

@@ -165,8 +165,11 @@ def what_if(d: Diagnosis, data: AlignedSteps, fsdp: bool = False) -> WhatIf | No
     return None if s is None else summarize(d, s)
 
 
-def summarize(d: Diagnosis, s: Savings, last: int | None = None) -> WhatIf | None:
-    """The what-if from the per-step savings (of the newest `last` steps, or all)."""
+def summarize(d: Diagnosis, s: Savings, last: int | None = None, every: int = 1,
+              ranks: int = 0) -> WhatIf | None:
+    """The what-if from the per-step savings (of the newest `last` steps, or all);
+    `every` > 1: it is computed afresh only every so many evaluations (what_if_every)
+    of a job of `ranks` ranks, and says so."""
     if last is not None:
         s = s.tail(last)
     if len(s.steps) < MIN_STEPS:
@@ -188,15 +191,17 @@ def summarize(d: Diagnosis, s: Savings, last: int | None = None) -> WhatIf | Non
     if paid is not None and s.culprit in ("rank", "node"):
         text += (f": its extra work on the critical path is {excess:.1f} ms per step and the "
                  f"other ranks wait {paid:.1f} ms more than it in sync")
+    if every > 1:
+        text += f"; at {ranks:,} ranks refreshed every {every} evaluations"
     return WhatIf(d.label, s.culprit, d.rank if s.culprit in ("rank", "stalls") else None,
                   d.node if s.culprit == "node" else None, d.phase, int(len(s.steps)), now,
                   now - saving, excess, paid, s.weak, text + ".")
 
 
-def steps_to_read(ranks: int, window: int, wanted: int, least: int = 4 * MIN_STEPS) -> int:
+def steps_to_read(ranks: int, window: int, wanted: int) -> int:
     """How many aligned steps to read for `wanted` of them: at most the window, and at
-    most VALUE_BUDGET values over all ranks (but never fewer than `least`)."""
-    return max(1, min(window, wanted, max(least, VALUE_BUDGET // max(1, ranks))))
+    most VALUE_BUDGET values over all ranks (but never fewer than MIN_STEPS x 4)."""
+    return max(1, min(window, wanted, max(4 * MIN_STEPS, VALUE_BUDGET // max(1, ranks))))
 
 
 def what_if_every(ranks: int, live_steps: int) -> int:

@@ -220,7 +220,7 @@ class RunState:
             return
         rows = np.fromiter((rs.ident.rank for rs in todo), np.int64, len(todo))
         stats = self.block.stats(rows, LIVE_STEPS, keep=keep)
-        self._gather, self._reads = stats.gather, {}
+        self._gather = stats.gather
         cols.put(rows, stats)
         self.recent_cols.fresh[rows] = False  # asked again only by a straggler rule
         at = dx.stall_thresholds(stats.median[:, 0]).tolist()  # set past warm-up (past)

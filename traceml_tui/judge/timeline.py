@@ -75,8 +75,8 @@ class Timeline:
                                             max(last.start_step, newest))
         kept = tuple(self.episodes)
         self.episodes.clear()
-        self.episode_dx, self.what_if, self.lost_mark = None, None, -1
-        self.what_if_key = None
+        self.episode_dx, self.lost_mark = None, -1
+        self._drop_what_if()
         self.clock = StepClock()
         return kept
 
@@ -99,35 +99,28 @@ class Timeline:
         longer than a window) are counted at the mean of the counted ones."""
         last = self.episodes[-1] if self.episodes else None
         if last is None or last.end is not None or shown.label not in cost.COSTED_LABELS:
-            self.what_if, self.what_if_key = None, None
+            self._drop_what_if()
             return
         fresh = newest - self.lost_mark
         every = cost.what_if_every(ranks, LIVE_STEPS)
         key = (shown.label, shown.rank, shown.node, shown.phase)
-        due = key != self.what_if_key or self.what_if_age + 1 >= every
         self.what_if_age += 1
-        if due:
-            want = cost.steps_to_read(ranks, self.window_steps, max(LIVE_STEPS, fresh))
-        elif fresh > 0:
-            need = max(cost.MIN_STEPS, fresh)  # as many as the what-if's read would count
-            want = cost.steps_to_read(ranks, self.window_steps, need,
-                                      least=min(need, 4 * cost.MIN_STEPS))
-        else:
-            return  # nothing taken since, and the what-if is recent enough
-        data = read(want, True)
-        saved = None if data is None else cost.savings(shown, data, fsdp)
+        due = key != self.what_if_key or self.what_if_age >= every
         if due:
             self.what_if_key, self.what_if_age = key, 0
+            want = max(LIVE_STEPS, fresh)
+        elif fresh > 0:
+            want = max(cost.MIN_STEPS, fresh)  # as many as the what-if's read would count
+        else:
+            return  # nothing taken since, and the what-if is recent enough
+        data = read(cost.steps_to_read(ranks, self.window_steps, want), True)
+        saved = None if data is None else cost.savings(shown, data, fsdp)
         if data is None or saved is None:
             if due:
                 self.what_if = None
             return
         if due:
-            self.what_if = cost.summarize(shown, saved, LIVE_STEPS)
-            if self.what_if is not None and every > 1:
-                self.what_if = replace(self.what_if, reasoning=(
-                    f"{self.what_if.reasoning.rstrip('.')}; at {ranks:,} ranks refreshed "
-                    f"every {every} evaluations."))
+            self.what_if = cost.summarize(shown, saved, LIVE_STEPS, every, ranks)
         lost_ms, counted = saved.lost_ms_after(self.lost_mark)
         end = int(saved.steps[-1])
         missed = max(0, end - self.lost_mark - counted)
@@ -136,6 +129,10 @@ class Timeline:
         self.lost_mark = max(self.lost_mark, end)
         if lost_ms > 0:
             self.episodes[-1] = replace(last, lost_s=(last.lost_s or 0.0) + lost_ms / 1000.0)
+
+    def _drop_what_if(self) -> None:
+        """No live what-if; the next one is computed at once."""
+        self.what_if, self.what_if_key = None, None
 
     # --- episodes -----------------------------------------------------------------------
 
@@ -225,7 +222,7 @@ class Timeline:
         """The newest episode of `label` that began at `since` is open to the end again,
         and the episodes after it go: a hang the run's stop ended (state.py,
         keep_latched_hang) is the record's last word, not its aftermath."""
-        self.what_if, self.what_if_key = None, None
+        self._drop_what_if()
         kept = list(self.episodes)
         starts = [i for i, ep in enumerate(kept) if ep.label == label and ep.start == since]
         if starts:
