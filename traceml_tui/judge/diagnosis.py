@@ -164,6 +164,12 @@ def recent_steps_of(step_ms: np.ndarray) -> np.ndarray:
 # would fix (an async checkpoint recovers it); exit at 3 % against flicker.
 STALL_SHARE_ENTER = 0.05
 STALL_SHARE_EXIT = 0.03
+# "Every rank" stalls only when every rank that reported stalls on its own with the
+# leading stall's period and at least this share of its cost per stall: evaluation on
+# every rank, say. A rank's own few hiccups on another rhythm (a busy host's 10 ms in
+# backward every 60 steps), beside one rank's 300 ms checkpoint every 20, are not the
+# same stall and must not turn "Rank 0" into "Every rank" (and its advice into a guess).
+SAME_STALL_SHARE = 0.5
 # COMM-BOUND when the median rank spends at least this share of its step in exposed
 # collective wait (sync) and no straggler, input or stall rule fired first (a
 # straggler's victims wait in sync too). Half: the accelerators then idle at least half
@@ -798,7 +804,9 @@ def periodic_stall(findings: Sequence[StallFinding], active: str | None, reporti
     if not causes:
         return None
     f = max(causes, key=lambda c: (c.span_share, c.lost_ms, -c.rank))
-    everyone = len(causes) == reporting > 1
+    alike = [c for c in causes if c.period == f.period
+             and c.periodic_ms >= SAME_STALL_SHARE * f.periodic_ms]
+    everyone = len(alike) == reporting > 1
     who = "Every rank" if everyone else f"Rank {f.rank}"
     waits = ("" if everyone else
              "; the other ranks wait for it in their next collective (their sync)")
