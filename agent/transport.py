@@ -31,16 +31,26 @@ from .sysmetrics import SystemSampler
 # Distinct (group, op, phase) keys of one batch's collectives; the rest go to "other".
 MAX_BATCH_KEYS = 16
 BACKWARD_NAME = MEASURED[BACKWARD]
-SEND_INTERVAL_S = 0.1  # at most ~10 step batches a second per rank (up to 1,024 ranks)
+SEND_INTERVAL_S = 0.1  # step batches at most ~10 a second per rank, in a small job
 HEARTBEAT_INTERVAL_S = 1.0  # liveness and progress: a rank silent 5 s is gone (hang.py)
 SYS_INTERVAL_S = 1.0  # system samples (CPU, memory, GPU), up to 1,024 ranks
-# Past 1,024 ranks the job's ranks together would send node 0's collector more than it
-# can read (~33k messages a second on one core): step batches space out with the world
-# size (up to one a second, records batched) and system samples come every 5 s. The
-# training thread does not change; only how often this thread sends.
-SCALE_RANKS = 1024
+# The job's ranks together send node 0's collector at most about this many step batches
+# a second: past 512 ranks each rank's batches space out with the world size (0.2 s at
+# 1,024 ranks, up to one a second from 5,120; faster steps are batched). Each message
+# costs the collector ~25 us of its core through its socket (libzmq's I/O thread, the
+# ingest pump, decode and ingest: benchmarks/collector_ingest.py), so 5,120 batches a
+# second plus the heartbeats and samples stay under a quarter of it; a batch a tenth of a
+# second is worth nothing a half-second evaluation (collector.EVAL_INTERVAL_S) can show.
+# The training thread does not change; only how often this thread sends.
+STEP_BATCHES_PER_S = 5_120
 MAX_SEND_INTERVAL_S = 1.0
+# Past 1,024 ranks system samples come every 5 s, and so do the heartbeats of a rank
+# whose step batches flow (they already say it is alive and stepping; a heartbeat's
+# phase and counters matter when it stops): a rank that sent no batch since the last
+# heartbeat's turn beats every second, so none is ever silent for 2 s (hang.py's 5 s).
+SCALE_RANKS = 1024
 LARGE_SYS_INTERVAL_S = 5.0
+LARGE_BEAT_INTERVAL_S = 5.0
 # At exit, the training thread's CPU shares from the last sample to its last step are
 # sent when that interval is at least this long: a job shorter than two samples has no
 # other (its CPU wait, judge/evidence.cpu_wait), and a shorter one is too few scheduler
@@ -50,8 +60,13 @@ FINAL_SYS_MIN_S = 0.25
 
 def send_interval_s(world_size: int) -> float:
     """Seconds between step batches for a rank of a job of this size."""
-    scaled = SEND_INTERVAL_S * world_size / SCALE_RANKS
-    return min(MAX_SEND_INTERVAL_S, max(SEND_INTERVAL_S, scaled))
+    return min(MAX_SEND_INTERVAL_S, max(SEND_INTERVAL_S, world_size / STEP_BATCHES_PER_S))
+
+
+def stepping_beat_s(world_size: int) -> float:
+    """Seconds between heartbeats of a rank whose step batches go out (one that sent
+    none since the last heartbeat's turn beats every HEARTBEAT_INTERVAL_S)."""
+    return HEARTBEAT_INTERVAL_S if world_size <= SCALE_RANKS else LARGE_BEAT_INTERVAL_S
 
 
 def sys_interval_s(world_size: int) -> float:
@@ -156,9 +171,11 @@ class Sender(threading.Thread):
         # Wake often enough for heartbeats and capture requests even when step batches
         # are spaced out; send steps only when their interval is due.
         wake = min(interval, HEARTBEAT_INTERVAL_S / 4)
+        beat_every = stepping_beat_s(world)
         try:
             self._send("hello", **self.hello, key=self.key)
-            next_steps = next_sys = next_beat = 0.0
+            next_steps = next_sys = next_beat = last_beat = 0.0
+            batched = False  # a step batch went out since the last heartbeat's turn
             sys_step = wake_step = -1  # the step count at the last sys sample, last wake
             while not self._stopped.acquire(timeout=wake):
                 now = time.monotonic()
@@ -167,7 +184,7 @@ class Sender(threading.Thread):
                 wake_step = step
                 if now >= next_steps:
                     next_steps = now + interval
-                    self._send_steps()
+                    batched = self._send_steps() or batched
                 self._send_checks()
                 self._serve_captures()
                 if now >= next_sys:
@@ -183,7 +200,10 @@ class Sender(threading.Thread):
                     sys_step = step
                 if now >= next_beat:
                     next_beat = now + HEARTBEAT_INTERVAL_S
-                    self._heartbeat()
+                    if not batched or now - last_beat >= beat_every:
+                        last_beat = now
+                        self._heartbeat()
+                    batched = False
             self._send_steps()
             self._send_checks()
             sampler.prime(getattr(self.rec, "thread", None), self.rec.step != wake_step)
@@ -293,10 +313,12 @@ class Sender(threading.Thread):
         if findings or facts:
             self._send("checks", findings=[f.to_wire() for f in findings], facts=facts)
 
-    def _send_steps(self) -> None:
+    def _send_steps(self) -> bool:
+        """The records closed since the last batch, as one steps message; whether one went
+        out (none closed, or ZeroMQ's queue full: False)."""
         out = self.out
         if not out:
-            return
+            return False
         names = list(self.rec.names)
         forced = list(self.rec.forced)
         forced.extend([0] * (len(names) - len(forced)))
@@ -315,6 +337,7 @@ class Sender(threading.Thread):
             self.sent_records += len(records)
         else:
             self.dropped += len(records)
+        return ok
 
     def _colls(self, rows: list[list]) -> list[list]:
         """The batch's collectives as the wire's rows (protocol.CollRow): the steps' tables

@@ -7,7 +7,8 @@ sockets to tcp://127.0.0.1 (the collector places messages by their 'id' field; i
 pump keeps one queue per connection, and real agents have a connection each).
 Per rank: 'hello', a prefill of window_steps_for(N) steps (so ticks run at their
 steady-state cost; --no-prefill to skip), then --rate 'steps' msgs/s of --records-per-msg
-records PLUS 1 'sys' + 1 'heartbeat' a second (real agent: 10+1+1; --no-sys-hb: none).
+records (default: the agents' own rate at N ranks, agent/transport.send_interval_s) PLUS
+the agents' 'sys' and 'heartbeat' (1 a second each up to 1,024 ranks; --no-sys-hb: none).
 Payloads: protocol.encode() per rank, 16 jittered variants, then seq/t/step/t_end patched in
 place (uint64/float64 slots: valid msgpack); steps increase per rank, so no duplicates.
 Usage: python benchmarks/collector_ingest.py [--sweep] [--ranks N] [--seconds S] ...
@@ -35,6 +36,13 @@ import zmq
 
 from traceml_agent import protocol
 from traceml_agent.protocol import PHASES, Identity
+from traceml_agent.transport import send_interval_s, sys_interval_s
+
+try:  # agents that beat every 5 s while stepping, past 1,024 ranks
+    from traceml_agent.transport import stepping_beat_s
+except ImportError:  # the code before: every second (old trees on PYTHONPATH)
+    def stepping_beat_s(world_size: int) -> float:
+        return 1.0
 from traceml_tui.collect.collector import DRAIN_BATCH, Collector
 from traceml_tui.judge.state import RunState
 from traceml_tui.judge.windows import window_steps_for
@@ -189,12 +197,17 @@ def run_generator(addr: str, world: int, rate: int, rpm: int, sys_hb: bool, pref
             sock.send(protocol.encode("steps", ident, seq[k], time.time(),
                                       phases=list(PHASES), records=recs, dropped=0))
             seq[k], pre = seq[k] + 1, pre + 1
-    # One second of traffic: `rate` rounds of steps, sys after round 0, heartbeat mid-way.
+    # One second of traffic: `rate` rounds of steps, sys after round 0, heartbeat mid-way,
+    # each from one rank in so many a second as agents of this world size send them
+    # (agent/transport.py: every second up to 1,024 ranks; past it every 5 s, a stepping
+    # rank's heartbeat too).
+    sys_share, beat_share = round(sys_interval_s(world)), round(stepping_beat_s(world))
     pattern: list[tuple[int, int]] = []
     for rnd in range(rate):
         pattern += [(0, k) for k in range(world)]
-        pattern += [(1, k) for k in range(world) if sys_hb and rnd == 0]
-        pattern += [(2, k) for k in range(world) if sys_hb and rnd == rate // 2]
+        pattern += [(1, k) for k in range(world) if sys_hb and rnd == 0 and k % sys_share == 0]
+        pattern += [(2, k) for k in range(world)
+                    if sys_hb and rnd == rate // 2 and k % beat_share == 0]
     b = bytearray(tpl[0][0][0][0])  # self-check: patched bytes decode as intended
     for off, value in ((tpl[0][0][1], 7), (tpl[0][0][3][0][0], 5)):
         U64.pack_into(b, off, value)
@@ -361,7 +374,9 @@ def report(r: dict[str, Any]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=1024)
-    p.add_argument("--rate", type=int, default=10, help="steps messages/s per rank")
+    p.add_argument("--rate", type=int, default=None,
+                   help="steps messages/s per rank (default: the agents' own at --ranks, "
+                        "agent/transport.send_interval_s: 10 up to 512 ranks, 5 at 1,024)")
     p.add_argument("--records-per-msg", type=int, default=1)
     p.add_argument("--no-sys-hb", action="store_true", help="no sys+heartbeat (1/s each)")
     p.add_argument("--no-prefill", action="store_true", help="start with empty windows")
@@ -369,6 +384,8 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="raise --rate until it falls behind")
     p.add_argument("--sweep-rates", default="10,12,14,16,20,30,40")
     a = p.parse_args()
+    if a.rate is None:
+        a.rate = max(1, round(1.0 / send_interval_s(a.ranks)))
     here = pin(OTHER_CORES)
     print(f"cores: {os.cpu_count()}; collector on core {COLLECTOR_CORE}, load generator and "
           f"this process on {here}; records/msg {a.records_per_msg}; sys+heartbeat: "

@@ -151,7 +151,7 @@ MAX_STACK_ASKS = 64  # culprits of one hang whose stacks are asked of their rela
 
 def eval_interval_s(world_size: int) -> float:
     """Seconds between live evaluations at least: EVAL_INTERVAL_S, or the agents' send
-    interval where it is longer (agent/transport.send_interval_s: past ~5,000 ranks a rank
+    interval where it is longer (agent/transport.send_interval_s: past ~2,500 ranks a rank
     sends its steps every 0.5-1 s). A rank's window changes once per send interval, and an
     evaluation costs the same whatever changed: more than one per interval judges mostly
     the same windows again. (At 16,384 ranks an evaluation costs ~150 ms, which
