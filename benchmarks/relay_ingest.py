@@ -85,7 +85,10 @@ def traffic(world: int, step_ms: float, seconds: float) -> tuple[list, list]:
     beat_share = round(stepping_beat(world)) if rate >= 1 else 1
     pattern += [(2, k) for k in range(world) if k % beat_share == 0]
     rng.shuffle(pattern)
-    tick = tick_s(world)
+    try:  # the relays' own tick: from the world and the ranks on their node
+        tick = tick_s(world, PER_NODE)
+    except TypeError:  # the code before: from the world alone
+        tick = tick_s(world)
     per_tick = round(len(pattern) * tick)
     seq, step = [2] * world, [32] * world
     ticks = []

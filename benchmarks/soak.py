@@ -68,12 +68,6 @@ except ImportError:  # the code before: every second
 from traceml_tui.collect.auth import start_authenticator  # noqa: E402
 from traceml_tui.collect.relay import TICK_S, Relay  # noqa: E402
 
-try:  # the relays' tick at this world size (before it scaled: TICK_S)
-    from traceml_tui.collect.relay import tick_s  # noqa: E402
-except ImportError:
-    def tick_s(world_size: int) -> float:
-        return TICK_S
-
 try:  # the code before relay columns has none (run paired with it: PYTHONPATH=old tree)
     from traceml_tui.collect import relay_columns  # noqa: E402
 except ImportError:
@@ -232,7 +226,9 @@ def run_ranks(addr: str, world: int, per_node: int, step_ms: float, prefill: int
     pattern += [(2, k) for k in range(world) if k % beat_share == 0]
     rng.shuffle(pattern)
     per_s, total = len(pattern), int(len(pattern) * seconds)
-    tick = tick_s(world)
+    # The relays' own tick, as they set it from their ranks' messages (before it
+    # scaled: TICK_S).
+    tick = getattr(relays[0], "tick_s", TICK_S)
     i, next_tick, behind = 0, start + tick, 0.0
     time.sleep(max(0.0, start - time.monotonic()))
     while i < total and time.monotonic() < start + seconds + 30:

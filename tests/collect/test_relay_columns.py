@@ -271,25 +271,31 @@ def test_step_log_columns_read_back_and_bad_ones_are_skipped(tmp_path: Path) -> 
                    (3, 7, 12.0, (4.0,))]
 
 
-def test_relays_tick_slower_only_where_the_agents_send_slower() -> None:
-    """Past ~2,000 ranks the agents send their steps less often than every 0.4 s, and a
-    relay's batch costs node 0 the same however little it holds: the tick follows."""
+def test_relays_tick_slower_only_where_the_agents_send_slower_or_nodes_are_many() -> None:
+    """A relay's batch costs node 0 the same however little it holds: the tick follows
+    the agents' send interval (past ~2,000 ranks they send less often than every 0.4 s)
+    and the job's nodes (past ~50, their relays together would send node 0 more than
+    RELAY_BATCHES_PER_S batches a second at 0.2 s). A small job's relays stay at 0.2 s."""
     import zmq
 
-    from traceml_tui.collect.relay import TICK_S, Relay, tick_s
+    from traceml_tui.collect.relay import RELAY_BATCHES_PER_S, TICK_S, Relay, tick_s
 
-    assert tick_s(8) == tick_s(1024) == TICK_S == 0.2
-    assert tick_s(16_384) == 0.5
+    assert tick_s(8, 8) == tick_s(400, 8) == TICK_S == 0.2  # up to 50 nodes
+    assert tick_s(512, 8) == 64 / RELAY_BATCHES_PER_S == 0.25
+    assert tick_s(1024, 8) == tick_s(16_384, 8) == tick_s(16_384, 64) == 0.5
     ctx = zmq.Context()
-    relay = Relay(ctx, "tcp://127.0.0.1:9", 0, None)
+    relays = [Relay(ctx, "tcp://127.0.0.1:9", 0, None) for _ in range(2)]
     try:
-        assert relay.tick_s == TICK_S
-        ident = Identity(1, 1, 0, "node0", 1, 16_384)
-        relay.add(b"a", protocol.encode("steps", ident, 1, T0, phases=["forward"],
-                                        records=[[1, T0, 10.0, 5.0]]))
-        assert relay.tick_s == 0.5
+        for relay, world in zip(relays, (16, 1024), strict=True):
+            assert relay.tick_s == TICK_S
+            for local in range(8):  # its node's ranks say how many share the node
+                ident = Identity(local, local, 0, "node0", 1 + local, world)
+                relay.add(b"r%d" % local, protocol.encode(
+                    "steps", ident, 1, T0, phases=["forward"], records=[[1, T0, 10.0, 5.0]]))
+        assert relays[0].tick_s == 0.2 and relays[1].tick_s == 0.5
     finally:
-        relay.close()
+        for relay in relays:
+            relay.close()
         ctx.term()
 
 

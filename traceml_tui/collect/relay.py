@@ -70,6 +70,12 @@ from .relay_watch import RANKS_WAIT_S, RelayWatch
 
 TICK_S = 0.2  # one batch per tick: ~5 messages a second per node reach node 0 (at least)
 MAX_TICK_S = 0.5
+# A relay batch costs node 0 ~50 us of its core whatever it holds (its frame through
+# CURVE and the ingest pump, its decode and bookkeeping): the job's relays together send
+# at most about this many a second, their ticks spaced out past ~50 nodes (0.5 s from
+# 128 nodes: benchmarks/soak.py at 1,024 ranks on 128 nodes took 10.6 % of a core at
+# 0.2 s ticks, 8.5 % at 0.5 s).
+RELAY_BATCHES_PER_S = 256
 KEEPALIVE_S = 1.0  # an empty batch at least this often: the collector sees the relay live
 # Payload bytes per relay message: any valid rank message fits alone (a batch may carry
 # protocol.MAX_RELAY_BATCH_BYTES), and small ones share a batch up to this much.
@@ -80,16 +86,20 @@ UPSTREAM_HWM = 64  # relay messages queued for node 0 (~13 s of ticks), then dro
 # bound (collector.MAX_RECV_HWM, measured there; tests/collect/test_relay.py keeps them equal).
 LOCAL_HWM = 16
 MAX_ROUTES = 4_096  # local connections remembered (a node runs a few dozen ranks at most)
+MAX_PER_NODE = 1_024  # a local rank past this is no node's: it stretches no tick further
 LINGER_MS = 1_000  # at exit, how long the last batch may take to leave
 
 
-def tick_s(world_size: int) -> float:
-    """Seconds between batches: half the interval at which the job's ranks send their steps
-    (agent/transport.send_interval_s), within [TICK_S, MAX_TICK_S]. Past ~2,000 ranks the
-    agents send less often, and node 0 pays for each batch (its CURVE frame, its decode, its
-    bookkeeping) whatever it holds: at 16,384 ranks, 0.2 s ticks were 10,000 batches a
+def tick_s(world_size: int, per_node: int = 1) -> float:
+    """Seconds between batches, within [TICK_S, MAX_TICK_S]: half the interval at which the
+    job's ranks send their steps (agent/transport.send_interval_s), and long enough that
+    the job's relays together send node 0 at most RELAY_BATCHES_PER_S batches (its nodes:
+    the world over `per_node`, the ranks a relay sees on its own node). Node 0 pays for
+    each batch whatever it holds: at 16,384 ranks, 0.2 s ticks were 10,000 batches a
     second of ~7 messages. A rank's messages wait at most a tick longer than they did."""
-    return min(MAX_TICK_S, max(TICK_S, send_interval_s(world_size) / 2))
+    nodes = -(-world_size // max(1, per_node))
+    return min(MAX_TICK_S, max(TICK_S, send_interval_s(world_size) / 2,
+                               nodes / RELAY_BATCHES_PER_S))
 
 
 class Relay:
@@ -158,6 +168,7 @@ class Relay:
         self.dropped = 0  # rank messages lost here (full queues)
         self._last_sent = 0.0
         self.world_size = 0  # as the ranks' steps messages say (0: none seen yet)
+        self.per_node = 1  # ranks on this node, as far as their local ranks say
         self.tick_s = TICK_S
 
     # --- rank side ------------------------------------------------------------------
@@ -191,10 +202,11 @@ class Relay:
         item = columns.item_of(payload)
         self._payloads.append(item)
         if isinstance(item, tuple) and not isinstance(item[0], bytes):
-            world_size = item[0][0].id.world_size
-            if world_size != self.world_size:
-                self.world_size = world_size
-                self.tick_s = tick_s(world_size)
+            ident = item[0][0].id
+            if ident.world_size != self.world_size or ident.local_rank >= self.per_node:
+                self.world_size = ident.world_size
+                self.per_node = max(self.per_node, min(ident.local_rank + 1, MAX_PER_NODE))
+                self.tick_s = tick_s(self.world_size, self.per_node)
         self._pending_bytes += size
 
     def on_local(self) -> None:
