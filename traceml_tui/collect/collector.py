@@ -224,6 +224,11 @@ class Collector:
         self.poller.register(self.pump.wake, zmq.POLLIN)
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.view, zmq.POLLIN)
+        # The handshake monitors too: their events are read when there are some, not by a
+        # refused receive (an exception each) per monitor at every turn of the loop.
+        for mon in self.handshakes.monitors:
+            self.poller.register(mon, zmq.POLLIN)
+        self.monitors = frozenset(self.handshakes.monitors)
         # A collector started on a folder that already holds a live record (a restart):
         # keep that record beside ours, and never call ours complete.
         self.earlier_record = self._keep_earlier_record()
@@ -288,7 +293,8 @@ class Collector:
                 self.handle_control()
             if self.view in events:
                 self.views.handle()
-            self.handshakes.drain()
+            if not self.monitors.isdisjoint(events):
+                self.handshakes.drain()
             now = time.monotonic()
             if now >= next_eval:
                 viewed = self.views.take_spent()  # views built for viewers since the last
