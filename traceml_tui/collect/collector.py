@@ -149,6 +149,26 @@ CONTROL_KEY_CHARS = 64
 MAX_STACK_ASKS = 64  # culprits of one hang whose stacks are asked of their relays
 
 
+# glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB):
+# the live file's and the evaluation's temporaries of several MiB at 16,384 ranks then
+# come from the heap, which keeps its high-water mark. A fixed threshold (mallopt) keeps
+# them mapped and unmapped when freed: a 10-minute soak at 16,384 ranks grew +4.3 % from
+# minute 2 (506.6 -> 528.2 MiB) with the dynamic one, ~0 % (405.7 -> 406 MiB) fixed.
+MMAP_THRESHOLD_BYTES = 128 << 10
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def fix_mmap_threshold() -> bool:
+    """Large allocations always mapped (above); False where the C library is not glibc."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):
+        return False
+
+
 def eval_interval_s(world_size: int) -> float:
     """Seconds between live evaluations at least: EVAL_INTERVAL_S, or the agents' send
     interval where it is longer (agent/transport.send_interval_s: past ~2,500 ranks a rank
@@ -170,6 +190,7 @@ class Collector:
                  port: int = 0, view_port: int = 0, secret: str | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.state = state
+        fix_mmap_threshold()  # before the first big snapshot: RSS flat over a long run
         self.ctx: zmq.Context = zmq.Context.instance()
         self.auth: Any = None
         self.rejected_peers = 0  # handshakes refused: a peer without the run's keys

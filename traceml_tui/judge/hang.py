@@ -46,7 +46,9 @@ from .diagnosis import CRITICAL, HANG, Diagnosis
 HANG_FLOOR_S = 10.0
 # ... and for at least this many median step times, so a job with 2 s steps gets 40 s.
 HANG_STEPS = 20
-# Heartbeats come every second: this much silence means the process is gone or frozen.
+# A running rank is heard at least every 2 s (a heartbeat a second; past 1,024 ranks a
+# stepping rank's step batches instead, agent/transport.stepping_beat_s): this much
+# silence means the process is gone or frozen.
 DEAD_SILENCE_S = 5.0
 # A rank's steps count as not visible once it closed none for this many median step times
 # (at least QUIET_MIN_S: heartbeats come every second), the agent's own "stuck" rule
