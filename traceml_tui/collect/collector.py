@@ -152,9 +152,11 @@ MAX_STACK_ASKS = 64  # culprits of one hang whose stacks are asked of their rela
 # glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB):
 # the live file's and the evaluation's temporaries of several MiB at 16,384 ranks then
 # come from the heap, which keeps its high-water mark. A fixed threshold (mallopt) keeps
-# them mapped and unmapped when freed: a 10-minute soak at 16,384 ranks grew +4.3 % from
-# minute 2 (506.6 -> 528.2 MiB) with the dynamic one, ~0 % (405.7 -> 406 MiB) fixed.
-MMAP_THRESHOLD_BYTES = 128 << 10
+# those mapped, and unmapped when freed: a 10-minute soak at 16,384 ranks grew +4.3 % from
+# minute 2 (506.6 -> 528.2 MiB) with the dynamic one; fixed at 128 KiB it ended 3 % below
+# minute 2 (405.7 -> 393.3), but each evaluation took twice as long (every array of a
+# rank each mapped afresh). At 4 MiB only the blocks past a few MiB are mapped.
+MMAP_THRESHOLD_BYTES = 4 << 20
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
