@@ -43,10 +43,20 @@ try:  # agents that beat every 5 s while stepping, past 1,024 ranks
 except ImportError:  # the code before: every second (old trees on PYTHONPATH)
     def stepping_beat_s(world_size: int) -> float:
         return 1.0
+
 from traceml_tui.collect.collector import DRAIN_BATCH, Collector
 from traceml_tui.judge.state import RunState
 from traceml_tui.judge.windows import window_steps_for
 from traceml_tui.runfolder.layout import RunFolder
+
+
+def beat_share(world_size: int, batches_per_s: float) -> int:
+    """Heartbeats in a second of simulated traffic come from one rank in this many: a
+    stepping rank's cadence (agent/transport.stepping_beat_s: every second up to 1,024
+    ranks, every 5 s past it); a rank slower than a batch a second beats at the turns
+    without one, taken as every turn."""
+    return round(stepping_beat_s(world_size)) if batches_per_s >= 1 else 1
+
 
 U64, F64 = struct.Struct(">Q"), struct.Struct(">d")
 SEQ_S, STEP_S, HB_S = 0x2AAA_0000_0000_0001, 0x2BBB_0000_0000_0000, 0x2CCC_0000_0000_0001

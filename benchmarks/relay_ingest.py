@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from collector_ingest import _phase_ms, stamp, templates  # noqa: E402
+from collector_ingest import _phase_ms, beat_share, stamp, templates  # noqa: E402
 
 from traceml_agent import protocol  # noqa: E402
 from traceml_agent.protocol import (  # noqa: E402
@@ -37,12 +37,6 @@ from traceml_agent.protocol import (  # noqa: E402
     encode_relay_batch,
 )
 from traceml_agent.transport import send_interval_s, sys_interval_s  # noqa: E402
-
-try:  # agents that beat every 5 s while stepping, past 1,024 ranks
-    from traceml_agent.transport import stepping_beat_s as stepping_beat  # noqa: E402
-except ImportError:  # the code before: every second
-    def stepping_beat(world_size: int) -> float:
-        return 1.0
 from traceml_tui.collect.collector import Collector  # noqa: E402
 from traceml_tui.judge.state import RunState  # noqa: E402
 
@@ -79,11 +73,8 @@ def traffic(world: int, step_ms: float, seconds: float) -> tuple[list, list]:
     if rate < 1:
         pattern = [(0, k) for k in range(world) if k % round(1 / rate) == 0]
     pattern += [(1, k) for k in range(world) if k % round(sys_every) == 0]
-    # Heartbeats: a stepping rank's (agent/transport.stepping_beat_s: every second up
-    # to 1,024 ranks, every 5 s past it); a rank slower than a batch a second beats
-    # at the turns without one, taken as every turn.
-    beat_share = round(stepping_beat(world)) if rate >= 1 else 1
-    pattern += [(2, k) for k in range(world) if k % beat_share == 0]
+    beats = beat_share(world, rate)  # the agents' heartbeat cadence
+    pattern += [(2, k) for k in range(world) if k % beats == 0]
     rng.shuffle(pattern)
     try:  # the relays' own tick: from the world and the ranks on their node
         tick = tick_s(world, PER_NODE)

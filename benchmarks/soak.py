@@ -50,6 +50,7 @@ from collector_ingest import (  # noqa: E402 - the same simulated agent bytes
     TimedCollector,
     TimedState,
     _phase_ms,
+    beat_share,
     pin,
     recv,
     stamp,
@@ -59,12 +60,6 @@ from collector_ingest import (  # noqa: E402 - the same simulated agent bytes
 from traceml_agent import keys, protocol  # noqa: E402
 from traceml_agent.protocol import PHASES, Identity  # noqa: E402
 from traceml_agent.transport import send_interval_s, sys_interval_s  # noqa: E402
-
-try:  # agents that beat every 5 s while stepping, past 1,024 ranks
-    from traceml_agent.transport import stepping_beat_s as stepping_beat  # noqa: E402
-except ImportError:  # the code before: every second
-    def stepping_beat(world_size: int) -> float:
-        return 1.0
 from traceml_tui.collect.auth import start_authenticator  # noqa: E402
 from traceml_tui.collect.relay import TICK_S, Relay  # noqa: E402
 
@@ -219,11 +214,8 @@ def run_ranks(addr: str, world: int, per_node: int, step_ms: float, prefill: int
         pattern = [(0, k) for k in range(world) if k % round(1 / rate) == 0]
     sys_share = round(sys_every)  # a sys sample from one rank in `sys_share` each second
     pattern += [(1, k) for k in range(world) if k % sys_share == 0]
-    # Heartbeats: a stepping rank's (agent/transport.stepping_beat_s: every second up
-    # to 1,024 ranks, every 5 s past it); a rank slower than a batch a second beats
-    # at the turns without one, taken as every turn.
-    beat_share = round(stepping_beat(world)) if rate >= 1 else 1
-    pattern += [(2, k) for k in range(world) if k % beat_share == 0]
+    beats = beat_share(world, rate)  # the agents' heartbeat cadence
+    pattern += [(2, k) for k in range(world) if k % beats == 0]
     rng.shuffle(pattern)
     per_s, total = len(pattern), int(len(pattern) * seconds)
     # The relays' own tick, as they set it from their ranks' messages (before it
