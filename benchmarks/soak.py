@@ -11,15 +11,19 @@ hand their messages to their node's relay in-process (`Relay.add`) instead of ov
 relay's loopback socket, which would take one CURVE session per rank on this 2-core
 machine; in a real job that leg costs each node's CPU, not node 0's.
 
-Cadence, as the agents of a job this size send (agent/transport.py): a steps message
-per step, at most one per send interval (0.1 s up to 1,024 ranks, growing with the world
-to 1 s at 10,240; faster steps are batched), a heartbeat every second, a sys sample every
-second (every 5 s past 1,024 ranks); --step-ms sets the step time (default 1000 ms: jobs
-of thousands of GPUs step in seconds).
+Cadence, as the agents of a job this size send (agent/transport.py, read from the code
+under test): a steps message per step, at most one per send interval (from a job-wide
+budget: 0.1 s up to 512 ranks, 0.2 s at 1,024, 1 s from 5,120; faster steps are
+batched), a heartbeat every second (a stepping rank's every 5 s past 1,024 ranks), a sys
+sample every second (every 5 s past 1,024 ranks); --step-ms sets the step time (default
+1000 ms: jobs of thousands of GPUs step in seconds).
 
 Prints progress every 30 s; the last line is one JSON object: ranks, nodes, kept_up,
-collector_cpu_share (of one core), rss_mib_start (at minute 2, or a fifth into shorter
-runs), rss_mib_end, every_rank_in_summary, and the figures behind them.
+collector_cpu_share (of one core), rss_mib_start (the first sample at minute 2, or a
+fifth into shorter runs), rss_mib_end, the same two as medians of a minute's samples
+(rss_mib_start_median: the minute centred on the mark; rss_mib_end_median: the last
+minute; one sample can land on a snapshot's write, a transient, not growth),
+rss_mib_every_60s, every_rank_in_summary, and the figures behind them.
 """
 
 from __future__ import annotations
@@ -359,6 +363,11 @@ def main() -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
     mark = min(120.0, a.seconds / 5)
     rss_start = next((r for s, r, _ in samples if s >= mark), samples[0][1])
+    span = min(30.0, mark / 2)
+    around = [r for s, r, _ in samples if mark - span <= s <= mark + span] or [rss_start]
+    last = [r for s, r, _ in samples if s >= wall - 2 * span] or [samples[-1][1]]
+    every_60 = [round(next(r for s, r, _ in samples if s >= m), 1)
+                for m in range(60, int(wall) + 1, 60)]
     evals = [e[4] for e in ev if e[0] == "eval"]
     lives = [e[2] for e in ev if e[0] == "live"]
     in_summary = sum(1 for r in doc["ranks"] if r["steps"] > 0)
@@ -370,6 +379,11 @@ def main() -> None:
         "collector_cpu_share": round(cpu_s / wall, 3),
         "rss_mib_start": round(rss_start, 1), "rss_mib_end": round(samples[-1][1], 1),
         "rss_minute_mark_s": mark,
+        "rss_mib_start_median": round(statistics.median(around), 1),
+        "rss_mib_end_median": round(statistics.median(last), 1),
+        "rss_growth_pct_medians": round(
+            100 * (statistics.median(last) / statistics.median(around) - 1), 1),
+        "rss_mib_every_60s": every_60,
         "every_rank_in_summary": in_summary == a.ranks, "ranks_in_summary": in_summary,
         "messages_offered_per_s": round(gen["sent"] / a.seconds),
         "relay_batches_per_s": round(gen["batches"] / a.seconds),
