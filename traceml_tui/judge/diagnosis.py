@@ -104,6 +104,14 @@ SKEW_EXIT = 0.06
 # Gaps below this many milliseconds are timer and scheduler noise, whatever
 # their share of a very short step.
 MIN_GAP_MS = 0.2
+# A rank behind in input and one behind in compute (or one rank behind in both) make
+# "input and compute are both uneven" only when the smaller gap is at least this share
+# of the larger: below it, fixing the larger pays over four times more, the advice to
+# look at both sends the user to a phase that barely matters, and once the larger is
+# fixed the next evaluation names the smaller on its own. Kept down to the exit share
+# while the label holds, so a ratio hovering near a quarter does not flicker.
+BOTH_GAPS_ENTER = 0.25
+BOTH_GAPS_EXIT = 0.15
 # A gap at least this share of the step is critical: the job runs at most
 # 1/(1+share) of its balanced speed (two-thirds at 0.5).
 CRITICAL_SHARE = 0.50
@@ -443,19 +451,29 @@ def _warmup(w: WindowStats) -> Diagnosis | None:
 
 def _straggler_in_both(w: WindowStats) -> Diagnosis | None:
     """Behind in input and in compute: the larger gap names the rank (one rank: both).
-    A compute gap its rank's CPU wait explains (cpu_wait) is its host's cores, not
-    uneven work: "both are uneven" would send the user to the model for it, so the larger
-    of the two is named alone, with its own evidence."""
+    Where "both are uneven" would not fit the evidence, the rule passes and the larger
+    gap's own rule names it, with its own evidence: the smaller gap is minor beside it
+    (BOTH_GAPS_ENTER), or it is compute that its rank's CPU wait explains (cpu_wait: its
+    host's cores, not uneven work; "both" would send the user to the model for it)."""
     inp, cmp = w.input_gap, w.compute_gap
     if inp is None or cmp is None:
         return None
-    if cpu_wait(w.ready, cmp.rank, cmp.gap_ms).explains is not None:
-        return _input_straggler(w) if inp.gap_ms >= cmp.gap_ms else _compute_straggler(w)
-    worst = inp if inp.gap_ms >= cmp.gap_ms else cmp
+    larger = max(inp.gap_ms, cmp.gap_ms)
+    ratio = min(inp.gap_ms, cmp.gap_ms) / larger if larger > 0 else 1.0
+    if (not w.over(ratio, BOTH_GAPS_ENTER, BOTH_GAPS_EXIT, STRAGGLER)
+            or cpu_wait(w.ready, cmp.rank, cmp.gap_ms).explains is not None):
+        return None
+    worst, other = (inp, cmp) if inp.gap_ms >= cmp.gap_ms else (cmp, inp)
     phases = INPUT_PHASES + w.compute
-    gap = inp.gap_ms + cmp.gap_ms if inp.rank == cmp.rank else worst.gap_ms
-    return _yields(_straggler(STRAGGLER, worst.rank, _worst_phase(w.ready, worst.rank, phases),
-                              gap, gap / w.step_ms, w.step_ms, w.ready, phases, w.spreads), w)
+    one = inp.rank == cmp.rank
+    gap = inp.gap_ms + cmp.gap_ms if one else worst.gap_ms
+    # One rank's gap is both (not all in its worst phase); two ranks': the worst's own.
+    where = f" in input and compute ({inp.gap_ms:.1f} and {cmp.gap_ms:.1f} ms)" if one else None
+    d = _yields(_straggler(STRAGGLER, worst.rank, _worst_phase(w.ready, worst.rank, phases),
+                           gap, gap / w.step_ms, w.step_ms, w.ready, phases, w.spreads,
+                           where), w)
+    # Two ranks: the one not named is said (one rank: its gap already counts both).
+    return d if one else _also(d, other, "input" if other is inp else "compute", "")
 
 
 def _yields(d: Diagnosis | None, w: WindowStats) -> Diagnosis | None:
@@ -482,19 +500,37 @@ def _yields(d: Diagnosis | None, w: WindowStats) -> Diagnosis | None:
 
 
 def _input_straggler(w: WindowStats) -> Diagnosis | None:
+    """The input gap, where it is the larger of the two (ties: input, asked first)."""
     s = w.input_gap
-    if s is None:
+    if s is None or (w.compute_gap is not None and w.compute_gap.gap_ms > s.gap_ms):
         return None
-    return _yields(_straggler(INPUT_STRAGGLER, s.rank, _worst_phase(w.ready, s.rank, INPUT_PHASES),
-                              s.gap_ms, s.share, w.step_ms, w.ready, INPUT_PHASES, w.spreads), w)
+    return _also(_yields(_straggler(
+        INPUT_STRAGGLER, s.rank, _worst_phase(w.ready, s.rank, INPUT_PHASES), s.gap_ms,
+        s.share, w.step_ms, w.ready, INPUT_PHASES, w.spreads), w), w.compute_gap, "compute")
 
 
 def _compute_straggler(w: WindowStats) -> Diagnosis | None:
+    """The compute gap, where it is the larger of the two."""
     s = w.compute_gap
-    if s is None:
+    if s is None or (w.input_gap is not None and w.input_gap.gap_ms >= s.gap_ms):
         return None
-    return _yields(_straggler(COMPUTE_STRAGGLER, s.rank, _worst_phase(w.ready, s.rank, w.compute),
-                              s.gap_ms, s.share, w.step_ms, w.ready, w.compute, w.spreads), w)
+    return _also(_yields(_straggler(
+        COMPUTE_STRAGGLER, s.rank, _worst_phase(w.ready, s.rank, w.compute), s.gap_ms,
+        s.share, w.step_ms, w.ready, w.compute, w.spreads), w), w.input_gap, "input")
+
+
+SMALLER_GAP = ", a smaller cost: named on its own once this gap is fixed"
+
+
+def _also(d: Diagnosis | None, other: _Skew | None, what: str,
+          tail: str = SMALLER_GAP) -> Diagnosis | None:
+    """A straggler verdict beside a gap of the other kind that it does not name says it,
+    so the record keeps what the label leaves out."""
+    if d is None or other is None:
+        return d
+    return replace(d, summary=(
+        f"{d.summary} Rank {other.rank} is also {other.gap_ms:.1f} ms behind the median "
+        f"rank in {what} ({other.share:.0%} of the step{tail})."))
 
 
 def _input_share(w: WindowStats) -> float:
@@ -893,9 +929,11 @@ def _seen(spreads: Spreads | None, rank: int, gap: float, phases: Sequence[str])
 
 def _straggler(label: str, rank: int, phase: str | None, gap: float, share: float,
                step_ms: float, ranks: Timings, phases: Sequence[str],
-               spreads: Spreads | None = None) -> Diagnosis:
+               spreads: Spreads | None = None, where: str | None = None) -> Diagnosis:
+    """`where` the gap is spent, said in the text: in `phase` unless told."""
     severity = CRITICAL if share >= CRITICAL_SHARE else WARNING
-    where = f" in {phase}" if phase else ""
+    if where is None:
+        where = f" in {phase}" if phase else ""
     host = ranks.hosts.get(rank, "")
     whole = slow_node(ranks, rank, phases, gap)
     if whole is not None:
