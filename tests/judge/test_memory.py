@@ -309,3 +309,16 @@ def test_the_live_file_reads_trends_as_a_viewer_does_and_the_record_afresh():
     later = state.snapshot(T0 + 61 + mem.LIVE_EVERY_S, 61.0 + mem.LIVE_EVERY_S, full=True,
                            window_max_age_s=10.0)
     assert later.memory[1].rss_mb == pytest.approx(300.0 + 10.0 * 62)
+
+
+def test_the_record_judges_every_ranks_trend_a_full_read_a_bounded_number(monkeypatch):
+    """Past TRENDS_PER_READ ranks a read leaves the rest for the next one; the record has
+    no next one, so it judges every rank with new samples (a leak on the last ranks of a
+    16,384-rank job was up to 16 reads old in the final summary)."""
+    monkeypatch.setattr(mem, "TRENDS_PER_READ", 1)
+    state = _run(10.0)  # rank 1 leaks; rank 0's samples came first
+    view = state.snapshot(T0 + 61, 61.0, full=True)  # the view socket's summary so far
+    assert [t.rank for t in view.memory] == [0]
+    state = _run(10.0)
+    record = state.snapshot(T0 + 61, 61.0, full=True, record=True)
+    assert [t.rank for t in record.memory if t.growing] == [1]

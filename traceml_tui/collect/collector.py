@@ -702,7 +702,8 @@ class Collector:
             failed_rank=failed, extra=extra)
         with summary.gc_paused():
             doc = summary.build(  # one model: the file, its text, the reply
-                self.state.snapshot(time.time(), time.monotonic(), full=True), meta)
+                self.state.snapshot(time.time(), time.monotonic(), full=True, record=True),
+                meta)
         note = "" if not unseen else (
             f"INCOMPLETE: no rank of node(s) {', '.join(map(str, unseen))} ever reported (its "
             f"relay or agents never reached node 0; its own terminal says why).\n")

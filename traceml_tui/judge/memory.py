@@ -55,7 +55,8 @@ IMBALANCE_MB = 128.0
 # one sample a second moves little in 5 s); any read judges again at most
 # TRENDS_PER_READ ranks with new samples, those waiting longest first (about 70 us a
 # rank: 70 ms a read; up to 1,024 ranks every read is fresh, at 16,384 a rank's trend is
-# at most 16 reads old). The record's are judged afresh.
+# at most 16 reads old). The record's are judged afresh, every rank's (~1 s at 16,384
+# ranks, once a run).
 LIVE_EVERY_S = 5.0
 TRENDS_PER_READ = 1024
 
@@ -235,15 +236,16 @@ class MemoryBook:
         if self._trends.pop(rank, None) is not None:
             self._out = tuple(self._trends[r] for r in sorted(self._trends))
 
-    def trends(self, now: float | None = None) -> tuple[MemoryTrend, ...]:
+    def trends(self, now: float | None = None, every: bool = False) -> tuple[MemoryTrend, ...]:
         """Every rank's trend, by rank; with `now` (a live view's clock), as read within
-        LIVE_EVERY_S. At most TRENDS_PER_READ ranks are judged again per read."""
+        LIVE_EVERY_S. At most TRENDS_PER_READ ranks are judged again per read, unless
+        `every` (the record: each rank with new samples is judged now)."""
         if now is not None:
             if self._read_at is not None and 0 <= now - self._read_at < LIVE_EVERY_S:
                 return self._out
             self._read_at = now
         if self._dirty:
-            todo = list(islice(self._dirty, TRENDS_PER_READ))
+            todo = list(self._dirty if every else islice(self._dirty, TRENDS_PER_READ))
             for rank in todo:
                 del self._dirty[rank]
                 self._trends[rank] = self._trend(rank, self.series[rank])

@@ -449,11 +449,12 @@ class RunState:
         return coll.with_evidence(d, self._collective_stats())
 
     def snapshot(self, now: float, mono_now: float, full: bool = False,
-                 window_max_age_s: float = 0.0) -> Snapshot:
+                 window_max_age_s: float = 0.0, record: bool = False) -> Snapshot:
         """Freeze the state. `full` adds whole-window quantiles and the final diagnosis
         (costlier: used for the snapshot file and the summary, not every live tick);
         `window_max_age_s`: that part may be reused for so long (WindowPart), while the
-        ranks, their run and its covering do not change."""
+        ranks, their run and its covering do not change; `record`: the run's record,
+        every part judged at the moment, whatever a live read may leave for later."""
         shown = self.live.shown if self.live is not None else self.evaluate(now)
         part = (self.window_parts.serving(self._window_key(), mono_now, window_max_age_s)
                 if full else None)
@@ -476,9 +477,11 @@ class RunState:
                       for r in range(self.world_size))
         if whole is not None and part is None:
             part = self._new_window_part(now, mono_now, ranks, whole, untimed)
-        # Judged afresh for the record; for a viewer or the live file at most every
+        # Judged afresh for the record (every rank) and a full read (up to
+        # memory.TRENDS_PER_READ ranks); for a viewer or the live file at most every
         # memory.LIVE_EVERY_S (their whole-window part is reused for longer still).
-        trends = self.memory.trends(None if full and not window_max_age_s else mono_now)
+        trends = self.memory.trends(None if full and not window_max_age_s else mono_now,
+                                    every=record)
         final = None if part is None else memory_evidence(part.final, trends)
         return Snapshot(
             run_name=self.run_name, world_size=self.world_size, nnodes=self.nnodes,
