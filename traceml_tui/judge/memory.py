@@ -55,8 +55,8 @@ IMBALANCE_MB = 128.0
 # one sample a second moves little in 5 s); any read judges again at most
 # TRENDS_PER_READ ranks with new samples, those waiting longest first (about 70 us a
 # rank: 70 ms a read; up to 1,024 ranks every read is fresh, at 16,384 a rank's trend is
-# at most 16 reads old). The record's are judged afresh, every rank's (~1 s at 16,384
-# ranks, once a run).
+# at most 16 reads old). The record's are judged afresh, every rank's (0.5 s at 16,384
+# ranks and 60 samples each, measured in-process: once a run).
 LIVE_EVERY_S = 5.0
 TRENDS_PER_READ = 1024
 
