@@ -264,6 +264,10 @@ class Sys(_Wire, tag="sys", kw_only=True, frozen=True):
     # cores shared with other work.
     thread_cpu_pct: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
     cpu_wait_pct: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
+    # Percent of that interval spent inside steps (the steps' wall time the sender took
+    # off its queue since the last sample): shares of an interval mostly spent elsewhere
+    # (start-up, evaluation) are not the steps' (judge/ingest.py reads them as not read).
+    stepping_pct: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
     rss_mb: Megabytes | None = None
     gpu_util: Annotated[float, Meta(ge=0.0, le=100.0)] | None = None
     gpu_mem_mb: Megabytes | None = None

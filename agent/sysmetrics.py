@@ -231,6 +231,12 @@ class MemoryHeadroom:
         return host
 
 
+# Shares over less wall time than this are a few scheduler ticks (up to ~10 ms each:
+# fresh-clone run 35 read 21 % of a ~5 ms spin), not a share: the sample in the very wake
+# that first marked the thread covered microseconds, and read 0 % on a CPU and waiting.
+MIN_SHARE_S = 0.1
+
+
 class ThreadSchedule:
     """The shares of wall time the training thread ran on a CPU and waited for one,
     between two samples.
@@ -243,7 +249,7 @@ class ThreadSchedule:
     thread (the one that opens forward, backward and optimizer) is read: it is the
     step's critical path on the host."""
 
-    __slots__ = ("_ident", "_tid", "_mark", "_stepped")
+    __slots__ = ("_ident", "_tid", "_mark", "_stepped", "span_s")
 
     def __init__(self) -> None:
         self._ident: int | None = None  # the Python thread (threading.get_ident)
@@ -252,6 +258,7 @@ class ThreadSchedule:
         # The thread's times when it was last seen stepping (`stepped`): where the exit's
         # interval ends, so that a teardown of seconds is not read as the training's.
         self._stepped: tuple[int, int, float] | None = None
+        self.span_s = 0.0  # the wall time of the last interval read (shares, to_last_step)
 
     def prime(self, ident: int | None, now: float) -> None:
         """The first mark for thread `ident` as soon as it is known, not at the next
@@ -268,13 +275,15 @@ class ThreadSchedule:
 
     def shares(self, ident: int | None, now: float) -> tuple[float, float] | None:
         """(ran, waited) of thread `ident` since the last call; None: the first call, a
-        thread that cannot be read, or a kernel that keeps no CPU time for it."""
+        thread that cannot be read, a kernel that keeps no CPU time for it, or an
+        interval shorter than MIN_SHARE_S (a sample in the wake that primed the mark)."""
         if ident != self._ident:
             self._ident, self._mark = ident, None
             self._tid = next((t.native_id for t in threading.enumerate()
                               if t.ident == ident), None) if ident is not None else None
         mark, self._mark, self._stepped = self._mark, self._read(now), None
-        return _between(mark, self._mark)
+        shares = self._span(mark, self._mark)
+        return shares if self.span_s >= MIN_SHARE_S else None
 
     def to_last_step(self, min_s: float = 0.0) -> tuple[float, float] | None:
         """(ran, waited) from the last mark to when the thread was last seen stepping;
@@ -282,7 +291,13 @@ class ThreadSchedule:
         mark, end = self._mark, self._stepped
         if mark is None or end is None or end[2] - mark[2] < min_s:
             return None
-        return _between(mark, end)
+        return self._span(mark, end)
+
+    def _span(self, mark: tuple[int, int, float] | None, end: tuple[int, int, float] | None
+              ) -> tuple[float, float] | None:
+        shares = _between(mark, end)
+        self.span_s = 0.0 if shares is None or end is None or mark is None else end[2] - mark[2]
+        return shares
 
     def _read(self, now: float) -> tuple[int, int, float] | None:
         if self._tid is None:
@@ -395,11 +410,11 @@ class SystemSampler:
         except Exception:  # whatever this platform lacks, the samples still go
             pass
 
-    def exit_sample(self, min_s: float) -> dict[str, Any] | None:
+    def exit_sample(self, min_s: float, stepped_s: float | None = None) -> dict[str, Any] | None:
         """At the process's end, the training thread's shares from the last sample to its
         last step, marked `at_exit`: the collector takes nothing else from it (memory at
         exit is the teardown's, not the training's). None without such an interval of at
-        least `min_s`."""
+        least `min_s`. `stepped_s`: the steps' wall time in it (stepping_pct)."""
         try:
             shares = self._schedule.to_last_step(min_s)
         except Exception:
@@ -407,18 +422,31 @@ class SystemSampler:
         if shares is None:
             return None
         return {"thread_cpu_pct": round(shares[0] * 100, 1),
-                "cpu_wait_pct": round(shares[1] * 100, 1), "at_exit": True}
+                "cpu_wait_pct": round(shares[1] * 100, 1), "at_exit": True,
+                "stepping_pct": self._stepping_pct(stepped_s)}
 
-    def sample(self, training_thread: int | None = None, stepped: bool = True
-               ) -> dict[str, Any]:
+    def _stepping_pct(self, stepped_s: float | None) -> float | None:
+        """The share of the shares' interval the rank spent in steps, in percent (a step
+        taken off the queue a wake late can push it past 100: capped)."""
+        span = self._schedule.span_s
+        if stepped_s is None or span <= 0.0:
+            return None
+        return round(min(100.0, max(0.0, 100.0 * stepped_s / span)), 1)
+
+    def sample(self, training_thread: int | None = None, stepped: bool = True,
+               stepped_s: float | None = None) -> dict[str, Any]:
         """One sample; `training_thread` (threading.get_ident of the thread that trains,
         None: not known yet) for the shares of time it ran on a CPU and waited for one,
         sent only when it `stepped` since the last sample: a thread blocked in a
-        collective, or done, waits for no core, and its start-up is not its steps."""
+        collective, or done, waits for no core, and its start-up is not its steps.
+        `stepped_s`: the wall time of the steps taken since the last sample, sent as the
+        share of the interval they fill (stepping_pct): shares of an interval mostly
+        spent elsewhere (start-up, evaluation, a checkpoint) say little of the steps."""
         out: dict[str, Any] = {
             "cpu_pct": None,
             "thread_cpu_pct": None,
             "cpu_wait_pct": None,
+            "stepping_pct": None,
             "rss_mb": None,
             **dict.fromkeys(GPU_FIELDS),
             "gpu_alloc_mb": None,
@@ -455,6 +483,7 @@ class SystemSampler:
         if shares is not None and stepped:
             out["thread_cpu_pct"] = round(shares[0] * 100, 1)
             out["cpu_wait_pct"] = round(shares[1] * 100, 1)
+            out["stepping_pct"] = self._stepping_pct(stepped_s)
         now = self._clock()
         if self.cuda_index is not None and self._nvml is None and self._open_retry.due(now):
             self._try_open()

@@ -27,6 +27,7 @@ from .capture import Capturer
 from .checks import StepObserver
 from .recorder import BACKWARD, MEASURED, SYNC, Recorder
 from .sysmetrics import SystemSampler
+from .vocab import WARMUP_STEPS
 
 # Distinct (group, op, phase) keys of one batch's collectives; the rest go to "other".
 MAX_BATCH_KEYS = 16
@@ -118,6 +119,9 @@ class Sender(threading.Thread):
         self.dropped = 0  # records lost: deque overflow, device backlog, full socket
         self.sent_records = 0
         self.last_step = -1
+        # Wall time of the steps taken off the queue since the last sys sample (ns): how
+        # much of the sample's interval the rank spent stepping (Sys.stepping_pct).
+        self.stepped_ns = 0
         self.stacks_sent_at = 0.0  # monotonic time of the last stacks message
         self.stacks_step = -1  # the step count when they were taken
         self.agent_off: str | None = None  # why timing was turned off, once it was
@@ -196,7 +200,7 @@ class Sender(threading.Thread):
                         sampler.open_gpu(index, getattr(self.rec, "device_uuid", None))
                     step = getattr(self.rec, "step", 0)
                     self._send("sys", **sampler.sample(getattr(self.rec, "thread", None),
-                                                       step != sys_step))
+                                                       step != sys_step, self._stepped_s()))
                     sys_step = step
                 if now >= next_beat:
                     next_beat = now + HEARTBEAT_INTERVAL_S
@@ -207,7 +211,8 @@ class Sender(threading.Thread):
             self._send_steps()
             self._send_checks()
             sampler.prime(getattr(self.rec, "thread", None), self.rec.step != wake_step)
-            last = sampler.exit_sample(FINAL_SYS_MIN_S) if self.rec.step != sys_step else None
+            last = (sampler.exit_sample(FINAL_SYS_MIN_S, self._stepped_s())
+                    if self.rec.step != sys_step else None)
             if last is not None:
                 self._send("sys", **last)
             # The last counters (the advice's GC and loader evidence grew since the last
@@ -383,7 +388,7 @@ class Sender(threading.Thread):
         std = len(MEASURED)
         epoch0 = self._epoch0
         last = self.last_step
-        dropped = 0
+        dropped = stepped = 0
         rows = []
         popleft = out.popleft
         while out:
@@ -391,6 +396,8 @@ class Sender(threading.Thread):
             if step > last + 1:
                 dropped += step - last - 1
             last = step
+            if step >= WARMUP_STEPS:  # the steps the diagnosis reads
+                stepped += wall_ns
             wall_ms = wall_ns / 1e6
             row = [step, epoch0 + t_end_ns / 1e9, wall_ms]
             measured = 0.0
@@ -406,7 +413,13 @@ class Sender(threading.Thread):
             rows.append(row)
         self.last_step = last
         self.dropped += dropped
+        self.stepped_ns += stepped
         return rows
+
+    def _stepped_s(self) -> float:
+        """Seconds of steps taken off the queue since the last call (a sys sample's)."""
+        ns, self.stepped_ns = self.stepped_ns, 0
+        return ns / 1e9
 
 
 def _count(value: object) -> int:

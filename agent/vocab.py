@@ -92,6 +92,12 @@ SHORT_NAMES: Final[dict[str, str]] = {p.name: p.short for p in PHASE_TABLE}
 # Where a periodic stall in a phase comes from, for the phases that have a hint.
 STALL_HINTS: Final[dict[str, str]] = {p.name: p.stall_hint for p in PHASE_TABLE
                                       if p.stall_hint}
+# Steps numbered below this are warm-up: counted and kept in the step log, never in the
+# windows the diagnosis reads (judge/windows.py), nor in the stepping time an agent's
+# sample reports (transport.py): step 0 carries one-off costs no later step has (model.to,
+# CUDA context and cudnn autotuning, DDP's first bucket rebuild and its wait for every
+# rank to start, torch.compile).
+WARMUP_STEPS: Final = 1
 
 # --- diagnosis labels ---------------------------------------------------------------------
 

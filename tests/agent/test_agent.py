@@ -244,3 +244,39 @@ def test_the_heartbeat_carries_the_recorders_progress_and_timing_counts(collecto
     assert (beat.batches, beat.replays, beat.timing_faults, beat.capture_skips) == (3, 12, 2, 5)
     assert beat.device_rule == "current device (parameters on CPU: offload)"
     assert beat.agent_busy == "x" * protocol.MAX_STR  # cut to the wire's bound
+
+
+def _shares_samples(messages: list[protocol.Message]) -> list[protocol.Sys]:
+    return [m.body for m in messages if m.kind == "sys" and m.body.thread_cpu_pct is not None]
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"),
+                    reason="this kernel keeps no scheduler statistics: no shares to qualify")
+@pytest.mark.parametrize("first_step_s, steps, pause_s, stepping", [
+    (2.0, 15, 0.0, "low"),  # a first step that waits 2 s (its peers starting), then 30 ms
+    (0.0, 40, 0.05, "high"),  # steps back to back, 50 ms each: the near miss
+], ids=["first-step-waits", "steps-back-to-back"])
+def test_each_sample_says_how_much_of_its_interval_the_steps_after_warm_up_filled(
+        collector, first_step_s, steps, pause_s, stepping):
+    """The shares of a sample mostly spent outside the steps the diagnosis reads (step 0,
+    start-up) are marked so (stepping_pct under half: judge/ingest.py does not take
+    them); a rank stepping back to back fills its samples."""
+    endpoint, receive_all = collector
+    traceml_agent.init(endpoint=endpoint)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        loss = nn.functional.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 0, 1]))
+        time.sleep(first_step_s if step == 0 else pause_s)  # inside the step
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    traceml_agent.shutdown(exit_code=0)
+    samples = _shares_samples(receive_all())
+    assert samples, "no sample with the training thread's shares"
+    pcts = [s.stepping_pct for s in samples]
+    assert all(p is not None for p in pcts), pcts
+    if stepping == "low":
+        assert all(p < 50.0 for p in pcts), pcts
+    else:
+        assert all(p >= 50.0 for p in pcts), pcts

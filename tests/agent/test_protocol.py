@@ -85,7 +85,7 @@ ROUND_TRIPS = [
                "env": {"MASTER_ADDR": "10.0.0.1", "NCCL_DEBUG": "WARN"}, "auto": False,
                "attempt": 2, "key": "0123456789abcdef0123456789abcdef"}),
     ("sys", {"at_exit": True, "cpu_pct": 312.5, "thread_cpu_pct": 80.5, "cpu_wait_pct": 12.5,
-             "rss_mb": 2048.0,
+             "stepping_pct": 92.5, "rss_mb": 2048.0,
              "gpu_util": 97.0,
              "gpu_mem_mb": None, "gpu_mem_total_mb": 81920.0, "gpu_alloc_mb": 30_500.0,
              "gpu_reserved_mb": None,
@@ -231,6 +231,8 @@ BAD = {
     "dropped-neg": pack(raw("steps", dropped=-1)),
     "cpu-neg": pack(raw("sys", cpu_pct=-1.0)),
     "cpu-wait-over-100": pack(raw("sys", cpu_wait_pct=100.5)),
+    "stepping-over-100": pack(raw("sys", stepping_pct=100.5)),
+    "stepping-neg": pack(raw("sys", stepping_pct=-0.1)),
     # non-finite
     "t-nan": pack(raw(t=math.nan)),
     "t-inf": pack(raw(t=math.inf)),

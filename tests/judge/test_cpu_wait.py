@@ -412,6 +412,32 @@ def test_the_sampler_says_nothing_it_cannot_read_or_should_not_send():
 
 
 @pytest.mark.skipif(not HAS_SCHEDSTAT, reason="this kernel keeps no scheduler statistics")
+def test_the_sampler_says_how_much_of_its_interval_the_steps_filled():
+    """stepping_pct: the steps' wall time over the shares' own interval (a step taken off
+    the queue a wake late can overshoot: capped at 100); none without shares, and no
+    shares over less than MIN_SHARE_S (a few scheduler ticks)."""
+    from traceml_agent.sysmetrics import MIN_SHARE_S
+
+    sampler, me = SystemSampler(), threading.get_ident()
+
+    def after(seconds: float, **kw) -> tuple[dict, float]:
+        start = time.monotonic()
+        while time.monotonic() - start < seconds:
+            sum(range(1000))
+        return sampler.sample(me, **kw), time.monotonic() - start
+
+    sampler.sample(me)
+    got, span = after(0.4, stepped_s=0.1)
+    assert got["thread_cpu_pct"] is not None, got
+    assert got["stepping_pct"] == pytest.approx(100 * 0.1 / span, abs=3.0), (got, span)
+    assert after(MIN_SHARE_S + 0.05, stepped_s=60.0)[0]["stepping_pct"] == 100.0
+    assert after(MIN_SHARE_S + 0.05)[0]["stepping_pct"] is None  # not told: an old caller
+    assert after(MIN_SHARE_S + 0.05, stepped=False, stepped_s=0.1)[0]["stepping_pct"] is None
+    short = sampler.sample(me, stepped_s=0.001)  # microseconds after the last: no share
+    assert (short["thread_cpu_pct"], short["stepping_pct"]) == (None, None), short
+
+
+@pytest.mark.skipif(not HAS_SCHEDSTAT, reason="this kernel keeps no scheduler statistics")
 def test_a_thread_primed_when_first_known_is_read_at_the_next_sample():
     """The sender primes the training thread as soon as the recorder knows it, so the
     first sample after is already a share (a job of a second or two has one or two)."""
@@ -465,16 +491,18 @@ def test_a_sampler_failure_leaves_the_other_figures(monkeypatch):
 
 # --- what the user sees: the banner's evidence, the worst-rank panel -----------------------
 
-def _starved_state():
+def _starved_state(stepping_pct: float | None = None):
     """A canned 8-rank job whose rank 2 is behind in backward; each rank's sys samples
-    say how long its training thread ran and waited for a CPU, rank 2 far longer."""
+    say how long its training thread ran and waited for a CPU, rank 2 far longer (over an
+    interval rank 2 spent `stepping_pct` of in steps; None: an agent that does not say)."""
     from traceml_tui.collect.canned import make_state
 
     state = make_state(world_size=8, straggler=2, phase="backward", thread_cpu=None)
     for rank in range(8):
         ident = state.ranks[rank].ident
         state.ingest(decode(encode("sys", ident, 5, T0, cpu_pct=35.0, thread_cpu_pct=10.0,
-                                   cpu_wait_pct=85.0 if rank == 2 else 3.0)), 0.0)
+                                   cpu_wait_pct=85.0 if rank == 2 else 3.0,
+                                   stepping_pct=stepping_pct if rank == 2 else 97.0)), 0.0)
     for tick in range(3):
         state.evaluate(T0 + 10 + tick)
     return state
@@ -506,3 +534,19 @@ async def test_the_dashboard_says_the_culprit_waited_for_a_cpu_where_the_user_lo
         assert "rank 2" in worst and "waited 85% of its time for a core" in worst, worst
         banner = " ".join(text_of(app.query_one(Banner)).split())
         assert "COMPUTE STRAGGLER" in banner and "for a CPU core" in banner, banner
+
+
+@pytest.mark.parametrize("stepping_pct, read", [(6.0, False), (49.9, False), (50.0, True),
+                                                 (97.0, True), (None, True)])
+def test_shares_of_a_sample_mostly_spent_outside_steps_are_not_the_steps(stepping_pct, read):
+    """A sample whose interval was mostly start-up, evaluation or a checkpoint (the agent's
+    stepping_pct under CPU_STEPPING_MIN_PCT) says nothing of the steps: the straggler's
+    CPU reads as not read, and the advice says so instead of blaming or clearing its
+    cores (a restarted job's short second attempt: fresh-clone run 49). An agent that
+    does not say (None) is read as before."""
+    from traceml_tui.judge.evidence import CPU_UNREAD
+
+    d = _starved_state(stepping_pct).snapshot(T0 + 13, 14.0).live
+    assert (d.label, d.rank) == (dx.COMPUTE_STRAGGLER, 2)
+    assert ("for a CPU core" in d.summary) is read, d.summary
+    assert (CPU_UNREAD in d.summary) is not read, d.summary

@@ -54,6 +54,13 @@ CPU_WAIT_EXPLAINS = 0.5
 # cores), the same beside a CPU hog 14-22 %, where rank 0 was sent to "check its
 # model-side work" for a stretch of 32 steps (fresh-clone run 40).
 HOST_SHARED_WAIT = 0.15
+# A sample's shares are the steps' only where the rank spent at least this share of the
+# sample's interval inside steps (Sys.stepping_pct); below it the rest (start-up,
+# evaluation, a checkpoint, a wait for the other ranks to start) weighs as much as the
+# steps, and is read as not read (CPU_UNREAD). Seen in a restarted job's second attempt
+# (fresh-clone run 49): 20 steps of 3 ms in a sample of start-up, its thread 1.3 % on a
+# CPU, sent rank 0 to "check its model-side work" for 2 ms of backward.
+CPU_STEPPING_MIN_PCT = 50.0
 
 
 def _finite(value: float | None) -> TypeGuard[float]:

@@ -33,11 +33,13 @@ from traceml_agent.protocol import (
     Sys,
 )
 from traceml_agent.sanitize import clean_text
+from traceml_agent.vocab import WARMUP_STEPS
 from traceml_tui.runfolder.exit_codes import wire_exit_code
 
 from . import diagnosis as dx
+from .evidence import CPU_STEPPING_MIN_PCT
 from .owners import RANK_QUIET_S
-from .windows import WARMUP_STEPS, RankWindow
+from .windows import RankWindow
 
 if TYPE_CHECKING:
     from .state import RunState
@@ -387,9 +389,13 @@ class Intake:
 
     def _cpu_seen(self, rs: RankState, body: Sys) -> None:
         """A sample of the training thread's time on a CPU and waiting for one. The agent
-        sends them only for an interval in which the rank stepped (sysmetrics)."""
+        sends them only for an interval in which the rank stepped (sysmetrics), and says
+        how much of it (stepping_pct): one mostly spent elsewhere is not taken
+        (CPU_STEPPING_MIN_PCT; an agent that does not say is taken as before)."""
         run, wait = body.thread_cpu_pct, body.cpu_wait_pct
         if run is None or wait is None:
+            return
+        if body.stepping_pct is not None and body.stepping_pct < CPU_STEPPING_MIN_PCT:
             return
         cpu = self.state.live_cols.cpu
         rank = rs.ident.rank

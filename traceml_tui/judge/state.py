@@ -23,6 +23,7 @@ from traceml_agent.protocol import (
     PHASES,
     Message,
 )
+from traceml_agent.vocab import WARMUP_STEPS  # noqa: F401 (re-exported)
 
 from . import collectives as coll
 from . import cost, hang, progress
@@ -46,7 +47,6 @@ from .stalls import StallBook, StallFinding
 from .timeline import Timeline
 from .timings import Columns, Lookup, Timings
 from .windows import (
-    WARMUP_STEPS,  # noqa: F401 (re-exported)
     AlignedSteps,
     BlockStats,
     Gather,

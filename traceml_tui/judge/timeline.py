@@ -16,14 +16,14 @@ from dataclasses import replace
 
 import numpy as np
 
-from traceml_agent.vocab import LOCAL_PHASES
+from traceml_agent.vocab import LOCAL_PHASES, WARMUP_STEPS
 
 from . import cost, episodes
 from . import diagnosis as dx
 from .history import History, StepClock, point
 from .snapshot import Episode
 from .timings import Timings
-from .windows import WARMUP_STEPS, AlignedSteps, nan_medians
+from .windows import AlignedSteps, nan_medians
 
 LIVE_STEPS = dx.LIVE_WINDOW_STEPS
 MAX_EPISODES = 500

@@ -22,12 +22,9 @@ import numpy as np
 
 from traceml_agent.vocab import PHASES
 
-# Steps numbered below this are warm-up: counted and kept in the step log, never in the
-# windows the diagnosis reads. Step 0 carries one-off costs no later step has (model.to,
-# CUDA context and cudnn autotuning, DDP's first bucket rebuild, torch.compile), and on
-# a GPU it is the step timed on the host while the agent learns the device; nor is it
-# any episode's evidence (timeline.py).
-WARMUP_STEPS = 1
+# WARMUP_STEPS (vocab: the agent counts the same steps): never in the windows the
+# diagnosis reads. On a GPU step 0 is also the step timed on the host while the agent
+# learns the device; nor is it any episode's evidence (timeline.py).
 NAN = float("nan")
 MAX_WINDOW_STEPS = 512
 MIN_WINDOW_STEPS = 32
