@@ -44,10 +44,23 @@ _CPU_UNREAD = re.compile(r";\s+how\s+long\s+its\s+training\s+thread\s+waited\s+f
 _GRAD_BYTES = re.compile(r"(DDP\s+all-reduces\s+)[\d.]+\s+[kMG]?B(\s+of\s+gradients)")
 
 
+# A STRAGGLER behind in both on one rank says where its gap is ("in input and compute
+# (20.0 and 20.0 ms)", not all "in forward"), and one over two ranks, or a single
+# straggler beside a smaller gap of the other kind, names the other gap after its advice
+# (diagnosis._also): the place is cut on both sides, the added sentence removed.
+_BOTH_WHERE = re.compile(r"(spends\s+(?:about\s+)?[\d.]+\s+ms\s+more\s+in\s+)(?:input\s+and\s+"
+                         r"compute\s+\([\d.]+\s+and\s+[\d.]+\s+ms\)|[\w-]+)(\s+than\s+the\s+median"
+                         r"\s+rank,\s+[^:]*:\s+input\s+and\s+compute\s+are\s+both)")
+_ALSO = re.compile(r"\s+Rank\s+\d+\s+is\s+also\s+[\d.]+\s+ms\s+behind\s+the\s+median\s+rank\s+in"
+                   r"\s+(?:input|compute)\s+\(\d+%\s+of\s+the\s+step(?:,\s+a\s+smaller\s+cost:\s+"
+                   r"named\s+on\s+its\s+own\s+once\s+this\s+gap\s+is\s+fixed)?\)\.")
+
+
 def without_new_sentences(text: str) -> str:
     """`text` less the sentences verdicts gained or changed since the old code (_SEEN,
-    _STALL_ADVICE, _CPU_UNREAD, _GRAD_BYTES): apply it to both sides of a comparison."""
-    text = _GRAD_BYTES.sub(r"\1\2", text)
+    _STALL_ADVICE, _CPU_UNREAD, _GRAD_BYTES, _BOTH_WHERE, _ALSO): apply it to both sides
+    of a comparison."""
+    text = _ALSO.sub("", _BOTH_WHERE.sub(r"\1…\2", _GRAD_BYTES.sub(r"\1\2", text)))
     return _CPU_UNREAD.sub("", _STALL_ADVICE.sub(r"\1", _SEEN.sub("", text)))
 
 
