@@ -63,9 +63,10 @@ json.dump(out, sys.stdout)
 # cpu_wait_pct, thread_cpu_pct); the memory a rank may still take (Sys.mem_avail_mb) and
 # the summary's memory section (judge/memory.py); the attempts of a restarted job
 # (attempts, restarts, each episode's attempt); steps sent on the host clock because the
-# device lagged (late_steps, issue 40).
+# device lagged (late_steps, issue 40); the share of a sample's interval its steps filled
+# (Sys.stepping_pct).
 ADDED = ("cpu", "cpu_wait_pct", "thread_cpu_pct", "mem_avail_mb", "memory", "attempts",
-         "restarts", "attempt", "late_steps")
+         "restarts", "attempt", "late_steps", "stepping_pct")
 
 
 def _strip(value: object) -> object:
