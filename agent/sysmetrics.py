@@ -295,8 +295,9 @@ class ThreadSchedule:
 
     def _span(self, mark: tuple[int, int, float] | None, end: tuple[int, int, float] | None
               ) -> tuple[float, float] | None:
+        """_between, keeping the interval's length for the stepping share it is sent with."""
         shares = _between(mark, end)
-        self.span_s = 0.0 if shares is None or end is None or mark is None else end[2] - mark[2]
+        self.span_s = end[2] - mark[2] if shares is not None and mark and end else 0.0
         return shares
 
     def _read(self, now: float) -> tuple[int, int, float] | None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from traceml_agent.protocol import PHASES, Identity, decode, encode
+from traceml_agent.vocab import WARMUP_STEPS
 from traceml_tui.judge import diagnosis as dx
-from traceml_tui.judge.state import LIVE_STEPS, WARMUP_STEPS, RunState
+from traceml_tui.judge.state import LIVE_STEPS, RunState
 
 T0 = 1_700_000_000.0
 # Per PHASES order: dataloader, h2d, forward, backward, sync, optimizer, wait (100 ms).

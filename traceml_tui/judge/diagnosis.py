@@ -458,12 +458,12 @@ def _straggler_in_both(w: WindowStats) -> Diagnosis | None:
     inp, cmp = w.input_gap, w.compute_gap
     if inp is None or cmp is None:
         return None
-    larger = max(inp.gap_ms, cmp.gap_ms)
-    ratio = min(inp.gap_ms, cmp.gap_ms) / larger if larger > 0 else 1.0
+    worst = inp if _larger_gap(w) is inp else cmp
+    other = cmp if worst is inp else inp
+    ratio = other.gap_ms / worst.gap_ms if worst.gap_ms > 0 else 1.0
     if (not w.over(ratio, BOTH_GAPS_ENTER, BOTH_GAPS_EXIT, STRAGGLER)
             or cpu_wait(w.ready, cmp.rank, cmp.gap_ms).explains is not None):
         return None
-    worst, other = (inp, cmp) if inp.gap_ms >= cmp.gap_ms else (cmp, inp)
     phases = INPUT_PHASES + w.compute
     one = inp.rank == cmp.rank
     gap = inp.gap_ms + cmp.gap_ms if one else worst.gap_ms
@@ -499,10 +499,18 @@ def _yields(d: Diagnosis | None, w: WindowStats) -> Diagnosis | None:
     return d
 
 
+def _larger_gap(w: WindowStats) -> _Skew | None:
+    """The larger of the input and the compute gap (ties: input); each straggler rule
+    names only that one."""
+    inp, cmp = w.input_gap, w.compute_gap
+    if inp is None or cmp is None:
+        return inp or cmp
+    return inp if inp.gap_ms >= cmp.gap_ms else cmp
+
+
 def _input_straggler(w: WindowStats) -> Diagnosis | None:
-    """The input gap, where it is the larger of the two (ties: input, asked first)."""
     s = w.input_gap
-    if s is None or (w.compute_gap is not None and w.compute_gap.gap_ms > s.gap_ms):
+    if s is None or _larger_gap(w) is not s:
         return None
     return _also(_yields(_straggler(
         INPUT_STRAGGLER, s.rank, _worst_phase(w.ready, s.rank, INPUT_PHASES), s.gap_ms,
@@ -510,9 +518,8 @@ def _input_straggler(w: WindowStats) -> Diagnosis | None:
 
 
 def _compute_straggler(w: WindowStats) -> Diagnosis | None:
-    """The compute gap, where it is the larger of the two."""
     s = w.compute_gap
-    if s is None or (w.input_gap is not None and w.input_gap.gap_ms >= s.gap_ms):
+    if s is None or _larger_gap(w) is not s:
         return None
     return _also(_yields(_straggler(
         COMPUTE_STRAGGLER, s.rank, _worst_phase(w.ready, s.rank, w.compute), s.gap_ms,

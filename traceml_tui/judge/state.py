@@ -23,7 +23,6 @@ from traceml_agent.protocol import (
     PHASES,
     Message,
 )
-from traceml_agent.vocab import WARMUP_STEPS  # noqa: F401 (re-exported)
 
 from . import collectives as coll
 from . import cost, hang, progress
